@@ -1,0 +1,52 @@
+# zckpt developer loop. Every target that runs code depends on `setup`, which builds .venv/ once
+# (and again only when pyproject.toml or constraints.txt change).
+PY        ?= python3
+VENV      := .venv
+VPY       := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+DSVENV    := .venv-ds
+DSSTAMP   := $(DSVENV)/.installed
+DEMO_WORLD ?= 4
+export DS_BUILD_OPS := 0
+
+.PHONY: setup test test-fast test-dist lint demo fixtures bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(VPY) -m pytest -q tests
+
+test-fast: setup
+	$(VPY) -m pytest -q -m "not dist" tests
+
+test-dist: setup
+	$(VPY) -m pytest -q -m dist tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check zckpt engine tests bench
+	$(VENV)/bin/mypy
+
+demo: setup
+	bash docs/demo.sh $(DEMO_WORLD)
+
+# Real DeepSpeed lives only in this separate dev venv; zckpt never imports it.
+$(DSSTAMP): requirements-ds.txt
+	test -x $(DSVENV)/bin/python || $(PY) -m venv $(DSVENV)
+	$(DSVENV)/bin/pip install -q -r requirements-ds.txt
+	touch $(DSSTAMP)
+
+fixtures: $(DSSTAMP)
+	$(DSVENV)/bin/python fixtures/make_fixtures.py
+
+bench: setup $(DSSTAMP)
+	$(VPY) bench/run.py
+
+clean:
+	rm -rf $(VENV) $(DSVENV) out demo-out

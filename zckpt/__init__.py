@@ -1,0 +1,30 @@
+"""zckpt: read, consolidate, reshard, diff and verify sharded training checkpoints.
+
+Library API (each CLI command is also a function here)::
+
+    import zckpt
+    ckpt = zckpt.open("out/")            # lazy: metadata only
+    w = ckpt["emb.weight"]               # reads that one tensor
+    zckpt.consolidate("out/", "model.safetensors", dtype="bf16")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zckpt.errors import ZckptError
+from zckpt.formats import open_checkpoint as open
+from zckpt.model import Checkpoint, CheckpointMeta, Role, TensorEntry
+
+__all__ = ["Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "ZckptError", "open", "consolidate",
+           "inspect", "reshard", "diff", "verify"]  # fmt: skip
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Commands are imported on first use so `import zckpt` stays light.
+    if name in ("consolidate", "inspect", "reshard", "diff", "verify"):
+        import importlib
+
+        return getattr(importlib.import_module(f"zckpt.{name}"), name)
+    raise AttributeError(name)

@@ -1,0 +1,44 @@
+"""Typed errors. Every message says what failed, where (file, key, rank) and what to try.
+
+The CLI prints ``str(err)`` on one line and ``hint: ...`` when the error carries a hint; tracebacks
+only with ``ZCKPT_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+
+class ZckptError(Exception):
+    """Base class of every error zckpt raises on purpose."""
+
+    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+        self.path = path
+
+
+class UnknownFormat(ZckptError):
+    """No registered format recognises the path."""
+
+
+class CorruptCheckpoint(ZckptError):
+    """A file is truncated, malformed or inconsistent with its neighbours."""
+
+
+class ShardMismatch(CorruptCheckpoint):
+    """Rank files missing, extra, stale, or with sizes that disagree with the recorded shapes."""
+
+
+class UnsafePickle(ZckptError):
+    """A pickle asks for a global outside the allowlist; nothing from it was executed."""
+
+
+class KeyMappingError(ZckptError):
+    """A key or key mapping does not fit the checkpoint."""
+
+
+class OutputExists(ZckptError):
+    """The output path exists and --overwrite was not given."""
+
+
+class Unsupported(ZckptError):
+    """A valid checkpoint using a feature zckpt does not handle (yet)."""

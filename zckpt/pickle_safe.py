@@ -1,0 +1,301 @@
+"""Unpickling without running code from the file.
+
+``SafeUnpickler`` resolves globals through an allowlist only: plain containers, torch's tensor
+rebuild functions (which here build ``TensorRef`` placeholders instead of tensors), torch dtypes
+and sizes, and inert stand-ins for the few foreign classes real checkpoints hold (DeepSpeed's
+``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``, ``fragment_address``, ``SubparamShape``,
+``argparse.Namespace``, numpy arrays). Anything else raises ``UnsafePickle`` naming the global and the
+file, before anything is called. ``trust_pickle=True`` resolves unknown globals for real (with a
+warning) — only for files you wrote yourself.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from zckpt.errors import UnsafePickle
+
+
+# ---- stand-ins for foreign classes -------------------------------------------------------------
+class ZeroStageEnum(int, enum.Enum):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum``."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _Record:
+    """An inert object whose pickled ``__dict__`` is kept as-is (NEWOBJ + BUILD)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class LossScaler(_Record):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler``."""
+
+
+class DynamicLossScaler(_Record):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``."""
+
+
+class Namespace(_Record):
+    """Stand-in for ``argparse.Namespace`` (Megatron's ``args``)."""
+
+
+@dataclass
+class fragment_address:  # noqa: N801 - mirrors DeepSpeed's name
+    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address``."""
+
+    numel: int
+    start: int
+
+
+@dataclass
+class SubparamShape:
+    """Stand-in for ``deepspeed.checkpoint.universal_checkpoint.SubparamShape``."""
+
+    patterns: Any = None
+    shape: Any = None
+    partition_dim: Any = None
+
+
+# The dotted names these stand-ins are pickled under (also used by writers of DeepSpeed files).
+FOREIGN_CLASSES: dict[tuple[str, str], Any] = {
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStageEnum,
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScaler,
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): fragment_address,
+    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"): SubparamShape,
+    ("argparse", "Namespace"): Namespace,
+}
+
+
+# ---- tensor placeholders -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage of a torch zip archive: record ``key`` holding ``numel`` elements of ``dtype``."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor of a pickle, not loaded: its storage record, element offset, shape and stride.
+
+    ``byte_offset`` is the absolute file offset of element 0, filled by ``zckpt.torchzip`` once the
+    record offsets are known; ``attrs`` keeps Python attributes pickled with it (DeepSpeed's ``ds_id``).
+    """
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool = False
+    file: str = ""
+    byte_offset: int = -1
+    attrs: dict[str, Any] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def is_contiguous(self) -> bool:
+        expect = 1
+        for size, st in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and st != expect:
+                return False
+            expect *= size
+        return True
+
+    def load(self) -> torch.Tensor:
+        """Read this tensor's bytes (a copy). Meant for small metadata tensors."""
+        from zckpt import storage
+        from zckpt.model import Piece
+
+        if self.is_contiguous:
+            p = Piece(self.file, self.byte_offset, self.dtype, 0, self.numel)
+            return storage.piece_view(p).clone().view(self.shape)
+        base = self.byte_offset - self.offset * self.dtype.itemsize
+        whole = storage.piece_view(Piece(self.file, base, self.dtype, 0, self.storage.numel))
+        return torch.as_strided(whole, self.shape, self.stride, self.offset).clone()
+
+
+def _storage_dtype(name: str) -> torch.dtype | None:
+    probe = {
+        "FloatStorage": torch.float32,
+        "HalfStorage": torch.float16,
+        "BFloat16Storage": torch.bfloat16,
+        "DoubleStorage": torch.float64,
+        "LongStorage": torch.int64,
+        "IntStorage": torch.int32,
+        "ShortStorage": torch.int16,
+        "CharStorage": torch.int8,
+        "ByteStorage": torch.uint8,
+        "BoolStorage": torch.bool,
+        "ComplexFloatStorage": torch.complex64,
+        "ComplexDoubleStorage": torch.complex128,
+    }
+    return probe.get(name)
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _rebuild_tensor_v2(storage: StorageRef, offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                       backward_hooks: Any = None, metadata: Any = None) -> TensorRef:  # fmt: skip
+    return TensorRef(storage, int(offset), tuple(size), tuple(stride), bool(requires_grad))
+
+
+def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any, *state: Any) -> TensorRef:
+    data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple[Any, ...], state: Any) -> Any:
+    ret = func(*args)
+    if isinstance(ret, TensorRef) and isinstance(state, dict) and state:
+        ret.attrs = dict(state)
+    return ret
+
+
+class _Marker:
+    """Inert placeholder for an allowlisted class used only as an argument (``torch.Tensor``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _numpy_global(name: str) -> Any:
+    import numpy as np
+
+    table = {"_reconstruct": np.core.multiarray._reconstruct if hasattr(np, "core") else None,
+             "ndarray": np.ndarray, "dtype": np.dtype}  # fmt: skip
+    if name == "scalar":
+        from numpy._core.multiarray import scalar  # type: ignore[attr-defined]
+
+        return scalar
+    return table.get(name)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "list"): list,
+    ("builtins", "dict"): dict,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("_codecs", "encode"): None,  # filled below: protocol-2 pickles spell bytes with it
+    ("torch", "Size"): torch.Size,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _Marker("torch.Tensor"),
+    ("torch.nn.parameter", "Parameter"): _Marker("torch.nn.Parameter"),
+    ("torch", "device"): torch.device,
+    **FOREIGN_CLASSES,
+}
+
+
+def _codecs_encode(obj: str, encoding: str = "utf-8") -> bytes:
+    if encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise UnsafePickle(f"refusing _codecs.encode with encoding {encoding!r}")
+    return obj.encode(encoding)
+
+
+_ALLOWED[("_codecs", "encode")] = _codecs_encode
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy")
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Restricted unpickler; tensors come out as ``TensorRef`` placeholders."""
+
+    def __init__(self, f: BinaryIO, *, source: str, trust_pickle: bool = False) -> None:
+        super().__init__(f, encoding="utf-8")
+        self.source = source
+        self.trust_pickle = trust_pickle
+        self.refs: list[TensorRef] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_MODULES.get(module, module)
+        hit = _ALLOWED.get((module, name))
+        if hit is not None:
+            return hit
+        if module == "torch" and name.endswith("Storage"):
+            dt = _storage_dtype(name)
+            if dt is not None:
+                return _StorageType(dt)
+        if module == "torch":
+            dt_obj = getattr(torch, name, None)
+            if isinstance(dt_obj, torch.dtype):
+                return dt_obj
+        if module in _NUMPY_MODULES:
+            g = _numpy_global(name)
+            if g is not None:
+                return g
+        if self.trust_pickle:
+            warnings.warn(f"{self.source}: --trust-pickle: resolving {module}.{name} for real", stacklevel=2)
+            return super().find_class(module, name)
+        raise UnsafePickle(
+            f"{self.source}: the pickle asks for {module}.{name}, which is not on zckpt's allowlist; "
+            f"nothing from it was run",
+            hint="if you made this file yourself and trust it, pass --trust-pickle",
+            path=self.source,
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise UnsafePickle(f"{self.source}: unexpected persistent id {pid!r:.80}", path=self.source)
+        _, stype, key, _location, numel = pid[:5]
+        if isinstance(stype, _StorageType):
+            dtype = stype.dtype
+        elif isinstance(stype, torch.dtype):
+            dtype = stype
+        else:
+            raise UnsafePickle(f"{self.source}: storage of unknown type {stype!r:.80}", path=self.source)
+        return StorageRef(str(key), dtype, int(numel))
+
+
+def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False) -> Any:
+    """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs)."""
+    try:
+        return SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
+    except UnsafePickle:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        from zckpt.errors import CorruptCheckpoint
+
+        raise CorruptCheckpoint(f"{source}: unreadable pickle ({type(e).__name__}: {e})", path=source) from None

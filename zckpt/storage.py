@@ -1,0 +1,79 @@
+"""Byte access: one shared read-only mmap per file; pieces become tensors without reading other bytes.
+
+Only this module touches tensor bytes. ``read_entry`` assembles a logical tensor from its pieces:
+``read_entry`` returns a tensor the caller owns (one copy out of the page cache); streaming writers
+use ``piece_view`` (a zero-copy view of the copy-on-write mapping; never modify it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from zckpt.errors import CorruptCheckpoint
+
+if TYPE_CHECKING:
+    from zckpt.model import Piece, TensorEntry
+
+_lock = threading.Lock()
+_maps: dict[str, tuple[mmap.mmap, int]] = {}
+
+
+def _map(path: str) -> tuple[mmap.mmap, int]:
+    with _lock:
+        hit = _maps.get(path)
+        if hit is not None:
+            return hit
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CorruptCheckpoint(f"cannot open {path}: {e.strerror}", path=path) from None
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else mmap.mmap(-1, 1)
+        finally:
+            os.close(fd)
+        _maps[path] = (mm, size)
+        return mm, size
+
+
+def close_files(paths: object = None) -> None:
+    """Drop cached mappings (all of them when ``paths`` is None). Views already handed out stay valid."""
+    with _lock:
+        keys = list(_maps) if paths is None else [p for p in paths if p in _maps]  # type: ignore[attr-defined]
+        for k in keys:
+            _maps.pop(k)
+
+
+def piece_view(p: Piece) -> torch.Tensor:
+    """The stored elements of one piece as a 1-D tensor in its stored dtype (a view of the mapping)."""
+    if p.value is not None:
+        return p.value.reshape(-1)[: p.numel]
+    mm, size = _map(p.file)
+    end = p.byte_offset + p.nbytes
+    if p.byte_offset < 0 or end > size:
+        raise CorruptCheckpoint(
+            f"{p.file}: needs bytes [{p.byte_offset}, {end}) but the file has {size} bytes (truncated?)",
+            path=p.file,
+        )
+    if p.numel == 0:
+        return torch.empty(0, dtype=p.dtype)
+    return torch.frombuffer(mm, dtype=p.dtype, count=p.numel, offset=p.byte_offset)
+
+
+def read_entry(e: TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Assemble a logical tensor from its pieces; cast to ``dtype`` (default: the entry's dtype)."""
+    want = e.dtype if dtype is None else dtype
+    out = torch.empty(e.numel, dtype=want)
+    for p in e.pieces:
+        out[p.start : p.start + p.numel].copy_(piece_view(p))
+    return out.view(e.shape)
+
+
+def read_range(p: Piece, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a piece (piece-relative), as a view."""
+    return piece_view(p)[lo:hi]
