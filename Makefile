@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 demo: setup
-	bash docs/demo.sh $(DEMO_WORLD)
+	bash docs/demo/run.sh $(DEMO_WORLD)
 
 # Real DeepSpeed lives only in this separate dev venv; zckpt never imports it.
 $(DSSTAMP): requirements-ds.txt
