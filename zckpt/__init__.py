@@ -22,9 +22,16 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # Commands are imported on first use so `import zckpt` stays light.
-    if name in ("consolidate", "inspect", "reshard", "diff", "verify"):
+    # Commands not imported eagerly below yet are imported on first use.
+    if name in ("reshard", "diff", "verify"):
         import importlib
 
         return getattr(importlib.import_module(f"zckpt.{name}"), name)
     raise AttributeError(name)
+
+
+# Each command function is bound eagerly, after everything above: importing submodule `zckpt.X`
+# sets the package attribute `X` to the *module*, which would shadow a lazy `__getattr__`; the
+# from-import rebinds the name to the function. (Use `from zckpt.X import ...` for the module.)
+from zckpt.consolidate import consolidate  # noqa: E402
+from zckpt.inspect import inspect  # noqa: E402

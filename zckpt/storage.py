@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,3 +78,19 @@ def read_entry(e: TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor
 def read_range(p: Piece, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of a piece (piece-relative), as a view."""
     return piece_view(p)[lo:hi]
+
+
+def iter_chunks(
+    e: TensorEntry, dtype: torch.dtype | None = None, max_bytes: int = 64 << 20
+) -> Iterator[torch.Tensor]:
+    """The entry's flattened elements in order as 1-D tensors of at most ``max_bytes``, cast to ``dtype``.
+
+    Memory stays bounded by one chunk whatever the tensor size. A chunk already in the wanted dtype is
+    a view of the file mapping (zero-copy): write it out, never keep or modify it.
+    """
+    want = e.dtype if dtype is None else dtype
+    for p in sorted(e.pieces, key=lambda p: p.start):
+        view = piece_view(p)
+        step = max(1, max_bytes // max(p.dtype.itemsize, want.itemsize))
+        for lo in range(0, p.numel, step):
+            yield view[lo : lo + step].to(want)

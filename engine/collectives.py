@@ -1,0 +1,139 @@
+"""Every call into ``torch.distributed`` the engine makes after start-up, bucketed.
+
+``Comm`` is the data-parallel group seen by the engine. World size 1 (no process group) is a normal case:
+each collective degenerates to a local copy, so the same code paths run single-process.
+
+The two hot collectives work on *buckets* of several parameters so that one launch moves many tensors:
+
+- ``all_gather_params``: the shards of several params are concatenated into one input buffer, all-gathered
+  into one ``(world, total)`` output, and each param's full tensor is cut out of it;
+- ``reduce_grads``: the full gradients of several params are laid out rank-major in one ``(world, total)``
+  buffer (each rank's chunk of every param side by side), reduce-scattered (or all-reduced when the
+  partition world is 1, i.e. stage 0) and averaged over the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Comm:
+    """The data-parallel process group (the default group), or a single process without one."""
+
+    def __init__(self) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.active else 1
+        self.rank = dist.get_rank() if self.active else 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    # -- small, generic ---------------------------------------------------------------------------
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.distributed:
+            dist.broadcast(t, src)
+        return t
+
+    def broadcast_flat_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Broadcast several tensors of one dtype in one launch (flatten, broadcast, copy back)."""
+        if not self.distributed or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src)
+        off = 0
+        for t in tensors:
+            t.copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    # -- bucketed param / grad collectives --------------------------------------------------------
+    def all_gather_params(self, shards: Sequence[torch.Tensor], numels: Sequence[int]) -> list[torch.Tensor]:
+        """Full flat tensors (``numels[i]`` elements each) from every rank's ``shards[i]`` in ONE collective.
+
+        All shards share a dtype and device; ``shards[i]`` has the per-rank chunk length of param ``i``.
+        """
+        if not shards:
+            return []
+        w = self.world
+        if w == 1:
+            return [s[:n].clone() for s, n in zip(shards, numels, strict=True)]
+        sizes = [s.numel() for s in shards]
+        total = sum(sizes)
+        inp = torch.cat([s.reshape(-1) for s in shards])
+        out = torch.empty(w * total, dtype=inp.dtype, device=inp.device)
+        _all_gather(out, inp)
+        rows = out.view(w, total)
+        fulls: list[torch.Tensor] = []
+        off = 0
+        for c, n in zip(sizes, numels, strict=True):
+            fulls.append(rows[:, off : off + c].reshape(-1)[:n].clone())
+            off += c
+        return fulls
+
+    def reduce_grads(
+        self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
+    ) -> list[torch.Tensor]:
+        """Average full gradients over the ranks; return this rank's chunk of each (same dtype), ONE collective.
+
+        ``partition_world`` is ``world`` (reduce-scatter: rank r gets elements ``[r*c, r*c+c)`` of each) or 1
+        (all-reduce: every rank gets the whole gradient; stage 0).
+        """
+        if not grads:
+            return []
+        pw = partition_world
+        total = sum(chunks)
+        buf = torch.empty(pw, total, dtype=grads[0].dtype, device=grads[0].device)
+        off = 0
+        for g, c in zip(grads, chunks, strict=True):
+            flat = g.reshape(-1)
+            buf[:, off : off + c].copy_(F.pad(flat, (0, pw * c - flat.numel())).view(pw, c))
+            off += c
+        if self.world == 1:
+            mine = buf.view(-1)
+        elif pw == 1:
+            dist.all_reduce(buf)
+            mine = buf.view(-1)
+        else:
+            if pw != self.world:
+                raise ValueError(f"partition world {pw} must be 1 or the world size {self.world}")
+            mine = torch.empty(total, dtype=buf.dtype, device=buf.device)
+            _reduce_scatter(mine, buf.view(-1))
+        if self.world > 1:
+            mine.div_(self.world)
+        out: list[torch.Tensor] = []
+        off = 0
+        for c in chunks:
+            out.append(mine[off : off + c])
+            off += c
+        return out

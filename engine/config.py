@@ -1,0 +1,782 @@
+"""DeepSpeed JSON config → typed, frozen dataclasses (``parse_config``).
+
+Owns the config contract of the engine: which DeepSpeed keys exist, their defaults (DeepSpeed 0.19.8),
+deprecated spellings (mapped with a warning), batch-size resolution, and clear ``ConfigError``s for HF
+``"auto"`` placeholders, DeepSpeed features the engine does not implement, and unknown keys (with the
+nearest valid key). Generic parsing/coercion lives in ``engine._config_parse``; this module declares the
+blocks, their rules and ``parse_config``.
+
+Defaults worth knowing (they changed across DeepSpeed versions; these are 0.19.8's):
+``gradient_clipping`` 1.0, ``steps_per_print`` None, offload ``pin_memory`` True, ``overlap_comm`` True for
+stage 3 else False, optimizer ``Adam`` means decoupled weight decay (``adam_w_mode`` True).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from engine._config_parse import (
+    ConfigError,
+    Foreign,
+    build,
+    coerce,
+    deprecated,
+    join,
+    reject_auto,
+    take_foreign,
+    to_float,
+    to_int,
+    unknown_key,
+)
+
+__all__ = [
+    "BF16Config",
+    "ConfigError",
+    "EngineConfig",
+    "FP16Config",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "parse_config",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _f(default: Any, **meta: Any) -> Any:
+    """A dataclass field with parse metadata (``ge``/``gt``/``le`` bounds, ``aliases``)."""
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """The ``fp16`` block: fp16 mixed precision with static or dynamic loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16 with fp32 master weights. DeepSpeed default: false."""
+    auto_cast: bool = False
+    """Cast floating-point inputs of ``forward`` to fp16. DeepSpeed default: false."""
+    loss_scale: float = _f(0.0, ge=0)
+    """Static loss scale; 0 selects dynamic loss scaling. DeepSpeed default: 0."""
+    initial_scale_power: int = _f(16, ge=0)
+    """Dynamic scaling starts at ``2**initial_scale_power``. DeepSpeed default: 16."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps before the dynamic scale doubles. DeepSpeed default: 1000."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is first halved (DeepSpeed's ``delayed_shift``). Default: 2."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis on every overflow-free step, not only at a window boundary. Default: false."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale. DeepSpeed default: 1."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether dynamic loss scaling is active (fp16 enabled and ``loss_scale == 0``)."""
+        return self.enabled and self.loss_scale == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """The ``bf16`` block (alias ``bfloat16``): bf16 mixed precision, fp32 master weights, no loss scaling."""
+
+    enabled: bool = False
+    """Train in bf16 with fp32 master weights. DeepSpeed default: false."""
+    check_grad_overflow: bool = True
+    """Skip the optimizer step when a gradient holds inf/NaN, as for fp16. DeepSpeed default: true."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """``zero_optimization.offload_param`` / ``offload_optimizer``. Only ``none`` and ``cpu`` devices."""
+
+    device: Literal["none", "cpu"] = "none"
+    """Where the offloaded tensors live: ``none`` (not offloaded) or ``cpu``. DeepSpeed default: none."""
+    pin_memory: bool = True
+    """Keep offloaded tensors in page-locked CPU memory (fast async copies). DeepSpeed default: true."""
+
+    @property
+    def active(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The ``zero_optimization`` block. Unprefixed DeepSpeed field names (``prefetch_bucket_size``...) are
+    accepted for the ``stage3_*`` keys, as DeepSpeed's pydantic model does."""
+
+    stage: int = _f(0, ge=0, le=3)
+    """0 = plain data parallel; 1/2/3 partition optimizer states / + gradients / + parameters. Default: 0."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradients into one contiguous buffer as they are produced. DeepSpeed default: true."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter rather than all-reduce. DeepSpeed default: true."""
+    reduce_bucket_size: int = _f(500_000_000, gt=0)
+    """Elements reduced per gradient bucket. DeepSpeed default: 5e8."""
+    allgather_partitions: bool = True
+    """Stages 1/2: all-gather updated partitions (vs. broadcasts) after the step. DeepSpeed default: true."""
+    allgather_bucket_size: int = _f(500_000_000, ge=0)
+    """Elements all-gathered at a time (stages 1/2). DeepSpeed default: 5e8."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward. DeepSpeed default: true for stage 3, false otherwise."""
+    offload_param: OffloadConfig | None = None
+    """Parameter offload (stage 3 only). DeepSpeed default: none."""
+    offload_optimizer: OffloadConfig | None = None
+    """Optimizer-state offload, optimizer step on CPU (stages 1–3). DeepSpeed default: none."""
+    sub_group_size: int = _f(1_000_000_000, ge=0)
+    """Elements per optimizer sub-group (tile of the flat fp32 partition). DeepSpeed default: 1e9."""
+    stage3_prefetch_bucket_size: int = _f(50_000_000, ge=0, aliases=("prefetch_bucket_size",))
+    """Elements of upcoming parameters fetched ahead of use. DeepSpeed default: 5e7."""
+    stage3_param_persistence_threshold: int = _f(100_000, ge=0, aliases=("param_persistence_threshold",))
+    """Parameters with fewer elements stay gathered (not re-partitioned). DeepSpeed default: 1e5."""
+    stage3_max_live_parameters: int = _f(1_000_000_000, ge=0, aliases=("max_live_parameters",))
+    """Most gathered parameter elements resident per rank before releasing. DeepSpeed default: 1e9."""
+    stage3_max_reuse_distance: int = _f(1_000_000_000, ge=0, aliases=("max_reuse_distance",))
+    """Keep a parameter gathered if it is reused within this many elements of fetches. Default: 1e9."""
+    stage3_gather_16bit_weights_on_model_save: bool = _f(
+        False, aliases=("gather_16bit_weights_on_model_save",)
+    )
+    """``save_16bit_model`` gathers the partitioned weights (stage 3). DeepSpeed default: false."""
+    round_robin_gradients: bool = False
+    """Stages 1/2 with CPU offload: spread gradient copies over ranks. Layout-neutral. Default: false."""
+    elastic_checkpoint: bool = False
+    """Legacy elastic checkpoint flag (no effect in the engine's format). DeepSpeed default: false."""
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that get no gradient (stage 2). DeepSpeed default: true."""
+
+
+OptimizerType = Literal["Adam", "AdamW", "SGD"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The ``optimizer`` block; ``params`` are flattened here. Adam/AdamW follow DeepSpeed's FusedAdam /
+    DeepSpeedCPUAdam (``torch_adam`` selects torch.optim.Adam/AdamW); SGD is torch.optim.SGD."""
+
+    type: OptimizerType
+    """``Adam``, ``AdamW`` or ``SGD`` (any case in the JSON)."""
+    lr: float = _f(1e-3, ge=0)
+    """Learning rate (the scheduler overwrites it). Default: 1e-3 (FusedAdam, torch SGD)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam: coefficients of the running averages. Default: (0.9, 0.999)."""
+    eps: float = _f(1e-8, ge=0)
+    """Adam: denominator term. Default: 1e-8."""
+    weight_decay: float = _f(0.0, ge=0)
+    """Weight decay. Default 0, except 0.01 for torch_adam in AdamW mode (torch.optim.AdamW's default)."""
+    adam_w_mode: bool = True
+    """Adam: decoupled weight decay. Always true for ``AdamW``; DeepSpeed's default for ``Adam`` is true."""
+    torch_adam: bool = False
+    """Adam: use torch.optim.Adam/AdamW instead of DeepSpeed's fused/CPU Adam (same math). Default: false."""
+    momentum: float = _f(0.0, ge=0)
+    """SGD: momentum factor. Default: 0."""
+    dampening: float = 0.0
+    """SGD: dampening of momentum. Default: 0."""
+    nesterov: bool = False
+    """SGD: Nesterov momentum. Default: false."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The block's ``params`` exactly as written (for checkpoints and logs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """The ``scheduler`` block. ``params`` holds only the keys the user wrote (coerced to the right types),
+    so ``build_scheduler`` applies each class's own DeepSpeed defaults."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    """Schedule class name (case-sensitive, as in DeepSpeed)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Constructor keyword arguments for the schedule (see ``engine.scheduler``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """A parsed, validated DeepSpeed config for a given data-parallel world size."""
+
+    world_size: int
+    """Data-parallel world size the batch sizes were resolved for."""
+    train_batch_size: int
+    """Global batch per optimizer step = micro batch × accumulation steps × world size."""
+    train_micro_batch_size_per_gpu: int
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: int
+    """Micro-steps per optimizer step. DeepSpeed resolves it from the other two (1 when unspecified)."""
+    steps_per_print: int | None = None
+    """Log progress every this many optimizer steps; None = never. DeepSpeed default: None."""
+    wall_clock_breakdown: bool = False
+    """Time forward/backward/step and log the breakdown. DeepSpeed default: false."""
+    dump_state: bool = False
+    """Print the engine state after initialisation. DeepSpeed default: false."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables. DeepSpeed 0.19.8 default: 1.0."""
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before (not after) the reduction. DeepSpeed default: false."""
+    gradient_predivide_factor: float = 1.0
+    """Divide gradients by this before the reduction and by world/factor after. DeepSpeed default: 1.0."""
+    zero_allow_untested_optimizer: bool = False
+    """Allow a client optimizer other than Adam/AdamW/SGD-like with ZeRO. DeepSpeed default: false."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """With optimizer offload, require a CPU Adam over a client optimizer. DeepSpeed default: true."""
+    dataloader_drop_last: bool = False
+    """The dataloader built from ``training_data`` drops the last incomplete batch. Default: false."""
+    fp16: FP16Config = field(default_factory=FP16Config)
+    """fp16 mixed precision and loss scaling."""
+    bf16: BF16Config = field(default_factory=BF16Config)
+    """bf16 mixed precision."""
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO stage and its knobs."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer built by the engine; None = the client passes one."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule built by the engine; None = the client passes one or none."""
+    user_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The config as the user gave it (deep copy), for checkpoints."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The original user config (a fresh deep copy; JSON-able when the input was)."""
+        return copy.deepcopy(self.user_config)
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        if self.fp16.enabled:
+            return "fp16"
+        return "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def offload_optimizer(self) -> bool:
+        off = self.zero_optimization.offload_optimizer
+        return off is not None and off.active
+
+    @property
+    def offload_param(self) -> bool:
+        off = self.zero_optimization.offload_param
+        return off is not None and off.active
+
+
+# ------------------------------------------------------------------------------------------- block rules
+
+_REMOVED = "removed from DeepSpeed itself"
+_TOP_FOREIGN: dict[str, Foreign] = {
+    **{
+        k: Foreign(_REMOVED)
+        for k in (
+            "nebula",
+            "compression_training",
+            "amp",
+            "quantize_training",
+            "sparse_gradients",
+            "eigenvalue",
+            "sparse_attention",
+            "elasticity",
+            "graph_harvesting",
+            "curriculum_learning",
+            "progressive_layer_drop",
+        )
+    },
+    "pipeline": Foreign("pipeline parallelism"),
+    "activation_checkpointing": Foreign("DeepSpeed activation checkpointing; use torch.utils.checkpoint"),
+    "moe": Foreign("mixture of experts"),
+    "expert_parallel": Foreign("expert parallelism"),
+    "tensor_parallel": Foreign("tensor parallelism"),
+    "sequence_parallel_size": Foreign("sequence parallelism", default=1),
+    "flops_profiler": Foreign("the flops profiler"),
+    "tensorboard": Foreign("the TensorBoard monitor"),
+    "wandb": Foreign("the Weights & Biases monitor"),
+    "csv_monitor": Foreign("the CSV monitor"),
+    "comet": Foreign("the Comet monitor"),
+    "autotuning": Foreign("autotuning"),
+    "data_efficiency": Foreign("data efficiency / curriculum sampling"),
+    "hybrid_engine": Foreign("the RLHF hybrid engine"),
+    "torch_autocast": Foreign("torch.autocast mode; use fp16 or bf16"),
+    "compile": Foreign("DeepCompile"),
+    "weight_quantization": Foreign("weight quantization"),
+    "datastates": Foreign("the DataStates checkpoint engine"),
+    "data_types": Foreign("custom gradient-accumulation / parameter dtypes"),
+    "communication_data_type": Foreign("a custom communication dtype"),
+    "gradient_allreduce_op": Foreign("gradient_allreduce_op 'sum'", default="mean"),
+    "disable_allgather": Foreign("disable_allgather", default=False),
+    "use_data_before_expert_parallelism": Foreign("expert parallelism", default=False),
+    "managed_gradient_accumulation": Foreign("unmanaged gradient accumulation", default=True),
+    **{
+        k: Foreign("logging/performance only", ignore=True)
+        for k in (
+            "comms_logger",
+            "memory_breakdown",
+            "log_level",
+            "timers",
+            "vocabulary_size",
+            "disable_python_gc",
+            "aio",
+            "seq_parallel_communication_data_type",
+        )
+    },
+}
+_ZERO_FOREIGN: dict[str, Foreign] = {
+    "zenflow": Foreign("ZenFlow"),
+    "legacy_stage1": Foreign("the legacy stage-1 implementation", default=False),
+    "parameter_alignment": Foreign("16-byte parameter alignment in flat buffers", default=False),
+    "zero_hpz_partition_size": Foreign("hierarchical (ZeRO++ hpZ) partitioning", default=1),
+    "zero_quantized_weights": Foreign("ZeRO++ quantized weights", default=False),
+    "zero_quantized_nontrainable_weights": Foreign("ZeRO++ quantized frozen weights", default=False),
+    "zero_quantized_gradients": Foreign("ZeRO++ quantized gradients", default=False),
+    "load_from_fp32_weights": Foreign("initialising masters from 16-bit weights on load", default=True),
+    "pipeline_loading_checkpoint": Foreign("pipeline checkpoint loading", default=False),
+    "compute_grad_norm": Foreign("skipping the gradient norm", default=True),
+    "leaf_module": Foreign("ZeRO-3 leaf modules"),
+    "save_muon_momentum_buffer_in_memory": Foreign("the Muon optimizer", default=False),
+    "mics_shard_size": Foreign(_REMOVED),
+    "mics_hierarchical_params_gather": Foreign(_REMOVED),
+    "zeropp_loco_param": Foreign(_REMOVED),
+    **{
+        k: Foreign("performance only", ignore=True)
+        for k in (
+            "use_multi_rank_bucket_allreduce",
+            "stage3_module_granularity_threshold",
+            "module_granularity_threshold",
+            "stage3_model_persistence_threshold",
+            "model_persistence_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            "allgather_sequential",
+            "memory_efficient_linear",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+        )
+    },
+}
+_OFFLOAD_FOREIGN: dict[str, Foreign] = {
+    "ratio": Foreign("partial optimizer offload", default=1.0),
+    "super_offload": Foreign("SuperOffload", default=False),
+    **{
+        k: Foreign("NVMe/performance only", ignore=True)
+        for k in (
+            "nvme_path",
+            "buffer_count",
+            "buffer_size",
+            "max_in_cpu",
+            "pipeline_read",
+            "pipeline_write",
+            "fast_init",
+            "cpuadam_cores_perc",
+        )
+    },
+}
+_FP16_FOREIGN = {"fp16_master_weights_and_grads": Foreign("fp16 master weights", default=False)}
+_BF16_FOREIGN = {
+    "bf16_master_weights_and_grads": Foreign("bf16 master weights", default=False),
+    "bf16_optimizer_states": Foreign("bf16 optimizer states", default=False),
+    "immediate_grad_update": Foreign("performance only", ignore=True),
+}
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_DS_OTHER_OPTIMIZERS = {
+    "adagrad",
+    "lamb",
+    "lion",
+    "muon",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "onebitadam",
+    "zerooneadam",
+    "onebitlamb",
+    "fusedadam",
+    "cpuadam",
+}
+_ADAM_FOREIGN = {
+    "amsgrad": Foreign("AMSGrad", default=False),
+    "bias_correction": Foreign("Adam without bias correction", default=True),
+    "fp32_optimizer_states": Foreign("16-bit optimizer states", default=True),
+    "foreach": Foreign("performance only", ignore=True),
+}
+_SGD_FOREIGN = {
+    "maximize": Foreign("maximize", default=False),
+    "differentiable": Foreign("differentiable SGD", default=False),
+    "foreach": Foreign("performance only", ignore=True),
+}
+_LRS = "lrs"  # float or per-group list of floats
+_SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
+    "WarmupLR": {
+        "warmup_min_lr": _LRS,
+        "warmup_max_lr": _LRS,
+        "warmup_num_steps": int,
+        "warmup_type": str,
+        "last_batch_iteration": int,
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": int,
+        "warmup_min_lr": _LRS,
+        "warmup_max_lr": _LRS,
+        "warmup_num_steps": int,
+        "warmup_type": str,
+        "last_batch_iteration": int,
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": int,
+        "warmup_min_ratio": float,
+        "warmup_num_steps": int,
+        "cos_min_ratio": float,
+        "warmup_type": str,
+        "last_batch_iteration": int,
+    },
+}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler")
+
+
+def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> EngineConfig:
+    """Parse a DeepSpeed config (dict, JSON file path, or JSON text) for ``world_size`` data-parallel ranks.
+
+    Raises ``ConfigError`` (a ``ValueError``) naming the offending key path. Deprecated spellings are mapped
+    with a ``DeprecationWarning`` and a logged warning.
+    """
+    raw = _load(config)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    reject_auto(raw, "")
+    d = copy.deepcopy(raw)
+    take_foreign(d, "", _TOP_FOREIGN)
+    ckpt = d.pop("checkpoint", None)
+    if isinstance(ckpt, dict) and ckpt.get("load_universal"):
+        raise ConfigError(
+            "checkpoint.load_universal: not supported by the engine (universal checkpoints)",
+            key="checkpoint.load_universal",
+        )
+    fp16 = _parse_fp16(d.pop("fp16", None))
+    bf16 = _parse_bf16(d)
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError(
+            "bf16.enabled: bfloat16 and fp16 modes cannot be simultaneously enabled", key="bf16.enabled"
+        )
+    if "allgather_size" in d:  # pre-0.3 spelling, read only with the boolean zero_optimization form
+        deprecated("allgather_size is deprecated; use zero_optimization.allgather_bucket_size")
+        size = d.pop("allgather_size")
+        if isinstance(d.get("zero_optimization"), bool) and d["zero_optimization"]:
+            d["zero_optimization"] = {"stage": 1, "allgather_bucket_size": size}
+    zero = _parse_zero(d.pop("zero_optimization", None))
+    optimizer = _parse_optimizer(d.pop("optimizer", None))
+    scheduler = _parse_scheduler(d.pop("scheduler", None))
+    tb, mb, gas = (None if d.get(k) is None else to_int(d[k], k) for k in _BATCH_KEYS)
+    for k in _BATCH_KEYS:
+        d.pop(k, None)
+    tb, mb, gas = _resolve_batch(tb, mb, gas, world_size)
+    prebuilt = dict(
+        world_size=world_size,
+        train_batch_size=tb,
+        train_micro_batch_size_per_gpu=mb,
+        gradient_accumulation_steps=gas,
+        fp16=fp16,
+        bf16=bf16,
+        zero_optimization=zero,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        user_config=copy.deepcopy(raw),
+    )
+    cfg = build(
+        EngineConfig,
+        d,
+        "",
+        prebuilt=prebuilt,
+        exclude=("world_size", "user_config"),
+        also_valid=(*_BLOCKS, *_BATCH_KEYS, *_TOP_FOREIGN, "checkpoint"),
+    )
+    if cfg.gradient_clipping < 0:
+        raise ConfigError(
+            f"gradient_clipping: must be >= 0 (0 disables), got {cfg.gradient_clipping}",
+            key="gradient_clipping",
+        )
+    if cfg.gradient_predivide_factor <= 0:
+        raise ConfigError("gradient_predivide_factor: must be > 0", key="gradient_predivide_factor")
+    return cfg
+
+
+def _load(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        text, where = config, "<json text>"
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist", hint="pass a dict or a JSON file path")
+        text, where = path.read_text(encoding="utf-8"), str(path)
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{where}: top level must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def _block(value: Any, path: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {value!r}", key=path)
+    return dict(value)
+
+
+def _resolve_batch(tb: int | None, mb: int | None, gas: int | None, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's ``_set_batch_related_parameters`` + ``_batch_assertion``, same integer divisions."""
+    for name, v in zip(_BATCH_KEYS, (tb, mb, gas), strict=True):
+        if v is not None and v <= 0:
+            raise ConfigError(f"{name}: {v} has to be greater than 0", key=name)
+    if tb is not None and mb is not None and gas is not None:
+        pass
+    elif tb is not None and mb is not None:
+        gas = tb // mb // world
+    elif tb is not None and gas is not None:
+        mb = tb // world // gas
+    elif mb is not None and gas is not None:
+        tb = mb * gas * world
+    elif tb is not None:
+        gas, mb = 1, tb // world
+    elif mb is not None:
+        tb, gas = mb * world, 1
+    else:
+        raise ConfigError(
+            "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
+            key="train_batch_size",
+        )
+    assert tb is not None and mb is not None and gas is not None
+    for name, v in (("train_micro_batch_size_per_gpu", mb), ("gradient_accumulation_steps", gas)):
+        if v <= 0:
+            raise ConfigError(
+                f"{name}: resolved to {v} (train_batch_size={tb}, world_size={world}); it has to "
+                "be greater than 0",
+                key=name,
+            )
+    if tb != mb * gas * world:
+        raise ConfigError(
+            "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+            f"gradient_acc_step * world_size {tb} != {mb} * {gas} * {world}",
+            key="train_batch_size",
+            hint="make train_batch_size a multiple of the world size, or give only two of the three keys",
+        )
+    return tb, mb, gas
+
+
+def _parse_fp16(value: Any) -> FP16Config:
+    d = _block(value, "fp16")
+    take_foreign(d, "fp16", _FP16_FOREIGN)
+    cfg = build(FP16Config, d, "fp16")
+    if cfg.dynamic_loss_scale:  # DeepSpeed validates these only when dynamic scaling is active
+        for name in ("loss_scale_window", "min_loss_scale", "hysteresis"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(
+                    f"fp16.{name}: must be > 0 when dynamic loss scaling is enabled (loss_scale=0)",
+                    key=f"fp16.{name}",
+                )
+    return cfg
+
+
+def _parse_bf16(d: dict[str, Any]) -> BF16Config:
+    if "bf16" in d and "bfloat16" in d:
+        raise ConfigError("bfloat16: same block as bf16; give only bf16", key="bfloat16")
+    key = "bf16"
+    if "bfloat16" in d:
+        deprecated("Config block 'bfloat16' is deprecated; use 'bf16'")
+        key = "bfloat16"
+    block = _block(d.pop(key, None), key)
+    take_foreign(block, key, _BF16_FOREIGN)
+    return build(BF16Config, block, key)
+
+
+def _parse_offload(value: Any, path: str) -> OffloadConfig | None:
+    if value is None:
+        return None
+    d = _block(value, path)
+    take_foreign(d, path, _OFFLOAD_FOREIGN)
+    if d.get("device") == "nvme":
+        raise ConfigError(
+            f"{path}.device: 'nvme' offload is not supported by the engine; use 'cpu' or 'none'",
+            key=f"{path}.device",
+        )
+    return build(OffloadConfig, d, path)
+
+
+def _parse_zero(value: Any) -> ZeroConfig:
+    path = "zero_optimization"
+    if isinstance(value, bool):
+        deprecated('Boolean zero_optimization is deprecated; use {"stage": N}')
+        value = {"stage": 1 if value else 0}
+    d = _block(value, path)
+    take_foreign(d, path, _ZERO_FOREIGN)
+    pin: bool | None = None
+    if "cpu_offload_use_pin_memory" in d:
+        deprecated(
+            f"{path}.cpu_offload_use_pin_memory is deprecated; use offload_param/offload_optimizer.pin_memory"
+        )
+        pin = coerce(d.pop("cpu_offload_use_pin_memory"), bool | None, f"{path}.cpu_offload_use_pin_memory")
+    renames = (
+        ("cpu_offload", "offload_optimizer"),
+        ("cpu_offload_param", "offload_param"),
+        ("cpu_offload_params", "offload_param"),
+        ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
+    )
+    for old, new in renames:
+        if old not in d:
+            continue
+        deprecated(f"{path}.{old} is deprecated; use {new}")
+        if new in d:
+            raise ConfigError(
+                f"{path}.{old}: cannot be given together with its replacement {new}", key=join(path, old)
+            )
+        v = d.pop(old)
+        if new.startswith("offload_"):
+            on = coerce(v, bool | None, join(path, old))
+            d[new] = {"device": "cpu"} if on else None
+        else:
+            d[new] = v
+    offload = {}
+    for name in ("offload_param", "offload_optimizer"):
+        block = d.pop(name, None)
+        if pin is not None and isinstance(block, dict) and "pin_memory" not in block:
+            block = {**block, "pin_memory": pin}
+        offload[name] = _parse_offload(block, join(path, name))
+    overlap = d.pop("overlap_comm", None)
+    cfg = build(
+        ZeroConfig,
+        d,
+        path,
+        prebuilt={**offload, "overlap_comm": False},
+        also_valid=(*_ZERO_FOREIGN, *(o for o, _ in renames), "cpu_offload_use_pin_memory", "overlap_comm"),
+    )
+    overlap_comm = cfg.stage == 3 if overlap is None else coerce(overlap, bool, f"{path}.overlap_comm")
+    off_param = offload["offload_param"]
+    if off_param is not None and off_param.active and cfg.stage != 3:
+        raise ConfigError(
+            f"{path}.offload_param: parameter offload needs stage 3, got stage {cfg.stage}",
+            key=f"{path}.offload_param",
+        )
+    return dataclasses.replace(cfg, overlap_comm=overlap_comm)
+
+
+def _parse_optimizer(value: Any) -> OptimizerConfig | None:
+    if value is None:
+        return None
+    d = _block(value, "optimizer")
+    take_foreign(d, "optimizer", {"legacy_fusion": Foreign("legacy fusion", default=False)})
+    for key in d:
+        if key not in ("type", "params"):
+            raise unknown_key("optimizer", key, ("type", "params", "legacy_fusion"))
+    if "type" not in d:
+        raise ConfigError("optimizer.type: required (Adam, AdamW or SGD)", key="optimizer.type")
+    name = coerce(d["type"], str, "optimizer.type")
+    kind = _OPTIMIZERS.get(name.lower())
+    if kind is None:
+        if name.lower() in _DS_OTHER_OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer.type: {name} is not supported by the engine; use Adam, AdamW or SGD",
+                key="optimizer.type",
+            )
+        raise unknown_key("optimizer.type", name, _OPTIMIZERS.values())
+    params = _block(d.get("params"), "optimizer.params")
+    raw_params = copy.deepcopy(params)
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer "
+            "parameter, please switch to using the deepspeed parameter 'gradient_clipping'",
+            key="optimizer.params.max_grad_norm",
+        )
+    path = "optimizer.params"
+    if kind == "SGD":
+        take_foreign(params, path, _SGD_FOREIGN)
+        cfg = build(
+            OptimizerConfig,
+            params,
+            path,
+            prebuilt={"type": kind, "params": raw_params, "adam_w_mode": False},
+            exclude=("betas", "eps", "adam_w_mode", "torch_adam", "type", "params"),
+        )
+        if cfg.nesterov and (cfg.momentum <= 0 or cfg.dampening != 0):
+            raise ConfigError(
+                f"{path}.nesterov: Nesterov momentum requires a momentum and zero dampening",
+                key=f"{path}.nesterov",
+            )
+        return cfg
+    take_foreign(params, path, _ADAM_FOREIGN)
+    cfg = build(
+        OptimizerConfig,
+        params,
+        path,
+        prebuilt={"type": kind, "params": raw_params},
+        exclude=("momentum", "dampening", "nesterov", "type", "params"),
+    )
+    adam_w = kind == "AdamW" or cfg.adam_w_mode  # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false
+    wd = cfg.weight_decay
+    if cfg.torch_adam and adam_w and "weight_decay" not in params:
+        wd = 0.01  # torch.optim.AdamW's own default, which DeepSpeed leaves in place
+    return dataclasses.replace(cfg, adam_w_mode=adam_w, weight_decay=wd)
+
+
+def _parse_scheduler(value: Any) -> SchedulerConfig | None:
+    if value is None:
+        return None
+    d = _block(value, "scheduler")
+    for key in d:
+        if key not in ("type", "params"):
+            raise unknown_key("scheduler", key, ("type", "params"))
+    if "type" not in d:
+        raise ConfigError(
+            "scheduler.type: required (WarmupLR, WarmupDecayLR or WarmupCosineLR)", key="scheduler.type"
+        )
+    name = coerce(d["type"], str, "scheduler.type")
+    if name not in _SCHEDULER_PARAMS:
+        if name in ("LRRangeTest", "OneCycle"):
+            raise ConfigError(
+                f"scheduler.type: {name} is not supported by the engine; use WarmupLR, "
+                "WarmupDecayLR or WarmupCosineLR",
+                key="scheduler.type",
+            )
+        raise unknown_key("scheduler.type", name, _SCHEDULER_PARAMS)
+    spec = _SCHEDULER_PARAMS[name]
+    params: dict[str, Any] = {}
+    for key, v in _block(d.get("params"), "scheduler.params").items():
+        where = f"scheduler.params.{key}"
+        if key not in spec:
+            raise unknown_key("scheduler.params", key, spec)
+        kind = spec[key]
+        if kind == _LRS:
+            params[key] = (
+                None
+                if v is None and key == "warmup_max_lr" and name == "WarmupLR"
+                else (
+                    [to_float(x, f"{where}[{i}]") for i, x in enumerate(v)]
+                    if isinstance(v, list | tuple)
+                    else to_float(v, where)
+                )
+            )
+        elif kind is int:
+            params[key] = to_int(v, where)
+        elif kind is float:
+            params[key] = to_float(v, where)
+        else:
+            params[key] = coerce(v, str, where)
+    if "warmup_num_steps" in params and params["warmup_num_steps"] <= 0:
+        raise ConfigError(
+            f"scheduler.params.warmup_num_steps: must be a positive integer, got "
+            f"{params['warmup_num_steps']}",
+            key="scheduler.params.warmup_num_steps",
+        )
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        raise ConfigError(
+            f"scheduler.params.warmup_type: expected 'log' or 'linear', got {params['warmup_type']!r}",
+            key="scheduler.params.warmup_type",
+        )
+    if "total_num_steps" in spec and "total_num_steps" not in params:
+        raise ConfigError(
+            f"scheduler.params.total_num_steps: required for {name}", key="scheduler.params.total_num_steps"
+        )
+    return SchedulerConfig(type=name, params=params)

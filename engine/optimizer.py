@@ -1,0 +1,168 @@
+"""The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions (``engine.param``).
+
+A client ``torch.optim.Optimizer`` is rebuilt with its class, defaults and per-group hyper-parameters over the
+masters of the params it held (frozen params are skipped); without one, the config's ``optimizer`` block builds
+Adam/AdamW/SGD with DeepSpeed's semantics (``Adam`` is AdamW unless ``adam_w_mode`` is false; weight decay
+defaults to 0 like FusedAdam/DeepSpeedCPUAdam). Elementwise optimizers (Adam, AdamW, SGD...) updating a
+partition give exactly the slice of the full update, which is why the sharded step equals the unsharded one.
+
+``step`` does, in order (DeepSpeed ZeRO's ``step``): overflow check of the grad shards (flag all-reduced, MAX)
+and skip on overflow; the global gradient norm (squared norms all-reduced; padding is zero so it adds nothing;
+a tied param has one shard); unscale and clip in one multiply, ``1 / combined_scale`` with
+``combined_scale = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)``; the inner optimizer step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from engine.collectives import Comm
+from engine.loss_scaler import overflow_flag
+from engine.param import ParamState
+
+
+class PartitionedOptimizer:
+    """What ``engine.initialize`` returns as the optimizer. ``param_groups`` are the inner optimizer's."""
+
+    def __init__(
+        self,
+        states: Sequence[ParamState],
+        comm: Comm,
+        *,
+        client: torch.optim.Optimizer | None,
+        config: Any | None,
+        model_parameters: Iterable[Any] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.states = [s for s in states if s.trainable]
+        by_param = {id(s.param): s for s in self.states}
+        self.group_states: list[list[ParamState]] = []
+        if client is not None:
+            groups = []
+            for g in client.param_groups:
+                sts = [by_param[id(p)] for p in g["params"] if id(p) in by_param]
+                self.group_states.append(sts)
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": self._masters(sts)})
+            self.optimizer: torch.optim.Optimizer = _rebuild(type(client), groups, client.defaults)
+        else:
+            if config is None:
+                raise ValueError("no optimizer: pass optimizer= to initialize() or add an `optimizer` block")
+            sts = self.states
+            if model_parameters is not None:
+                wanted = {id(p) for p in _params_of(model_parameters)}
+                sts = [s for s in sts if id(s.param) in wanted]
+            self.group_states.append(sts)
+            self.optimizer = build_config_optimizer(config, self._masters(sts))
+        self.overflow = False
+        self.last_global_norm = 0.0
+
+    @staticmethod
+    def _masters(states: Sequence[ParamState]) -> list[torch.Tensor]:
+        out = []
+        for s in states:
+            assert s.master is not None, s
+            out.append(s.master)
+        return out
+
+    # -- torch.optim-like surface --------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.states:
+            assert s.grad_shard is not None
+            s.grad_shard.zero_()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, *, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = True) -> bool:
+        """Unscale, clip and apply the accumulated grad shards; return False (and skip) on overflow."""
+        grads = [s.grad_shard for s in self.states if s.grad_shard is not None]
+        if check_overflow:
+            flag = overflow_flag(grads)
+            self.overflow = bool(self.comm.all_reduce_(flag, "max").item())
+            if self.overflow:
+                self.zero_grad()
+                return False
+        sq = (
+            torch.stack([g.pow(2).sum() for g in grads]).sum()
+            if grads
+            else torch.zeros((), dtype=torch.float32)
+        )
+        scaled_norm = math.sqrt(float(self.comm.all_reduce_(sq.double(), "sum").item()))
+        self.last_global_norm = scaled_norm / loss_scale
+        combined = loss_scale
+        if clip > 0:
+            factor = (scaled_norm / loss_scale + 1e-6) / clip
+            if factor > 1:
+                combined = factor * loss_scale
+        if combined != 1.0:
+            torch._foreach_mul_(grads, 1.0 / combined)
+        for s in self.states:
+            assert s.master is not None
+            s.master.grad = s.grad_shard
+        self.optimizer.step()
+        for s in self.states:
+            assert s.master is not None
+            s.master.grad = None
+        self.zero_grad()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(sd)
+
+
+def _rebuild(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], defaults: dict[str, Any]) -> Any:
+    """``cls(groups, **defaults)`` passing only the defaults its constructor accepts (some defaults, such as
+    AdamW's ``decoupled_weight_decay``, are recorded but not constructor arguments); the rest is restored."""
+    sig = inspect.signature(cls.__init__)
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    kwargs = {k: v for k, v in defaults.items() if takes_all or k in sig.parameters}
+    opt = cls(groups, **kwargs)
+    opt.defaults.update(defaults)
+    return opt
+
+
+def _params_of(model_parameters: Iterable[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for p in model_parameters:
+        if isinstance(p, dict):
+            out.extend(p["params"])
+        else:
+            out.append(p)
+    return out
+
+
+def build_config_optimizer(cfg: Any, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Adam/AdamW/SGD from an ``OptimizerConfig`` with DeepSpeed's semantics (see the module docstring)."""
+    kind = cfg.type.lower()
+    if kind in ("adam", "adamw"):
+        decoupled = kind == "adamw" or cfg.adam_w_mode
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if kind == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            dampening=cfg.dampening,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov,
+        )
+    raise ValueError(f"optimizer type {cfg.type!r} is not supported; use Adam, AdamW or SGD")

@@ -1,0 +1,121 @@
+"""Per-parameter partition state: which slice of each parameter this rank owns, and the tensors that hold it.
+
+Note: engine tensors
+--------------------
+Every unique ``nn.Parameter`` of the model gets one ``ParamState``. The names below are used everywhere:
+
+- **original**: the user's ``nn.Parameter`` (``state.param``). The autograd leaf the model computes with; under
+  stage 3 its ``.data`` is swapped between *gathered* and an empty tensor, so the object never changes.
+- **gathered**: the full parameter in the compute dtype (fp32/fp16/bf16), shape ``param.shape``. Under stages
+  0-2 the original always holds it; under stage 3 only between a module's pre-hook and its release.
+- **shard**: this rank's partition in the compute dtype, flat, ``chunk`` elements (padding zero). Stage 3 only
+  (stages 0-2 keep the gathered tensor instead). Lives on the CPU with ``offload_param``.
+- **master**: the fp32 partition the optimizer updates (trainable params only), flat, ``chunk`` elements.
+  With fp32 compute under stage 3 the shard *is* the master (one tensor). Lives on the CPU with
+  ``offload_optimizer``.
+- **grad shard**: fp32 partition of the rank-averaged gradient (trainable params only), ``chunk`` elements,
+  accumulated over the micro-steps of one optimizer step. Its padding stays zero.
+
+Partitioning is per parameter in every stage: the flattened parameter is split in ``partition_world`` chunks of
+``chunk = ceil(numel / partition_world)`` elements; rank r owns ``[r * chunk, r * chunk + valid)``
+(``zckpt.partition.chunk_range``), the trailing ranks holding padding. ``partition_world`` is the world size
+(stages 1-3) or 1 (stage 0, plain data parallel).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zckpt.partition import chunk_range, chunk_size
+
+
+class ParamStatus(enum.Enum):
+    """Where the original's ``.data`` points."""
+
+    GATHERED = "gathered"
+    """``param.data`` is the full tensor (always, under stages 0-2)."""
+    RELEASED = "released"
+    """``param.data`` is an empty tensor; the values live in the shard (stage 3)."""
+
+
+@dataclass(eq=False)
+class ParamState:
+    """The partition of one unique parameter on this rank (see the Note above for each tensor's meaning)."""
+
+    name: str
+    """The owner name (first name in ``named_parameters(remove_duplicate=False)``)."""
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    partition_world: int
+    rank: int
+    trainable: bool
+    sharded: bool
+    """True under stage 3: the gathered tensor is released after use."""
+    persistent: bool = False
+    """Stage 3 param small enough (``stage3_param_persistence_threshold``) to stay gathered."""
+    aliases: tuple[str, ...] = ()
+    shard: torch.Tensor | None = None
+    master: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    status: ParamStatus = ParamStatus.GATHERED
+
+    @property
+    def chunk(self) -> int:
+        return chunk_size(self.numel, self.partition_world)
+
+    @property
+    def start(self) -> int:
+        return chunk_range(self.numel, self.partition_world, self.rank)[0]
+
+    @property
+    def valid(self) -> int:
+        return chunk_range(self.numel, self.partition_world, self.rank)[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+    @property
+    def gathered(self) -> bool:
+        return self.status is ParamStatus.GATHERED
+
+    # -- building blocks ----------------------------------------------------------------------------
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk (padded with zeros to ``chunk``) of a full tensor, as a new flat tensor."""
+        flat = full.reshape(-1)[self.start : self.start + self.valid]
+        return F.pad(flat, (0, self.chunk - self.valid)).clone()
+
+    def local_values(self) -> torch.Tensor:
+        """This rank's chunk of the current parameter values in the compute dtype (padding included)."""
+        if self.sharded:
+            assert self.shard is not None
+            return self.shard
+        return self.slice_of(self.param.data)
+
+    def set_gathered(self, full_flat: torch.Tensor) -> None:
+        """Point the original at a full tensor (``numel`` elements, compute dtype)."""
+        self.param.data = full_flat.view(self.shape)
+        self.status = ParamStatus.GATHERED
+
+    def release(self) -> None:
+        """Drop the gathered tensor (stage 3, non-persistent params only)."""
+        if self.sharded and not self.persistent and self.gathered:
+            self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
+            self.status = ParamStatus.RELEASED
+
+    def add_grad(self, grad_chunk: torch.Tensor) -> None:
+        """Accumulate this rank's averaged gradient chunk into the fp32 grad shard."""
+        assert self.grad_shard is not None
+        self.grad_shard.add_(grad_chunk.to(self.grad_shard.device, torch.float32))
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamState({self.name!r}, shape={list(self.shape)}, chunk={self.chunk}, start={self.start}, "
+            f"valid={self.valid}, status={self.status.value}, trainable={self.trainable})"
+        )

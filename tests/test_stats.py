@@ -1,0 +1,77 @@
+"""zckpt.stats against full-tensor torch computations on hand-made checkpoints (tests/_handmade.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _handmade import make_ckpt
+
+from zckpt.stats import checkpoint_stats, iter_chunks, tensor_stats
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(37, 11, generator=g) * 3 + 1e3  # offset mean: sum/sumsq would cancel badly in fp32
+    odd = torch.randn(29, generator=g)
+    odd[[0, 5, 28]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    return {
+        "big": big,
+        "odd": odd,
+        "half": torch.randn(17, generator=g).to(torch.bfloat16),
+        "ids": torch.tensor([[3, -7], [2**40, 5]], dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "allnan": torch.full((4,), float("nan")),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64, 1 << 22])
+def test_iter_chunks_reassembles_exactly_without_padding(tmp_path: Path, chunk: int) -> None:
+    t = _tensors()
+    ck = make_ckpt(tmp_path, t, world=3)
+    for k, v in t.items():
+        parts = [x for _, x in iter_chunks(ck.entry(k), chunk)]
+        got = torch.cat(parts) if parts else torch.empty(0, dtype=v.dtype)
+        assert got.dtype == v.dtype and torch.equal(got.nan_to_num(7.0), v.reshape(-1).nan_to_num(7.0)), k
+        assert all(x.numel() <= chunk for x in parts)
+
+
+@pytest.mark.parametrize("chunk", [2, 7, 1 << 22])
+def test_stats_match_full_tensor_oracle(tmp_path: Path, chunk: int) -> None:
+    t = _tensors()
+    ck = make_ckpt(tmp_path, t, world=2)
+    for k, v in t.items():
+        s = tensor_stats(ck.entry(k), chunk=chunk)
+        flat = v.reshape(-1)
+        assert s.numel == flat.numel() and s.shape == tuple(v.shape)
+        if not v.is_floating_point():
+            x = flat.to(torch.int64)
+            assert (s.min, s.max) == ((int(x.min()), int(x.max())) if x.numel() else (None, None))
+            assert s.nan == s.inf == 0
+            fin = x.double()
+        else:
+            x64 = flat.double()
+            assert s.nan == int(x64.isnan().sum()) and s.inf == int(x64.isinf().sum())
+            fin = x64[x64.isfinite()]
+            if fin.numel():
+                assert (s.min, s.max) == (fin.min().item(), fin.max().item())
+        if fin.numel() == 0:
+            assert s.mean is s.std is s.norm is None
+            continue
+        assert s.mean == pytest.approx(fin.mean().item(), rel=1e-12)
+        assert s.std == pytest.approx(fin.std(correction=0).item(), rel=1e-9)
+        assert s.norm == pytest.approx(torch.linalg.vector_norm(fin).item(), rel=1e-12)
+    assert tensor_stats(ck.entry("ids")).max == 2**40  # exact for integers
+
+
+def test_checkpoint_stats_ties_and_optimizer(tmp_path: Path) -> None:
+    t = {"w": torch.ones(4, 2), "b": torch.arange(3.0)}
+    ck = make_ckpt(tmp_path, t, tied={"w2": "w"}, optim={"w:exp_avg": torch.full((4, 2), 2.0)})
+    assert [s.key for s in checkpoint_stats(ck)] == ["w", "b"]
+    assert [s.key for s in checkpoint_stats(ck, include_optimizer=True)] == ["w", "b", "w:exp_avg"]
+    only = checkpoint_stats(ck, keys=["w2", "w"])
+    assert [s.key for s in only] == ["w"] and only[0].norm == pytest.approx(math.sqrt(8))
+    assert only[0].to_json()["std"] == 0.0

@@ -1,0 +1,187 @@
+"""zckpt.verify on intact and deliberately damaged checkpoints: each damage is made by hand here
+(truncate, flip a byte, delete or add a rank file) and must be reported, naming the file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_diff import validate
+
+from zckpt.errors import UnknownFormat
+from zckpt.formats.hf import write_safetensors
+from zckpt.outputs import items_from_state_dict
+from zckpt.verify import VerifyReport, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "docs" / "verify-json-schema.json").read_text())
+
+
+def _sd() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(64, 16, generator=g)
+    return {"emb.weight": emb, "head.weight": emb, "fc.weight": torch.randn(32, 16, generator=g),
+            "fc.bias": torch.randn(32, generator=g), "ids": torch.arange(8)}  # fmt: skip
+
+
+def _write_st(out: Path, max_shard_size: int | None = None) -> list[Path]:
+    items, tied = items_from_state_dict(_sd())
+    return write_safetensors(out, items, tied=tied, max_shard_size=max_shard_size)
+
+
+def _flip(f: Path, at: int) -> None:
+    b = bytearray(f.read_bytes())
+    b[at] ^= 0x40
+    f.write_bytes(bytes(b))
+
+
+def _records(f: Path) -> list[zipfile.ZipInfo]:
+    with zipfile.ZipFile(f) as zf:
+        return zf.infolist()
+
+
+def _data_start(f: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored record's bytes start: after its *local* header (whose extra field torch uses
+    for alignment padding and which differs from the central directory's)."""
+    with open(f, "rb") as fh:
+        fh.seek(info.header_offset)
+        head = fh.read(30)
+    assert head[:4] == b"PK\x03\x04"
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _files(r: VerifyReport) -> dict[str, str]:
+    return {Path(p.file).name: p.kind for p in r.problems}
+
+
+def _check_json(r: VerifyReport) -> None:
+    js = r.to_json()
+    validate(js, SCHEMA)
+    json.dumps(js, allow_nan=False)
+    assert js["ok"] == r.ok and len(js["problems"]) == len(r.problems)
+
+
+def test_clean_safetensors_with_sidecar(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    side = f.with_name(f.name + ".sha256").read_text().split()
+    assert side == [hashlib.sha256(f.read_bytes()).hexdigest(), f.name]  # independent of our code
+    r = verify(f)
+    assert r.ok and r.checksums == 1 and r.format == "hf", r.to_text()
+    assert r.to_text().endswith("OK")
+    _check_json(r)
+
+
+def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    _flip(f, f.stat().st_size - 10)  # inside tensor data: the header still parses
+    r = verify(f)
+    assert not r.ok and [p.kind for p in r.problems] == ["checksum"]
+    assert r.problems[0].file == str(f) and "sha256" in str(r.problems[0])
+    _check_json(r)
+
+
+def test_truncated_and_padded_safetensors(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    r = verify(f)
+    assert not r.ok and r.problems[0].kind == "truncated" and r.problems[0].file == str(f), r.to_text()
+    f.write_bytes(data + b"\0" * 16)  # trailing bytes: header no longer covers the file
+    r = verify(f)
+    kinds = sorted(p.kind for p in r.problems)
+    assert kinds == ["checksum", "corrupt"] and any("16 trailing bytes" in str(p) for p in r.problems)
+
+
+def test_hf_shards_missing_and_stale(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    _write_st(out, max_shard_size=1000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    assert verify(out).ok
+    stale = out / f"model-00009-of-{len(shards) + 6:05d}.safetensors"
+    shutil.copy(shards[0], stale)
+    r = verify(out)
+    assert _files(r) == {stale.name: "stale"}, r.to_text()
+    stale.unlink()
+    shards[1].unlink()
+    r = verify(out)
+    assert not r.ok and _files(r).get(shards[1].name) == "missing", r.to_text()
+    assert any(shards[1].name in str(p) for p in r.problems)
+    _check_json(r)
+
+
+def test_torch_zip_crc_and_truncation(tmp_path: Path) -> None:
+    f = tmp_path / "model.pt"
+    torch.save({k: v.clone() for k, v in _sd().items()}, f)
+    assert verify(f).ok
+    info = next(i for i in _records(f) if "/data/" in i.filename and i.file_size > 64)
+    _flip(f, _data_start(f, info) + 20)  # inside the first tensor record
+    r = verify(f)
+    assert [(p.kind, p.file) for p in r.problems] == [("corrupt", str(f))] and "CRC-32" in str(r.problems[0])
+    f.write_bytes(f.read_bytes()[:-200])
+    r = verify(f)
+    assert not r.ok and r.problems[0].file == str(f) and r.problems[0].kind in ("truncated", "corrupt")
+
+
+def test_missing_path_raises(tmp_path: Path) -> None:
+    with pytest.raises(UnknownFormat):
+        verify(tmp_path / "nope")
+
+
+# -- real DeepSpeed checkpoints: missing / stale / truncated / flipped rank files -------------------------
+
+DS = ROOT / "fixtures" / "ds"
+
+
+def _ds_copy(tmp_path: Path, case: str) -> Path:
+    src = DS / case
+    if not (src / "latest").is_file():
+        pytest.skip(f"fixture {case} not generated")
+    dst = tmp_path / case
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ref_*", "*.py"))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["s1_bf16_w2", "s2_fp16_w2", "s3_*"])
+def test_deepspeed_rank_files(tmp_path: Path, case: str) -> None:
+    found = sorted(p.name for p in DS.glob(case) if (p / "case.json").is_file())
+    ck = _ds_copy(tmp_path, found[0] if found else case)
+    world = json.loads((ck / "case.json").read_text())["world"]
+    td = ck / (ck / "latest").read_text().strip()
+    r = verify(ck)
+    assert r.ok and r.world_size == world and r.format == "deepspeed", r.to_text()
+    assert len(r.files) == len(list(td.glob("*.pt")))
+    _check_json(r)
+    optim = sorted(td.glob("*optim_states.pt"))
+    # stale: a rank-`world` file beside a checkpoint of that world size
+    stale = td / optim[1].name.replace("rank_1_", f"rank_{world}_")
+    shutil.copy(optim[1], stale)
+    r = verify(ck)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(stale.name, "stale")], r.to_text()
+    stale.unlink()
+    # missing: rank 1's optimizer file
+    saved = optim[1].read_bytes()
+    optim[1].unlink()
+    r = verify(ck)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(optim[1].name, "missing")], r.to_text()
+    # truncated
+    optim[1].write_bytes(saved[: len(saved) // 2])
+    r = verify(ck)
+    assert not r.ok and {Path(p.file).name for p in r.problems} == {optim[1].name}, r.to_text()
+    # a flipped byte inside a tensor record: only the CRC-32 catches it
+    optim[1].write_bytes(saved)
+    info = max((i for i in _records(optim[1]) if "/data/" in i.filename), key=lambda i: i.file_size)
+    _flip(optim[1], _data_start(optim[1], info) + info.file_size // 2)
+    r = verify(ck)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(optim[1].name, "corrupt")], r.to_text()
+    assert "CRC-32" in r.problems[0].message

@@ -1,0 +1,41 @@
+"""Command-line parameters shared by several commands, defined once as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+CkptArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint: a DeepSpeed folder (holding `latest`) or tag folder, a .safetensors/.bin/.pt "
+        "file, or an HF model folder.",
+        show_default=False,
+    ),
+]
+OutArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Output: NAME.safetensors, NAME.bin, or a folder (HF layout, with the model's config files).",
+        show_default=False,
+    ),
+]
+TagOpt = Annotated[
+    str | None,
+    typer.Option("--tag", help="Checkpoint tag to read (e.g. global_step100) instead of `latest`."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Let pickles load classes outside zckpt's allowlist. Runs code from the file: only for "
+        "files you made.",
+    ),
+]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output if it exists.")]
+ProgressOpt = Annotated[
+    bool, typer.Option("--progress/--no-progress", help="Show a progress bar (only on a terminal).")
+]

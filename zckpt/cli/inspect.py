@@ -1,0 +1,56 @@
+"""``zckpt inspect CKPT``: what a checkpoint holds, without reading tensor data."""
+
+from __future__ import annotations
+
+from zckpt.cli._options import CkptArg, JsonOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._output import Output, human_bytes
+
+NAME = "inspect"
+
+
+def command(
+    ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
+) -> None:
+    """Show what a checkpoint holds (reads metadata only, no tensor data).
+
+    Format, stage, world size, precision, tensors by role, one row per tensor, tied and frozen
+    params, optimizer states.
+    """
+    from zckpt.inspect import inspect
+
+    r = inspect(ckpt, tag=tag, trust_pickle=trust_pickle)
+    out = Output(json=json)
+    out.result(r.to_json())
+    opt = None
+    if r.optimizer:
+        groups = f", {r.param_groups} param groups" if r.param_groups else ""
+        opt = f"{r.optimizer}{groups}: {', '.join(r.optimizer_states) or '-'}"
+    out.fields([
+        ("path", r.path),
+        ("format", r.format),
+        ("stage", r.stage),
+        ("world size", r.world_size),
+        ("precision", r.precision),
+        ("tag", r.tag),
+        ("step", r.step),
+        ("files", r.files),
+        ("params", f"{r.params:,}"),
+        ("optimizer", opt),
+    ])  # fmt: skip
+    out.text()
+    out.table(
+        ["role", "tensors", "elements", "bytes"],
+        [(role, t.count, f"{t.numel:,}", human_bytes(t.nbytes)) for role, t in r.by_role.items()],
+        right=(1, 2, 3),
+    )
+    out.text()
+    out.table(
+        ["name", "shape", "dtype", "role", "pieces"],
+        [(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype, t.role, t.pieces) for t in r.tensors],
+        right=(4,),
+    )
+    if r.tied:
+        out.text()
+        out.text("tied: " + ", ".join(f"{a} -> {o}" for a, o in r.tied.items()))
+    if r.frozen:
+        out.text("frozen: " + ", ".join(r.frozen))

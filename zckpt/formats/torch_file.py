@@ -1,0 +1,231 @@
+"""torch ``.bin`` / ``.pt`` state dicts: lazy reading through ``zckpt.torchzip``; streaming writing.
+
+Reading never runs ``torch.load``: the pickle goes through the allowlisted ``SafeUnpickler`` and each
+tensor becomes pieces pointing into its storage record. Accepted layouts: a plain state dict, or a
+dict holding one under ``state_dict`` / ``model`` / ``module`` / ``model_state_dict`` (non-tensor
+values are skipped and listed in ``meta.extra["skipped"]``). Names sharing storage, offset, shape and
+stride are tied aliases of the first such name. Roles come from the ``zckpt.json`` record our writer
+adds; otherwise floating tensors are params and the rest buffers (a ``.bin`` cannot tell more).
+
+Writing (``write_torch``) produces archives that ``torch.load(weights_only=True)`` reads: one
+storage record per tensor, streamed in bounded chunks; tied aliases share their owner's storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from zckpt import torchzip
+from zckpt.errors import CorruptCheckpoint, Unsupported
+from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.outputs import HashingSink, Staging, WriteItem, plan_shards, shard_names
+from zckpt.pickle_safe import TensorRef
+from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+
+NAME = "torch"
+SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+ZCKPT_RECORD = "zckpt.json"
+BIN = "pytorch_model.bin"
+MAX_RUNS = 1 << 16
+
+
+def detect(path: Path) -> bool:
+    return path.is_file() and (path.suffix in SUFFIXES or torchzip.is_torch_zip(str(path)))
+
+
+def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    entries, tied, extra = file_entries(path, trust_pickle=trust_pickle)
+    step = extra.pop("step", None)
+    meta = CheckpointMeta(format=NAME, path=str(path), step=step, tied=tied, files=(str(path),), extra=extra)
+    return Checkpoint(meta, entries)
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and any(isinstance(v, TensorRef) for v in obj.values())
+        and all(isinstance(k, str) for k in obj)
+        and not any(isinstance(v, dict) for v in obj.values())
+    )
+
+
+def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
+    if _is_state_dict(obj):
+        return obj, None
+    if isinstance(obj, dict):
+        for k in STATE_DICT_KEYS:
+            if _is_state_dict(obj.get(k)):
+                return obj[k], k
+    keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, dict) else type(obj).__name__
+    raise Unsupported(
+        f"{path}: no state dict found (top level: {keys})",
+        hint="expected a dict of tensors, or one under 'state_dict', 'model' or 'module'",
+        path=str(path),
+    )
+
+
+def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
+    """(storage element offset, length) of each contiguous run of ``ref``, in logical order."""
+    shape, stride = ref.shape, ref.stride
+    k, run = len(shape), 1
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    if math.prod(shape[:k]) > MAX_RUNS:
+        raise Unsupported(f"{path}: tensor {name!r} is a scattered view (stride {stride})",
+                          hint="re-save it with .contiguous()", path=str(path))  # fmt: skip
+    offsets = [ref.offset]
+    for d in range(k):
+        offsets = [o + i * stride[d] for o in offsets for i in range(shape[d])]
+    runs = [(o, run) for o in offsets] if math.prod(shape) else [(ref.offset, 0)]
+    for o, n in runs:
+        if o < 0 or o + n > ref.storage.numel:
+            raise CorruptCheckpoint(f"{path}: tensor {name!r} reaches past its storage", path=str(path))
+    return runs
+
+
+def _zckpt_record(path: Path) -> dict[str, Any]:
+    with zipfile.ZipFile(path) as zf:
+        names = [n for n in zf.namelist() if n.rpartition("/")[2] == ZCKPT_RECORD]
+        if not names:
+            return {}
+        try:
+            rec = json.loads(zf.read(names[0]))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CorruptCheckpoint(f"{path}: unreadable {ZCKPT_RECORD} record", path=str(path)) from None
+    return rec if isinstance(rec, dict) else {}
+
+
+def file_entries(
+    path: Path, *, trust_pickle: bool = False
+) -> tuple[list[TensorEntry], dict[str, str], dict[str, Any]]:
+    """(entries, tied aliases, extra) of one torch zip file; reads only the pickle and zip directory."""
+    obj = torchzip.load_refs(str(path), trust_pickle=trust_pickle)
+    sd, container = _find_state_dict(obj, path)
+    roles = _zckpt_record(path).get("roles") or {}
+    entries: list[TensorEntry] = []
+    tied: dict[str, str] = {}
+    owners: dict[tuple[str, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    skipped = []
+    for name, ref in sd.items():
+        if not isinstance(ref, TensorRef):
+            skipped.append(name)
+            continue
+        sig = (ref.storage.key, ref.offset, ref.shape, ref.stride)
+        if ref.numel and sig in owners:
+            tied[name] = owners[sig]
+            continue
+        owners[sig] = name
+        base = ref.byte_offset - ref.offset * ref.dtype.itemsize
+        pieces, start = [], 0
+        for o, n in _runs(ref, path, name):
+            pieces.append(Piece(str(path), base + o * ref.dtype.itemsize, ref.dtype, start, n))
+            start += n
+        default = Role.PARAM if (ref.dtype.is_floating_point or ref.dtype.is_complex) else Role.BUFFER
+        role = Role(roles.get(name, default.value))
+        base_name, state = name, None
+        if role is Role.OPTIM:
+            base_name, _, state = name.rpartition(STATE_SEP)
+        entries.append(TensorEntry(base_name, ref.shape, ref.dtype, role, tuple(pieces), state=state))
+    extra: dict[str, Any] = {"container": container, "skipped": skipped}
+    if isinstance(obj, dict):
+        for k in ("global_step", "step", "iteration"):
+            if isinstance(obj.get(k), int):
+                extra["step"] = obj[k]
+                break
+    return entries, tied, extra
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def write_file(
+    path: Path,
+    items: Sequence[WriteItem],
+    *,
+    tied: Mapping[str, str] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> str:
+    """Stream ``items`` into a new torch zip file (plus ``.sha256`` sidecar); returns the sha256."""
+    slots = {
+        it.name: TensorSlot(StorageSlot(str(i), it.dtype, it.numel), it.shape) for i, it in enumerate(items)
+    }
+    sd: dict[str, TensorSlot] = dict(slots)
+    aliases = {a: o for a, o in (tied or {}).items() if o in slots}
+    for alias, owner in aliases.items():
+        sd[alias] = slots[owner]
+    roles = {it.name: it.role.value for it in items if it.role is not Role.PARAM}
+    sink = HashingSink(path)
+    try:
+        zw = TorchZipWriter(sink)
+        zw.write_header_records(dumps(sd))
+        zw.write_bytes(ZCKPT_RECORD, json.dumps({"roles": roles, "tied": aliases}, sort_keys=True).encode())
+        for it in items:
+            key = slots[it.name].storage.key
+
+            def counted(it: WriteItem = it) -> Any:
+                for chunk in it.chunks():
+                    yield chunk
+                    if on_bytes is not None:
+                        on_bytes(chunk.numel() * chunk.element_size())
+
+            zw.write_record(f"data/{key}", counted(), it.nbytes)
+        zw.close()
+    finally:
+        sink.close()
+    sink.write_sidecar()
+    return sink.hexdigest()
+
+
+def write_into(
+    folder: Path,
+    base: str,
+    items: Sequence[WriteItem],
+    *,
+    tied: Mapping[str, str] | None = None,
+    max_shard_size: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
+    tied = dict(tied or {})
+    shards = plan_shards(items, max_shard_size)
+    names = shard_names(base, len(shards))
+    for name, shard in zip(names, shards, strict=True):
+        write_file(folder / name, shard, tied=tied, on_bytes=on_bytes)
+    written = list(names)
+    if len(shards) > 1:
+        where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
+        where.update({a: where[o] for a, o in tied.items() if o in where})
+        index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": where}
+        with open(folder / f"{base}.index.json", "x") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        written.append(f"{base}.index.json")
+    return written
+
+
+def write_torch(
+    out: str | Path,
+    items: Sequence[WriteItem],
+    *,
+    tied: Mapping[str, str] | None = None,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """Write tensors as a torch state dict to ``out`` (a ``.bin``/``.pt`` file or an HF folder), atomically.
+
+    Tied aliases (``{alias: owner}``) are pickled as the owner's tensor, so after
+    ``torch.load(weights_only=True)`` both names share one storage. Returns the final paths.
+    """
+    out = Path(out)
+    is_dir = out.suffix not in SUFFIXES
+    with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
+        write_into(st.dir, BIN if is_dir else out.name, items, tied=tied, max_shard_size=max_shard_size,
+                   on_bytes=on_bytes)  # fmt: skip
+        return st.commit()

@@ -1,0 +1,129 @@
+"""``inspect``: what a checkpoint holds, from its metadata alone (no tensor bytes are read).
+
+Builds an ``InspectReport``: format, stage, world size, precision, step/tag, tensor counts and bytes
+by role, one row per logical tensor (name, state, shape, dtype, role, number of pieces), tied and
+frozen lists, and the optimizer's kind and state names. Near-instant on a multi-GB checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zckpt.formats import open_checkpoint
+from zckpt.model import Checkpoint, Role, dtype_name
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One logical tensor as ``inspect`` lists it."""
+
+    key: str
+    name: str
+    state: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    pieces: int
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RoleTotal:
+    count: int = 0
+    numel: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    """Everything ``zckpt inspect`` shows. ``to_json()`` is the ``--json`` output."""
+
+    path: str
+    format: str
+    world_size: int
+    stage: int | None
+    precision: str | None
+    tag: str | None
+    step: int | None
+    files: int
+    by_role: dict[str, RoleTotal]
+    tensors: list[TensorRow]
+    tied: dict[str, str]
+    frozen: list[str]
+    optimizer: str | None = None
+    optimizer_states: list[str] = field(default_factory=list)
+    param_groups: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    """Model tensors per dtype (optimizer states excluded)."""
+
+    @property
+    def params(self) -> int:
+        """Number of model parameters (trainable + frozen elements)."""
+        return sum(self.by_role[r].numel for r in (Role.PARAM.value, Role.FROZEN.value) if r in self.by_role)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
+        d["params"] = self.params
+        return d
+
+
+def report(ckpt: Checkpoint) -> InspectReport:
+    """The report for an open checkpoint (metadata only)."""
+    m = ckpt.meta
+    rows: list[TensorRow] = []
+    totals: dict[str, list[int]] = {}
+    dtypes: dict[str, int] = {}
+    for e in ckpt.entries.values():
+        rows.append(TensorRow(e.key, e.name, e.state, e.shape, dtype_name(e.dtype), e.role.value,
+                              len(e.pieces), e.numel, e.nbytes))  # fmt: skip
+        t = totals.setdefault(e.role.value, [0, 0, 0])
+        t[0] += 1
+        t[1] += e.numel
+        t[2] += e.nbytes
+        if e.role.is_model:
+            dtypes[dtype_name(e.dtype)] = dtypes.get(dtype_name(e.dtype), 0) + 1
+    order = [r.value for r in Role]
+    by_role = {r: RoleTotal(*totals[r]) for r in order if r in totals}
+    opt = m.optimizer
+    return InspectReport(
+        path=m.path,
+        format=m.format,
+        world_size=m.world_size,
+        stage=m.stage,
+        precision=m.precision,
+        tag=m.tag,
+        step=m.step,
+        files=len(m.files),
+        by_role=by_role,
+        tensors=rows,
+        tied=dict(m.tied),
+        frozen=[e.name for e in ckpt.entries.values() if e.role is Role.FROZEN],
+        optimizer=opt.kind if opt else None,
+        optimizer_states=list(opt.state_names) if opt else sorted({e.state for e in ckpt.entries.values()
+                                                                    if e.state is not None}),
+        param_groups=len(opt.param_groups) if opt else 0,
+        dtypes=dtypes,
+    )  # fmt: skip
+
+
+def inspect(
+    path: str | Path | Checkpoint, *, tag: str | None = None, trust_pickle: bool = False
+) -> InspectReport:
+    """Describe a checkpoint without reading tensor data.
+
+    Args:
+        path: anything ``zckpt.open`` reads (or an open ``Checkpoint``).
+        tag: the DeepSpeed tag to read instead of ``latest``.
+        trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
+
+    Example:
+        >>> r = zckpt.inspect("out/checkpoint-100"); r.world_size, r.params
+    """
+    if isinstance(path, Checkpoint):
+        return report(path)
+    with open_checkpoint(path, tag=tag, trust_pickle=trust_pickle) as ckpt:
+        return report(ckpt)

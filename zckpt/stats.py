@@ -1,0 +1,192 @@
+"""Streamed per-tensor statistics (``zckpt inspect --stats``) and the chunked reader diff shares.
+
+A tensor is read in bounded chunks of its flattened elements (``iter_chunks``: at most ``CHUNK``
+elements at a time, assembled from whichever pieces overlap the chunk, never the padding), so a
+100 GB tensor costs the same memory as a small one. Each chunk is cast to the entry's logical
+dtype exactly as ``Checkpoint.read`` would, then folded into float64 accumulators:
+
+- ``min``/``max``/``mean``/``std``/``norm`` are over the *finite* elements (NaN and ±Inf are
+  counted separately in ``nan``/``inf``); ``std`` is the population standard deviation.
+- mean/variance use Chan et al.'s pairwise update of (count, mean, M2) per chunk in float64, so
+  the result does not depend on the chunk size beyond float64 rounding and does not suffer the
+  cancellation of sum/sum-of-squares.
+- Integer and bool tensors keep exact ``min``/``max`` (Python ints); their moments are in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from zckpt import storage
+from zckpt.model import Checkpoint, TensorEntry, dtype_name
+
+CHUNK = 1 << 22
+"""Elements per chunk (4 Mi): 32 MiB per float64 working buffer."""
+
+
+def iter_chunks(
+    entry: TensorEntry, chunk: int = CHUNK, dtype: torch.dtype | None = None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(start, values)`` over the flattened logical tensor in order, ``chunk`` elements at a
+    time, cast to ``dtype`` (default: the entry's dtype). Only the bytes of the pieces that overlap
+    each chunk are touched; padding is never read."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    want = entry.dtype if dtype is None else dtype
+    pieces = sorted(entry.pieces, key=lambda p: p.start)
+    n = entry.numel
+    i = 0  # first piece that may overlap the current chunk
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        out = torch.empty(hi - lo, dtype=want)
+        while i < len(pieces) and pieces[i].start + pieces[i].numel <= lo:
+            i += 1
+        j = i
+        while j < len(pieces) and pieces[j].start < hi:
+            p = pieces[j]
+            s, e = max(lo, p.start), min(hi, p.start + p.numel)
+            if e > s:
+                out[s - lo : e - lo].copy_(storage.piece_view(p)[s - p.start : e - p.start])
+            j += 1
+        yield lo, out
+
+
+def is_exact(dtype: torch.dtype) -> bool:
+    """Integer and bool dtypes: compared and summarised exactly, never with tolerances."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Summary of one logical tensor. Moments are ``None`` when no element is finite."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    numel: int
+    min: float | int | None
+    max: float | int | None
+    mean: float | None
+    std: float | None
+    norm: float | None
+    nan: int
+    inf: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "role": self.role,
+            "numel": self.numel,
+            "min": self.min,
+            "max": self.max,
+            "mean": self.mean,
+            "std": self.std,
+            "norm": self.norm,
+            "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+class _Moments:
+    """Running (count, mean, M2, sum of squares) in float64, merged chunk by chunk (Chan et al.)."""
+
+    __slots__ = ("n", "mean", "m2", "sumsq")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.sumsq = 0.0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Fold a float64 chunk of finite values in."""
+        nb = x.numel()
+        if nb == 0:
+            return
+        mb = float(x.mean())
+        m2b = float(((x - mb) ** 2).sum())
+        self.sumsq += float(x.square().sum())
+        na = self.n
+        n = na + nb
+        delta = mb - self.mean
+        self.mean += delta * nb / n
+        self.m2 += m2b + delta * delta * na * nb / n
+        self.n = n
+
+
+def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK) -> TensorStats:
+    """Stream one tensor through ``iter_chunks`` and summarise it (see the module docstring)."""
+    exact = is_exact(entry.dtype)
+    nan = inf = 0
+    lo_v: float | int | None = None
+    hi_v: float | int | None = None
+    mom = _Moments()
+    for _, x in iter_chunks(entry, chunk):
+        if exact:
+            if x.dtype == torch.bool:
+                x = x.to(torch.uint8)
+            finite = x
+            if x.numel():
+                imin, imax = int(x.min()), int(x.max())
+                lo_v = imin if lo_v is None else min(lo_v, imin)
+                hi_v = imax if hi_v is None else max(hi_v, imax)
+        else:
+            c_nan = int(torch.isnan(x).sum())
+            c_inf = int(torch.isinf(x).sum())
+            nan += c_nan
+            inf += c_inf
+            finite = x[torch.isfinite(x)] if c_nan or c_inf else x
+            if finite.numel():
+                cmin, cmax = float(finite.min()), float(finite.max())
+                lo_v = cmin if lo_v is None else min(lo_v, cmin)
+                hi_v = cmax if hi_v is None else max(hi_v, cmax)
+        mom.add(finite.to(torch.float64))
+    have = mom.n > 0
+    return TensorStats(
+        key=entry.key,
+        shape=entry.shape,
+        dtype=dtype_name(entry.dtype),
+        role=entry.role.value,
+        numel=entry.numel,
+        min=lo_v,
+        max=hi_v,
+        mean=mom.mean if have else None,
+        std=math.sqrt(max(mom.m2, 0.0) / mom.n) if have else None,
+        norm=math.sqrt(mom.sumsq) if have else None,
+        nan=nan,
+        inf=inf,
+    )
+
+
+def checkpoint_stats(
+    ckpt: Checkpoint,
+    keys: Iterable[str] | None = None,
+    *,
+    include_optimizer: bool = False,
+    progress: bool = False,
+    chunk: int = CHUNK,
+) -> list[TensorStats]:
+    """Stats of each owner tensor (tied aliases are summarised once, under the owner's key), in
+    checkpoint order; ``keys`` restricts to those keys (aliases resolve to their owners)."""
+    if keys is None:
+        entries = ckpt.model_entries()
+        if include_optimizer:
+            entries += [ckpt.entries[k] for k in ckpt.optim_keys()]
+    else:
+        seen: dict[str, TensorEntry] = {}
+        for k in keys:
+            e = ckpt.entry(k)
+            seen.setdefault(e.key, e)
+        entries = list(seen.values())
+    bar = tqdm(entries, desc="stats", unit="tensor", file=sys.stderr, disable=not progress, leave=False)
+    return [tensor_stats(e, chunk=chunk) for e in bar]
