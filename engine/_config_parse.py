@@ -69,6 +69,14 @@ def unknown_key(path: str, key: str, candidates: Iterable[str]) -> ConfigError:
     return ConfigError(f"{where}: unknown key; valid keys here: {listed}", key=where)
 
 
+def unknown_value(path: str, value: str, candidates: Iterable[str]) -> ConfigError:
+    """The error for an unknown enumerated value (optimizer/scheduler type), naming the nearest one."""
+    cands = sorted(set(candidates))
+    near = difflib.get_close_matches(value, cands, n=1, cutoff=0.5)
+    tail = f"did you mean {near[0]}?" if near else f"expected one of {', '.join(cands)}"
+    return ConfigError(f"{path}: unknown value {value!r}; {tail}", key=path)
+
+
 # ----------------------------------------------------------------------------------------------- coercion
 
 _TRUE = {"true", "yes", "on", "y", "t", "1"}

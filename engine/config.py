@@ -3,8 +3,8 @@
 Owns the config contract of the engine: which DeepSpeed keys exist, their defaults (DeepSpeed 0.19.8),
 deprecated spellings (mapped with a warning), batch-size resolution, and clear ``ConfigError``s for HF
 ``"auto"`` placeholders, DeepSpeed features the engine does not implement, and unknown keys (with the
-nearest valid key). Generic parsing/coercion lives in ``engine._config_parse``; this module declares the
-blocks, their rules and ``parse_config``.
+nearest valid key). This module declares the blocks and ``parse_config``; the per-block rules live in
+``engine._config_blocks`` and the generic parsing/coercion in ``engine._config_parse``.
 
 Defaults worth knowing (they changed across DeepSpeed versions; these are 0.19.8's):
 ``gradient_clipping`` 1.0, ``steps_per_print`` None, offload ``pin_memory`` True, ``overlap_comm`` True for
@@ -14,26 +14,13 @@ stage 3 else False, optimizer ``Adam`` means decoupled weight decay (``adam_w_mo
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine._config_parse import (
-    ConfigError,
-    Foreign,
-    build,
-    coerce,
-    deprecated,
-    join,
-    reject_auto,
-    take_foreign,
-    to_float,
-    to_int,
-    unknown_key,
-)
+from engine._config_parse import ConfigError, build, deprecated, reject_auto, take_foreign, to_int
 
 __all__ = [
     "BF16Config",
@@ -262,176 +249,9 @@ class EngineConfig:
         return off is not None and off.active
 
 
-# ------------------------------------------------------------------------------------------- block rules
+# ------------------------------------------------------------------------------------------- entry point
 
-_REMOVED = "removed from DeepSpeed itself"
-_TOP_FOREIGN: dict[str, Foreign] = {
-    **{
-        k: Foreign(_REMOVED)
-        for k in (
-            "nebula",
-            "compression_training",
-            "amp",
-            "quantize_training",
-            "sparse_gradients",
-            "eigenvalue",
-            "sparse_attention",
-            "elasticity",
-            "graph_harvesting",
-            "curriculum_learning",
-            "progressive_layer_drop",
-        )
-    },
-    "pipeline": Foreign("pipeline parallelism"),
-    "activation_checkpointing": Foreign("DeepSpeed activation checkpointing; use torch.utils.checkpoint"),
-    "moe": Foreign("mixture of experts"),
-    "expert_parallel": Foreign("expert parallelism"),
-    "tensor_parallel": Foreign("tensor parallelism"),
-    "sequence_parallel_size": Foreign("sequence parallelism", default=1),
-    "flops_profiler": Foreign("the flops profiler"),
-    "tensorboard": Foreign("the TensorBoard monitor"),
-    "wandb": Foreign("the Weights & Biases monitor"),
-    "csv_monitor": Foreign("the CSV monitor"),
-    "comet": Foreign("the Comet monitor"),
-    "autotuning": Foreign("autotuning"),
-    "data_efficiency": Foreign("data efficiency / curriculum sampling"),
-    "hybrid_engine": Foreign("the RLHF hybrid engine"),
-    "torch_autocast": Foreign("torch.autocast mode; use fp16 or bf16"),
-    "compile": Foreign("DeepCompile"),
-    "weight_quantization": Foreign("weight quantization"),
-    "datastates": Foreign("the DataStates checkpoint engine"),
-    "data_types": Foreign("custom gradient-accumulation / parameter dtypes"),
-    "communication_data_type": Foreign("a custom communication dtype"),
-    "gradient_allreduce_op": Foreign("gradient_allreduce_op 'sum'", default="mean"),
-    "disable_allgather": Foreign("disable_allgather", default=False),
-    "use_data_before_expert_parallelism": Foreign("expert parallelism", default=False),
-    "managed_gradient_accumulation": Foreign("unmanaged gradient accumulation", default=True),
-    **{
-        k: Foreign("logging/performance only", ignore=True)
-        for k in (
-            "comms_logger",
-            "memory_breakdown",
-            "log_level",
-            "timers",
-            "vocabulary_size",
-            "disable_python_gc",
-            "aio",
-            "seq_parallel_communication_data_type",
-        )
-    },
-}
-_ZERO_FOREIGN: dict[str, Foreign] = {
-    "zenflow": Foreign("ZenFlow"),
-    "legacy_stage1": Foreign("the legacy stage-1 implementation", default=False),
-    "parameter_alignment": Foreign("16-byte parameter alignment in flat buffers", default=False),
-    "zero_hpz_partition_size": Foreign("hierarchical (ZeRO++ hpZ) partitioning", default=1),
-    "zero_quantized_weights": Foreign("ZeRO++ quantized weights", default=False),
-    "zero_quantized_nontrainable_weights": Foreign("ZeRO++ quantized frozen weights", default=False),
-    "zero_quantized_gradients": Foreign("ZeRO++ quantized gradients", default=False),
-    "load_from_fp32_weights": Foreign("initialising masters from 16-bit weights on load", default=True),
-    "pipeline_loading_checkpoint": Foreign("pipeline checkpoint loading", default=False),
-    "compute_grad_norm": Foreign("skipping the gradient norm", default=True),
-    "leaf_module": Foreign("ZeRO-3 leaf modules"),
-    "save_muon_momentum_buffer_in_memory": Foreign("the Muon optimizer", default=False),
-    "mics_shard_size": Foreign(_REMOVED),
-    "mics_hierarchical_params_gather": Foreign(_REMOVED),
-    "zeropp_loco_param": Foreign(_REMOVED),
-    **{
-        k: Foreign("performance only", ignore=True)
-        for k in (
-            "use_multi_rank_bucket_allreduce",
-            "stage3_module_granularity_threshold",
-            "module_granularity_threshold",
-            "stage3_model_persistence_threshold",
-            "model_persistence_threshold",
-            "stage3_use_all_reduce_for_fetch_params",
-            "use_all_reduce_for_fetch_params",
-            "stage3_allgather_sequential",
-            "allgather_sequential",
-            "memory_efficient_linear",
-            "override_module_apply",
-            "log_trace_cache_warnings",
-            "enable_sanity_checks",
-        )
-    },
-}
-_OFFLOAD_FOREIGN: dict[str, Foreign] = {
-    "ratio": Foreign("partial optimizer offload", default=1.0),
-    "super_offload": Foreign("SuperOffload", default=False),
-    **{
-        k: Foreign("NVMe/performance only", ignore=True)
-        for k in (
-            "nvme_path",
-            "buffer_count",
-            "buffer_size",
-            "max_in_cpu",
-            "pipeline_read",
-            "pipeline_write",
-            "fast_init",
-            "cpuadam_cores_perc",
-        )
-    },
-}
-_FP16_FOREIGN = {"fp16_master_weights_and_grads": Foreign("fp16 master weights", default=False)}
-_BF16_FOREIGN = {
-    "bf16_master_weights_and_grads": Foreign("bf16 master weights", default=False),
-    "bf16_optimizer_states": Foreign("bf16 optimizer states", default=False),
-    "immediate_grad_update": Foreign("performance only", ignore=True),
-}
-_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-_DS_OTHER_OPTIMIZERS = {
-    "adagrad",
-    "lamb",
-    "lion",
-    "muon",
-    "muadam",
-    "muadamw",
-    "musgd",
-    "onebitadam",
-    "zerooneadam",
-    "onebitlamb",
-    "fusedadam",
-    "cpuadam",
-}
-_ADAM_FOREIGN = {
-    "amsgrad": Foreign("AMSGrad", default=False),
-    "bias_correction": Foreign("Adam without bias correction", default=True),
-    "fp32_optimizer_states": Foreign("16-bit optimizer states", default=True),
-    "foreach": Foreign("performance only", ignore=True),
-}
-_SGD_FOREIGN = {
-    "maximize": Foreign("maximize", default=False),
-    "differentiable": Foreign("differentiable SGD", default=False),
-    "foreach": Foreign("performance only", ignore=True),
-}
-_LRS = "lrs"  # float or per-group list of floats
-_SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
-    "WarmupLR": {
-        "warmup_min_lr": _LRS,
-        "warmup_max_lr": _LRS,
-        "warmup_num_steps": int,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
-    "WarmupDecayLR": {
-        "total_num_steps": int,
-        "warmup_min_lr": _LRS,
-        "warmup_max_lr": _LRS,
-        "warmup_num_steps": int,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
-    "WarmupCosineLR": {
-        "total_num_steps": int,
-        "warmup_min_ratio": float,
-        "warmup_num_steps": int,
-        "cos_min_ratio": float,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
-}
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler")
 
 
 def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> EngineConfig:
@@ -440,20 +260,22 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     Raises ``ConfigError`` (a ``ValueError``) naming the offending key path. Deprecated spellings are mapped
     with a ``DeprecationWarning`` and a logged warning.
     """
+    from engine import _config_blocks as B  # deferred: the block rules import this module's classes
+
     raw = _load(config)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
     reject_auto(raw, "")
     d = copy.deepcopy(raw)
-    take_foreign(d, "", _TOP_FOREIGN)
+    take_foreign(d, "", B.TOP_FOREIGN)
     ckpt = d.pop("checkpoint", None)
     if isinstance(ckpt, dict) and ckpt.get("load_universal"):
         raise ConfigError(
             "checkpoint.load_universal: not supported by the engine (universal checkpoints)",
             key="checkpoint.load_universal",
         )
-    fp16 = _parse_fp16(d.pop("fp16", None))
-    bf16 = _parse_bf16(d)
+    fp16 = B.parse_fp16(d.pop("fp16", None))
+    bf16 = B.parse_bf16(d)
     if fp16.enabled and bf16.enabled:
         raise ConfigError(
             "bf16.enabled: bfloat16 and fp16 modes cannot be simultaneously enabled", key="bf16.enabled"
@@ -463,9 +285,9 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         size = d.pop("allgather_size")
         if isinstance(d.get("zero_optimization"), bool) and d["zero_optimization"]:
             d["zero_optimization"] = {"stage": 1, "allgather_bucket_size": size}
-    zero = _parse_zero(d.pop("zero_optimization", None))
-    optimizer = _parse_optimizer(d.pop("optimizer", None))
-    scheduler = _parse_scheduler(d.pop("scheduler", None))
+    zero = B.parse_zero(d.pop("zero_optimization", None))
+    optimizer = B.parse_optimizer(d.pop("optimizer", None))
+    scheduler = B.parse_scheduler(d.pop("scheduler", None))
     tb, mb, gas = (None if d.get(k) is None else to_int(d[k], k) for k in _BATCH_KEYS)
     for k in _BATCH_KEYS:
         d.pop(k, None)
@@ -488,7 +310,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         "",
         prebuilt=prebuilt,
         exclude=("world_size", "user_config"),
-        also_valid=(*_BLOCKS, *_BATCH_KEYS, *_TOP_FOREIGN, "checkpoint"),
+        also_valid=(*B.BLOCKS, *_BATCH_KEYS, *B.TOP_FOREIGN, "checkpoint"),
     )
     if cfg.gradient_clipping < 0:
         raise ConfigError(
@@ -517,14 +339,6 @@ def _load(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where}: top level must be a JSON object, got {type(loaded).__name__}")
     return loaded
-
-
-def _block(value: Any, path: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {value!r}", key=path)
-    return dict(value)
 
 
 def _resolve_batch(tb: int | None, mb: int | None, gas: int | None, world: int) -> tuple[int, int, int]:
@@ -565,218 +379,3 @@ def _resolve_batch(tb: int | None, mb: int | None, gas: int | None, world: int) 
             hint="make train_batch_size a multiple of the world size, or give only two of the three keys",
         )
     return tb, mb, gas
-
-
-def _parse_fp16(value: Any) -> FP16Config:
-    d = _block(value, "fp16")
-    take_foreign(d, "fp16", _FP16_FOREIGN)
-    cfg = build(FP16Config, d, "fp16")
-    if cfg.dynamic_loss_scale:  # DeepSpeed validates these only when dynamic scaling is active
-        for name in ("loss_scale_window", "min_loss_scale", "hysteresis"):
-            if getattr(cfg, name) <= 0:
-                raise ConfigError(
-                    f"fp16.{name}: must be > 0 when dynamic loss scaling is enabled (loss_scale=0)",
-                    key=f"fp16.{name}",
-                )
-    return cfg
-
-
-def _parse_bf16(d: dict[str, Any]) -> BF16Config:
-    if "bf16" in d and "bfloat16" in d:
-        raise ConfigError("bfloat16: same block as bf16; give only bf16", key="bfloat16")
-    key = "bf16"
-    if "bfloat16" in d:
-        deprecated("Config block 'bfloat16' is deprecated; use 'bf16'")
-        key = "bfloat16"
-    block = _block(d.pop(key, None), key)
-    take_foreign(block, key, _BF16_FOREIGN)
-    return build(BF16Config, block, key)
-
-
-def _parse_offload(value: Any, path: str) -> OffloadConfig | None:
-    if value is None:
-        return None
-    d = _block(value, path)
-    take_foreign(d, path, _OFFLOAD_FOREIGN)
-    if d.get("device") == "nvme":
-        raise ConfigError(
-            f"{path}.device: 'nvme' offload is not supported by the engine; use 'cpu' or 'none'",
-            key=f"{path}.device",
-        )
-    return build(OffloadConfig, d, path)
-
-
-def _parse_zero(value: Any) -> ZeroConfig:
-    path = "zero_optimization"
-    if isinstance(value, bool):
-        deprecated('Boolean zero_optimization is deprecated; use {"stage": N}')
-        value = {"stage": 1 if value else 0}
-    d = _block(value, path)
-    take_foreign(d, path, _ZERO_FOREIGN)
-    pin: bool | None = None
-    if "cpu_offload_use_pin_memory" in d:
-        deprecated(
-            f"{path}.cpu_offload_use_pin_memory is deprecated; use offload_param/offload_optimizer.pin_memory"
-        )
-        pin = coerce(d.pop("cpu_offload_use_pin_memory"), bool | None, f"{path}.cpu_offload_use_pin_memory")
-    renames = (
-        ("cpu_offload", "offload_optimizer"),
-        ("cpu_offload_param", "offload_param"),
-        ("cpu_offload_params", "offload_param"),
-        ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
-    )
-    for old, new in renames:
-        if old not in d:
-            continue
-        deprecated(f"{path}.{old} is deprecated; use {new}")
-        if new in d:
-            raise ConfigError(
-                f"{path}.{old}: cannot be given together with its replacement {new}", key=join(path, old)
-            )
-        v = d.pop(old)
-        if new.startswith("offload_"):
-            on = coerce(v, bool | None, join(path, old))
-            d[new] = {"device": "cpu"} if on else None
-        else:
-            d[new] = v
-    offload = {}
-    for name in ("offload_param", "offload_optimizer"):
-        block = d.pop(name, None)
-        if pin is not None and isinstance(block, dict) and "pin_memory" not in block:
-            block = {**block, "pin_memory": pin}
-        offload[name] = _parse_offload(block, join(path, name))
-    overlap = d.pop("overlap_comm", None)
-    cfg = build(
-        ZeroConfig,
-        d,
-        path,
-        prebuilt={**offload, "overlap_comm": False},
-        also_valid=(*_ZERO_FOREIGN, *(o for o, _ in renames), "cpu_offload_use_pin_memory", "overlap_comm"),
-    )
-    overlap_comm = cfg.stage == 3 if overlap is None else coerce(overlap, bool, f"{path}.overlap_comm")
-    off_param = offload["offload_param"]
-    if off_param is not None and off_param.active and cfg.stage != 3:
-        raise ConfigError(
-            f"{path}.offload_param: parameter offload needs stage 3, got stage {cfg.stage}",
-            key=f"{path}.offload_param",
-        )
-    return dataclasses.replace(cfg, overlap_comm=overlap_comm)
-
-
-def _parse_optimizer(value: Any) -> OptimizerConfig | None:
-    if value is None:
-        return None
-    d = _block(value, "optimizer")
-    take_foreign(d, "optimizer", {"legacy_fusion": Foreign("legacy fusion", default=False)})
-    for key in d:
-        if key not in ("type", "params"):
-            raise unknown_key("optimizer", key, ("type", "params", "legacy_fusion"))
-    if "type" not in d:
-        raise ConfigError("optimizer.type: required (Adam, AdamW or SGD)", key="optimizer.type")
-    name = coerce(d["type"], str, "optimizer.type")
-    kind = _OPTIMIZERS.get(name.lower())
-    if kind is None:
-        if name.lower() in _DS_OTHER_OPTIMIZERS:
-            raise ConfigError(
-                f"optimizer.type: {name} is not supported by the engine; use Adam, AdamW or SGD",
-                key="optimizer.type",
-            )
-        raise unknown_key("optimizer.type", name, _OPTIMIZERS.values())
-    params = _block(d.get("params"), "optimizer.params")
-    raw_params = copy.deepcopy(params)
-    if "max_grad_norm" in params:
-        raise ConfigError(
-            "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer "
-            "parameter, please switch to using the deepspeed parameter 'gradient_clipping'",
-            key="optimizer.params.max_grad_norm",
-        )
-    path = "optimizer.params"
-    if kind == "SGD":
-        take_foreign(params, path, _SGD_FOREIGN)
-        cfg = build(
-            OptimizerConfig,
-            params,
-            path,
-            prebuilt={"type": kind, "params": raw_params, "adam_w_mode": False},
-            exclude=("betas", "eps", "adam_w_mode", "torch_adam", "type", "params"),
-        )
-        if cfg.nesterov and (cfg.momentum <= 0 or cfg.dampening != 0):
-            raise ConfigError(
-                f"{path}.nesterov: Nesterov momentum requires a momentum and zero dampening",
-                key=f"{path}.nesterov",
-            )
-        return cfg
-    take_foreign(params, path, _ADAM_FOREIGN)
-    cfg = build(
-        OptimizerConfig,
-        params,
-        path,
-        prebuilt={"type": kind, "params": raw_params},
-        exclude=("momentum", "dampening", "nesterov", "type", "params"),
-    )
-    adam_w = kind == "AdamW" or cfg.adam_w_mode  # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false
-    wd = cfg.weight_decay
-    if cfg.torch_adam and adam_w and "weight_decay" not in params:
-        wd = 0.01  # torch.optim.AdamW's own default, which DeepSpeed leaves in place
-    return dataclasses.replace(cfg, adam_w_mode=adam_w, weight_decay=wd)
-
-
-def _parse_scheduler(value: Any) -> SchedulerConfig | None:
-    if value is None:
-        return None
-    d = _block(value, "scheduler")
-    for key in d:
-        if key not in ("type", "params"):
-            raise unknown_key("scheduler", key, ("type", "params"))
-    if "type" not in d:
-        raise ConfigError(
-            "scheduler.type: required (WarmupLR, WarmupDecayLR or WarmupCosineLR)", key="scheduler.type"
-        )
-    name = coerce(d["type"], str, "scheduler.type")
-    if name not in _SCHEDULER_PARAMS:
-        if name in ("LRRangeTest", "OneCycle"):
-            raise ConfigError(
-                f"scheduler.type: {name} is not supported by the engine; use WarmupLR, "
-                "WarmupDecayLR or WarmupCosineLR",
-                key="scheduler.type",
-            )
-        raise unknown_key("scheduler.type", name, _SCHEDULER_PARAMS)
-    spec = _SCHEDULER_PARAMS[name]
-    params: dict[str, Any] = {}
-    for key, v in _block(d.get("params"), "scheduler.params").items():
-        where = f"scheduler.params.{key}"
-        if key not in spec:
-            raise unknown_key("scheduler.params", key, spec)
-        kind = spec[key]
-        if kind == _LRS:
-            params[key] = (
-                None
-                if v is None and key == "warmup_max_lr" and name == "WarmupLR"
-                else (
-                    [to_float(x, f"{where}[{i}]") for i, x in enumerate(v)]
-                    if isinstance(v, list | tuple)
-                    else to_float(v, where)
-                )
-            )
-        elif kind is int:
-            params[key] = to_int(v, where)
-        elif kind is float:
-            params[key] = to_float(v, where)
-        else:
-            params[key] = coerce(v, str, where)
-    if "warmup_num_steps" in params and params["warmup_num_steps"] <= 0:
-        raise ConfigError(
-            f"scheduler.params.warmup_num_steps: must be a positive integer, got "
-            f"{params['warmup_num_steps']}",
-            key="scheduler.params.warmup_num_steps",
-        )
-    if params.get("warmup_type", "log") not in ("log", "linear"):
-        raise ConfigError(
-            f"scheduler.params.warmup_type: expected 'log' or 'linear', got {params['warmup_type']!r}",
-            key="scheduler.params.warmup_type",
-        )
-    if "total_num_steps" in spec and "total_num_steps" not in params:
-        raise ConfigError(
-            f"scheduler.params.total_num_steps: required for {name}", key="scheduler.params.total_num_steps"
-        )
-    return SchedulerConfig(type=name, params=params)

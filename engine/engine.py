@@ -93,7 +93,8 @@ class Engine:
                 )
 
         self.optimizer = PartitionedOptimizer(
-            self.states, self.comm, client=optimizer, config=config.optimizer, model_parameters=model_parameters
+            self.states, self.comm, client=optimizer, config=config.optimizer, model_parameters=model_parameters,
+            partitioned=self.partition_world > 1,
         )
         if optimizer is not None:
             optimizer.param_groups = self.optimizer.param_groups  # a client scheduler now drives ours
@@ -369,9 +370,9 @@ class Engine:
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        from engine import checkpoint
+        from engine import export
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+        return export.save_16bit_model(self, save_dir, save_filename)
 
 
 def _pin(config: EngineConfig) -> bool:

@@ -37,8 +37,11 @@ class PartitionedOptimizer:
         client: torch.optim.Optimizer | None,
         config: Any | None,
         model_parameters: Iterable[Any] | None = None,
+        partitioned: bool = True,
     ) -> None:
         self.comm = comm
+        self.partitioned = partitioned
+        """Grad shards are disjoint slices (stages 1-3); False for stage 0, where every rank holds all of them."""
         self.states = [s for s in states if s.trainable]
         by_param = {id(s.param): s for s in self.states}
         self.group_states: list[list[ParamState]] = []
@@ -102,7 +105,9 @@ class PartitionedOptimizer:
             if grads
             else torch.zeros((), dtype=torch.float32)
         )
-        scaled_norm = math.sqrt(float(self.comm.all_reduce_(sq.double(), "sum").item()))
+        if self.partitioned:
+            sq = self.comm.all_reduce_(sq.double(), "sum")
+        scaled_norm = math.sqrt(float(sq.item()))
         self.last_global_norm = scaled_norm / loss_scale
         combined = loss_scale
         if clip > 0:

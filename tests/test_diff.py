@@ -293,3 +293,72 @@ def test_validator_rejects_bad_documents(tmp_path: Path) -> None:
                 {**js, "tensors": [{**js["tensors"][0], "rel_l2": "big"}]}):  # fmt: skip
         with pytest.raises(AssertionError):
             validate(bad, SCHEMA)
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    res = CliRunner().invoke(app, ["diff", *args])
+    return res.exit_code, res.output
+
+
+def _save_st(path: Path, sd: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return path
+
+
+def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
+    t = _base()
+    a = _save_st(tmp_path / "a.safetensors", t)
+    b = _save_st(tmp_path / "b.safetensors", {**t, "fc.bias": t["fc.bias"] + 0.5})
+    code, out = _cli(str(a), str(a))
+    assert code == 0 and out.startswith("6 tensors compared, 0 differ") and "EQUAL" in out
+    code, out = _cli(str(a), str(b))
+    assert code == 1 and "fc.bias" in out.splitlines()[2]
+    code, out = _cli(str(a), str(b), "--json", "--top", "1")
+    js = json.loads(out)
+    validate(js, SCHEMA)
+    assert code == 1 and [x["key"] for x in js["tensors"]] == ["fc.bias"] and js["summary"]["differing"] == 1
+    assert js["tensors"][0]["max_abs_diff"] == pytest.approx(0.5, rel=1e-6)
+    assert _cli(str(a), str(b), "--atol", "0.51")[0] == 0
+    assert _cli(str(a), str(tmp_path / "missing.safetensors"))[0] == 2
+    assert _cli(str(a), str(b), "--map", "nomapping")[0] == 2
+
+
+def test_cli_deepspeed_vs_nudged_zero_to_fp32_copy(tmp_path: Path) -> None:
+    """Done-when of issue 5: a nudged copy of DeepSpeed's own output exits 1 naming the tensor in --json."""
+    cases = [c for c in DS if (c / "ref_zero_to_fp32" / "pytorch_model.bin").is_file()]
+    if not cases:
+        pytest.skip("no DeepSpeed fixture with a zero_to_fp32 pytorch_model.bin")
+    case = cases[0]
+    ref = torch.load(case / "ref_zero_to_fp32" / "pytorch_model.bin", weights_only=True)
+    info = json.loads((case / "case.json").read_text())
+    names = [n for n in info["param_shapes"] if n not in info.get("frozen", [])]
+    tied = set(info.get("tied", {})) | set(info.get("tied", {}).values())
+    by_size = sorted((n for n in names if n not in tied), key=lambda n: -math.prod(info["param_shapes"][n]))
+    nudge, drop, recast = by_size[0], by_size[1], by_size[2]
+    orig = ref[nudge].clone()
+    sd = {k: v.clone() for k, v in ref.items() if k != drop}
+    sd[nudge].view(-1)[3] += 1e-3
+    sd[recast] = sd[recast].to(torch.float64)
+    torch.save(sd, tmp_path / "nudged.bin")
+    keys = [f"--keys={n}" for n in names]  # frozen params are not in zero_to_fp32's output for ZeRO-1
+    code, out = _cli(str(case), str(tmp_path / "nudged.bin"), "--json", *keys)
+    js = json.loads(out)
+    validate(js, SCHEMA)
+    assert code == 1 and js["only_in_a"] == [drop] and js["only_in_b"] == []
+    by = {t["key"]: t for t in js["tensors"]}
+    assert by[recast]["reasons"] == ["dtype"] and by[recast]["changed"] == 0
+    assert by[nudge]["reasons"] == ["values"] and by[nudge]["changed"] == 1
+    exp = _oracle(orig, sd[nudge])
+    for k in ("max_abs_diff", "max_rel_diff", "rel_l2", "cosine"):
+        assert by[nudge][k] == pytest.approx(exp[k], rel=1e-12), k
+    assert [t["key"] for t in js["tensors"] if t["differs"]][0] == nudge  # most changed first
+    assert _cli(str(case), str(case / "ref_zero_to_fp32"), "--ignore-dtype", *keys)[0] == 0

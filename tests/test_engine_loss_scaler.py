@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,23 +41,52 @@ def _trace(scaler: DynamicLossScaler, pattern: list[int]) -> list[tuple[float, i
 
 
 def test_hysteresis_then_window_growth_hand_trace() -> None:
-    s = DynamicLossScaler(init_scale=16, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=False)
-    # it3: 3 clean steps since "overflow" at -1 -> x2; it4 spends hysteresis; it5 halves; it8 halves (hysteresis
-    # not refilled by clean steps); it12: 3 clean steps after it8 -> x2 and hysteresis refilled; it13 spends it.
+    s = DynamicLossScaler(
+        init_scale=16, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
+    # it3: 3 clean steps since "overflow" at -1 -> x2; it4 spends hysteresis; it5 halves; it8 halves
+    # (clean steps do not refill hysteresis); it12: 3 clean steps after it8 -> x2, hysteresis refilled;
+    # it13 spends it.
     assert _trace(s, _PATTERN) == [
-        (16, 2), (16, 2), (16, 2), (32, 2), (32, 1), (16, 1), (16, 1),
-        (16, 1), (8, 1), (8, 1), (8, 1), (8, 1), (16, 2), (16, 1),
-    ]  # fmt: skip
+        (16, 2),
+        (16, 2),
+        (16, 2),
+        (32, 2),
+        (32, 1),
+        (16, 1),
+        (16, 1),
+        (16, 1),
+        (8, 1),
+        (8, 1),
+        (8, 1),
+        (8, 1),
+        (16, 2),
+        (16, 1),
+    ]
     assert s.cur_iter == 14 and s.last_overflow_iter == 13
 
 
 def test_consecutive_hysteresis_hand_trace() -> None:
-    s = DynamicLossScaler(init_scale=16, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=True)
+    s = DynamicLossScaler(
+        init_scale=16, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=True
+    )
     # every clean step refills the hysteresis, so the isolated overflow at it8 only spends it
     assert _trace(s, _PATTERN) == [
-        (16, 2), (16, 2), (16, 2), (32, 2), (32, 1), (16, 1), (16, 2),
-        (16, 2), (16, 1), (16, 2), (16, 2), (16, 2), (32, 2), (32, 1),
-    ]  # fmt: skip
+        (16, 2),
+        (16, 2),
+        (16, 2),
+        (32, 2),
+        (32, 1),
+        (16, 1),
+        (16, 2),
+        (16, 2),
+        (16, 1),
+        (16, 2),
+        (16, 2),
+        (16, 2),
+        (32, 2),
+        (32, 1),
+    ]
 
 
 def test_no_hysteresis_and_min_scale() -> None:
@@ -98,16 +128,22 @@ def test_build_loss_scaler_from_config() -> None:
     dyn = build_loss_scaler(parse_config({"train_batch_size": 1, "fp16": {"enabled": True}}, world_size=1))
     assert isinstance(dyn, DynamicLossScaler)
     assert (dyn.cur_scale, dyn.scale_window, dyn.min_scale, dyn.delayed_shift) == (65536.0, 1000, 1.0, 2)
-    static = build_loss_scaler(parse_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 8}},
-                                            world_size=1))  # fmt: skip
+    static = build_loss_scaler(
+        parse_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 8}}, world_size=1)
+    )
     assert type(static) is LossScaler and static.cur_scale == 8.0
     bf16 = build_loss_scaler(parse_config({"train_batch_size": 1, "bf16": {"enabled": True}}, world_size=1))
     assert type(bf16) is LossScaler and bf16.cur_scale == 1.0
 
 
 def test_overflow_detection() -> None:
-    finite = [torch.tensor([65504.0, -65504.0], dtype=torch.float16), torch.randn(3, 4), None,
-              torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)]  # fmt: skip
+    finite = [
+        torch.tensor([65504.0, -65504.0], dtype=torch.float16),
+        torch.randn(3, 4),
+        None,
+        torch.zeros(0),
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
     assert not has_overflow(finite)
     assert not has_overflow([])
     flag = overflow_flag(finite)
@@ -146,10 +182,17 @@ print(json.dumps(out))
 def test_matches_real_deepspeed(consecutive: bool) -> None:
     rng = random.Random(7)
     pattern = [int(rng.random() < 0.3) for _ in range(300)]
-    args = dict(init_scale=2**20, scale_window=4, min_scale=0.25, delayed_shift=3,
-                consecutive_hysteresis=consecutive)  # fmt: skip
-    proc = subprocess.run([str(DS_PYTHON), "-c", _DS_SCRIPT], input=json.dumps([args, pattern]),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    args: dict[str, Any] = dict(
+        init_scale=2**20, scale_window=4, min_scale=0.25, delayed_shift=3, consecutive_hysteresis=consecutive
+    )
+    proc = subprocess.run(
+        [str(DS_PYTHON), "-c", _DS_SCRIPT],
+        input=json.dumps([args, pattern]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = json.loads(proc.stdout.strip().splitlines()[-1])
     s = DynamicLossScaler(**args)

@@ -61,7 +61,8 @@ def test_read_file_written_by_safetensors_lazily(tmp_path: Path) -> None:
     with zckpt.open(tmp_path / "x.safetensors") as ck:
         assert ck.meta.format == "hf"
         assert all(len(e.pieces) == 1 for e in ck.entries.values())
-        assert all(e.role is Role.PARAM for e in ck.entries.values())
+        roles = {k: e.role for k, e in ck.entries.items()}
+        assert roles == {k: Role.PARAM if t.is_floating_point() else Role.BUFFER for k, t in sd.items()}
         _assert_same({k: ck[k] for k in ck}, sd)
 
 
@@ -73,7 +74,11 @@ def test_roles_and_tied_roundtrip(tmp_path: Path) -> None:
     ]
     hf.write_safetensors(tmp_path / "r.safetensors", items, tied={"alias": "w"})
     ck = zckpt.open(tmp_path / "r.safetensors")
-    assert {k: e.role for k, e in ck.entries.items()} == {"w": Role.PARAM, "frz": Role.FROZEN, "buf": Role.BUFFER}
+    assert {k: e.role for k, e in ck.entries.items()} == {
+        "w": Role.PARAM,
+        "frz": Role.FROZEN,
+        "buf": Role.BUFFER,
+    }
     assert ck.meta.tied == {"alias": "w"}
     assert torch.equal(ck["alias"], EMB)
     assert torch.equal(ck["frz"], EMB[:2].bfloat16())
@@ -159,7 +164,8 @@ def test_writer_refuses_existing_output(tmp_path: Path) -> None:
     items, _ = items_from_state_dict({"a": torch.ones(2)})
     hf.write_safetensors(tmp_path / "a.safetensors", items)
     before = (tmp_path / "a.safetensors").read_bytes()
-    with pytest.raises(OutputExists, match="--overwrite"):
+    with pytest.raises(OutputExists, match="already exists") as ei:
         hf.write_safetensors(tmp_path / "a.safetensors", items)
+    assert ei.value.hint and "--overwrite" in ei.value.hint
     assert (tmp_path / "a.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "a.safetensors.sha256"]

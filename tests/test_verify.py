@@ -152,10 +152,9 @@ def _ds_copy(tmp_path: Path, case: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("case", ["s1_bf16_w2", "s2_fp16_w2", "s3_*"])
+@pytest.mark.parametrize("case", ["s1_bf16_w2", "s2_fp16_w2", "s3_bf16_w2_g2", "s3_fp16_w3_g2"])
 def test_deepspeed_rank_files(tmp_path: Path, case: str) -> None:
-    found = sorted(p.name for p in DS.glob(case) if (p / "case.json").is_file())
-    ck = _ds_copy(tmp_path, found[0] if found else case)
+    ck = _ds_copy(tmp_path, case)
     world = json.loads((ck / "case.json").read_text())["world"]
     td = ck / (ck / "latest").read_text().strip()
     r = verify(ck)
@@ -185,3 +184,47 @@ def test_deepspeed_rank_files(tmp_path: Path, case: str) -> None:
     r = verify(ck)
     assert [(Path(p.file).name, p.kind) for p in r.problems] == [(optim[1].name, "corrupt")], r.to_text()
     assert "CRC-32" in r.problems[0].message
+    optim[1].write_bytes(saved)
+    models = sorted(td.glob("zero_pp_rank_*_model_states.pt"))
+    if models:  # ZeRO-3: one model-states file per rank
+        models[-1].unlink()
+        r = verify(ck)
+        assert [(Path(p.file).name, p.kind) for p in r.problems] == [(models[-1].name, "missing")], r.to_text()
+
+
+def test_consolidated_output_verifies_and_diffs_clean(tmp_path: Path) -> None:
+    from zckpt.consolidate import consolidate
+    from zckpt.diff import diff
+
+    ck = _ds_copy(tmp_path, "s2_fp16_w2")
+    out = tmp_path / "out"
+    consolidate(ck, out, dtype="fp32", max_shard_size=400, progress=False)
+    r = verify(out)
+    shards = sorted(out.glob("*.safetensors"))
+    assert r.ok and r.checksums == len(shards) >= 2, r.to_text()
+    d = diff(ck, out, ignore_dtype=True, progress=False)  # 16-bit frozen params upcast to fp32
+    assert d.equal and d.differing == 0, d.to_text()
+    _flip(shards[-1], shards[-1].stat().st_size - 3)
+    r = verify(out)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(shards[-1].name, "checksum")]
+
+
+def test_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    run = CliRunner().invoke
+    res = run(app, ["verify", str(f)])
+    assert res.exit_code == 0 and res.output.strip().endswith("OK")
+    res = run(app, ["verify", str(f), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["ok"] is True
+    _flip(f, f.stat().st_size - 1)
+    res = run(app, ["verify", str(f)])
+    assert res.exit_code == 1 and res.output.startswith(f"{f}: sha256 ")
+    js = json.loads(run(app, ["verify", str(f), "--json"]).output)
+    validate(js, SCHEMA)
+    assert js["problems"][0]["kind"] == "checksum"
+    assert run(app, ["verify", str(tmp_path / "nope")]).exit_code == 2

@@ -117,3 +117,23 @@ def chunk_of(entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | Non
     c = partition.chunk_size(entry.numel, world)
     return source(entry.dtype if dtype is None else dtype,
                   [Segment(entry, start, start + valid), Segment(None, 0, c - valid)])  # fmt: skip
+
+
+def slice_entry(entry: TensorEntry, lo: int, hi: int, pad: int = 0, name: str | None = None) -> TensorEntry:
+    """A 1-D ``TensorEntry`` over ``entry``'s flat elements ``[lo, hi)`` followed by ``pad`` zeros: pieces
+    point into the same files (nothing is read here), so any writer that streams entries can write it."""
+    from zckpt.model import Piece
+
+    pieces: list[Piece] = []
+    for p in sorted(entry.pieces, key=lambda p: p.start):
+        a, b = max(lo, p.start), min(hi, p.start + p.numel)
+        if b <= a:
+            continue
+        skip = a - p.start
+        if p.value is not None:
+            pieces.append(Piece("", 0, p.dtype, a - lo, b - a, p.rank, value=p.value.reshape(-1)[skip : skip + b - a]))
+        else:
+            pieces.append(Piece(p.file, p.byte_offset + skip * p.dtype.itemsize, p.dtype, a - lo, b - a, p.rank))
+    if pad:
+        pieces.append(Piece("", 0, entry.dtype, hi - lo, pad, value=torch.zeros(pad, dtype=entry.dtype)))
+    return TensorEntry(name or entry.name, (hi - lo + pad,), entry.dtype, entry.role, tuple(pieces), entry.state)

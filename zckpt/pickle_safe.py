@@ -125,7 +125,7 @@ class TensorRef:
     @property
     def is_contiguous(self) -> bool:
         expect = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride)):
+        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expect:
                 return False
             expect *= size
@@ -200,7 +200,7 @@ def _numpy_global(name: str) -> Any:
     table = {"_reconstruct": np.core.multiarray._reconstruct if hasattr(np, "core") else None,
              "ndarray": np.ndarray, "dtype": np.dtype}  # fmt: skip
     if name == "scalar":
-        from numpy._core.multiarray import scalar  # type: ignore[attr-defined]
+        from numpy._core.multiarray import scalar  # type: ignore[attr-defined,unused-ignore]
 
         return scalar
     return table.get(name)
@@ -237,6 +237,10 @@ def _codecs_encode(obj: str, encoding: str = "utf-8") -> bytes:
 
 _ALLOWED[("_codecs", "encode")] = _codecs_encode
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+# torch dtypes by attribute name (``torch.float16``), looked up in a fixed table: ``getattr(torch, name)``
+# would run torch's module ``__getattr__``, which imports submodules (``torch._dynamo``) and calls
+# deprecated-attribute factories for names chosen by the file.
+_TORCH_DTYPES: dict[str, torch.dtype] = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy")
 
 
@@ -258,10 +262,8 @@ class SafeUnpickler(pickle.Unpickler):
             dt = _storage_dtype(name)
             if dt is not None:
                 return _StorageType(dt)
-        if module == "torch":
-            dt_obj = getattr(torch, name, None)
-            if isinstance(dt_obj, torch.dtype):
-                return dt_obj
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _TORCH_DTYPES[name]
         if module in _NUMPY_MODULES:
             g = _numpy_global(name)
             if g is not None:
@@ -298,4 +300,5 @@ def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
         from zckpt.errors import CorruptCheckpoint
 
-        raise CorruptCheckpoint(f"{source}: unreadable pickle ({type(e).__name__}: {e})", path=source) from None
+        msg = f"{source}: unreadable pickle ({type(e).__name__}: {e})"
+        raise CorruptCheckpoint(msg, path=source) from None

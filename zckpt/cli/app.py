@@ -14,6 +14,7 @@ import functools
 import importlib
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,15 +28,21 @@ EXIT_INTERRUPTED = 130
 COMMANDS = (
     "zckpt.cli.inspect",
     "zckpt.cli.consolidate",
+    "zckpt.cli.diff",
+    "zckpt.cli.verify",
 )
 
 app = typer.Typer(
     name="zckpt",
-    help="Read, inspect and consolidate sharded (DeepSpeed ZeRO, FSDP-style) training checkpoints.",
+    help="Inspect, consolidate, reshard, diff and verify sharded (ZeRO, FSDP-style) training checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
+    Output.warning(str(message))
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,7 +52,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("always" if debug else "default")
+                if not debug:  # library warnings as one `warning: ...` line, not file:line + source
+                    warnings.showwarning = _one_line_warning
+                return fn(*args, **kwargs)
         except ZckptError as e:
             if debug:
                 traceback.print_exc()

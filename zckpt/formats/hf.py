@@ -17,7 +17,7 @@ zckpt's own metadata (written by ``write_safetensors``, read back here):
   listed in the index's ``weight_map`` (that would make them "missing" from their shard). The
   index's ``metadata`` also holds ``"zckpt.tied"`` (as a JSON object);
 - ``__metadata__["zckpt.roles"]``: JSON ``{name: "frozen" | "buffer" | "optim"}`` for tensors that are
-  not trainable params (the default role).
+  not trainable params. Without it, floating tensors are params and the others (int, bool) buffers.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[st
         shape = tuple(info["shape"])
         numel = (info["data_offsets"][1] - info["data_offsets"][0]) // dtype.itemsize
         piece = Piece(str(path), start + info["data_offsets"][0], dtype, 0, numel)
-        role = Role(roles.get(name, Role.PARAM.value))
+        default = Role.PARAM if (dtype.is_floating_point or dtype.is_complex) else Role.BUFFER
+        role = Role(roles.get(name, default.value))
         base, state = name, None
         if role is Role.OPTIM:
             base, _, state = name.rpartition(STATE_SEP)

@@ -1,0 +1,74 @@
+"""``save_16bit_model``: the model's weights in the compute dtype, as one file on rank 0 (DeepSpeed semantics).
+
+Stage 3 needs ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and False is
+returned, as DeepSpeed does. With it, params are gathered ONE at a time (all ranks take part) and streamed
+into a safetensors file on rank 0, so rank 0 never holds more than one full parameter. Stages 0-2 hold full
+params already; rank 0 streams them. Keys are ``module.state_dict()``'s (tied aliases written as copies, so
+``load_state_dict(strict=True)`` works). A ``.bin`` file name gives a ``torch.save`` state dict instead, which
+must be built in rank 0's memory (DeepSpeed's format; prefer ``.safetensors`` for large models).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.st_stream import SafetensorsStream
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def save_16bit_model(eng: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> bool:
+    if eng.stage == 3 and not eng.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        log.warning(
+            "Did not save the model %s because stage3_gather_16bit_weights_on_model_save is False",
+            Path(save_dir) / save_filename,
+        )
+        return False
+    rank0 = eng.comm.rank == 0
+    path = Path(save_dir) / save_filename
+    if rank0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    state_of = {id(s.param): s for s in eng.states}
+    sd = eng.module.state_dict(keep_vars=True)
+    specs = []
+    for name, t in sd.items():
+        st = state_of.get(id(t))
+        shape = st.shape if st is not None else tuple(t.shape)
+        specs.append((name, t.dtype, shape))
+    binary = save_filename.endswith(".bin")
+    writer = SafetensorsStream(path, specs) if rank0 and not binary else None
+    kept: dict[str, torch.Tensor] = {}
+    try:
+        for name, t in sd.items():
+            st = state_of.get(id(t))
+            was = st.gathered if st is not None else True
+            if st is not None and eng.fetcher is not None and not was:
+                eng.fetcher.gather([st])
+            if rank0:
+                value = t.detach().cpu()
+                if writer is not None:
+                    writer.write(name, value)
+                else:
+                    kept[name] = value.clone()
+            if st is not None and not was:
+                st.release()
+        if writer is not None:
+            writer.commit()
+        elif rank0:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            torch.save(kept, tmp)
+            os.replace(tmp, path)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    eng.comm.barrier()
+    return True

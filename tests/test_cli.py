@@ -1,0 +1,105 @@
+"""The typer CLI: option surface (a --help snapshot), output, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from zckpt.cli.app import app
+
+runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
+SD = {"emb.weight": torch.randn(5, 3), "fc.bias": torch.randn(4).bfloat16(), "ids": torch.arange(3)}
+
+
+def _options(args: list[str]) -> set[str]:
+    res = runner.invoke(app, [*args, "--help"])
+    assert res.exit_code == 0, res.output
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", res.output))
+
+
+def test_help_snapshot() -> None:
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and "inspect" in res.output and "consolidate" in res.output
+    assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--help"}
+    assert _options(["consolidate"]) == {
+        "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",
+        "--trust-pickle", "--progress", "--no-progress", "--json", "--help",
+    }  # fmt: skip
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    save_file(SD, tmp_path / "in.safetensors", metadata={"format": "pt"})
+    return tmp_path / "in.safetensors"
+
+
+def test_inspect_table_and_json(model: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(model)])
+    assert res.exit_code == 0, res.output
+    assert "emb.weight" in res.stdout and "5x3" in res.stdout and "bfloat16" in res.stdout
+    res = runner.invoke(app, ["inspect", str(model), "--json"])
+    data = json.loads(res.stdout)
+    assert data["format"] == "hf" and data["params"] == 19
+    assert {t["key"]: t["shape"] for t in data["tensors"]} == {
+        "emb.weight": [5, 3],
+        "fc.bias": [4],
+        "ids": [3],
+    }
+
+
+def test_consolidate_cli(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    args = ["consolidate", str(model), str(out), "--dtype", "fp16", "--keep-fp32", "emb.*", "--no-progress"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    got = load_file(out)
+    assert got["emb.weight"].dtype == torch.float32 and torch.equal(got["emb.weight"], SD["emb.weight"])
+    assert torch.equal(got["fc.bias"], SD["fc.bias"].half()) and torch.equal(got["ids"], SD["ids"])
+    # again: the output exists -> one error line, a hint, exit 2, no traceback
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [f"error: {out} already exists", "hint: pass --overwrite to replace it"]
+    assert "Traceback" not in res.output
+    res = runner.invoke(app, [*args, "--overwrite", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["tensors"] == 3
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "no such file or folder"),
+        ("empty", "the folder is empty"),
+        ("truncated", "truncated"),
+        ("bad_suffix", "cannot tell the output format"),
+    ],
+)
+def test_errors_are_one_line(tmp_path: Path, model: Path, setup: str, message: str) -> None:
+    src, out = tmp_path / "nope", tmp_path / "out.safetensors"
+    if setup == "empty":
+        src.mkdir()
+    elif setup == "truncated":
+        src = tmp_path / "t.safetensors"
+        src.write_bytes(model.read_bytes()[:-7])
+    elif setup == "bad_suffix":
+        src, out = model, tmp_path / "out.weird"
+    res = runner.invoke(app, ["consolidate", str(src), str(out), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("error: ") and message in first
+    assert "Traceback" not in res.output and not out.exists()
+
+
+def test_debug_env_shows_traceback(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(tmp_path / "nope")], env={"ZCKPT_DEBUG": "1"})
+    assert res.exit_code == 2 and "Traceback" in res.stderr
+
+
+def test_bad_option_value_is_usage_error(model: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["consolidate", str(model), str(tmp_path / "o.safetensors"), "--dtype", "fp8"])
+    assert res.exit_code == 2 and "fp8" in res.output
