@@ -31,7 +31,15 @@ from engine.engine import Engine
 
 DeepSpeedEngine = Engine
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "DeepSpeedEngine", "Engine", "EngineConfig", "init_distributed", "initialize", "zero"]
+__all__ = [
+    "ConfigError",
+    "DeepSpeedEngine",
+    "Engine",
+    "EngineConfig",
+    "init_distributed",
+    "initialize",
+    "zero",
+]
 
 
 def initialize(
@@ -47,7 +55,7 @@ def initialize(
     dist_init_required: bool | None = None,
     **_ignored: Any,
 ) -> tuple[Engine, Any, Any, Any]:
-    """Wrap ``model`` in an ``Engine``; return ``(engine, optimizer, dataloader, lr_scheduler)`` like DeepSpeed.
+    """Wrap ``model`` in an ``Engine``; return ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``config`` is a DeepSpeed config dict or JSON path (``config_params`` and ``args.deepspeed_config`` are
     DeepSpeed's older spellings). ``optimizer`` may be a ``torch.optim.Optimizer`` (rebuilt over this rank's

@@ -1,4 +1,4 @@
-"""Native checkpoints: ``save`` and ``load`` of an ``Engine`` (the format is specified in docs/native-format.md
+"""Native checkpoints: ``save`` and ``load`` of an ``Engine`` (format: docs/native-format.md
 and read by ``zckpt.formats.native``).
 
 Save: every rank writes ``rank_{r:05d}.safetensors`` (its fp32 master chunks, optimizer-state chunks, frozen
@@ -78,8 +78,12 @@ def _client_join(obj: Any, rank0: Path) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 def save(
-    eng: Engine, save_dir: str | os.PathLike[str], *, tag: str | None = None,
-    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+    eng: Engine,
+    save_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
 ) -> Path:
     """Write a native checkpoint of ``eng`` into ``save_dir/<tag>`` (collective: every rank calls it)."""
     comm = eng.comm
@@ -99,9 +103,16 @@ def save(
                 part = t.shape == s.master.shape and t.dim() == 1
                 if r < pw:
                     tensors[f"optim/{k}/{s.name}"] = t.detach().cpu().contiguous()
-                optim_specs.append({"param": s.name, "state": k, "shape": list(s.shape) if part else list(t.shape),
-                                    "dtype": str(t.dtype).removeprefix("torch."), "partitioned": part,
-                                    "python": None if isinstance(v, torch.Tensor) else type(v).__name__})
+                optim_specs.append(
+                    {
+                        "param": s.name,
+                        "state": k,
+                        "shape": list(s.shape) if part else list(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "partitioned": part,
+                        "python": None if isinstance(v, torch.Tensor) else type(v).__name__,
+                    }
+                )
         if r < pw:
             prefix = "param" if s.trainable else "frozen"
             val = s.master if s.trainable else s.local_values()
@@ -116,9 +127,11 @@ def save(
             tensors[f"buffer/{name}"] = b.detach().cpu().contiguous()
         client_json = _client_split(client_state or {}, "", tensors)
     sha, size = write_tensors(td / _rank_file(r), tensors)
-    np_state = np.random.get_state()
-    rng = {"python": _jsonable(random.getstate()),
-           "numpy": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]]}
+    np_state: Any = np.random.get_state()
+    rng = {
+        "python": _jsonable(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]],
+    }
     infos = comm.all_gather_object({"file": _rank_file(r), "sha256": sha, "bytes": size, "rng": rng})
     if r == 0:
         manifest = _manifest(eng, tag, optim_specs, infos, client_json)
@@ -143,12 +156,25 @@ def _manifest(eng: Engine, tag: str, optim_specs: list[dict[str, Any]], infos: l
         groups.append({**hyper, "params": [names_by_master[id(p)] for p in g["params"]]})
     tensors = []
     for s in eng.states:
-        tensors.append({"name": s.name, "shape": list(s.shape),
-                        "dtype": "float32" if s.trainable else str(s.dtype).removeprefix("torch."),
-                        "role": "param" if s.trainable else "frozen", "partitioned": True})
+        tensors.append(
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "dtype": "float32" if s.trainable else str(s.dtype).removeprefix("torch."),
+                "role": "param" if s.trainable else "frozen",
+                "partitioned": True,
+            }
+        )
     for name, b in eng.module.named_buffers():
-        tensors.append({"name": name, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch."),
-                        "role": "buffer", "partitioned": False})
+        tensors.append(
+            {
+                "name": name,
+                "shape": list(b.shape),
+                "dtype": str(b.dtype).removeprefix("torch."),
+                "role": "buffer",
+                "partitioned": False,
+            }
+        )
     sched = eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None
     return {
         "format": native.FORMAT,
@@ -162,12 +188,19 @@ def _manifest(eng: Engine, tag: str, optim_specs: list[dict[str, Any]], infos: l
         "tensors": tensors,
         "optim_states": optim_specs,
         "tied": dict(eng.tied),
-        "optimizer": {"kind": type(inner).__name__, "param_groups": groups,
-                      "state_names": sorted({o["state"] for o in optim_specs})},
+        "optimizer": {
+            "kind": type(inner).__name__,
+            "param_groups": groups,
+            "state_names": sorted({o["state"] for o in optim_specs}),
+        },
         "scheduler": _jsonable(sched),
         "loss_scaler": _jsonable(eng.loss_scaler.state_dict()),
-        "counters": {"global_steps": eng.global_steps, "global_samples": eng.global_samples,
-                     "skipped_steps": eng.skipped_steps, "micro_steps": eng.micro_steps},
+        "counters": {
+            "global_steps": eng.global_steps,
+            "global_samples": eng.global_samples,
+            "skipped_steps": eng.skipped_steps,
+            "micro_steps": eng.micro_steps,
+        },
         "rng": [i["rng"] for i in infos],
         "client_state": client_json,
         "config": _jsonable(eng.config.to_dict()),
@@ -193,8 +226,12 @@ def _chunk_from(entry: TensorEntry, s: Any, like: torch.Tensor) -> None:
 
 
 def load(
-    eng: Engine, load_dir: str | os.PathLike[str], *, tag: str | None = None,
-    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+    eng: Engine,
+    load_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore ``eng`` from a native checkpoint saved at any world size; (None, None) when there is none."""
     root = Path(load_dir)
@@ -268,7 +305,9 @@ def _load_optimizer(eng: Engine, ckpt: Checkpoint, man: dict[str, Any]) -> None:
         inner.state.setdefault(s.master, {})[state] = value
     saved = man["optimizer"]["param_groups"]
     if len(saved) != len(inner.param_groups):
-        raise ValueError(f"checkpoint has {len(saved)} optimizer param groups, the optimizer {len(inner.param_groups)}")
+        raise ValueError(
+            f"checkpoint has {len(saved)} optimizer param groups, the optimizer {len(inner.param_groups)}"
+        )
     for g, sg in zip(inner.param_groups, saved, strict=True):
         for k, v in sg.items():
             if k != "params":

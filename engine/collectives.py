@@ -104,7 +104,7 @@ class Comm:
     def reduce_grads(
         self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
     ) -> list[torch.Tensor]:
-        """Average full gradients over the ranks; return this rank's chunk of each (same dtype), ONE collective.
+        """Average full gradients over the ranks; return this rank's chunk of each in ONE collective.
 
         ``partition_world`` is ``world`` (reduce-scatter: rank r gets elements ``[r*c, r*c+c)`` of each) or 1
         (all-reduce: every rank gets the whole gradient; stage 0).

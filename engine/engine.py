@@ -93,7 +93,11 @@ class Engine:
                 )
 
         self.optimizer = PartitionedOptimizer(
-            self.states, self.comm, client=optimizer, config=config.optimizer, model_parameters=model_parameters,
+            self.states,
+            self.comm,
+            client=optimizer,
+            config=config.optimizer,
+            model_parameters=model_parameters,
             partitioned=self.partition_world > 1,
         )
         if optimizer is not None:
@@ -108,7 +112,9 @@ class Engine:
         for m in model.modules():
             for key, buf in m._buffers.items():
                 if buf is not None:
-                    m._buffers[key] = buf.to(self.device, self.dtype if buf.is_floating_point() else buf.dtype)
+                    m._buffers[key] = buf.to(
+                        self.device, self.dtype if buf.is_floating_point() else buf.dtype
+                    )
         owners: dict[int, ParamState] = {}
         tied: dict[str, str] = {}
         states: list[ParamState] = []
@@ -140,8 +146,10 @@ class Engine:
                 s.grad_shard = torch.zeros(s.chunk, dtype=torch.float32, device=self.master_device)
             if s.sharded:
                 same = self.dtype == torch.float32 and self.master_device == self.shard_device
-                s.shard = s.master if (same and s.master is not None) else s.slice_of(s.param.data).to(
-                    self.shard_device
+                s.shard = (
+                    s.master
+                    if (same and s.master is not None)
+                    else s.slice_of(s.param.data).to(self.shard_device)
                 )
                 if self.shard_device.type == "cpu" and self.device.type == "cuda" and _pin(self.config):
                     s.shard = s.shard.pin_memory()
@@ -183,7 +191,9 @@ class Engine:
             return None
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = DistributedSampler(data, num_replicas=self.comm.world, rank=self.comm.rank)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            data, num_replicas=self.comm.world, rank=self.comm.rank
+        )
         return DataLoader(
             data,
             batch_size=self.config.train_micro_batch_size_per_gpu,
@@ -201,7 +211,9 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Scale the loss (1/accumulation steps, fp16 loss scale), run autograd and reduce the gradients."""
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
@@ -344,7 +356,11 @@ class Engine:
 
     # -- checkpoints (engine.checkpoint) -----------------------------------------------------------
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
     ) -> bool:
         from engine import checkpoint
 

@@ -1,4 +1,4 @@
-"""``save_16bit_model``: the model's weights in the compute dtype, as one file on rank 0 (DeepSpeed semantics).
+"""``save_16bit_model``: the model's weights in the compute dtype, in one file on rank 0, as DeepSpeed.
 
 Stage 3 needs ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and False is
 returned, as DeepSpeed does. With it, params are gathered ONE at a time (all ranks take part) and streamed

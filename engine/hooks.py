@@ -1,9 +1,9 @@
 """Stage-3 parameter fetching: module hooks that gather params just in time and release them after use.
 
-``ParamFetcher`` owns the gather/release of parameter *shards* (``engine.param``) in buckets; ``install_hooks``
+``ParamFetcher`` owns the gather/release of parameter *shards* in buckets; ``install_hooks``
 wires it into a model:
 
-- forward pre-hook of each module with direct parameters: gather them in ONE bucketed all-gather, together with
+- forward pre-hook of each module with direct parameters: gather them in ONE bucketed all-gather, with
   the params of the modules that ran next in the previous forward, up to ``prefetch_bucket_size`` elements
   (prefetch by trace, as DeepSpeed does);
 - forward post-hook: release them (unless persistent), and put a multi-grad hook on the module's outputs so
@@ -140,7 +140,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def install_hooks(model: nn.Module, fetcher: ParamFetcher) -> list[Any]:
-    """Register the stage-3 forward/backward hooks on every module that owns parameters; return the handles."""
+    """Register the stage-3 forward/backward hooks on every module owning params; return handles."""
     handles: list[Any] = []
 
     def root_pre(_m: nn.Module, _args: Any) -> None:

@@ -1,7 +1,7 @@
 """The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions (``engine.param``).
 
 A client ``torch.optim.Optimizer`` is rebuilt with its class, defaults and per-group hyper-parameters over the
-masters of the params it held (frozen params are skipped); without one, the config's ``optimizer`` block builds
+masters of the params it held (frozen params are skipped); without one, the config's ``optimizer`` builds
 Adam/AdamW/SGD with DeepSpeed's semantics (``Adam`` is AdamW unless ``adam_w_mode`` is false; weight decay
 defaults to 0 like FusedAdam/DeepSpeedCPUAdam). Elementwise optimizers (Adam, AdamW, SGD...) updating a
 partition give exactly the slice of the full update, which is why the sharded step equals the unsharded one.
@@ -41,7 +41,7 @@ class PartitionedOptimizer:
     ) -> None:
         self.comm = comm
         self.partitioned = partitioned
-        """Grad shards are disjoint slices (stages 1-3); False for stage 0, where every rank holds all of them."""
+        """Grad shards are disjoint slices (stages 1-3); False for stage 0 (each rank holds all)."""
         self.states = [s for s in states if s.trainable]
         by_param = {id(s.param): s for s in self.states}
         self.group_states: list[list[ParamState]] = []

@@ -4,7 +4,7 @@ Note: engine tensors
 --------------------
 Every unique ``nn.Parameter`` of the model gets one ``ParamState``. The names below are used everywhere:
 
-- **original**: the user's ``nn.Parameter`` (``state.param``). The autograd leaf the model computes with; under
+- **original**: the user's ``nn.Parameter`` (``state.param``). The autograd leaf the model uses; under
   stage 3 its ``.data`` is swapped between *gathered* and an empty tensor, so the object never changes.
 - **gathered**: the full parameter in the compute dtype (fp32/fp16/bf16), shape ``param.shape``. Under stages
   0-2 the original always holds it; under stage 3 only between a module's pre-hook and its release.
@@ -16,7 +16,7 @@ Every unique ``nn.Parameter`` of the model gets one ``ParamState``. The names be
 - **grad shard**: fp32 partition of the rank-averaged gradient (trainable params only), ``chunk`` elements,
   accumulated over the micro-steps of one optimizer step. Its padding stays zero.
 
-Partitioning is per parameter in every stage: the flattened parameter is split in ``partition_world`` chunks of
+Partitioning is per parameter in every stage: the flat parameter is split in ``partition_world`` chunks of
 ``chunk = ceil(numel / partition_world)`` elements; rank r owns ``[r * chunk, r * chunk + valid)``
 (``zckpt.partition.chunk_range``), the trailing ranks holding padding. ``partition_world`` is the world size
 (stages 1-3) or 1 (stage 0, plain data parallel).

@@ -41,7 +41,11 @@ class SafetensorsStream:
             for d in shape:
                 n *= d
             nbytes = n * dtype.itemsize
-            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _ST_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
             self._order.append((name, dtype, tuple(shape)))
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -54,7 +58,9 @@ class SafetensorsStream:
     def write(self, name: str, t: torch.Tensor) -> None:
         want, dtype, shape = self._order[self._next]
         if name != want or t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(f"{self.path}: expected {want} {dtype} {list(shape)}, got {name} {t.dtype} {list(t.shape)}")
+            raise ValueError(
+                f"{self.path}: expected {want} {dtype} {list(shape)}, got {name} {t.dtype} {list(t.shape)}"
+            )
         self._sink.write(tensor_bytes(t.detach().to("cpu").reshape(-1)))
         self._next += 1
 

@@ -41,8 +41,11 @@ class GatheredParameters:
     """Context manager: the given params are full inside; edits on ``modifier_rank`` are kept at exit."""
 
     def __init__(
-        self, params: Iterable[Any] | torch.Tensor | None, modifier_rank: int | None = None,
-        fwd_module: Any = None, enabled: bool = True,
+        self,
+        params: Iterable[Any] | torch.Tensor | None,
+        modifier_rank: int | None = None,
+        fwd_module: Any = None,
+        enabled: bool = True,
     ) -> None:
         self.items = _states(params) if enabled else []
         self.modifier_rank = modifier_rank

@@ -1,6 +1,6 @@
 """Run a function on several gloo ranks (``torch.multiprocessing.spawn``, ``file://`` store, no ports).
 
-``run(fn, world, *args)`` spawns ``world`` processes; each initialises a gloo process group through a file store
+``run(fn, world, *args)`` spawns ``world`` processes; each starts a gloo process group on a file store
 in a fresh temporary folder, calls ``fn(rank, world, *args)`` and writes what it returns (JSON-able) to
 ``<tmp>/result_<rank>.json``. The parent returns the list of per-rank results. ``fn`` must be a module-level
 function (spawn pickles it by name). One spawn costs ~4 s on 2 cores, so put many checks in one ``fn``.
@@ -22,7 +22,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, tmp: str, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         out = fn(rank, world, *args)

@@ -71,8 +71,12 @@ def config(stage: int, precision: str = "fp32", gas: int = 1, **zero: Any) -> di
         "gradient_clipping": CLIP,
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0, "warmup_max_lr": MAX_LR, "warmup_num_steps": WARMUP,
-                       "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": 0,
+                "warmup_max_lr": MAX_LR,
+                "warmup_num_steps": WARMUP,
+                "warmup_type": "linear",
+            },
         },
         "zero_optimization": {
             "stage": stage,
@@ -107,7 +111,10 @@ def reference(steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().reshape(-1).tolist() for n, p in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().reshape(-1).tolist() for n, p in model.state_dict().items()},
+    }
 
 
 def train(
@@ -120,7 +127,7 @@ def train(
     model: nn.Module | None = None,
     engine_: Any = None,
 ) -> tuple[Any, list[float]]:
-    """Train ``steps`` optimizer steps (from step ``first``) with the engine; return (engine, global mean losses)."""
+    """Train ``steps`` optimizer steps (from step ``first``) on the engine; return (engine, mean losses)."""
     import torch.distributed as dist
 
     import engine
@@ -128,7 +135,11 @@ def train(
     if engine_ is None:
         model = model if model is not None else make_model()
         opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=MAX_LR, betas=BETAS, eps=EPS, weight_decay=WD
+            [p for p in model.parameters() if p.requires_grad],
+            lr=MAX_LR,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WD,
         )
         engine_, _, _, _ = engine.initialize(model=model, optimizer=opt, config=cfg)
     gas = cfg["gradient_accumulation_steps"]

@@ -61,7 +61,7 @@ def assert_one_line_error(r: Run, *needles: str) -> str:
 
 
 def leftovers(folder: Path) -> list[str]:
-    """Names under ``folder`` that look like zckpt temporaries (``*.zckpt-tmp-*``, ``*.zckpt-old-*``, ``*.tmp``)."""
+    """Names under ``folder`` that look like zckpt temporaries (``*zckpt-tmp*``, ``*zckpt-old*``)."""
     out = []
     for p in folder.rglob("*"):
         if "zckpt-tmp" in p.name or "zckpt-old" in p.name or p.name.endswith(".tmp"):
@@ -69,10 +69,29 @@ def leftovers(folder: Path) -> list[str]:
     return out
 
 
+def pick_case(*names: str) -> str:
+    """The first of ``names`` that is a complete fixture (fixtures may be being regenerated meanwhile)."""
+    for n in names:
+        d = FIXTURES / n
+        if (d / "case.json").is_file() and (d / "latest").is_file() and (d / "ref_fp32.safetensors").is_file():
+            return n
+    return names[0]
+
+
+# a ZeRO-1/2 world-2 case (mp_rank_00_model_states.pt + two optim files) and a ZeRO-3 world-2 case
+DS2 = pick_case("s2_fp16_w2", "s1_bf16_w2", "s2_fp32_w2_g2")
+DS3 = pick_case("s3_fp32_w2", "s3_bf16_w2_g2")
+
+
 def copy_case(case: str, dest: Path) -> Path:
-    """A private copy of fixture ``fixtures/ds/<case>`` (the checkpoint folder holding ``latest``)."""
+    """A private copy of the checkpoint of fixture ``fixtures/ds/<case>`` (``latest`` and the tag folders)."""
     out = dest / case
-    shutil.copytree(FIXTURES / case, out)
+    src = FIXTURES / case
+    out.mkdir(parents=True)
+    shutil.copy(src / "latest", out / "latest")
+    for d in src.iterdir():
+        if d.is_dir() and d.name.startswith("global_step"):
+            shutil.copytree(d, out / d.name)
     return out
 
 

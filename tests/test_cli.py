@@ -26,7 +26,7 @@ def _options(args: list[str]) -> set[str]:
 def test_help_snapshot() -> None:
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "inspect" in res.output and "consolidate" in res.output
-    assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--help"}
+    assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--stats", "--help"}
     assert _options(["consolidate"]) == {
         "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",
         "--trust-pickle", "--progress", "--no-progress", "--json", "--help",
@@ -103,3 +103,22 @@ def test_debug_env_shows_traceback(tmp_path: Path) -> None:
 def test_bad_option_value_is_usage_error(model: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["consolidate", str(model), str(tmp_path / "o.safetensors"), "--dtype", "fp8"])
     assert res.exit_code == 2 and "fp8" in res.output
+
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s2_fp16_w2"
+
+
+@pytest.mark.skipif(not (FIXTURE / "case.json").is_file(), reason="DeepSpeed fixture not present")
+def test_inspect_deepspeed_fixture() -> None:
+    pytest.importorskip("zckpt.formats.deepspeed")
+    info = json.loads((FIXTURE / "case.json").read_text())
+    res = runner.invoke(app, ["inspect", str(FIXTURE), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert (data["format"], data["stage"], data["world_size"]) == ("deepspeed", info["stage"], info["world"])
+    assert data["tied"] == info["tied"] and sorted(data["frozen"]) == sorted(info["frozen"])
+    assert {"exp_avg", "exp_avg_sq"} <= set(data["optimizer_states"])
+    params = {t["name"]: t["shape"] for t in data["tensors"] if t["role"] == "param"}
+    assert params == {k: v for k, v in info["param_shapes"].items() if k not in info["frozen"]}
+    res = runner.invoke(app, ["inspect", str(FIXTURE)])
+    assert res.exit_code == 0 and "tied: head.weight -> emb.weight" in res.stdout

@@ -292,3 +292,17 @@ def test_consolidate_deepspeed_fixture(tmp_path: Path, case: str) -> None:
         assert got16[k].dtype == want.dtype and torch.equal(got16[k], want), k
     for alias, owner in info["tied"].items():
         assert got16[alias].untyped_storage().data_ptr() == got16[owner].untyped_storage().data_ptr()
+
+
+def test_file_out_checks_every_name_first(tmp_path: Path) -> None:
+    ck = make_ckpt(tmp_path / "in")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x-00002-of-00003.safetensors").write_bytes(b"keep")
+    with pytest.raises(OutputExists, match="x-00002-of-00003"):
+        zckpt.consolidate(
+            ck, tmp_path / "o" / "x.safetensors", dtype="fp32", max_shard_size=400, progress=False
+        )
+    assert os.listdir(tmp_path / "o") == ["x-00002-of-00003.safetensors"]
+    (tmp_path / "o" / "m.safetensors.sha256").write_text("stale  m.safetensors\n")  # its file is gone
+    zckpt.consolidate(ck, tmp_path / "o" / "m.safetensors", progress=False)
+    assert (tmp_path / "o" / "m.safetensors.sha256").read_text() != "stale  m.safetensors\n"

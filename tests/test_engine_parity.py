@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import engine
 from _dist import run
 from _engine_ref import config, full_params, make_model, reference, rel_err, train
+
+import engine
 
 STEPS = 6
 FP32_TOL = 1e-6
@@ -151,8 +151,9 @@ def test_gpt2_stage3_matches_plain_pytorch() -> None:
         eng.step()
         got.append(loss.item())
     assert got == pytest.approx(ref, rel=1e-6)
-    wte = model2.transformer.wte.weight
-    assert wte.numel() == 0 and model2.lm_head.weight is wte  # released; tied
+    m: Any = model2
+    wte = m.transformer.wte.weight
+    assert wte.numel() == 0 and m.lm_head.weight is wte  # released; tied
 
 
 # ---- multi-rank ------------------------------------------------------------------------------------
@@ -189,7 +190,11 @@ def test_multi_rank_parity_checkpoint_and_reshard(ref: dict[str, Any]) -> None:
         from zckpt.formats import open_checkpoint
 
         with open_checkpoint(f"{tmp}/w3") as ck:  # the zckpt reader consolidates the native format
-            assert ck.meta.world_size == 3 and ck.meta.stage == 3 and ck.meta.tied == {"head.weight": "emb.weight"}
+            assert (
+                ck.meta.world_size == 3
+                and ck.meta.stage == 3
+                and ck.meta.tied == {"head.weight": "emb.weight"}
+            )
             assert ck["l1.weight"].shape == (15, 7)
     for world, res in ((2, res2), (3, res3)):
         r0 = res[0]

@@ -80,10 +80,26 @@ def test_deepspeed_roundtrip_every_fixture(case: str, tmp_path: Path) -> None:
             assert torch.equal(b.read(k, torch.float32), t.float()), k
     reshard(tmp_path / "a", tmp_path / "b", world=info["world"], progress=False)
     _assert_same(a, zckpt.open(tmp_path / "b"))
+    # DeepSpeed -> native (the engine resumes a DeepSpeed run) -> DeepSpeed again
+    n = reshard(src, tmp_path / "n", world=w, to="native", progress=False)
+    assert n.dst_format == "native" and n.stage == info["stage"]
+    c = zckpt.open(tmp_path / "n")
+    assert (
+        c.meta.world_size == w and set(c.entries) == set(a.entries) and dict(c.meta.tied) == dict(a.meta.tied)
+    )
+    for k in a.entries:
+        assert torch.equal(a.read(k), c.read(k)), k
+    assert c.meta.extra["client_state"] == info["client_state"] and c.meta.step == info["global_steps"]
+    reshard(tmp_path / "n", tmp_path / "d", world=info["world"], to="deepspeed", progress=False)
+    d = zckpt.open(tmp_path / "d")
+    for k in a.entries:
+        assert torch.equal(a.read(k), d.read(k)), k
 
 
 @needs_fixtures
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("s1_fp16_w3", "s2_bf16_w3", "s3_fp16_w3"))])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.startswith(("s1_fp16_w3", "s2_bf16_w3", "s3_fp16_w3"))]
+)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_stage_change(case: str, stage: int, tmp_path: Path) -> None:
     src = FIX / case
@@ -198,8 +214,13 @@ def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
     before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     code = "from zckpt.cli.reshard import reshard_cmd; import typer; typer.run(reshard_cmd)"
-    p = subprocess.run([sys.executable, "-c", code, "--world", "5", "-q"], cwd=run_dir, env=env,
-                       capture_output=True, text=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", code, "--world", "5", "-q"],
+        cwd=run_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     out = default_dst(run_dir, 5)
     assert out == tmp_path / "ckpt-world5" and (out / "latest").is_file()
@@ -209,3 +230,75 @@ def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
         reshard(run_dir, run_dir / "inside", world=2, progress=False)
     with pytest.raises(OutputExists):
         reshard(run_dir, out, world=2, progress=False)
+
+
+# ---- the engine: native checkpoints --------------------------------------------------------------
+ENGINE_STEPS, SAVE_AT = 6, 3
+
+
+def _engine_save_and_continue(rank: int, world: int, root: str) -> dict[str, object]:
+    from tests._engine_ref import config, train
+
+    out: dict[str, object] = {}
+    for stage in (1, 2, 3):
+        cfg = config(stage)
+        eng, first = train(rank, world, cfg, SAVE_AT)
+        eng.save_checkpoint(f"{root}/s{stage}", client_state={"world": world, "t": torch.arange(3)})
+        _, rest = train(rank, world, cfg, ENGINE_STEPS - SAVE_AT, first=SAVE_AT, engine_=eng)
+        out[f"s{stage}"] = first + rest
+    return out
+
+
+def _engine_resume(rank: int, world: int, root: str) -> dict[str, object]:
+    from tests._engine_ref import config, make_model, train
+
+    out: dict[str, object] = {}
+    for stage in (1, 2, 3):
+        cfg = config(stage)
+        eng, _ = train(rank, world, cfg, 0, model=make_model(seed=11))
+        _, client = eng.load_checkpoint(f"{root}/s{stage}-w{world}")
+        assert client is not None
+        _, rest = train(rank, world, cfg, ENGINE_STEPS - SAVE_AT, first=SAVE_AT, engine_=eng)
+        out[f"s{stage}"] = {
+            "rest": rest,
+            "client": {"world": client["world"], "t": client["t"].tolist()},
+            "steps": eng.global_steps,
+        }
+    return out
+
+
+@pytest.mark.dist
+def test_engine_world2_reshard_offline_to_3_resumes_like_uninterrupted(tmp_path: Path) -> None:
+    """Train at world 2, save, ``zckpt reshard`` to 3 (and back to 2: bit-identical), resume at world 3:
+    fp32 losses follow the uninterrupted world-2 run (same global batch) within 1e-5 relative."""
+    from tests._dist import run
+
+    root = str(tmp_path)
+    full = run(_engine_save_and_continue, 2, root)[0]
+    for stage in (1, 2, 3):
+        src = tmp_path / f"s{stage}"
+        res = reshard(src, tmp_path / f"s{stage}-w3", world=3, progress=False)
+        assert res.src_format == res.dst_format == "native" and res.stage == stage
+        back = reshard(tmp_path / f"s{stage}-w3", tmp_path / f"s{stage}-back", world=2, progress=False)
+        a, b, c = (
+            zckpt.open(src),
+            zckpt.open(tmp_path / f"s{stage}-w3"),
+            zckpt.open(tmp_path / f"s{stage}-back"),
+        )
+        assert b.meta.world_size == 3 and c.meta.world_size == 2 and back.world == 2
+        for other in (b, c):
+            assert set(other.entries) == set(a.entries)
+            for k in a.entries:
+                assert torch.equal(a.read(k), other.read(k)), (stage, k)
+            assert other.meta.optimizer == a.meta.optimizer and dict(other.meta.tied) == dict(a.meta.tied)
+            for key in ("scheduler", "loss_scaler", "counters", "client_state"):
+                assert other.meta.extra[key] == a.meta.extra[key], key
+        # RNG: new rank r takes old rank r % old_world
+        assert b.meta.extra["rng"] == [a.meta.extra["rng"][r % 2] for r in range(3)]
+    resumed = run(_engine_resume, 3, root)[0]
+    for stage in (1, 2, 3):
+        got = resumed[f"s{stage}"]
+        assert got["client"] == {"world": 2, "t": [0, 1, 2]} and got["steps"] == ENGINE_STEPS
+        want = full[f"s{stage}"][SAVE_AT:]
+        for x, y in zip(got["rest"], want, strict=True):
+            assert abs(x - y) <= 1e-5 * abs(y), (stage, got["rest"], want)

@@ -1,5 +1,5 @@
-"""No code from checkpoints: pickle payloads planted into real DeepSpeed files and torch state dicts are refused
-by ``inspect`` and ``consolidate`` with one line naming the global and the file, before anything runs.
+"""No code from checkpoints: pickle payloads planted into real DeepSpeed files and torch state dicts are
+refused by ``inspect`` and ``consolidate`` with one line naming the global and the file, before anything runs.
 
 Each payload would create a marker file if any part of it executed (``os.system``, ``exec``/``eval``,
 ``subprocess.Popen``, ``functools.partial``, nested ``__reduce__`` in a dict in a list, INST and STACK_GLOBAL
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests._safety import (
+from _safety import (
+    DS2,
+    DS3,
     FIXTURES,
     PY,
     ROOT,
@@ -38,10 +39,11 @@ from tests._safety import (
     read_pkl,
     rewrite_pkl,
 )
+
 from zckpt.errors import UnsafePickle
 from zckpt.pickle_safe import SafeUnpickler
 
-pytestmark = pytest.mark.skipif(not (FIXTURES / "s3_fp32_w2").is_dir(), reason="DeepSpeed fixtures not built")
+pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
 
 EVIL_MODULE = "zckpt_evil_on_import"
 
@@ -58,23 +60,36 @@ def _py_touch(m: Path) -> str:
 PAYLOADS: dict[str, tuple[Callable[[Path], bytes], str]] = {
     "os.system": (lambda m: op_call(op_global("os", "system"), op_str(_touch(m))), "os.system"),
     "posix.system": (lambda m: op_call(op_global("posix", "system"), op_str(_touch(m))), "posix.system"),
-    "builtins.exec": (lambda m: op_call(op_global("builtins", "exec"), op_str(_py_touch(m))), "builtins.exec"),
-    "builtins.eval": (lambda m: op_call(op_global("builtins", "eval"), op_str(_py_touch(m))), "builtins.eval"),
+    "builtins.exec": (
+        lambda m: op_call(op_global("builtins", "exec"), op_str(_py_touch(m))),
+        "builtins.exec",
+    ),
+    "builtins.eval": (
+        lambda m: op_call(op_global("builtins", "eval"), op_str(_py_touch(m))),
+        "builtins.eval",
+    ),
     "__builtin__.eval": (lambda m: op_call(op_global("__builtin__", "eval"), op_str(_py_touch(m))), "eval"),
     "subprocess.Popen": (
         lambda m: op_call(op_global("subprocess", "Popen"), op_list(op_str("touch"), op_str(str(m)))),
         "subprocess.Popen",
     ),
     "nested_reduce": (
-        lambda m: op_list(op_dict(ok=op_str("fine"), bad=op_call(op_global("os", "system"), op_str(_touch(m))))),
+        lambda m: op_list(
+            op_dict(ok=op_str("fine"), bad=op_call(op_global("os", "system"), op_str(_touch(m))))
+        ),
         "os.system",
     ),
     "functools.partial": (
-        lambda m: op_call(op_call(op_global("functools", "partial"), op_global("os", "system"), op_str(_touch(m)))),
+        lambda m: op_call(
+            op_call(op_global("functools", "partial"), op_global("os", "system"), op_str(_touch(m)))
+        ),
         "functools.partial",
     ),
     "INST": (lambda m: b"(" + op_str(_touch(m)) + b"ios\nsystem\n", "os.system"),
-    "STACK_GLOBAL": (lambda m: op_str("os") + op_str("system") + b"\x93(" + op_str(_touch(m)) + b"tR", "os.system"),
+    "STACK_GLOBAL": (
+        lambda m: op_str("os") + op_str("system") + b"\x93(" + op_str(_touch(m)) + b"tR",
+        "os.system",
+    ),
     "rebuild_from_type_v2(os.system)": (
         lambda m: op_call(
             op_global("torch._tensor", "_rebuild_from_type_v2"),
@@ -122,7 +137,10 @@ def _assert_nothing_ran(marker: Path, modules_before: set[str]) -> None:
 def test_unpickler_refuses_before_resolving(name: str, evil_path: Path) -> None:
     make, glob = PAYLOADS[name]
     before = set(sys.modules)
-    for data in (b"\x80\x02" + make(evil_path) + b".", b"\x80\x02" + op_list(op_dict(x=make(evil_path))) + b"."):
+    for data in (
+        b"\x80\x02" + make(evil_path) + b".",
+        b"\x80\x02" + op_list(op_dict(x=make(evil_path))) + b".",
+    ):
         with pytest.raises(UnsafePickle) as ei:
             SafeUnpickler(io.BytesIO(data), source="payload.pt").load()
         assert glob in str(ei.value) and "payload.pt" in str(ei.value)
@@ -130,15 +148,16 @@ def test_unpickler_refuses_before_resolving(name: str, evil_path: Path) -> None:
 
 
 def test_torch_lazy_attributes_are_not_resolved(tmp_path: Path) -> None:
-    """``torch.<name>`` is resolved from a fixed dtype table, never via torch's module ``__getattr__`` (which
-    imports ``torch._dynamo``/``torch.onnx`` or calls deprecated factories). Checked in a fresh interpreter."""
+    """``torch.<name>`` is resolved from a fixed dtype table, never via torch's module ``__getattr__``
+    (which imports ``torch._dynamo``/``torch.onnx`` or calls deprecated factories). In a fresh interpreter."""
     code = (
         "import io, sys\n"
         "from zckpt.pickle_safe import SafeUnpickler\n"
         "from zckpt.errors import UnsafePickle\n"
         "for n in ('_dynamo', 'onnx', '_inductor', 'has_mps', 'load'):\n"
         "    try:\n"
-        "        SafeUnpickler(io.BytesIO(b'\\x80\\x02ctorch\\n' + n.encode() + b'\\n.'), source='f').load()\n"
+        "        data = b'\\x80\\x02ctorch\\n' + n.encode() + b'\\n.'\n"
+        "        SafeUnpickler(io.BytesIO(data), source='f').load()\n"
         "        raise SystemExit('resolved torch.' + n)\n"
         "    except UnsafePickle:\n"
         "        pass\n"
@@ -172,10 +191,16 @@ def _plant_ds(tmp: Path, how: Callable[[bytes], bytes], case: str, file: str) ->
 
 
 KINDS: dict[str, Callable[[Path, Callable[[bytes], bytes]], tuple[Path, Path]]] = {
-    "ds3_model_states": lambda t, h: _plant_ds(t, h, "s3_fp32_w2", "zero_pp_rank_1_mp_rank_00_model_states.pt"),
-    "ds2_model_states": lambda t, h: _plant_ds(t, h, "s2_fp16_w2", "mp_rank_00_model_states.pt"),
-    "ds2_optim_states": lambda t, h: _plant_ds(t, h, "s2_fp16_w2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-    "ds3_optim_states": lambda t, h: _plant_ds(t, h, "s3_fp32_w2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    "ds3_model_states": lambda t, h: _plant_ds(
+        t, h, DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    ),
+    "ds2_model_states": lambda t, h: _plant_ds(t, h, DS2, "mp_rank_00_model_states.pt"),
+    "ds2_optim_states": lambda t, h: _plant_ds(
+        t, h, DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ),
+    "ds3_optim_states": lambda t, h: _plant_ds(
+        t, h, DS3, "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    ),
     "state_dict_bin": lambda t, h: _plant_state_dict(t, h, ".bin"),
     "state_dict_pt": lambda t, h: _plant_state_dict(t, h, ".pt"),
 }
@@ -196,7 +221,8 @@ def test_cli_refuses_every_payload(kind: str, tmp_path: Path, evil_path: Path) -
         work = tmp_path / name.replace(".", "_").replace("(", "_").replace(")", "")
         work.mkdir()
         place = _where(name)
-        ckpt, planted = KINDS[kind](work, lambda pkl: place(pkl, make(evil_path)))
+        ops = make(evil_path)
+        ckpt, planted = KINDS[kind](work, lambda pkl, place=place, ops=ops: place(pkl, ops))
         out = work / "out.safetensors"
         for args in (["inspect", ckpt], ["consolidate", ckpt, out]):
             r = cli(*args)
@@ -209,10 +235,12 @@ def test_cli_refuses_every_payload(kind: str, tmp_path: Path, evil_path: Path) -
 
 def test_payload_deep_inside_a_real_pickle(tmp_path: Path, evil_path: Path) -> None:
     """The payload as a value deep in the real object: a list in a dict in the top-level dict."""
-    ck = copy_case("s3_fp32_w2", tmp_path)
+    ck = copy_case(DS3, tmp_path)
     f = ck / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     payload = op_dict(
-        args=op_list(op_str("a"), op_dict(inner=op_call(op_global("os", "system"), op_str(_touch(evil_path)))))
+        args=op_list(
+            op_str("a"), op_dict(inner=op_call(op_global("os", "system"), op_str(_touch(evil_path))))
+        )
     )
     rewrite_pkl(f, lambda pkl: add_key(pkl, "ds_config_extra", payload))
     line = assert_one_line_error(cli("inspect", ck), "os.system", str(f))
@@ -249,9 +277,11 @@ def test_trust_pickle_loads_benign_foreign_class(tmp_path: Path) -> None:
 def test_trust_pickle_on_real_deepspeed_file_with_foreign_class(tmp_path: Path) -> None:
     """A real DeepSpeed checkpoint whose model-states file carries a benign foreign class (a Fraction in its
     client state): refused by default, read with --trust-pickle; the CLI prints the warning on stderr."""
-    ck = copy_case("s2_fp16_w2", tmp_path)
+    ck = copy_case(DS2, tmp_path)
     f = ck / "global_step3" / "mp_rank_00_model_states.pt"
-    rewrite_pkl(f, lambda pkl: add_key(pkl, "extra", op_call(op_global("fractions", "Fraction"), op_str("1/3"))))
+    rewrite_pkl(
+        f, lambda pkl: add_key(pkl, "extra", op_call(op_global("fractions", "Fraction"), op_str("1/3")))
+    )
     assert_one_line_error(cli("inspect", ck), "fractions.Fraction", str(f))
     r = subprocess.run(
         [PY, "-m", "zckpt.cli.app", "inspect", "--trust-pickle", str(ck)],
@@ -278,7 +308,7 @@ def test_plant_helper_keeps_file_readable(tmp_path: Path) -> None:
     assert read_pkl(f) == old
     got = torch.load(f, weights_only=True)
     assert all(torch.equal(got[k], v) for k, v in sd.items())
-    ck = copy_case("s3_fp32_w2", tmp_path)
+    ck = copy_case(DS3, tmp_path)
     for p in (ck / "global_step3").glob("*.pt"):
         rewrite_pkl(p, lambda pkl: pkl)
     r = cli("consolidate", ck, tmp_path / "o.safetensors")
@@ -286,6 +316,6 @@ def test_plant_helper_keeps_file_readable(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     got_sd = load_file(tmp_path / "o.safetensors")
-    ref = load_file(FIXTURES / "s3_fp32_w2" / "ref_fp32.safetensors")
+    ref = load_file(FIXTURES / DS3 / "ref_fp32.safetensors")
     params = [k for k in ref if ":" not in k]
     assert params and all(torch.equal(got_sd[k], ref[k]) for k in params)

@@ -75,3 +75,26 @@ def test_checkpoint_stats_ties_and_optimizer(tmp_path: Path) -> None:
     only = checkpoint_stats(ck, keys=["w2", "w"])
     assert [s.key for s in only] == ["w"] and only[0].norm == pytest.approx(math.sqrt(8))
     assert only[0].to_json()["std"] == 0.0
+
+
+def test_inspect_stats_cli(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    t = {k: v for k, v in _tensors().items() if k not in ("empty", "mask")}
+    f = tmp_path / "m.safetensors"
+    save_file(t, str(f))
+    res = CliRunner().invoke(app, ["inspect", str(f), "--stats", "--json"])
+    assert res.exit_code == 0, res.output
+    got = {s["key"]: s for s in json.loads(res.output)["stats"]}
+    assert set(got) == set(t)
+    big = t["big"].double()
+    assert got["big"]["mean"] == pytest.approx(big.mean().item(), rel=1e-12)
+    assert got["big"]["std"] == pytest.approx(big.std(correction=0).item(), rel=1e-9)
+    assert (got["odd"]["nan"], got["odd"]["inf"]) == (1, 2)
+    text = CliRunner().invoke(app, ["inspect", str(f), "--stats"]).output
+    assert "norm" in text.splitlines()[-len(t) - 1] and "allnan" in text

@@ -189,7 +189,9 @@ def test_deepspeed_rank_files(tmp_path: Path, case: str) -> None:
     if models:  # ZeRO-3: one model-states file per rank
         models[-1].unlink()
         r = verify(ck)
-        assert [(Path(p.file).name, p.kind) for p in r.problems] == [(models[-1].name, "missing")], r.to_text()
+        assert [(Path(p.file).name, p.kind) for p in r.problems] == [(models[-1].name, "missing")], (
+            r.to_text()
+        )
 
 
 def test_consolidated_output_verifies_and_diffs_clean(tmp_path: Path) -> None:
@@ -228,3 +230,41 @@ def test_cli(tmp_path: Path) -> None:
     validate(js, SCHEMA)
     assert js["problems"][0]["kind"] == "checksum"
     assert run(app, ["verify", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
+    from zckpt.reshard import reshard
+
+    src = _ds_copy(tmp_path, "s3_bf16_w2_g2")
+    out = tmp_path / "native"
+    reshard(src, out, world=3, to="native", progress=False)
+    r = verify(out)
+    td = out / (out / "latest").read_text().strip()
+    man = json.loads((td / "manifest.json").read_text())
+    ranks = sorted(td.glob("rank_*.safetensors"))
+    assert r.ok and r.format == "native" and r.world_size == 3 and len(ranks) == 3, r.to_text()
+    for f in ranks:  # the manifest's hashes, checked independently of zckpt
+        assert man["files"][f.name]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert r.checksums >= 3
+    _check_json(r)
+    # flipped byte in a checksummed rank file (tensor data, so the header still parses): one line
+    saved = ranks[1].read_bytes()
+    _flip(ranks[1], len(saved) - 5)
+    r = verify(out)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(ranks[1].name, "checksum")], r.to_text()
+    ranks[1].write_bytes(saved)
+    # stale rank file from a bigger world
+    stale = td / "rank_00003.safetensors"
+    shutil.copy(ranks[2], stale)
+    r = verify(out)
+    assert [(Path(p.file).name, p.kind) for p in r.problems] == [(stale.name, "stale")], r.to_text()
+    stale.unlink()
+    # missing rank file
+    ranks[2].unlink()
+    r = verify(out)
+    assert not r.ok and {Path(p.file).name for p in r.problems} == {ranks[2].name}, r.to_text()
+    assert all(p.kind == "missing" for p in r.problems)
+    # truncated rank file
+    ranks[2].write_bytes(saved[: len(saved) // 3])
+    r = verify(out)
+    assert not r.ok and {Path(p.file).name for p in r.problems} == {ranks[2].name}, r.to_text()

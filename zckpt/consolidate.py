@@ -40,7 +40,7 @@ import torch
 from zckpt.errors import KeyMappingError, OutputExists
 from zckpt.formats import hf, open_checkpoint, torch_file
 from zckpt.model import Checkpoint, Role, dtype_name
-from zckpt.outputs import Staging, WriteItem, parse_size
+from zckpt.outputs import Staging, WriteItem, parse_size, planned_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
@@ -198,12 +198,15 @@ def consolidate(
         items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
         total = sum(it.nbytes for it in items)
         extras = _hf_files(src) if is_dir else []
+        if fmt == "safetensors":
+            base = hf.SAFETENSORS if is_dir else out.name
+        else:
+            base = torch_file.BIN if is_dir else out.name
         with Staging(out, is_dir=is_dir, overwrite=overwrite) as st, _bar(total, progress) as bar:
+            st.expect(planned_names(base, items, shard))
             if fmt == "safetensors":
-                base = hf.SAFETENSORS if is_dir else out.name
                 hf.write_into(st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update)
             else:
-                base = torch_file.BIN if is_dir else out.name
                 torch_file.write_into(
                     st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update
                 )

@@ -20,8 +20,9 @@ from zckpt.model import TensorEntry
 CHUNK_BYTES = 64 << 20
 
 
-def read_range(entry: TensorEntry, lo: int, hi: int, dtype: torch.dtype | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def read_range(
+    entry: TensorEntry, lo: int, hi: int, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Flattened elements ``[lo, hi)`` of ``entry`` (an owned copy, cast to ``dtype``), reading only
     the overlapping bytes of the overlapping pieces."""
     if not 0 <= lo <= hi <= entry.numel:
@@ -36,7 +37,9 @@ def read_range(entry: TensorEntry, lo: int, hi: int, dtype: torch.dtype | None =
     return out
 
 
-def read_partition(entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def read_partition(
+    entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``rank``'s ZeRO-3 partition of ``entry`` at world size ``world``: ``ceil(n/world)`` elements,
     trailing padding zeroed. Works whatever the world size (or layout) the entry was saved with."""
     start, valid = partition.chunk_range(entry.numel, world, rank)
@@ -115,8 +118,10 @@ def chunk_of(entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | Non
     """Lazy ``read_partition``: ``rank``'s padded ZeRO-3 chunk at ``world``."""
     start, valid = partition.chunk_range(entry.numel, world, rank)
     c = partition.chunk_size(entry.numel, world)
-    return source(entry.dtype if dtype is None else dtype,
-                  [Segment(entry, start, start + valid), Segment(None, 0, c - valid)])  # fmt: skip
+    return source(
+        entry.dtype if dtype is None else dtype,
+        [Segment(entry, start, start + valid), Segment(None, 0, c - valid)],
+    )
 
 
 def slice_entry(entry: TensorEntry, lo: int, hi: int, pad: int = 0, name: str | None = None) -> TensorEntry:
@@ -131,9 +136,15 @@ def slice_entry(entry: TensorEntry, lo: int, hi: int, pad: int = 0, name: str | 
             continue
         skip = a - p.start
         if p.value is not None:
-            pieces.append(Piece("", 0, p.dtype, a - lo, b - a, p.rank, value=p.value.reshape(-1)[skip : skip + b - a]))
+            pieces.append(
+                Piece("", 0, p.dtype, a - lo, b - a, p.rank, value=p.value.reshape(-1)[skip : skip + b - a])
+            )
         else:
-            pieces.append(Piece(p.file, p.byte_offset + skip * p.dtype.itemsize, p.dtype, a - lo, b - a, p.rank))
+            pieces.append(
+                Piece(p.file, p.byte_offset + skip * p.dtype.itemsize, p.dtype, a - lo, b - a, p.rank)
+            )
     if pad:
         pieces.append(Piece("", 0, entry.dtype, hi - lo, pad, value=torch.zeros(pad, dtype=entry.dtype)))
-    return TensorEntry(name or entry.name, (hi - lo + pad,), entry.dtype, entry.role, tuple(pieces), entry.state)
+    return TensorEntry(
+        name or entry.name, (hi - lo + pad,), entry.dtype, entry.role, tuple(pieces), entry.state
+    )

@@ -3,16 +3,20 @@
 Builds an ``InspectReport``: format, stage, world size, precision, step/tag, tensor counts and bytes
 by role, one row per logical tensor (name, state, shape, dtype, role, number of pieces), tied and
 frozen lists, and the optimizer's kind and state names. Near-instant on a multi-GB checkpoint.
+With ``stats=True`` it also streams every tensor through ``zckpt.stats`` (min/max/mean/std/norm,
+NaN/Inf counts), which reads all tensor bytes in bounded chunks.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zckpt.formats import open_checkpoint
 from zckpt.model import Checkpoint, Role, dtype_name
+from zckpt.stats import TensorStats, checkpoint_stats
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class InspectReport:
     param_groups: int = 0
     dtypes: dict[str, int] = field(default_factory=dict)
     """Model tensors per dtype (optimizer states excluded)."""
+    stats: list[TensorStats] | None = None
+    """Per-tensor statistics (owners only, optimizer states included) when asked for."""
 
     @property
     def params(self) -> int:
@@ -71,8 +77,8 @@ class InspectReport:
         return d
 
 
-def report(ckpt: Checkpoint) -> InspectReport:
-    """The report for an open checkpoint (metadata only)."""
+def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
+    """The report for an open checkpoint (metadata only, unless ``stats``)."""
     m = ckpt.meta
     rows: list[TensorRow] = []
     totals: dict[str, list[int]] = {}
@@ -107,11 +113,12 @@ def report(ckpt: Checkpoint) -> InspectReport:
                                                                     if e.state is not None}),
         param_groups=len(opt.param_groups) if opt else 0,
         dtypes=dtypes,
+        stats=checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty()) if stats else None,
     )  # fmt: skip
 
 
 def inspect(
-    path: str | Path | Checkpoint, *, tag: str | None = None, trust_pickle: bool = False
+    path: str | Path | Checkpoint, *, tag: str | None = None, trust_pickle: bool = False, stats: bool = False
 ) -> InspectReport:
     """Describe a checkpoint without reading tensor data.
 
@@ -119,11 +126,12 @@ def inspect(
         path: anything ``zckpt.open`` reads (or an open ``Checkpoint``).
         tag: the DeepSpeed tag to read instead of ``latest``.
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
+        stats: also compute per-tensor statistics (reads every tensor, streamed; ``zckpt.stats``).
 
     Example:
         >>> r = zckpt.inspect("out/checkpoint-100"); r.world_size, r.params
     """
     if isinstance(path, Checkpoint):
-        return report(path)
+        return report(path, stats=stats)
     with open_checkpoint(path, tag=tag, trust_pickle=trust_pickle) as ckpt:
-        return report(ckpt)
+        return report(ckpt, stats=stats)

@@ -134,6 +134,12 @@ def plan_shards(items: Sequence[WriteItem], max_shard_size: int | None) -> list[
     return shards
 
 
+def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | None) -> list[str]:
+    """The tensor files (and index) a sharded write of ``items`` under ``base`` produces."""
+    n = len(plan_shards(items, max_shard_size))
+    return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
+
+
 def shard_names(base: str, n: int) -> list[str]:
     """``model.safetensors`` -> ``model-00001-of-00003.safetensors`` ... (just ``base`` when n == 1)."""
     if n == 1:
@@ -227,6 +233,12 @@ class Staging:
         if not self._done:
             self.abort()
 
+    def expect(self, names: Sequence[str]) -> None:
+        """Fail now, before any work, if committing files ``names`` (file mode) would replace others."""
+        if not self.is_dir:
+            for n in names:
+                check_dest(self.dest.parent / n, is_dir=False, overwrite=self.overwrite)
+
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
         self._done = True
@@ -245,8 +257,8 @@ class Staging:
             final = [self.dest / n for n in names]
         else:
             final = []
-            for n in names:  # shards of a file OUT have other names: check them too
-                check_dest(self.dest.parent / n, is_dir=False, overwrite=self.overwrite)
+            # shards of a file OUT have other names: check them too (a sidecar follows its file)
+            self.expect([n for n in names if not n.endswith(".sha256")])
             for n in names:
                 os.replace(self.dir / n, self.dest.parent / n)
                 final.append(self.dest.parent / n)

@@ -297,7 +297,8 @@ def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False) -> Any:
         return SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
     except UnsafePickle:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OverflowError, RecursionError, MemoryError) as e:  # fmt: skip
         from zckpt.errors import CorruptCheckpoint
 
         msg = f"{source}: unreadable pickle ({type(e).__name__}: {e})"

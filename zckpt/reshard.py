@@ -24,6 +24,7 @@ source is never written to. ``read_partition`` is the pure helper for load-time 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from zckpt.flat import read_partition, read_range
 from zckpt.formats import open_checkpoint
 from zckpt.model import Checkpoint
 from zckpt.outputs import Staging
+
+OnFile = Callable[[str, int], None]
 
 __all__ = ["ReshardResult", "default_dst", "read_partition", "read_range", "reshard"]
 
@@ -62,6 +65,14 @@ def default_dst(src: Path, world: int) -> Path:
     return s.with_name(f"{s.name}-world{world}")
 
 
+def _save_dir(src: Path, ckpt: Checkpoint) -> Path:
+    """The folder holding ``latest`` (what users call the checkpoint folder), from SRC as given."""
+    p = src.resolve()
+    if (p / "latest").is_file() or not ckpt.meta.tag or p.name != ckpt.meta.tag:
+        return p
+    return p.parent
+
+
 def _inside(child: Path, parent: Path) -> bool:
     try:
         child.resolve().relative_to(parent.resolve())
@@ -70,9 +81,18 @@ def _inside(child: Path, parent: Path) -> bool:
         return False
 
 
-def reshard(src: str | Path, dst: str | Path | None = None, *, world: int, tag: str | None = None,
-            to: str | None = None, stage: int | None = None, overwrite: bool = False, progress: bool = True,
-            trust_pickle: bool = False) -> ReshardResult:  # fmt: skip
+def reshard(
+    src: str | Path,
+    dst: str | Path | None = None,
+    *,
+    world: int,
+    tag: str | None = None,
+    to: str | None = None,
+    stage: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_pickle: bool = False,
+) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see module docstring).
 
     ``to``: ``"native"`` or ``"deepspeed"`` (default: the source's format). ``stage``: DeepSpeed ZeRO stage
@@ -87,19 +107,29 @@ def reshard(src: str | Path, dst: str | Path | None = None, *, world: int, tag: 
     if to not in ("native", "deepspeed"):
         raise Unsupported(f"cannot write format {to!r}; reshard writes 'native' or 'deepspeed'")
     if fmt not in ("native", "deepspeed"):
-        raise Unsupported(f"{src_p}: a {fmt} checkpoint is not sharded; nothing to reshard",
-                          hint="reshard reads native and DeepSpeed checkpoints")  # fmt: skip
-    dst_p = default_dst(Path(ckpt.meta.path), world) if dst is None else Path(dst)
-    save_dir = Path(ckpt.meta.path)
+        raise Unsupported(
+            f"{src_p}: a {fmt} checkpoint is not sharded; nothing to reshard",
+            hint="reshard reads native and DeepSpeed checkpoints",
+        )
+    save_dir = _save_dir(src_p, ckpt)
+    dst_p = default_dst(save_dir, world) if dst is None else Path(dst)
     if _inside(save_dir, dst_p) or _inside(dst_p, save_dir):
-        raise OutputExists(f"{dst_p}: refusing to write over or around the source {save_dir}",
-                           hint="choose a new folder, e.g. the default <src>-world<N>")  # fmt: skip
+        raise OutputExists(
+            f"{dst_p}: refusing to write over or around the source {save_dir}",
+            hint="choose a new folder, e.g. the default <src>-world<N>",
+        )
     out_tag = ckpt.meta.tag or "reshard"
-    res = ReshardResult(str(save_dir), str(dst_p), fmt, to, ckpt.meta.world_size, world, ckpt.meta.stage, stage,
-                        out_tag)  # fmt: skip
+    res = ReshardResult(
+        str(save_dir), str(dst_p), fmt, to, ckpt.meta.world_size, world, ckpt.meta.stage, stage, out_tag
+    )
     with Staging(dst_p, is_dir=True, overwrite=overwrite) as st:
-        bar = tqdm(desc=f"reshard -> world {world}", unit="B", unit_scale=True, disable=not progress,
-                   total=sum(e.stored_nbytes for e in ckpt.entries.values()))  # fmt: skip
+        bar = tqdm(
+            desc=f"reshard -> world {world}",
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            total=sum(e.stored_nbytes for e in ckpt.entries.values()),
+        )
 
         def on_file(name: str, nbytes: int) -> None:
             res.files.append(f"{out_tag}/{name}")
@@ -110,7 +140,7 @@ def reshard(src: str | Path, dst: str | Path | None = None, *, world: int, tag: 
             if to == "deepspeed":
                 res.stage, notes = _to_deepspeed(ckpt, st.dir / out_tag, world, stage, trust_pickle, on_file)
             else:
-                res.stage, notes = _to_native(ckpt, st.dir, out_tag, world, on_file)
+                res.stage, notes = _to_native(ckpt, st.dir, out_tag, world, stage, trust_pickle, on_file)
         finally:
             bar.close()
         res.notes += notes
@@ -121,26 +151,41 @@ def reshard(src: str | Path, dst: str | Path | None = None, *, world: int, tag: 
     return res
 
 
-def _to_deepspeed(ckpt: Checkpoint, tag_dir: Path, world: int, stage: int | None, trust_pickle: bool,
-                  on_file: object) -> tuple[int, list[str]]:  # fmt: skip
+def _to_deepspeed(
+    ckpt: Checkpoint, tag_dir: Path, world: int, stage: int | None, trust_pickle: bool, on_file: OnFile
+) -> tuple[int, list[str]]:
     from zckpt.formats import deepspeed_write as dw
 
     if ckpt.meta.format == "deepspeed":
         tmpl = dw.template_from_deepspeed(ckpt, trust_pickle=trust_pickle)
     else:
-        tmpl = _native_template(ckpt)
+        tmpl = dw.template_from_native(ckpt)
     src_stage = ckpt.meta.stage if ckpt.meta.format == "deepspeed" else 3
     out_stage = src_stage if stage is None else stage
     if out_stage not in (1, 2, 3):
         raise Unsupported(f"cannot write DeepSpeed ZeRO stage {out_stage}", hint="pass --stage 1, 2 or 3")
-    notes = dw.write_deepspeed(ckpt, tag_dir, world=world, stage=int(out_stage or 3), tmpl=tmpl,
-                               on_file=on_file)  # type: ignore[arg-type]  # fmt: skip
+    notes = dw.write_deepspeed(
+        ckpt, tag_dir, world=world, stage=int(out_stage or 3), tmpl=tmpl, on_file=on_file
+    )
     return int(out_stage or 3), notes
 
 
-def _native_template(ckpt: Checkpoint) -> object:
-    raise Unsupported("native -> DeepSpeed is not available yet")
+def _to_native(
+    ckpt: Checkpoint,
+    out_dir: Path,
+    tag: str,
+    world: int,
+    stage: int | None,
+    trust_pickle: bool,
+    on_file: OnFile,
+) -> tuple[int, list[str]]:
+    from zckpt.formats import native_write as nw
 
-
-def _to_native(ckpt: Checkpoint, out_dir: Path, tag: str, world: int, on_file: object) -> tuple[int, list[str]]:
-    raise Unsupported("writing the native format is not available yet")
+    if ckpt.meta.format == "native":
+        tmpl = nw.template_from_native(ckpt, stage)
+    else:
+        tmpl = nw.template_from_deepspeed(ckpt, stage, trust_pickle=trust_pickle)
+    if tmpl.stage not in (0, 1, 2, 3):
+        raise Unsupported(f"the engine has no ZeRO stage {tmpl.stage}", hint="pass --stage 0, 1, 2 or 3")
+    notes = nw.write_native(ckpt, out_dir / tag, world=world, tag=tag, tmpl=tmpl, on_file=on_file)
+    return tmpl.stage, notes

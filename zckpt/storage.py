@@ -94,3 +94,18 @@ def iter_chunks(
         step = max(1, max_bytes // max(p.dtype.itemsize, want.itemsize))
         for lo in range(0, p.numel, step):
             yield view[lo : lo + step].to(want)
+            if p.value is None:
+                _release(
+                    p.file, p.byte_offset + lo * p.dtype.itemsize, min(step, p.numel - lo) * p.dtype.itemsize
+                )
+
+
+def _release(path: str, offset: int, nbytes: int) -> None:
+    """Drop the pages of a consumed byte range from this process (``MADV_DONTNEED``), so streaming a
+    checkpoint does not grow RSS by its size. Safe on the copy-on-write mapping: untouched private
+    pages are simply re-read from the file if anyone reads them again."""
+    mm, size = _map(path)
+    start = offset - offset % mmap.PAGESIZE
+    end = min(size, offset + nbytes)
+    if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)

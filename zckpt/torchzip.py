@@ -14,7 +14,7 @@ import zipfile
 from typing import Any
 
 from zckpt.errors import CorruptCheckpoint, Unsupported
-from zckpt.pickle_safe import SafeUnpickler, TensorRef, _Record
+from zckpt.pickle_safe import TensorRef, _Record, safe_loads
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
@@ -75,9 +75,7 @@ def load_refs(path: str, *, trust_pickle: bool = False) -> Any:
             data = zf.read(prefix + "data.pkl")
         except (zipfile.BadZipFile, OSError) as e:
             raise CorruptCheckpoint(f"{path}: cannot read data.pkl ({e})", path=path) from None
-    import io
-
-    obj = SafeUnpickler(io.BytesIO(data), source=path, trust_pickle=trust_pickle).load()
+    obj = safe_loads(data, source=path, trust_pickle=trust_pickle)
     for ref in iter_refs(obj):
         name = f"{prefix}data/{ref.storage.key}"
         if name not in records:

@@ -140,18 +140,23 @@ def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = Fal
         except ZckptError as e:
             problems.append(_from_error(e, p))
     try:
-        return _verify(p, mod, ckpt, problems, trust_pickle)
+        return _verify(p, mod, ckpt, problems, trust_pickle, tag)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
 def _verify(
-    p: Path, mod: types.ModuleType | None, ckpt: Checkpoint | None, problems: list[Problem], trust: bool
+    p: Path,
+    mod: types.ModuleType | None,
+    ckpt: Checkpoint | None,
+    problems: list[Problem],
+    trust: bool,
+    tag: str | None,
 ) -> VerifyReport:
     name = getattr(mod, "NAME", None)
     files = [Path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
-    ctx = _Ctx(trust=trust)
+    ctx = _Ctx(trust=trust, tag=tag)
     file_problems: list[Problem] = []
     for f in files:
         file_problems += _check_file(f, ctx)
@@ -166,7 +171,9 @@ def _verify(
         file_problems += hook(p, ckpt)
     # A reader error about a file that the file checks describe better is not repeated.
     named = {q.file for q in file_problems}
-    problems = [q for q in problems if q.file not in named] + file_problems
+    names = {Path(n).name for n in named}
+    problems = [q for q in problems if q.file not in named and not any(n in q.message for n in names)]
+    problems += file_problems
     m = ckpt.meta if ckpt is not None else None
     return VerifyReport(
         path=str(p),
@@ -183,8 +190,19 @@ def _verify(
 @dataclass
 class _Ctx:
     trust: bool
+    tag: str | None = None
     checksums: int = 0
     pickles: dict[str, Any] | None = None
+    hashes: dict[str, str] | None = None
+
+    def sha256(self, f: Path) -> str:
+        """The file's sha256, computed once however many records (sidecar, manifest) name it."""
+        if self.hashes is None:
+            self.hashes = {}
+        key = str(f)
+        if key not in self.hashes:
+            self.hashes[key] = sha256_file(f)
+        return self.hashes[key]
 
     def remember(self, f: Path, obj: Any) -> None:
         if self.pickles is None:
@@ -223,11 +241,14 @@ def _from_error(e: ZckptError, default: Path) -> Problem:
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
+    """Drop repeats: the same message twice, or a second checksum mismatch of one file (its sidecar
+    and a manifest both record it)."""
     seen: set[tuple[str, str]] = set()
     out = []
     for q in problems:
-        if (q.file, q.message) not in seen:
-            seen.add((q.file, q.message))
+        key = (q.file, "checksum" if q.kind == "checksum" else q.message)
+        if key not in seen:
+            seen.add(key)
             out.append(q)
     return out
 
@@ -271,10 +292,10 @@ def _check_safetensors(f: Path, size: int) -> list[Problem]:
         return [_from_error(e, f)]
     spans = sorted((int(i["data_offsets"][0]), int(i["data_offsets"][1]), n) for n, i in header.items())
     end = 0
-    for b, e, name in spans:
-        if b > end:
-            return [Problem(str(f), f"{b - end}-byte hole in the data section before {name!r}", "corrupt")]
-        end = max(end, e)
+    for lo, hi, name in spans:
+        if lo > end:
+            return [Problem(str(f), f"{lo - end}-byte hole in the data section before {name!r}", "corrupt")]
+        end = max(end, hi)
     data = size - start
     if data > end:
         return [
@@ -341,7 +362,7 @@ def _check_sidecar(f: Path, ctx: _Ctx) -> list[Problem]:
 
 def _compare_sha(f: Path, want: str, where: str, ctx: _Ctx) -> list[Problem]:
     ctx.checksums += 1
-    got = sha256_file(f)
+    got = ctx.sha256(f)
     if got != want.lower():
         return [
             Problem(
@@ -362,7 +383,9 @@ def _orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
         for side in sorted(d.glob(f"*{SIDECAR}")):
             target = side.with_name(side.name[: -len(SIDECAR)])
             if not target.exists() and target.resolve() not in known:
-                out.append(Problem(str(target), f"missing (its checksum sidecar {side.name} exists)", "missing"))
+                out.append(
+                    Problem(str(target), f"missing (its checksum sidecar {side.name} exists)", "missing")
+                )
     return out
 
 
@@ -384,7 +407,8 @@ def _check_pieces(ckpt: Checkpoint) -> list[Problem]:
                 out.append(
                     Problem(
                         pc.file,
-                        f"{e.key}: needs bytes [{pc.byte_offset}, {end}) but the file has {size} (truncated?)",
+                        f"{e.key}: needs bytes [{pc.byte_offset}, {end}) but the file has {size} "
+                        "(truncated?)",
                         "truncated",
                     )
                 )
@@ -417,16 +441,17 @@ def _hf_checks(p: Path, ckpt: Checkpoint | None, ctx: _Ctx) -> list[Problem]:
             have = {f for f in set(wm.values()) if _SHARD_RE.match(f)}
             if len(have) != want:
                 out.append(
-                    Problem(str(idx), f"index lists {len(have)} shard files but their names say {want}",
-                            "inconsistent")  # fmt: skip
+                    Problem(
+                        str(idx),
+                        f"index lists {len(have)} shard files, their names say {want}",
+                        "inconsistent",
+                    )
                 )
     if indexes:
         for f in sorted(p.iterdir()):
-            if f.is_file() and f.suffix in TENSOR_SUFFIXES and _SHARD_RE.match(f.name) and f.name not in listed:
-                out.append(
-                    Problem(str(f), "shard file not listed in the index (stale from another save?)", "stale",
-                            "move it away")  # fmt: skip
-                )
+            if f.suffix in TENSOR_SUFFIXES and _SHARD_RE.match(f.name) and f.name not in listed:
+                why = "shard file not listed in the index (stale from another save?)"
+                out.append(Problem(str(f), why, "stale", "move it away"))
     return out
 
 
@@ -444,16 +469,58 @@ def _deepspeed_checks(p: Path, ckpt: Checkpoint | None, ctx: _Ctx) -> list[Probl
         return []
     common = max(set(versions.values()), key=list(versions.values()).count)
     return [
-        Problem(f, f"written by DeepSpeed {v} but the other rank files by {common}", "stale",
-                "files from two runs are mixed")  # fmt: skip
+        Problem(f, f"written by DeepSpeed {v}, the other rank files by {common}", "stale", "two runs mixed")
         for f, v in sorted(versions.items())
         if v != common
     ]
 
 
+def _native_checks(p: Path, ckpt: Checkpoint | None, ctx: _Ctx) -> list[Problem]:
+    """The engine's manifest: every listed file present, of the recorded size and sha256; no rank
+    file that the manifest does not list; one rank file per rank of the recorded world size."""
+    from zckpt.formats import native
+
+    try:
+        td = native.resolve(p, ctx.tag)
+        man = native.manifest(td)
+    except ZckptError:
+        return []  # the reader already reported it
+    where = str(td / native.MANIFEST)
+    files = man.get("files")
+    if not isinstance(files, dict):
+        return [Problem(where, "manifest has no `files` table of sizes and checksums", "corrupt")]
+    out: list[Problem] = []
+    for name, rec in sorted(files.items()):
+        f = td / name
+        if not f.is_file():
+            out.append(Problem(str(f), "missing (listed in manifest.json)", "missing"))
+            continue
+        rec = rec if isinstance(rec, dict) else {}
+        size, want = f.stat().st_size, rec.get("bytes")
+        if isinstance(want, int) and size != want:
+            kind = "truncated" if size < want else "corrupt"
+            out.append(Problem(str(f), f"{size} bytes but manifest.json records {want}", kind))
+            continue
+        sha = rec.get("sha256")
+        if isinstance(sha, str):
+            out += _compare_sha(f, sha, native.MANIFEST, ctx)
+        else:
+            out.append(Problem(str(f), "manifest.json records no sha256 for it", "inconsistent"))
+    for f in sorted(td.glob("rank_*.safetensors")):
+        if f.name not in files:
+            out.append(Problem(str(f), "rank file not listed in manifest.json (stale from another save?)",
+                               "stale", "move it away"))  # fmt: skip
+    world = man.get("world_size")
+    ranks = {n for n in files if re.fullmatch(r"rank_\d+\.safetensors", n)}
+    if isinstance(world, int) and len(ranks) != world:
+        out.append(Problem(where, f"lists {len(ranks)} rank files for world size {world}", "inconsistent"))
+    return out
+
+
 _FORMAT_CHECKS: dict[str, Callable[[Path, Checkpoint | None, _Ctx], list[Problem]]] = {
     "hf": _hf_checks,
     "deepspeed": _deepspeed_checks,
+    "native": _native_checks,
 }
 
 

@@ -30,6 +30,7 @@ COMMANDS = (
     "zckpt.cli.consolidate",
     "zckpt.cli.diff",
     "zckpt.cli.verify",
+    "zckpt.cli.reshard",
 )
 
 app = typer.Typer(

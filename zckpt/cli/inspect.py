@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from zckpt.cli._options import CkptArg, JsonOpt, TagOpt, TrustPickleOpt
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "inspect"
+StatsOpt = Annotated[
+    bool, typer.Option("--stats", help="Also stream every tensor: min/max/mean/std/norm, NaN/Inf counts.")
+]
 
 
 def command(
-    ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
+    ckpt: CkptArg,
+    tag: TagOpt = None,
+    json: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    stats: StatsOpt = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata only, no tensor data).
 
@@ -18,7 +29,7 @@ def command(
     """
     from zckpt.inspect import inspect
 
-    r = inspect(ckpt, tag=tag, trust_pickle=trust_pickle)
+    r = inspect(ckpt, tag=tag, trust_pickle=trust_pickle, stats=stats)
     out = Output(json=json)
     out.result(r.to_json())
     opt = None
@@ -54,3 +65,14 @@ def command(
         out.text("tied: " + ", ".join(f"{a} -> {o}" for a, o in r.tied.items()))
     if r.frozen:
         out.text("frozen: " + ", ".join(r.frozen))
+    if r.stats is not None:
+        out.text()
+        out.table(
+            ["name", "min", "max", "mean", "std", "norm", "nan", "inf"],
+            [(s.key, *(_g(v) for v in (s.min, s.max, s.mean, s.std, s.norm)), s.nan, s.inf) for s in r.stats],
+            right=(1, 2, 3, 4, 5, 6, 7),
+        )
+
+
+def _g(v: float | int | None) -> str:
+    return "-" if v is None else (str(v) if isinstance(v, int) else f"{v:.4g}")

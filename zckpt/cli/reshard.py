@@ -1,43 +1,89 @@
-"""``zckpt reshard SRC [DST] --world N``: the CLI face of ``zckpt.reshard``.
+"""``zckpt reshard [SRC [DST]] --world N``: rewrite a sharded checkpoint for another world size.
 
-Run bare inside a run's checkpoint folder (``zckpt reshard --world 8``), SRC is ``.`` and DST the
+Run bare inside a run's checkpoint folder (``zckpt reshard --world 8``): SRC is ``.`` and DST the
 sibling folder ``<folder>-world8``; the source is never written to.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from zckpt.cli._options import JsonOpt, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._output import Output, human_bytes
 
-def reshard_cmd(
-    src: Path = typer.Argument(
-        Path("."), help="checkpoint folder (holding `latest`) or tag folder; default ."
+NAME = "reshard"
+
+
+class Target(str, enum.Enum):
+    native = "native"
+    deepspeed = "deepspeed"
+
+
+SrcArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3."
     ),
-    dst: Path | None = typer.Argument(None, help="output checkpoint folder; default: sibling <src>-world<N>"),
-    world: int = typer.Option(..., "--world", "-w", min=1, help="new data-parallel world size"),
-    tag: str | None = typer.Option(None, "--tag", "-t", help="tag to read (default: `latest`)"),
-    to: str | None = typer.Option(None, "--to", help="output format: native | deepspeed (default: source's)"),
-    stage: int | None = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage of the output (1, 2 or 3)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace DST if it exists"),
-    trust_pickle: bool = typer.Option(
-        False, "--trust-pickle", help="resolve unknown pickled globals for real"
+]
+DstArg = Annotated[
+    Path | None,
+    typer.Argument(
+        help="Output checkpoint folder (must not be inside SRC). Default: sibling <SRC>-world<N>."
     ),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+]
+WorldOpt = Annotated[int, typer.Option("--world", "-w", min=1, help="New data-parallel world size.")]
+ToOpt = Annotated[Target | None, typer.Option("--to", help="Output format; default: the source's.")]
+StageOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--stage", min=0, max=3, help="ZeRO stage of the output (DeepSpeed: 1-3); default: the source's."
+    ),
+]
+
+
+def command(
+    world: WorldOpt,
+    src: SrcArg = Path("."),
+    dst: DstArg = None,
+    tag: TagOpt = None,
+    to: ToOpt = None,
+    stage: StageOpt = None,
+    overwrite: OverwriteOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    progress: ProgressOpt = True,
+    json: JsonOpt = False,
 ) -> None:
-    """Rewrite a sharded checkpoint for another world size (optimizer state, scheduler, RNG included)."""
+    """Rewrite a sharded checkpoint for WORLD ranks: masters, every optimizer state, frozen params,
+    buffers, ties, scheduler, loss scaler, counters, client state and RNG.
+
+    The output is a complete folder (`latest` + tag) the trainer loads at the new world size as is:
+    native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
+    universal conversion). Streamed tensor by tensor; written to a temporary folder, renamed at the end.
+    """
     from zckpt.reshard import reshard
 
-    res = reshard(src, dst, world=world, tag=tag, to=to, stage=stage, overwrite=overwrite,
-                  progress=not quiet, trust_pickle=trust_pickle)  # fmt: skip
-    stage_s = f" ZeRO-{res.stage}" if res.dst_format == "deepspeed" else ""
-    typer.echo(f"{res.src} ({res.src_format}, world {res.src_world}) -> {res.dst} ({res.dst_format}{stage_s}, "
-               f"world {res.world}, tag {res.tag}): {len(res.files)} files, {res.bytes_written / 1e6:.1f} MB "
-               f"in {res.seconds:.1f}s")  # fmt: skip
+    res = reshard(
+        src,
+        dst,
+        world=world,
+        tag=tag,
+        to=to.value if to else None,
+        stage=stage,
+        overwrite=overwrite,
+        progress=progress and not json,
+        trust_pickle=trust_pickle,
+    )
+    o = Output(json=json)
+    o.result(dataclasses.asdict(res))
+    zero = f" ZeRO-{res.stage}" if res.stage is not None else ""
+    o.text(
+        f"{res.src} ({res.src_format}, world {res.src_world}) -> {res.dst} ({res.dst_format}{zero}, world "
+        f"{res.world}, tag {res.tag}): {len(res.files)} files, {human_bytes(res.bytes_written)} in {res.seconds:.1f}s"
+    )
     for n in res.notes:
-        typer.echo(f"note: {n}")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("reshard")(reshard_cmd)
+        o.text(f"note: {n}")

@@ -49,6 +49,13 @@ def detect(path: str | Path) -> ModuleType:
     hint = "give the folder that holds `latest` (or a tag folder), a .safetensors/.bin/.pt file or an HF folder"
     if p.is_dir() and not any(p.iterdir()):
         raise UnknownFormat(f"{p}: the folder is empty", hint=hint, path=str(p))
+    if p.is_dir():  # one level too high: name the checkpoints inside
+        mods = registry().values()
+        inner = [d for d in sorted(p.iterdir()) if d.is_dir() and any(m.detect(d) for m in mods)]
+        if inner:
+            names = ", ".join(d.name for d in inner[:5]) + (", ..." if len(inner) > 5 else "")
+            raise UnknownFormat(f"{p}: not a checkpoint, but holds {len(inner)} ({names})",
+                                hint=f"give one of them, e.g. {inner[-1]}", path=str(p))  # fmt: skip
     raise UnknownFormat(f"{p}: not a checkpoint zckpt recognises", hint=hint, path=str(p))
 
 

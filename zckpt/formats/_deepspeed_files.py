@@ -47,11 +47,11 @@ def detect(path: Path) -> bool:
     if _has_model_states(p):
         return True
     latest = p / "latest"
-    if latest.is_file():
-        try:
-            return _has_model_states(p / latest.read_text().strip())
-        except (OSError, UnicodeDecodeError, ValueError):
-            return False
+    if latest.is_file() and latest.stat().st_size <= 4096:
+        # a save dir (its `latest` names the tag), even when that tag is damaged or missing: resolve() then
+        # says what is wrong instead of "not a checkpoint". The native format, which also has `latest`, is
+        # detected before this one.
+        return True
     return bool(_tags(p))
 
 

@@ -21,9 +21,8 @@ taken verbatim from the source files when the source is DeepSpeed, synthesised o
 from __future__ import annotations
 
 import copy
-import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 from zckpt import partition
 from zckpt.errors import Unsupported
 from zckpt.flat import FlatSource, Segment, chunk_of, source, whole
-from zckpt.model import Checkpoint, Role, TensorEntry
+from zckpt.model import Checkpoint, Role, TensorEntry, parse_dtype
 from zckpt.outputs import HashingSink
 from zckpt.pickle_safe import LossScaler, TensorRef, ZeroStageEnum, _Record, fragment_address
 from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
@@ -106,8 +105,10 @@ def adjust_batch(cfg: dict[str, Any], old_world: int, new_world: int) -> tuple[d
     else:
         new_micro = int(micro) if micro is not None else max(1, int(tbs) // (gas * old_world))
         new_tbs = new_micro * gas * new_world
-        note = (f"global batch {tbs} is not divisible by gradient_accumulation_steps {gas} x world {new_world}; "
-                f"kept micro batch {new_micro}, global batch becomes {new_tbs}")  # fmt: skip
+        note = (
+            f"global batch {tbs} is not divisible by gradient_accumulation_steps {gas} x world {new_world}; "
+            f"kept micro batch {new_micro}, global batch becomes {new_tbs}"
+        )
         tbs = new_tbs
     if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = new_micro
@@ -141,8 +142,8 @@ def _loss_scaler_default() -> LossScaler:
 
 
 _LAYOUT_KEYS = frozenset(
-    "module buffer_names optimizer param_shapes frozen_param_shapes shared_params frozen_param_fragments "
-    "dp_world_size".split()
+    ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params"]
+    + ["frozen_param_fragments", "dp_world_size"]
 )
 
 
@@ -154,10 +155,15 @@ def template_from_deepspeed(ckpt: Checkpoint, *, trust_pickle: bool = False) -> 
     mfile = next(f for f in files if f.name.endswith("_model_states.pt"))
     ofiles = [f for f in files if f.name.endswith("_optim_states.pt")]
     if not ofiles:
-        raise Unsupported(f"{mfile}: ZeRO-0 checkpoint (no optimizer partitions); only ZeRO-1/2/3 can be written")
+        raise Unsupported(
+            f"{mfile}: ZeRO-0 checkpoint (no optimizer partitions); only ZeRO-1/2/3 can be written"
+        )
     if ckpt.meta.extra.get("bf16_optimizer"):
-        raise Unsupported(f"{ofiles[0]}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) "
-                          "cannot be written yet", hint="reshard to the native format instead (--to native)")  # fmt: skip
+        raise Unsupported(
+            f"{ofiles[0]}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) "
+            "cannot be written yet",
+            hint="reshard to the native format instead (--to native)",
+        )
     m0 = load_refs(str(mfile), trust_pickle=trust_pickle)
     o0 = load_refs(str(ofiles[0]), trust_pickle=trust_pickle)["optimizer_state_dict"]
     inner = o0.get("optimizer_state_dict") if "fp32_flat_groups" in o0 else o0.get("base_optimizer_state")
@@ -181,6 +187,76 @@ def template_from_deepspeed(ckpt: Checkpoint, *, trust_pickle: bool = False) -> 
     )
 
 
+def template_from_native(ckpt: Checkpoint) -> DsTemplate:
+    """DeepSpeed metadata synthesised from a native (engine) checkpoint: its config is DeepSpeed-shaped."""
+    from zckpt.formats import native
+    from zckpt.pickle_safe import DynamicLossScaler
+
+    extra = ckpt.meta.extra
+    opt = ckpt.meta.optimizer
+    if opt is None:
+        raise Unsupported(f"{ckpt.meta.path}: no optimizer recorded; DeepSpeed ZeRO files need one")
+    groups = [list(pg.get("params", [])) for pg in opt.param_groups]
+    hparams = [
+        {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in pg.items() if k != "params"}
+        for pg in opt.param_groups
+    ]
+    cfg = copy.deepcopy(dict(ckpt.meta.config or {}))
+    sd = dict(extra.get("loss_scaler") or {})
+    if sd.get("dynamic"):
+        ls: Any = DynamicLossScaler()
+        ls.__dict__.update(sd)
+        dt = sd.get("dtype")
+        ls.dtype = (
+            parse_dtype(dt)
+            if isinstance(dt, str)
+            else LP_DTYPES.get(ckpt.meta.precision or "", torch.float16)
+        )
+    else:
+        ls = _loss_scaler_default()
+        ls.__dict__.update(cur_scale=float(sd.get("cur_scale", 1.0)), dynamic=False)
+    counters = dict(extra.get("counters") or {})
+    rank0 = Path(ckpt.meta.files[0])
+
+    def join(o: Any) -> Any:
+        if isinstance(o, dict):
+            if set(o) == {"__tensor__"}:
+                return native.read_rank_tensor(rank0, o["__tensor__"])
+            return {k: join(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [join(v) for v in o]
+        return o
+
+    top: dict[str, Any] = {
+        "lr_scheduler": extra.get("scheduler"),
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": int(counters.get("skipped_steps", 0)),
+        "global_steps": int(counters.get("global_steps", 0)),
+        "global_samples": int(counters.get("global_samples", 0)),
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": cfg,
+        "ds_version": DS_VERSION,
+    }
+    for k, v in (join(extra.get("client_state")) or {}).items():
+        top.setdefault(k, v)
+    zc = cfg.get("zero_optimization") or {}
+    tied = dict(ckpt.meta.tied)
+    return DsTemplate(
+        precision=ckpt.meta.precision or "fp32",
+        module_order=[e.name for e in ckpt.model_entries()] + list(tied),
+        group_params=groups,
+        group_hparams=hparams,
+        top=top,
+        loss_scaler=ls,
+        dynamic_loss_scale=bool(sd.get("dynamic", False)),
+        overflow=False,
+        clip_grad=float(cfg.get("gradient_clipping", 0.0) or 0.0),
+        sub_group_size=int(zc["sub_group_size"]) if zc.get("sub_group_size") else None,
+    )
+
+
 # ---- torch-zip files built from lazy tensors -----------------------------------------------------
 class _File:
     """One torch.save archive: ``tensor()`` registers a lazy storage; ``save()`` streams it out."""
@@ -189,7 +265,9 @@ class _File:
         self.storages: list[tuple[StorageSlot, FlatSource]] = []
         self._refs: dict[tuple[str, str], StorageSlot] = {}
 
-    def tensor(self, src: FlatSource, shape: tuple[int, ...] | None = None, requires_grad: bool = False) -> TensorSlot:
+    def tensor(
+        self, src: FlatSource, shape: tuple[int, ...] | None = None, requires_grad: bool = False
+    ) -> TensorSlot:
         slot = StorageSlot(str(len(self.storages)), src.dtype, src.numel)
         self.storages.append((slot, src))
         shp = (src.numel,) if shape is None else tuple(shape)
@@ -202,7 +280,10 @@ class _File:
         return self.tensor(whole(e), tuple(t.shape))
 
     def convert(self, obj: Any) -> Any:
-        """A copy of a pickled source object with every ``TensorRef`` turned into a lazy tensor."""
+        """A copy of a pickled source object with every ``TensorRef`` (or in-memory tensor) turned into a
+        lazy tensor."""
+        if isinstance(obj, torch.Tensor):
+            return self.scalar(obj.detach().cpu().contiguous())
         if isinstance(obj, TensorRef):
             key = (obj.file, obj.storage.key)
             slot = self._refs.get(key)
@@ -210,8 +291,13 @@ class _File:
                 from zckpt.model import Piece
 
                 base = obj.byte_offset - obj.offset * obj.dtype.itemsize
-                e = TensorEntry("ref", (obj.storage.numel,), obj.dtype, Role.BUFFER,
-                                (Piece(obj.file, base, obj.dtype, 0, obj.storage.numel),))  # fmt: skip
+                e = TensorEntry(
+                    "ref",
+                    (obj.storage.numel,),
+                    obj.dtype,
+                    Role.BUFFER,
+                    (Piece(obj.file, base, obj.dtype, 0, obj.storage.numel),),
+                )
                 slot = StorageSlot(str(len(self.storages)), obj.dtype, obj.storage.numel)
                 self.storages.append((slot, whole(e)))
                 self._refs[key] = slot
@@ -253,8 +339,15 @@ def _scalar_state(e: TensorEntry) -> torch.Tensor:
     return read_range(e, 0, 1).reshape(())
 
 
-def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, tmpl: DsTemplate,
-                    on_file: Callable[[str, int], None] | None = None) -> list[str]:  # fmt: skip
+def write_deepspeed(
+    ckpt: Checkpoint,
+    tag_dir: Path,
+    *,
+    world: int,
+    stage: int,
+    tmpl: DsTemplate,
+    on_file: Callable[[str, int], None] | None = None,
+) -> list[str]:
     """Write ``ckpt`` as a DeepSpeed ZeRO-``stage`` checkpoint for ``world`` ranks into ``tag_dir``.
 
     Returns notes for the caller (batch-size changes, dropped states). ``on_file(name, nbytes)`` is
@@ -269,8 +362,10 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
     grouped = {n for g in groups for n in g}
     missing = [e.name for e in ckpt.model_entries() if e.role is Role.PARAM and e.name not in grouped]
     if missing:
-        raise Unsupported(f"{ckpt.meta.path}: params {missing[:3]} belong to no optimizer param group",
-                          hint="the source records no optimizer; DeepSpeed files need one")  # fmt: skip
+        raise Unsupported(
+            f"{ckpt.meta.path}: params {missing[:3]} belong to no optimizer param group",
+            hint="the source records no optimizer; DeepSpeed files need one",
+        )
     state_names = list(ckpt.meta.optimizer.state_names) if ckpt.meta.optimizer else []
     lp = LP_DTYPES.get(tmpl.precision, torch.float32)
     old_world = ckpt.meta.world_size
@@ -287,10 +382,10 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
     order = [n for n in tmpl.module_order if n in ents or n in tied]
     order += [n for n in list(ents) + list(tied) if n not in order and (n in tied or ents[n].role.is_model)]
     prefix = "bf16_" if tmpl.precision == "bf16" else ""
-    ds_ids = {n: i for i, n in enumerate(k for k in order if k not in tied and ents[k].role is not Role.BUFFER)}
 
-    def group_state(names: list[str], runs_of: Callable[[str], list[Segment]], total: int,
-                    f: _File) -> dict[str, Any]:  # fmt: skip
+    def group_state(
+        names: list[str], runs_of: Callable[[str], list[Segment]], total: int, f: _File
+    ) -> dict[str, Any]:
         st: dict[str, Any] = {}
         for s in state_names:
             es = [ents.get(f"{n}:{s}") for n in names]
@@ -298,9 +393,11 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
                 if any(e is not None for e in es):
                     notes.append(f"optimizer state {s!r} exists for only some params of a group; dropped")
                 continue
-            if all(e.shape == ents[n].shape for e, n in zip(es, names)):  # type: ignore[union-attr]
+            if all(e.shape == ents[n].shape for e, n in zip(es, names, strict=True)):  # type: ignore[union-attr]
                 segs = [seg for n in names for seg in runs_of(f"{n}:{s}")]
-                st[s] = f.tensor(source(torch.float32, segs + [Segment(None, 0, total - sum(x.numel for x in segs))]))
+                st[s] = f.tensor(
+                    source(torch.float32, segs + [Segment(None, 0, total - sum(x.numel for x in segs))])
+                )
             elif all(e.numel == 1 for e in es):  # type: ignore[union-attr]
                 st[s] = f.scalar(_scalar_state(es[0]))  # type: ignore[arg-type]
             else:
@@ -326,11 +423,15 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
         frags: OrderedDict[str, Any] = OrderedDict()
         for n in frozen:
             frags[n] = f.tensor(chunk_of(ents[n], world, rank)) if stage == 3 else module[n]
-        out: dict[str, Any] = {"module": module, "buffer_names": buffers, "optimizer": None,
-                               "param_shapes": param_shapes,
-                               "frozen_param_shapes": frozen_shapes if stage >= 2 else None,
-                               "shared_params": dict(tied) if rank == 0 else {},
-                               "frozen_param_fragments": frags if stage >= 2 else None}  # fmt: skip
+        out: dict[str, Any] = {
+            "module": module,
+            "buffer_names": buffers,
+            "optimizer": None,
+            "param_shapes": param_shapes,
+            "frozen_param_shapes": frozen_shapes if stage >= 2 else None,
+            "shared_params": dict(tied) if rank == 0 else {},
+            "frozen_param_fragments": frags if stage >= 2 else None,
+        }
         for k, v in top.items():
             out[k] = f.convert(v)
         out["dp_world_size"] = world
@@ -359,12 +460,15 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
                 fp32.append(f.tensor(source(torch.float32, segs), requires_grad=True))
                 states[gi] = group_state(g, runs_of, lay.partition_size, f)
                 pads.append(lay.padding)
-                maps.append(OrderedDict((g[k], fragment_address(numel=ln, start=off))
-                                        for (k, _, off, ln) in lay.runs))  # fmt: skip
+                maps.append(
+                    OrderedDict((g[k], fragment_address(numel=ln, start=off)) for (k, _, off, ln) in lay.runs)
+                )
             pgs = [{**copy.deepcopy(h), "params": [gi]} for gi, h in enumerate(tmpl.group_hparams)]
             osd = {
-                "loss_scaler": tmpl.loss_scaler, "dynamic_loss_scale": tmpl.dynamic_loss_scale,
-                "overflow": tmpl.overflow, "clip_grad": tmpl.clip_grad,
+                "loss_scaler": tmpl.loss_scaler,
+                "dynamic_loss_scale": tmpl.dynamic_loss_scale,
+                "overflow": tmpl.overflow,
+                "clip_grad": tmpl.clip_grad,
                 "base_optimizer_state": {"state": states, "param_groups": pgs},
                 "single_partition_of_fp32_groups": fp32,
                 "zero_stage": ZeroStageEnum(stage),
@@ -373,9 +477,12 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
                 "partition_count": [world] * len(groups),
                 "ds_version": tmpl.ds_version,
                 "param_slice_mappings": maps,
-            }  # fmt: skip
-            emit(f, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                 {"optimizer_state_dict": osd, "ds_config": f.convert(cfg), "ds_version": tmpl.ds_version})
+            }
+            emit(
+                f,
+                f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                {"optimizer_state_dict": osd, "ds_config": f.convert(cfg), "ds_version": tmpl.ds_version},
+            )
         f = _File()
         emit(f, "mp_rank_00_model_states.pt", model_file(f, 0, shapes))
         return notes
@@ -391,7 +498,7 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
         flats, states = [], {}
         for si, (_gi, names) in enumerate(subs):
 
-            def runs_of(key: str) -> list[Segment]:
+            def runs_of3(key: str, r: int = r) -> list[Segment]:
                 return list(chunk_of(ents[key], world, r, torch.float32).segments)
 
             segs = [seg for n in names for seg in chunk_of(ents[n], world, r, torch.float32).segments]
@@ -399,28 +506,35 @@ def write_deepspeed(ckpt: Checkpoint, tag_dir: Path, *, world: int, stage: int, 
             flats.append(f.tensor(source(torch.float32, segs), requires_grad=True))
             if flats[-1].storage.numel != total:
                 raise AssertionError("sub-group length mismatch")
-            states[si] = group_state(names, runs_of, total, f)
-        pgs = [{**copy.deepcopy(h), "params": [si for si, (g2, _) in enumerate(subs) if g2 == gi]}
-               for gi, h in enumerate(tmpl.group_hparams)]  # fmt: skip
+            states[si] = group_state(names, runs_of3, total, f)
+        pgs = [
+            {**copy.deepcopy(h), "params": [si for si, (g2, _) in enumerate(subs) if g2 == gi]}
+            for gi, h in enumerate(tmpl.group_hparams)
+        ]
         osd = {
-            "zero_stage": ZeroStageEnum.weights, "loss_scaler": tmpl.loss_scaler,
-            "dynamic_loss_scale": tmpl.dynamic_loss_scale, "overflow": tmpl.overflow,
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": tmpl.loss_scaler,
+            "dynamic_loss_scale": tmpl.dynamic_loss_scale,
+            "overflow": tmpl.overflow,
             "partition_count": world,
             "optimizer_state_dict": {"state": states, "param_groups": pgs},
             "fp32_flat_groups": flats,
-        }  # fmt: skip
-        emit(f, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-             {"optimizer_state_dict": osd, "ds_config": f.convert(cfg), "ds_version": tmpl.ds_version})
+        }
+        emit(
+            f,
+            f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            {"optimizer_state_dict": osd, "ds_config": f.convert(cfg), "ds_version": tmpl.ds_version},
+        )
         f = _File()
         emit(f, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", model_file(f, r, shapes))
-    del ds_ids
     return notes
 
 
-def iter_files(tag_dir: Path) -> Iterator[Path]:
-    return iter(sorted(tag_dir.iterdir()))
-
-
-__all__ = ["DsTemplate", "adjust_batch", "template_from_deepspeed", "write_deepspeed", "zero12_layout",
-           "zero3_sub_groups"]  # fmt: skip
-_ = math
+__all__ = [
+    "DsTemplate",
+    "adjust_batch",
+    "template_from_deepspeed",
+    "write_deepspeed",
+    "zero12_layout",
+    "zero3_sub_groups",
+]

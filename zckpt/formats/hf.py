@@ -33,7 +33,15 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, Staging, WriteItem, plan_shards, shard_names, tensor_bytes
+from zckpt.outputs import (
+    HashingSink,
+    Staging,
+    WriteItem,
+    plan_shards,
+    planned_names,
+    shard_names,
+    tensor_bytes,
+)
 
 NAME = "hf"
 
@@ -94,8 +102,8 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], 
         raise CorruptCheckpoint(f"{p}: cannot read ({e.strerror})", path=p) from None
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpoint(f"{p}: header is not valid JSON ({e})", path=p) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptCheckpoint(f"{p}: header is not valid JSON ({type(e).__name__}: {e})", path=p) from None
     if not isinstance(header, dict):
         raise CorruptCheckpoint(f"{p}: header is not a JSON object", path=p)
     meta = header.pop("__metadata__", None) or {}
@@ -189,7 +197,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         weight_map: dict[str, str] | None = None
     else:
         weight_map, tied = _read_index(file)
-        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        files = [path / f for f in sorted(set(weight_map.values()))]  # shard order = original order
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
             raise ShardMismatch(f"{file}: shard files listed in the index are missing: {', '.join(missing)}",
@@ -347,7 +355,9 @@ def write_safetensors(
     """
     out = Path(out)
     is_dir = out.suffix != ".safetensors"
+    base = SAFETENSORS if is_dir else out.name
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
-        write_into(st.dir, SAFETENSORS if is_dir else out.name, items, tied=tied, metadata=metadata,
+        st.expect(planned_names(base, items, max_shard_size))
+        write_into(st.dir, base, items, tied=tied, metadata=metadata,
                    max_shard_size=max_shard_size, on_bytes=on_bytes)  # fmt: skip
         return st.commit()

@@ -1,6 +1,6 @@
 """The engine's native checkpoint format (spec: docs/native-format.md): reader and detector.
 
-Layout: ``<dir>/latest`` (the tag), ``<dir>/<tag>/manifest.json`` and ``<dir>/<tag>/rank_{r:05d}.safetensors``.
+Layout: ``<dir>/latest`` (tag), ``<dir>/<tag>/manifest.json`` and ``<dir>/<tag>/rank_{r:05d}.safetensors``.
 Every tensor is partitioned per tensor: the flattened tensor is cut in ``partition_world`` chunks of
 ``ceil(numel / partition_world)`` elements (``zckpt.partition``); rank r's file holds chunk r, padded, under
 ``param/<name>`` (fp32 masters), ``frozen/<name>`` and ``optim/<state>/<name>``. Each becomes one ``Piece``
@@ -61,7 +61,9 @@ def resolve(path: Path, tag: str | None = None) -> Path:
         return path
     latest = path / "latest"
     if not latest.is_file():
-        raise CorruptCheckpoint(f"{path}: no `latest` file and no {MANIFEST}", hint="pass --tag", path=str(path))
+        raise CorruptCheckpoint(
+            f"{path}: no `latest` file and no {MANIFEST}", hint="pass --tag", path=str(path)
+        )
     return path / latest.read_text().strip()
 
 
@@ -102,13 +104,13 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
     world, pw = int(man["world_size"]), int(man["partition_world"])
     files = [rank_file(td, r) for r in range(world)]
     headers: list[tuple[dict[str, Any], int]] = []
-    for r, f in enumerate(files):
+    for f in files:
         if not f.is_file():
             raise ShardMismatch(f"{td}: rank file {f.name} is missing (world size {world})", path=str(td))
         want = man["files"].get(f.name, {}).get("bytes")
         if want is not None and f.stat().st_size != want:
             raise ShardMismatch(
-                f"{f}: {f.stat().st_size} bytes but the manifest recorded {want} (truncated or from another save)",
+                f"{f}: {f.stat().st_size} bytes, the manifest says {want} (truncated or another save)",
                 path=str(f),
             )
         h, _, start = read_header(f)
@@ -118,7 +120,9 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         h, data = headers[r]
         if key not in h:
             raise ShardMismatch(f"{files[r]}: has no tensor {key!r}", path=str(files[r]))
-        return Piece(str(files[r]), data + h[key]["data_offsets"][0], dtype, start, numel, rank=r, padding=padding)
+        return Piece(
+            str(files[r]), data + h[key]["data_offsets"][0], dtype, start, numel, rank=r, padding=padding
+        )
 
     def partitioned(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Piece, ...]:
         n = 1
@@ -165,8 +169,11 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         tag=man.get("tag"),
         step=man.get("counters", {}).get("global_steps"),
         precision=man.get("precision"),
-        optimizer=OptimizerInfo(opt.get("kind", "?"), tuple(opt.get("param_groups", ())),
-                                tuple(opt.get("state_names", ()))) if opt else None,  # fmt: skip
+        optimizer=OptimizerInfo(
+            opt.get("kind", "?"), tuple(opt.get("param_groups", ())), tuple(opt.get("state_names", ()))
+        )
+        if opt
+        else None,  # fmt: skip
         tied=dict(man.get("tied", {})),
         config=man.get("config"),
         files=tuple(str(f) for f in files),

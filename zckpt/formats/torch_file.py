@@ -23,7 +23,7 @@ from typing import Any
 from zckpt import torchzip
 from zckpt.errors import CorruptCheckpoint, Unsupported
 from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, Staging, WriteItem, plan_shards, shard_names
+from zckpt.outputs import HashingSink, Staging, WriteItem, plan_shards, planned_names, shard_names
 from zckpt.pickle_safe import TensorRef
 from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 
@@ -225,7 +225,9 @@ def write_torch(
     """
     out = Path(out)
     is_dir = out.suffix not in SUFFIXES
+    base = BIN if is_dir else out.name
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
-        write_into(st.dir, BIN if is_dir else out.name, items, tied=tied, max_shard_size=max_shard_size,
+        st.expect(planned_names(base, items, max_shard_size))
+        write_into(st.dir, base, items, tied=tied, max_shard_size=max_shard_size,
                    on_bytes=on_bytes)  # fmt: skip
         return st.commit()

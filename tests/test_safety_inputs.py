@@ -1,0 +1,579 @@
+"""Corrupt and wrong input, for every command and format: one line naming the file (and a hint), a non-zero
+exit, no traceback (unless ``ZCKPT_DEBUG=1``), bounded time and memory, and no output left behind.
+
+Inputs: copies of real DeepSpeed fixtures (ZeRO-2 fp16 and ZeRO-3 fp32, world 2), a safetensors file, an HF
+folder with two shards and an index, and a torch ``.bin`` — damaged by truncation at several offsets, flipped
+bytes, missing / extra / stale rank files, mixed tags, a world size that disagrees with the files, files and
+folders swapped, an empty folder. Crafted safetensors headers and broken zip records go to the readers
+directly too, under a memory bound (tracemalloc) and a time bound.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import time
+import tracemalloc
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from _safety import (
+    DS2,
+    DS3,
+    FIXTURES,
+    Run,
+    assert_one_line_error,
+    cli,
+    copy_case,
+    leftovers,
+    op_str,
+    read_pkl,
+    rewrite_pkl,
+)
+from safetensors.torch import load_file, save_file
+
+from zckpt.errors import CorruptCheckpoint, ZckptError
+from zckpt.formats import open_checkpoint
+
+pytestmark = pytest.mark.skipif(not (FIXTURES / DS2).is_dir(), reason="DeepSpeed fixtures not built")
+
+TIME_LIMIT_S = 20.0  # generous: the test machine is shared; a hang or a huge allocation takes far longer
+
+
+def _registered() -> set[str]:
+    from zckpt.cli.app import app
+
+    return {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
+
+
+def run_all(inp: Path, tmp: Path, *needles: str, tag: str | None = None) -> dict[str, Run]:
+    """Every command on a bad input: each must fail cleanly, naming ``needles``, and leave no output."""
+    outdir = tmp / "out"
+    outdir.mkdir(exist_ok=True)
+    extra = ["--tag", tag] if tag else []
+    side = tmp / "diff-side"
+    if not side.exists():
+        side.mkdir()
+        save_file({"a": torch.zeros(2)}, side / "b.safetensors")
+    cmds: dict[str, list[str | Path]] = {
+        "inspect": ["inspect", inp, *extra],
+        "consolidate": ["consolidate", inp, outdir / "model.safetensors", *extra],
+        "consolidate-dir": ["consolidate", inp, outdir / "hf", *extra],
+        "diff": ["diff", inp, side / "b.safetensors"] + (["--tag-a", tag] if tag else []),
+        "verify": ["verify", inp, *extra],
+        "reshard": ["reshard", inp, outdir / "resharded", "--world", "1", *extra],
+    }
+    have = _registered()
+    results = {}
+    for name, args in cmds.items():
+        if str(args[0]) not in have:
+            continue
+        t0 = time.monotonic()
+        r = cli(*args)
+        assert time.monotonic() - t0 < TIME_LIMIT_S, f"{name} took too long"
+        if name == "verify":  # verify reports problems on stdout (exit 1) or fails like the others (exit 2)
+            assert r.code in (1, 2), f"verify: exit {r.code}\n{r.stdout}\n{r.stderr}"
+            assert "Traceback" not in r.stdout + r.stderr
+            text = (r.stdout + r.stderr).lower()
+            for n in needles:
+                assert n.lower() in text, f"verify does not name {n!r}:\n{r.stdout}{r.stderr}"
+        else:
+            assert_one_line_error(r, *needles)
+        results[name] = r
+    assert not list(outdir.iterdir()), f"output left behind: {list(outdir.iterdir())}"
+    assert not leftovers(tmp), leftovers(tmp)
+    return results
+
+
+# ---- inputs ----------------------------------------------------------------------------------------
+def make_safetensors(tmp: Path) -> Path:
+    f = tmp / "model.safetensors"
+    save_file({"a": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}, f)
+    return f
+
+
+def make_bin(tmp: Path) -> Path:
+    f = tmp / "pytorch_model.bin"
+    torch.save({"a": torch.arange(12.0).view(3, 4), "b": torch.ones(5)}, f)
+    return f
+
+
+def make_hf_folder(tmp: Path) -> Path:
+    d = tmp / "hf"
+    d.mkdir()
+    save_file({"a": torch.arange(12.0).view(3, 4)}, d / "model-00001-of-00002.safetensors", {"format": "pt"})
+    save_file({"b": torch.ones(5)}, d / "model-00002-of-00002.safetensors", {"format": "pt"})
+    index = {"metadata": {"total_size": 68}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def truncate(f: Path, at: int) -> None:
+    with open(f, "r+b") as h:
+        h.truncate(at)
+
+
+def flip(f: Path, at: int, n: int = 4) -> None:
+    data = bytearray(f.read_bytes())
+    for i in range(at, min(at + n, len(data))):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def pkl_span(f: Path) -> tuple[int, int]:
+    """(offset, size) of data.pkl's bytes inside a torch zip file."""
+    with zipfile.ZipFile(f) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+    with open(f, "rb") as h:
+        h.seek(info.header_offset + 26)
+        n, m = struct.unpack("<HH", h.read(4))
+    return info.header_offset + 30 + n + m, info.file_size
+
+
+# ---- 1. truncation and flipped bytes -------------------------------------------------------------------
+def _cuts(size: int) -> list[int]:
+    return sorted({0, 1, 7, 100, size // 3, size // 2, size - 23, size - 1})
+
+
+@pytest.mark.parametrize("case,file", [(DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                       (DS2, "mp_rank_00_model_states.pt"),
+                                       (DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt")])  # fmt: skip
+def test_deepspeed_truncated(case: str, file: str, tmp_path: Path) -> None:
+    size = (FIXTURES / case / "global_step3" / file).stat().st_size
+    for at in _cuts(size):
+        work = tmp_path / f"cut{at}"
+        work.mkdir()
+        ck = copy_case(case, work)
+        truncate(ck / "global_step3" / file, at)
+        run_all(ck, work, file)
+
+
+@pytest.mark.parametrize("make", [make_safetensors, make_bin], ids=["safetensors", "bin"])
+def test_single_file_truncated(make: Callable[[Path], Path], tmp_path: Path) -> None:
+    size = make(tmp_path).stat().st_size
+    for at in _cuts(size):
+        work = tmp_path / f"cut{at}"
+        work.mkdir()
+        f = make(work)
+        truncate(f, at)
+        run_all(f, work, f.name)
+
+
+def test_hf_folder_shard_truncated_or_missing(tmp_path: Path) -> None:
+    for at in (0, 5, 60, 100):
+        work = tmp_path / f"cut{at}"
+        work.mkdir()
+        d = make_hf_folder(work)
+        truncate(d / "model-00002-of-00002.safetensors", at)
+        run_all(d, work, "model-00002-of-00002.safetensors")
+    work = tmp_path / "missing"
+    work.mkdir()
+    d = make_hf_folder(work)
+    (d / "model-00001-of-00002.safetensors").unlink()
+    run_all(d, work, "model-00001-of-00002.safetensors")
+
+
+def test_flipped_pickle_bytes(tmp_path: Path) -> None:
+    """Bytes flipped inside data.pkl of a rank file: every command stops with a one-line error."""
+    rng = torch.Generator().manual_seed(0)
+    file = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    off, n = pkl_span(FIXTURES / DS2 / "global_step3" / file)
+    spots = [off, off + 2] + [off + int(x) for x in torch.randint(3, n - 1, (6,), generator=rng)]
+    failed = 0
+    for at in spots:
+        work = tmp_path / f"flip{at}"
+        work.mkdir()
+        ck = copy_case(DS2, work)
+        flip(ck / "global_step3" / file, at, 1)
+        # a flip may land on a byte whose change still parses (a digit of a float): then verify's CRC check
+        # is what catches it; every other command must either fail cleanly or succeed
+        r = cli("verify", ck)
+        assert r.code == 1 and file in r.stdout and "CRC" in r.stdout, r.stdout + r.stderr
+        for args in (["inspect", ck], ["consolidate", ck, work / "o.safetensors"]):
+            r = cli(*args)
+            if r.code != 0:
+                assert_one_line_error(r, file)
+                failed += 1
+        assert not leftovers(work)
+    assert failed >= 4, "most flips in the pickle should be refused"
+
+
+def test_flipped_tensor_bytes_caught_by_verify(tmp_path: Path) -> None:
+    """Flipped tensor bytes do not change structure: inspect still works, verify names the file (CRC-32)."""
+    ck = copy_case(DS3, tmp_path)
+    f = ck / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(f) as zf:
+        rec = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(f, "rb") as h:
+        h.seek(rec.header_offset + 26)
+        n, m = struct.unpack("<HH", h.read(4))
+    flip(f, rec.header_offset + 30 + n + m + 4, 2)
+    assert cli("inspect", ck).code == 0
+    r = cli("verify", ck)
+    assert r.code == 1 and str(f) in r.stdout and "CRC" in r.stdout, r.stdout
+
+
+def test_safetensors_flipped_header(tmp_path: Path) -> None:
+    for at in (0, 3, 8, 9, 20, 40):
+        work = tmp_path / f"flip{at}"
+        work.mkdir()
+        f = make_safetensors(work)
+        flip(f, at, 2)
+        run_all(f, work, f.name)
+
+
+# ---- 2. rank files: missing, extra, stale, mixed tags, world size ---------------------------------------
+def _ds(tmp: Path, case: str = DS2) -> tuple[Path, Path]:
+    ck = copy_case(case, tmp)
+    return ck, ck / "global_step3"
+
+
+def test_missing_rank_files(tmp_path: Path) -> None:
+    for case, file in [(DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                       (DS2, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                       (DS2, "mp_rank_00_model_states.pt"),
+                       (DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+                       (DS3, "zero_pp_rank_0_mp_rank_00_model_states.pt")]:  # fmt: skip
+        work = tmp_path / f"{case}-{file}"
+        work.mkdir()
+        ck, td = _ds(work, case)
+        (td / file).unlink()
+        needle = file if "optim" in file or case == DS3 else td.name
+        run_all(ck, work, needle)
+
+
+def test_extra_rank_file(tmp_path: Path) -> None:
+    for case, src, extra in [(DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                              "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+                             (DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                              "zero_pp_rank_2_mp_rank_00_model_states.pt")]:  # fmt: skip
+        work = tmp_path / case
+        work.mkdir()
+        ck, td = _ds(work, case)
+        shutil.copy(td / src, td / extra)
+        run_all(ck, work, extra)
+
+
+def test_stale_rank_file_from_another_run(tmp_path: Path) -> None:
+    """Rank 1's optimizer file replaced by rank 1's file of another run with the same stage and world size
+    but other settings: the files disagree, and the message names the stale file."""
+    ck, td = _ds(tmp_path, DS2)
+    other = FIXTURES / "s2_fp32_w2_g2" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(other, td / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    run_all(ck, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+def test_world_size_does_not_match_files(tmp_path: Path) -> None:
+    """Every rank-1 file gone (a world-1 looking folder) while the files record world size 2."""
+    ck, td = _ds(tmp_path, DS3)
+    for f in td.glob("zero_pp_rank_1_*"):
+        f.unlink()
+    run_all(ck, tmp_path, "rank 1")
+
+
+def test_mixed_zero_layouts_in_one_tag(tmp_path: Path) -> None:
+    """A ZeRO-2 model file dropped into a ZeRO-3 tag folder (two runs mixed)."""
+    ck, td = _ds(tmp_path, DS3)
+    shutil.copy(FIXTURES / DS2 / "global_step3" / "mp_rank_00_model_states.pt", td)
+    run_all(ck, tmp_path, str(td))
+
+
+def test_latest_names_missing_tag(tmp_path: Path) -> None:
+    ck, td = _ds(tmp_path)
+    (ck / "latest").write_text("global_step9")
+    r = run_all(ck, tmp_path, "latest", "global_step9")
+    assert "global_step3" in r["inspect"].stderr  # the hint lists the tags that exist
+
+
+def test_several_tags_without_latest(tmp_path: Path) -> None:
+    """Two tags and no ``latest``: refused with a hint to pick one; ``--tag`` picks one."""
+    ck, td = _ds(tmp_path)
+    shutil.copytree(td, ck / "global_step2")
+    (ck / "latest").unlink()
+    r = cli("inspect", ck)
+    assert_one_line_error(r, "global_step2", "global_step3")
+    assert "hint: " in r.stderr and "--tag" in r.stderr
+    ok = cli("inspect", ck, "--tag", "global_step2")
+    assert ok.code == 0, ok.stderr
+
+
+def test_wrong_tag_option(tmp_path: Path) -> None:
+    ck, _ = _ds(tmp_path)
+    r = run_all(ck, tmp_path, "global_step7", tag="global_step7")
+    assert "global_step3" in r["inspect"].stderr
+
+
+# ---- 3. wrong level, files and folders swapped, empty, unreadable --------------------------------------
+def test_tag_folder_given_instead_of_parent(tmp_path: Path) -> None:
+    """Accepted: the tag folder reads as the same checkpoint, and consolidates to the same bytes."""
+    ck, td = _ds(tmp_path)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert cli("consolidate", ck, a).code == 0
+    r = cli("consolidate", td, b)
+    assert r.code == 0, r.stderr
+    sa, sb = load_file(a), load_file(b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    r = cli("verify", td)
+    assert r.code == 0, r.stdout + r.stderr
+
+
+def test_parent_of_checkpoint_folder(tmp_path: Path) -> None:
+    """A folder holding checkpoint folders (one level too high): the hint names one to give."""
+    ck, _ = _ds(tmp_path)
+    r = run_all(tmp_path, tmp_path, str(tmp_path))
+    assert str(ck) in r["inspect"].stderr
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    d = tmp_path / "empty"
+    d.mkdir()
+    run_all(d, tmp_path, str(d), "empty")
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    run_all(tmp_path / "nope", tmp_path, "nope")
+
+
+def test_tag_path_is_a_file(tmp_path: Path) -> None:
+    ck, td = _ds(tmp_path)
+    shutil.rmtree(td)
+    td.write_text("not a folder")
+    run_all(ck, tmp_path, "global_step3")
+
+
+def test_rank_file_is_a_folder(tmp_path: Path) -> None:
+    """A folder where a rank file should be (how an unreadable file is simulated: tests run as root, so
+    chmod 000 does not stop reads)."""
+    ck, td = _ds(tmp_path)
+    f = td / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.unlink()
+    f.mkdir()
+    run_all(ck, tmp_path, f.name)
+
+
+def test_single_rank_file_given(tmp_path: Path) -> None:
+    """One DeepSpeed rank file given instead of its checkpoint folder: refused with a hint."""
+    ck, td = _ds(tmp_path)
+    f = td / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    r = cli("inspect", f)
+    assert_one_line_error(r, f.name)
+    assert "hint: " in r.stderr
+
+
+def test_not_a_checkpoint_file(tmp_path: Path) -> None:
+    for name, data in [("notes.txt", b"hello"), ("x.safetensors", b""), ("x.bin", b"\x00" * 64),
+                       ("x.pt", b"PK\x03\x04" + b"\x00" * 60)]:  # fmt: skip
+        work = tmp_path / name.replace(".", "_")
+        work.mkdir()
+        (work / name).write_bytes(data)
+        run_all(work / name, work, name)
+
+
+# ---- 4. outputs: existing, inside the input, folder vs file --------------------------------------------
+def test_output_exists_refused_unless_overwrite(tmp_path: Path) -> None:
+    ck, _ = _ds(tmp_path)
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"precious")
+    assert_one_line_error(cli("consolidate", ck, out), str(out), "exists")
+    assert out.read_bytes() == b"precious"
+    r = cli("consolidate", ck, out, "--overwrite")
+    assert r.code == 0, r.stderr
+    assert set(load_file(out)) and not leftovers(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "keep.txt").write_text("x")
+    assert_one_line_error(cli("consolidate", ck, hf), str(hf), "exists")
+    assert (hf / "keep.txt").exists()
+
+
+def test_output_is_a_folder_where_a_file_is_asked(tmp_path: Path) -> None:
+    ck, _ = _ds(tmp_path)
+    out = tmp_path / "o.safetensors"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    for extra in ([], ["--overwrite"]):
+        assert_one_line_error(cli("consolidate", ck, out, *extra), str(out))
+        assert (out / "keep").exists()
+
+
+def test_output_inside_input_refused(tmp_path: Path) -> None:
+    ck, td = _ds(tmp_path)
+    before = sorted(p.name for p in td.iterdir())
+    for out in (ck / "model.safetensors", td / "model.safetensors", td / "hf", ck):
+        r = cli("consolidate", ck, out, "--overwrite")
+        assert_one_line_error(r, str(out))
+    assert sorted(p.name for p in td.iterdir()) == before
+    assert not leftovers(tmp_path)
+    if "reshard" in _registered():
+        assert_one_line_error(cli("reshard", ck, ck / "re", "--world", "1"), "inside")
+
+
+# ---- 5. crafted safetensors headers: bounded time and memory -------------------------------------------
+def _st(header: object, *, raw: bytes | None = None, n: int | None = None, data: bytes = b"\0" * 64) -> bytes:
+    h = raw if raw is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(h) if n is None else n) + h + data
+
+
+_T = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+CRAFTED_ST: dict[str, bytes] = {
+    "huge_length": _st({"a": _T}, n=(1 << 63) + 5),
+    "length_past_file": _st({"a": _T}, n=10_000),
+    "length_100MB": _st({"a": _T}, n=100 << 20),
+    "length_1": _st(None, raw=b"{", n=1),
+    "seven_bytes": b"\x10\0\0\0\0\0\0",
+    "not_json": _st(None, raw=b"\xff\xfe not json at all {{{"),
+    "json_list": _st([1, 2, 3]),
+    "deep_nesting": _st(None, raw=b"[" * 200_000 + b"]" * 200_000),
+    "offsets_past_end": _st({"a": {"dtype": "F32", "shape": [2], "data_offsets": [1000, 1008]}}),
+    "offsets_huge": _st({"a": {"dtype": "F32", "shape": [1 << 60], "data_offsets": [0, 1 << 62]}}),
+    "overlap": _st({"a": _T, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}),
+    "bad_dtype": _st({"a": {"dtype": "F128", "shape": [2], "data_offsets": [0, 8]}}),
+    "negative_offset": _st({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}),
+    "reversed_offsets": _st({"a": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}}),
+    "size_mismatch": _st({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}),
+    "negative_shape": _st({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}),
+    "float_shape": _st({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}),
+    "missing_field": _st({"a": {"dtype": "F32", "shape": [2]}}),
+    "entry_not_object": _st({"a": [1, 2]}),
+    "bad_metadata": _st({"__metadata__": {"x": 1}, "a": _T}),
+    "bad_tied_metadata": _st({"__metadata__": {"zckpt.tied": "{not json"}, "a": _T}),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED_ST))
+def test_crafted_safetensors_header(name: str, tmp_path: Path) -> None:
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(CRAFTED_ST[name])
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ZckptError) as ei:
+            ck = open_checkpoint(f)
+            for k in ck:  # a header that parses must still not let a read escape the file
+                ck.read(k)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert peak < (8 << 20) + len(CRAFTED_ST[name]) * 4, f"{name}: peak {peak} bytes"
+    assert str(f) in str(ei.value) and "\n" not in str(ei.value)
+    run_all(f, tmp_path, f.name)
+
+
+# ---- 6. broken zip records --------------------------------------------------------------------------
+def _zip_case(tmp: Path, name: str) -> Path:
+    f = make_bin(tmp)
+    data = bytearray(f.read_bytes())
+    with zipfile.ZipFile(f) as zf:
+        infos = zf.infolist()
+    eocd = data.rfind(b"PK\x05\x06")
+    cd = struct.unpack_from("<I", data, eocd + 16)[0]
+    rec = next(i for i in infos if i.filename.endswith("data/0"))
+    if name == "local_header_signature":
+        data[rec.header_offset : rec.header_offset + 4] = b"XXXX"
+    elif name == "record_offset_past_end":
+        # central directory entry of data/0 pointing past the end of the file
+        pos = data.find(b"PK\x01\x02", cd)
+        while not data[pos + 46 : pos + 46 + len(rec.filename)].startswith(rec.filename.encode()):
+            pos = data.find(b"PK\x01\x02", pos + 4)
+        struct.pack_into("<I", data, pos + 42, len(data) + 1000)
+    elif name == "record_size_huge":
+        pos = data.find(b"PK\x01\x02", cd)
+        while not data[pos + 46 : pos + 46 + len(rec.filename)].startswith(rec.filename.encode()):
+            pos = data.find(b"PK\x01\x02", pos + 4)
+        struct.pack_into("<II", data, pos + 20, 0x7FFFFFFF, 0x7FFFFFFF)
+    elif name == "eocd_count_huge":
+        struct.pack_into("<HH", data, eocd + 8, 0xFFFF, 0xFFFF)
+    elif name == "cd_offset_garbage":
+        struct.pack_into("<I", data, eocd + 16, 0x7FFFFFF0)
+    elif name == "compressed_record":
+        with zipfile.ZipFile(f) as zf:
+            recs = [(i.filename, zf.read(i)) for i in zf.infolist()]
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as zw:
+            for n, b in recs:
+                zw.writestr(n, b)
+        return f
+    elif name == "storage_record_missing":
+        with zipfile.ZipFile(f) as zf:
+            recs = [(i.filename, zf.read(i)) for i in zf.infolist() if not i.filename.endswith("data/0")]
+        with zipfile.ZipFile(f, "w") as zw:
+            for n, b in recs:
+                zw.writestr(n, b)
+        return f
+    elif name == "storage_record_short":
+        rewrite = tmp / "short"
+        rewrite.mkdir()
+        torch.save({"a": torch.arange(12.0).view(3, 4), "b": torch.ones(5)}, rewrite / "pytorch_model.bin")
+        pkl = read_pkl(rewrite / "pytorch_model.bin")
+        # claim 1000 elements for storage "0" (it has 12)
+        pkl = pkl.replace(b"K\x0ct", b"M\xe8\x03t", 1) if b"K\x0ct" in pkl else pkl
+        rewrite_pkl(f, lambda _: pkl)
+        return f
+    elif name in ("pkl_garbage", "pkl_truncated", "pkl_bytes_bomb", "pkl_not_dict", "pkl_memo_missing"):
+        pk = {
+            "pkl_garbage": lambda p: bytes(range(256)) * 4,
+            "pkl_truncated": lambda p: p[: len(p) // 2],
+            "pkl_bytes_bomb": lambda p: b"\x80\x02\x8e" + struct.pack("<Q", 1 << 62) + b"abc.",
+            "pkl_not_dict": lambda p: b"\x80\x02" + op_str("just a string") + b".",
+            "pkl_memo_missing": lambda p: b"\x80\x02h\x07.",
+        }[name]
+        rewrite_pkl(f, pk)
+        return f
+    else:
+        raise AssertionError(name)
+    f.write_bytes(bytes(data))
+    return f
+
+
+ZIP_CASES = ["local_header_signature", "record_offset_past_end", "record_size_huge", "eocd_count_huge",
+             "cd_offset_garbage", "compressed_record", "storage_record_missing", "storage_record_short",
+             "pkl_garbage", "pkl_truncated", "pkl_bytes_bomb", "pkl_not_dict", "pkl_memo_missing"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ZIP_CASES)
+def test_broken_zip_records(name: str, tmp_path: Path) -> None:
+    f = _zip_case(tmp_path, name)
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ZckptError) as ei:
+            ck = open_checkpoint(f)
+            for k in ck:
+                ck.read(k)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert peak < 16 << 20, f"{name}: peak {peak} bytes"
+    assert str(f) in str(ei.value)
+    run_all(f, tmp_path, f.name)
+
+
+def test_broken_zip_record_in_a_real_deepspeed_file(tmp_path: Path) -> None:
+    """The same damage in a real rank file, through the DeepSpeed reader."""
+    ck, td = _ds(tmp_path, DS3)
+    f = td / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rewrite_pkl(f, lambda p: p[: len(p) - 40])
+    run_all(ck, tmp_path, f.name)
+
+
+# ---- 7. debugging ---------------------------------------------------------------------------------
+def test_traceback_only_with_zckpt_debug(tmp_path: Path) -> None:
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(CRAFTED_ST["overlap"])
+    assert "Traceback" not in cli("inspect", f).stderr
+    r = cli("inspect", f, env={"ZCKPT_DEBUG": "1"})
+    assert r.code == 2 and "Traceback" in r.stderr and "error: " in r.stderr
+
+
+def test_corrupt_checkpoint_is_the_error_type(tmp_path: Path) -> None:
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(CRAFTED_ST["offsets_past_end"])
+    with pytest.raises(CorruptCheckpoint):
+        open_checkpoint(f)
