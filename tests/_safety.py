@@ -73,7 +73,7 @@ def pick_case(*names: str) -> str:
     """The first of ``names`` that is a complete fixture (fixtures may be being regenerated meanwhile)."""
     for n in names:
         d = FIXTURES / n
-        if (d / "case.json").is_file() and (d / "latest").is_file() and (d / "ref_fp32.safetensors").is_file():
+        if all((d / f).is_file() for f in ("case.json", "latest", "ref_fp32.safetensors")):
             return n
     return names[0]
 

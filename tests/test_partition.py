@@ -63,7 +63,7 @@ def test_overlaps_cover_segment(seg_start: int, seg_len: int, part: int, world: 
     got = P.overlaps(seg_start, seg_len, part, world)
     flat = []
     for o in got:
-        assert 0 <= o.offset_in_partition and o.offset_in_partition + o.length <= part
+        assert o.offset_in_partition >= 0 and o.offset_in_partition + o.length <= part
         flat += [o.rank * part + o.offset_in_partition + k for k in range(o.length)]
     assert flat == list(range(seg_start, seg_start + seg_len))
 

@@ -213,9 +213,9 @@ def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
     shutil.copytree(FIX / case, run_dir)
     before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    code = "from zckpt.cli.reshard import reshard_cmd; import typer; typer.run(reshard_cmd)"
+    code = "from zckpt.cli.app import main; main()"
     p = subprocess.run(
-        [sys.executable, "-c", code, "--world", "5", "-q"],
+        [sys.executable, "-c", code, "reshard", "--world", "5", "--no-progress"],
         cwd=run_dir,
         env=env,
         capture_output=True,

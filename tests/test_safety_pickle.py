@@ -191,16 +191,10 @@ def _plant_ds(tmp: Path, how: Callable[[bytes], bytes], case: str, file: str) ->
 
 
 KINDS: dict[str, Callable[[Path, Callable[[bytes], bytes]], tuple[Path, Path]]] = {
-    "ds3_model_states": lambda t, h: _plant_ds(
-        t, h, DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    ),
+    "ds3_model_states": lambda t, h: _plant_ds(t, h, DS3, "zero_pp_rank_1_mp_rank_00_model_states.pt"),
     "ds2_model_states": lambda t, h: _plant_ds(t, h, DS2, "mp_rank_00_model_states.pt"),
-    "ds2_optim_states": lambda t, h: _plant_ds(
-        t, h, DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    ),
-    "ds3_optim_states": lambda t, h: _plant_ds(
-        t, h, DS3, "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    ),
+    "ds2_optim_states": lambda t, h: _plant_ds(t, h, DS2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    "ds3_optim_states": lambda t, h: _plant_ds(t, h, DS3, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
     "state_dict_bin": lambda t, h: _plant_state_dict(t, h, ".bin"),
     "state_dict_pt": lambda t, h: _plant_state_dict(t, h, ".pt"),
 }

@@ -195,15 +195,21 @@ class _Marker:
 
 
 def _numpy_global(name: str) -> Any:
+    """numpy's own array/scalar rebuild functions (they construct data, never call user code)."""
+    if name not in ("_reconstruct", "scalar", "ndarray", "dtype"):
+        return None
+    import importlib
+
     import numpy as np
 
-    table = {"_reconstruct": np.core.multiarray._reconstruct if hasattr(np, "core") else None,
-             "ndarray": np.ndarray, "dtype": np.dtype}  # fmt: skip
-    if name == "scalar":
-        from numpy._core.multiarray import scalar  # type: ignore[attr-defined,unused-ignore]
-
-        return scalar
-    return table.get(name)
+    if name in ("ndarray", "dtype"):
+        return getattr(np, name)
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            return getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {

@@ -54,7 +54,9 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]], zipfile.
             fields = _LOCAL_HEADER.unpack(head)
             start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
             if start + info.file_size > size:
-                raise CorruptCheckpoint(f"{path}: record {info.filename} runs past the end of the file", path=path)
+                raise CorruptCheckpoint(
+                    f"{path}: record {info.filename} runs past the end of the file", path=path
+                )
             out[info.filename] = (start, info.file_size)
     return prefix, out, zf
 

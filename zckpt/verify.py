@@ -32,7 +32,7 @@ import sys
 import types
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,8 @@ class _Ctx:
     checksums: int = 0
     pickles: dict[str, Any] | None = None
     hashes: dict[str, str] | None = None
+    broken: set[str] = field(default_factory=set)
+    """Files already reported as structurally broken: their checksums are not compared too."""
 
     def sha256(self, f: Path) -> str:
         """The file's sha256, computed once however many records (sidecar, manifest) name it."""
@@ -279,8 +281,10 @@ def _check_file(f: Path, ctx: _Ctx) -> list[Problem]:
         out += _check_safetensors(f, size)
     elif f.suffix in TENSOR_SUFFIXES:
         out += _check_torch_zip(f, ctx)
-    out += _check_sidecar(f, ctx)
-    return out
+    if out:
+        ctx.broken.add(str(f))
+        return out
+    return _check_sidecar(f, ctx)
 
 
 def _check_safetensors(f: Path, size: int) -> list[Problem]:
@@ -361,6 +365,8 @@ def _check_sidecar(f: Path, ctx: _Ctx) -> list[Problem]:
 
 
 def _compare_sha(f: Path, want: str, where: str, ctx: _Ctx) -> list[Problem]:
+    if str(f) in ctx.broken:
+        return []
     ctx.checksums += 1
     got = ctx.sha256(f)
     if got != want.lower():
@@ -496,6 +502,8 @@ def _native_checks(p: Path, ckpt: Checkpoint | None, ctx: _Ctx) -> list[Problem]
             out.append(Problem(str(f), "missing (listed in manifest.json)", "missing"))
             continue
         rec = rec if isinstance(rec, dict) else {}
+        if str(f) in ctx.broken:
+            continue
         size, want = f.stat().st_size, rec.get("bytes")
         if isinstance(want, int) and size != want:
             kind = "truncated" if size < want else "corrupt"

@@ -75,7 +75,9 @@ def encoded_corpus() -> torch.Tensor:
     return torch.tensor([index.get(ch, 0) for ch in CORPUS.read_text()], dtype=torch.int64)
 
 
-def global_batch(data: torch.Tensor, step: int, batch: int, block: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    data: torch.Tensor, step: int, batch: int, block: int, seed: int = 1234
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of a step: depends on the step only, never on the world size, so a run resumed
     on another rank count sees the same data."""
     g = torch.Generator().manual_seed(seed + step)

@@ -83,7 +83,8 @@ def command(
     zero = f" ZeRO-{res.stage}" if res.stage is not None else ""
     o.text(
         f"{res.src} ({res.src_format}, world {res.src_world}) -> {res.dst} ({res.dst_format}{zero}, world "
-        f"{res.world}, tag {res.tag}): {len(res.files)} files, {human_bytes(res.bytes_written)} in {res.seconds:.1f}s"
+        f"{res.world}, tag {res.tag}): {len(res.files)} files, {human_bytes(res.bytes_written)} "
+        f"in {res.seconds:.1f}s"
     )
     for n in res.notes:
         o.text(f"note: {n}")

@@ -46,7 +46,9 @@ def detect(path: str | Path) -> ModuleType:
     for mod in registry().values():
         if mod.detect(p):
             return mod
-    hint = "give the folder that holds `latest` (or a tag folder), a .safetensors/.bin/.pt file or an HF folder"
+    hint = (
+        "give the folder that holds `latest` (or a tag folder), a .safetensors/.bin/.pt file or an HF folder"
+    )
     if p.is_dir() and not any(p.iterdir()):
         raise UnknownFormat(f"{p}: the folder is empty", hint=hint, path=str(p))
     if p.is_dir():  # one level too high: name the checkpoints inside

@@ -158,12 +158,6 @@ def template_from_deepspeed(ckpt: Checkpoint, *, trust_pickle: bool = False) -> 
         raise Unsupported(
             f"{mfile}: ZeRO-0 checkpoint (no optimizer partitions); only ZeRO-1/2/3 can be written"
         )
-    if ckpt.meta.extra.get("bf16_optimizer"):
-        raise Unsupported(
-            f"{ofiles[0]}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) "
-            "cannot be written yet",
-            hint="reshard to the native format instead (--to native)",
-        )
     m0 = load_refs(str(mfile), trust_pickle=trust_pickle)
     o0 = load_refs(str(ofiles[0]), trust_pickle=trust_pickle)["optimizer_state_dict"]
     inner = o0.get("optimizer_state_dict") if "fp32_flat_groups" in o0 else o0.get("base_optimizer_state")
@@ -354,6 +348,12 @@ def write_deepspeed(
     called after each file (progress)."""
     if stage not in (1, 2, 3):
         raise Unsupported(f"cannot write DeepSpeed ZeRO stage {stage}; stages 1, 2 and 3 are supported")
+    if ckpt.meta.format == "deepspeed" and ckpt.meta.extra.get("bf16_optimizer"):
+        raise Unsupported(
+            f"{ckpt.meta.path}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) cannot be "
+            "written back as DeepSpeed files yet",
+            hint="reshard to the native format instead (--to native)",
+        )
     tag_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     ents = ckpt.entries
