@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt.errors import OutputExists
+from zckpt.errors import OutputExists, Unsupported
 from zckpt.flat import read_partition, read_range
 from zckpt.formats.deepspeed_write import adjust_batch, zero3_sub_groups, zero12_layout
 from zckpt.model import Role
@@ -30,16 +30,17 @@ REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "fixtures" / "ds"
 
 
-def _cases() -> list[str]:
+def _cases(bf16_optimizer: bool = False) -> list[str]:
     out = []
     for d in sorted(FIX.glob("*/case.json")):
         c = json.loads(d.read_text())
-        if c["stage"] in (1, 2, 3) and not c.get("bf16_optimizer") and c.get("model", "toy") == "toy":
+        if c["stage"] in (1, 2, 3) and bool(c.get("bf16_optimizer")) == bf16_optimizer:
             out.append(d.parent.name)
     return out
 
 
 CASES = _cases()
+BF16_OPT_CASES = _cases(bf16_optimizer=True)
 needs_fixtures = pytest.mark.skipif(not CASES, reason="no DeepSpeed fixtures under fixtures/ds")
 
 
@@ -94,6 +95,19 @@ def test_deepspeed_roundtrip_every_fixture(case: str, tmp_path: Path) -> None:
     d = zckpt.open(tmp_path / "d")
     for k in a.entries:
         assert torch.equal(a.read(k), d.read(k)), k
+
+
+@pytest.mark.parametrize("case", BF16_OPT_CASES)
+def test_bf16_optimizer_to_native_and_refused_as_deepspeed(case: str, tmp_path: Path) -> None:
+    src = FIX / case
+    reshard(src, tmp_path / "n", world=3 if "_w2" in case else 2, to="native", progress=False)
+    a, c = zckpt.open(src), zckpt.open(tmp_path / "n")
+    assert set(c.entries) == set(a.entries)
+    for k in a.entries:
+        assert torch.equal(a.read(k), c.read(k)), k
+    with pytest.raises(Unsupported, match="BF16_Optimizer"):
+        reshard(src, tmp_path / "d", world=2, progress=False)
+    assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
 
 
 @needs_fixtures
@@ -302,3 +316,42 @@ def test_engine_world2_reshard_offline_to_3_resumes_like_uninterrupted(tmp_path:
         want = full[f"s{stage}"][SAVE_AT:]
         for x, y in zip(got["rest"], want, strict=True):
             assert abs(x - y) <= 1e-5 * abs(y), (stage, got["rest"], want)
+
+
+@needs_fixtures
+@pytest.mark.parametrize(
+    "case", [c for c in ("s3_fp32_w2", "s2_fp32_w3_offopt", "s1_fp32_w3_offopt") if c in CASES]
+)
+def test_engine_resumes_deepspeed_run_resharded_to_native(case: str, tmp_path: Path) -> None:
+    """DeepSpeed -> native at world 1: the engine's load_checkpoint restores DeepSpeed's masters, moments,
+    step counters, scheduler and client state exactly (oracle: DeepSpeed's own gathered values)."""
+    sys.path.insert(0, str(REPO / "fixtures"))
+    import make_fixtures as mf
+
+    import engine
+
+    src = FIX / case
+    info = json.loads((src / "case.json").read_text())
+    reshard(src, tmp_path / "n", world=1, to="native", progress=False)
+    spec = mf.case(case, info["stage"], "fp32", 1, groups=info["groups"], batch=2)
+    torch.manual_seed(99)
+    model = mf.build_toy(spec["toy"])
+    groups, _ = mf.param_groups(model, spec)
+    opt = torch.optim.AdamW(groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
+    eng, _, _, _ = engine.initialize(model=model, optimizer=opt, config=mf.ds_config(spec))
+    _, client = eng.load_checkpoint(str(tmp_path / "n"))
+    assert client == info["client_state"] and eng.global_steps == info["global_steps"]
+    ref = load_file(str(src / "ref_fp32.safetensors"))
+    inner = eng.optimizer.optimizer
+    for s in eng.states:
+        if s.trainable:
+            assert torch.equal(s.master[: ref[s.name].numel()], ref[s.name].reshape(-1)), s.name
+            for k in ("exp_avg", "exp_avg_sq"):
+                got = inner.state[s.master][k]
+                assert torch.equal(got[: ref[s.name].numel()], ref[f"{s.name}:{k}"].reshape(-1)), (s.name, k)
+    with engine.zero.GatheredParameters(list(eng.module.parameters())):
+        sd = eng.module.state_dict()
+        for k, t in ref.items():
+            if ":" not in k:
+                assert torch.equal(sd[k].float(), t.float()), k
+    assert eng.get_lr() == pytest.approx([spec["lr"]] * len(groups))

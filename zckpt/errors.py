@@ -42,3 +42,7 @@ class OutputExists(ZckptError):
 
 class Unsupported(ZckptError):
     """A valid checkpoint using a feature zckpt does not handle (yet)."""
+
+
+class WriteFailed(ZckptError):
+    """Writing an output failed (disk full, file too large, I/O error); its temporary files were removed."""

@@ -15,12 +15,14 @@ Owns the pieces every writer shares:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 from zckpt import storage
-from zckpt.errors import KeyMappingError, OutputExists
+from zckpt.errors import KeyMappingError, OutputExists, WriteFailed
 from zckpt.model import Piece, Role, TensorEntry
 
 CHUNK_BYTES = 64 << 20
@@ -149,6 +151,10 @@ def shard_names(base: str, n: int) -> list[str]:
 
 
 # ---- files -------------------------------------------------------------------------------------
+_TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
+"""Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
+
+
 class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, fsyncs on close and writes the sidecar."""
 
@@ -167,6 +173,8 @@ class HashingSink(io.RawIOBase):
 
     def write(self, b: object) -> int:
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
+        if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
+            time.sleep(float(os.environ[_TEST_DELAY_ENV]))
         self._f.write(mv)
         self._sha.update(mv)
         self._pos += len(mv)
@@ -182,11 +190,15 @@ class HashingSink(io.RawIOBase):
         return self._sha.hexdigest()
 
     def close(self) -> None:
-        if not self.closed and not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-        super().close()
+        try:
+            if not self.closed and not self._f.closed:
+                try:
+                    self._f.flush()
+                    os.fsync(self._f.fileno())
+                finally:  # a failed flush (disk full) must still release the file
+                    self._f.close()
+        finally:
+            super().close()
 
     def write_sidecar(self) -> Path:
         """Write ``<file>.sha256`` (``sha256sum`` format) next to the file; call after ``close()``."""
@@ -206,6 +218,14 @@ def read_sidecar(path: Path) -> str | None:
     return side.read_text().split()[0]
 
 
+_WRITE_HINTS = {
+    errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
+    errno.EDQUOT: "the disk quota is exhausted; free space or write elsewhere",
+    errno.EFBIG: "the file size limit was reached (ulimit -f, or the filesystem's maximum file size)",
+    errno.EROFS: "the output's filesystem is read-only; write elsewhere",
+}
+
+
 class Staging:
     """A hidden temporary folder beside ``dest``; writers put files in ``.dir`` under their final names.
 
@@ -222,6 +242,10 @@ class Staging:
         check_dest(dest, is_dir=is_dir, overwrite=overwrite)
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.zckpt-tmp-", dir=dest.parent))
+        if is_dir:  # mkdtemp makes it 0700; the folder becomes the output, so give it the usual mode
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self.dir, 0o777 & ~umask)
         self._done = False
 
     def __enter__(self) -> Staging:
@@ -232,6 +256,12 @@ class Staging:
     ) -> None:
         if not self._done:
             self.abort()
+        if isinstance(ev, OSError) and ev.errno in _WRITE_HINTS:
+            raise WriteFailed(
+                f"{self.dest}: writing failed ({ev.strerror}); nothing was written, temporary files removed",
+                hint=_WRITE_HINTS[ev.errno],
+                path=str(self.dest),
+            ) from ev
 
     def expect(self, names: Sequence[str]) -> None:
         """Fail now, before any work, if committing files ``names`` (file mode) would replace others."""
@@ -259,7 +289,11 @@ class Staging:
             final = []
             # shards of a file OUT have other names: check them too (a sidecar follows its file)
             self.expect([n for n in names if not n.endswith(".sha256")])
+            # an old sidecar must never sit beside a new file (a kill between the two renames below)
             for n in names:
+                if n.endswith(".sha256"):
+                    (self.dest.parent / n).unlink(missing_ok=True)
+            for n in names:  # sorted: each file before its sidecar
                 os.replace(self.dir / n, self.dest.parent / n)
                 final.append(self.dest.parent / n)
             os.rmdir(self.dir)

@@ -27,8 +27,9 @@ from tqdm import tqdm
 from zckpt import storage
 from zckpt.model import Checkpoint, TensorEntry, dtype_name
 
-CHUNK = 1 << 22
-"""Elements per chunk (4 Mi): 32 MiB per float64 working buffer."""
+CHUNK = 1 << 20
+"""Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for
+the several passes diff and stats make over each chunk (measured faster than 256 Ki or 4 Mi)."""
 
 
 def iter_chunks(

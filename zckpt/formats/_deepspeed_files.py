@@ -48,10 +48,17 @@ def detect(path: Path) -> bool:
         return True
     latest = p / "latest"
     if latest.is_file() and latest.stat().st_size <= 4096:
-        # a save dir (its `latest` names the tag), even when that tag is damaged or missing: resolve() then
-        # says what is wrong instead of "not a checkpoint". The native format, which also has `latest`, is
-        # detected before this one.
-        return True
+        # a save dir whose `latest` names a missing tag, or a tag folder of DeepSpeed rank files without its
+        # model-states file, is still DeepSpeed's: resolve() then says what is wrong. (The native format,
+        # also with `latest`, is detected before this one.)
+        try:
+            named = p / latest.read_text(encoding="utf-8").strip()
+            if not named.is_dir():
+                return True
+            if any(_MODEL_RE.match(f.name) or _OPTIM_RE.match(f.name) for f in named.iterdir()):
+                return True
+        except (OSError, UnicodeDecodeError, ValueError):
+            return True
     return bool(_tags(p))
 
 

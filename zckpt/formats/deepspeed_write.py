@@ -350,8 +350,8 @@ def write_deepspeed(
         raise Unsupported(f"cannot write DeepSpeed ZeRO stage {stage}; stages 1, 2 and 3 are supported")
     if ckpt.meta.format == "deepspeed" and ckpt.meta.extra.get("bf16_optimizer"):
         raise Unsupported(
-            f"{ckpt.meta.path}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) cannot be "
-            "written back as DeepSpeed files yet",
+            f"{ckpt.meta.path}: BF16_Optimizer checkpoints (bf16 + ZeRO-1 + fp32 grad accumulation) "
+            "cannot be written back as DeepSpeed files yet",
             hint="reshard to the native format instead (--to native)",
         )
     tag_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,147 @@
+"""Engine step-time benchmark: the same GPT, config and data under plain PyTorch (no sharding: the
+ceiling at world 1), the embedded engine and real DeepSpeed, on CPU/gloo or CUDA/NCCL.
+
+    python bench/engine_bench.py --impl plain  --size 355m --device cuda
+    torchrun --nproc_per_node 2 bench/engine_bench.py --impl engine --size tiny --device cpu
+    python bench/engine_bench.py --impl engine --size 355m --device cuda --offload
+
+Prints one JSON line: step time (median of the timed steps), tokens/s, MFU (bf16 dense peak of the GPU),
+peak memory per rank (GPU allocator and host RSS), and the per-step losses (so runs can be compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "demo"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SIZES = {
+    "tiny": GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_embd=64),
+    "small": GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512),
+    "355m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1792),
+}
+PEAK_FLOPS = {"cuda": 989e12, "cpu": float("nan")}
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    zero: dict = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
+                  "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8,
+                  "stage3_param_persistence_threshold": 1e5}  # fmt: skip
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if args.stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif args.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=["plain", "engine", "deepspeed"], required=True)
+    ap.add_argument("--size", choices=list(SIZES), default="tiny")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    ap.add_argument("--stage", type=int, default=3)
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+
+    cfg = SIZES[args.size]
+    dev = torch.device(args.device)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.impl == "plain":
+        model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+        scaler = torch.amp.GradScaler(enabled=args.dtype == "fp16")
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(args.device, dtype=amp or torch.float32, enabled=amp is not None):
+                loss = model(x, y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        ds = importlib.import_module(args.impl)
+        ds.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+        if dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        eng, _, _, _ = ds.initialize(model=model, optimizer=opt, config=ds_config(args))
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            return loss
+
+    g = torch.Generator().manual_seed(1 + rank)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
+        y = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(x, y)
+        lv = loss.item()  # syncs
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(round(lv, 5))
+    step = statistics.median(times)
+    tokens = args.micro * cfg.block_size * world
+    flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size) * tokens
+    out = {
+        "impl": args.impl, "size": args.size, "params": n_params, "device": args.device, "world": world,
+        "dtype": args.dtype, "stage": args.stage if args.impl != "plain" else None, "offload": args.offload,
+        "micro": args.micro, "step_s": round(step, 4), "tokens_per_s": round(tokens / step, 1),
+        "mfu": round(flops / step / world / PEAK_FLOPS[args.device], 4),
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+        "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "losses": losses,
+    }  # fmt: skip
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+#!/usr/bin/env python3
+"""``make bench``: zckpt beside DeepSpeed's converters and the copy floor, on the same large inputs.
+
+Builds (or reuses) the inputs of ``bench/make_inputs.py`` under ``bench/data/`` through the dev venv,
+then runs every row as its own subprocess, side by side in this one invocation: zckpt consolidate
+(fp32/bf16, single/sharded), DeepSpeed ``zero_to_fp32.py`` / ``zero_to_torch.py``, zckpt reshard beside
+``ds_to_universal``, zckpt diff and verify, and for each operation the copy floor (``bench/floor.py``:
+torch start-up + reading exactly the needed byte ranges + writing the output's byte count, fsynced).
+
+Per row: wall time (best of ``--repeat`` runs; all runs listed), peak RSS of the process tree (the
+larger of ``wait4``'s ``ru_maxrss`` and the polled sum of the tree's VmRSS), bytes read/written
+(``/proc/self/io`` deltas, which include reaped children: ``rchar``/``wchar`` count read()/write()
+syscalls, not mmap faults; ``read_bytes``/``write_bytes`` count storage I/O), and the ratios
+floor_time / time ("fraction of floor", target >= 0.7) and time / DeepSpeed's time.
+
+    .venv/bin/python bench/run.py                      # everything (the make bench target)
+    .venv/bin/python bench/run.py --only consolidate   # groups: consolidate reshard diff verify scale
+    .venv/bin/python bench/run.py --cache cold --repeat 1 --no-record
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DATA = HERE / "data"
+OUT = DATA / "out"
+VPY = str(REPO / ".venv/bin/python")
+DSPY = str(REPO / ".venv-ds/bin/python")
+ZCKPT = [VPY, "-m", "zckpt.cli.app"]
+GROUPS = ("consolidate", "reshard", "diff", "verify", "scale")
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false")
+
+sys.path.insert(0, str(REPO))
+
+
+# ---- measuring one subprocess ------------------------------------------------------------------------
+def _io() -> dict[str, int]:
+    out = {}
+    for line in open("/proc/self/io"):
+        k, v = line.split(":")
+        out[k] = int(v)
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return seen
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Run:
+    wall: float
+    rss_mb: float
+    io: dict[str, int]
+    rc: int
+    tail: str = ""
+
+
+def measure(cmd: list[str], *, ok_rc: tuple[int, ...] = (0,), env: dict[str, str] | None = None) -> Run:
+    before = _io()
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or ENV, cwd=str(REPO))
+    peak_tree = 0
+    import threading
+
+    buf: list[bytes] = []
+    reader = threading.Thread(target=lambda: buf.append(p.stdout.read()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            break
+        peak_tree = max(peak_tree, sum(_rss_kb(q) for q in _tree(p.pid)))
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    reader.join()
+    after = _io()
+    rss = max(peak_tree, ru.ru_maxrss) / 1024
+    io = {k: after[k] - before[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")}
+    tail = b"".join(buf).decode(errors="replace")[-2000:]
+    return Run(wall, rss, io, p.returncode, tail if p.returncode not in ok_rc else "")
+
+
+def files_of(path: Path) -> list[Path]:
+    return sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in files_of(path)) if path.exists() else 0
+
+
+def warm(paths: list[Path]) -> None:
+    """Pull the inputs into the page cache (for warm-cache rows)."""
+    for p in paths:
+        for f in files_of(p):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(64 << 20):
+                    pass
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ---- rows --------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    group: str
+    name: str
+    input: str
+    cmd: list[str]
+    out: Path | None = None
+    floor_of: str | None = None  # the floor row this row is compared with
+    ds_of: str | None = None  # the DeepSpeed row this row is compared with
+    ok_rc: tuple[int, ...] = (0,)
+    keep: bool = False  # keep the output (another row reads it)
+    runs: list[Run] = field(default_factory=list)
+    out_bytes: int = 0
+    note: str = ""
+
+    @property
+    def best(self) -> Run | None:
+        ok = [r for r in self.runs if r.rc in self.ok_rc]
+        return min(ok, key=lambda r: r.wall) if ok else None
+
+
+def needed_reads(ckpt_path: Path, *, tag: str | None = None, optim: bool = False) -> list[list[object]]:
+    """The byte ranges zckpt needs for the model tensors (and optimizer states): merged, in file order."""
+    from zckpt.formats import open_checkpoint
+
+    ck = open_checkpoint(ckpt_path, tag=tag)
+    try:
+        ents = list(ck.model_entries())
+        if optim:
+            ents += [ck.entry(k) for k in ck.optim_keys()]
+        spans = sorted({(p.file, p.byte_offset, p.nbytes) for e in ents for p in e.pieces if p.value is None})
+    finally:
+        ck.close()
+    merged: list[list[object]] = []
+    for f, off, n in spans:
+        last = merged[-1] if merged else None
+        if last and last[0] == f and int(last[1]) + int(last[2]) >= off:  # type: ignore[call-overload]
+            last[2] = max(int(last[1]) + int(last[2]), off + n) - int(last[1])  # type: ignore[call-overload]
+        else:
+            merged.append([f, off, n])
+    return merged
+
+
+def floor_row(group: str, name: str, inp: str, reads: list[list[object]], write_bytes: int) -> Row:
+    slug = "".join(c if c.isalnum() else "_" for c in f"{inp}-{name}")
+    plan = OUT / f".plan-{slug}.json"
+    out = OUT / f"{slug}.bin"
+    plan.write_text(json.dumps({"reads": reads, "write_bytes": write_bytes, "out": str(out)}))
+    return Row(group, name, inp, [VPY, str(HERE / "floor.py"), str(plan)], out=out)
+
+
+def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
+    for _ in range(repeat):
+        if row.out is not None and row.out.exists():
+            shutil.rmtree(row.out) if row.out.is_dir() else row.out.unlink()
+            for side in row.out.parent.glob(row.out.name + ".*"):
+                side.unlink()
+        if cache == "cold":
+            drop_caches()
+        else:
+            warm(inputs)
+        r = measure(row.cmd, ok_rc=row.ok_rc)
+        row.runs.append(r)
+        if row.out is not None:
+            row.out_bytes = size_of(row.out)
+        if r.rc not in row.ok_rc:
+            print(f"  !! {row.name} exited {r.rc}: {r.tail.strip().splitlines()[-1:] }", flush=True)
+            break
+    if row.out is not None and row.out.exists() and not row.keep:
+        shutil.rmtree(row.out) if row.out.is_dir() else row.out.unlink()
+        for side in row.out.parent.glob(row.out.name + ".*"):
+            side.unlink()
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
+def build_inputs(names: list[str]) -> None:
+    subprocess.run([DSPY, str(HERE / "make_inputs.py"), "--only", *names], check=True, env=ENV, cwd=str(REPO))
+
+
+def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
+    w = ["--workers", str(workers)] if workers else []
+    rows: list[Row] = []
+    z3, z2, z3w4 = DATA / "gpt400m_z3_w2", DATA / "gpt400m_z2_w2", DATA / "gpt400m_z3_w4"
+    npy = lambda p: str(p / "zero_to_fp32.py")  # noqa: E731
+    if "consolidate" in groups:
+        for ck in (z3, z2):
+            n = ck.name
+            c32 = OUT / f"{n}-fp32.safetensors"
+            rows += [
+                Row("consolidate", f"zckpt consolidate fp32 single", n,
+                    [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress", *w], out=c32,
+                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin", keep=(ck == z3)),
+                Row("consolidate", f"zckpt consolidate fp32 2GB shards", n,
+                    [*ZCKPT, "consolidate", str(ck), str(OUT / f"{n}-fp32-sh"), "--dtype", "fp32",
+                     "--max-shard-size", "2GB", "--no-progress", *w], out=OUT / f"{n}-fp32-sh",
+                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin"),
+                Row("consolidate", f"zckpt consolidate bf16 single", n,
+                    [*ZCKPT, "consolidate", str(ck), str(OUT / f"{n}-bf16.safetensors"), "--dtype", "bf16",
+                     "--no-progress", *w], out=OUT / f"{n}-bf16.safetensors",
+                    floor_of="floor bf16", ds_of="zero_to_torch bf16 .bin"),
+                Row("consolidate", "zero_to_fp32 fp32 .bin", n,
+                    [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")], out=OUT / f"{n}-ds32"),
+                Row("consolidate", "zero_to_torch bf16 .bin", n,
+                    [DSPY, str(ck / "zero_to_torch.py"), str(ck), str(OUT / f"{n}-dsbf16"), "--dtype", "bf16"],
+                    out=OUT / f"{n}-dsbf16"),
+            ]
+            if ck == z3:
+                rows.append(Row("consolidate", "zero_to_fp32 fp32 safetensors", n,
+                                [DSPY, npy(ck), str(ck), str(OUT / f"{n}-dsst"), "--safe_serialization"],
+                                out=OUT / f"{n}-dsst", ok_rc=(0,)))
+    if "scale" in groups:
+        for n in ("gpt100m_z3_w2", "gpt400m_z3_w2", "gpt1b_z3_w2"):
+            ck = DATA / n
+            if not ck.exists():
+                continue
+            c = OUT / f"{n}-scale.safetensors"
+            rows += [
+                Row("scale", "zckpt consolidate fp32 single", n,
+                    [*ZCKPT, "consolidate", str(ck), str(c), "--dtype", "fp32", "--no-progress", *w], out=c,
+                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin"),
+                Row("scale", "zero_to_fp32 fp32 .bin", n, [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")],
+                    out=OUT / f"{n}-ds32"),
+            ]
+    if "reshard" in groups:
+        for ck, world in ((z3, 4), (z3w4, 3)):
+            n = ck.name
+            rows += [
+                Row("reshard", f"zckpt reshard -> w{world}", n,
+                    [*ZCKPT, "reshard", str(ck), str(OUT / f"{n}-w{world}"), "--world", str(world), "--no-progress",
+                     *w], out=OUT / f"{n}-w{world}", floor_of=f"floor reshard", ds_of="ds_to_universal"),
+                Row("reshard", "ds_to_universal", n,
+                    [DSPY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / "global_step1"),
+                     "--output_folder", str(OUT / f"{n}-univ"), "--num_extract_workers", "2",
+                     "--num_merge_workers", "2"], out=OUT / f"{n}-univ"),
+            ]
+        rows.append(Row("reshard", "zckpt reshard -> native w2", z3.name,
+                        [*ZCKPT, "reshard", str(z3), str(OUT / "native-w2"), "--world", "2", "--to", "native",
+                         "--no-progress", *w], out=OUT / "native-w2", floor_of="floor reshard", keep=True))
+        rows.append(Row("reshard", "zckpt consolidate native fp32", "native-w2",
+                        [*ZCKPT, "consolidate", str(OUT / "native-w2"), str(OUT / "native-fp32.safetensors"),
+                         "--dtype", "fp32", "--no-progress", *w], out=OUT / "native-fp32.safetensors",
+                        floor_of="floor fp32"))
+    if "diff" in groups:
+        c32 = OUT / "gpt400m_z3_w2-fp32.safetensors"
+        rows += [
+            Row("diff", "zckpt diff ckpt vs consolidated", z3.name,
+                [*ZCKPT, "diff", str(z3), str(c32), "--no-progress"], floor_of="floor diff ckpt/consolidated"),
+            Row("diff", "zckpt diff step1 vs step2", z3.name,
+                [*ZCKPT, "diff", str(z3), str(z3), "--tag-a", "global_step1", "--tag-b", "global_step2",
+                 "--no-progress"], ok_rc=(0, 1), floor_of="floor diff step1/step2"),
+        ]
+    if "verify" in groups:
+        rows.append(Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify"))
+    return rows
+
+
+def add_floors(rows: list[Row]) -> list[Row]:
+    """Insert, before the first row needing it, the floor row for each (input, floor) pair."""
+    out: list[Row] = []
+    done: set[tuple[str, str]] = set()
+    for r in rows:
+        key = (r.input, r.floor_of or "")
+        if r.floor_of and key not in done:
+            done.add(key)
+            out.append(_floor_for(r))
+        out.append(r)
+    return out
+
+
+def _floor_for(r: Row) -> Row:
+    inp = OUT / r.input if r.input == "native-w2" else DATA / r.input
+    kind = r.floor_of or ""
+    if kind in ("floor fp32", "floor bf16"):
+        reads = needed_reads(inp)
+        nbytes = sum(int(n) for _, _, n in reads)  # type: ignore[misc]
+        return floor_row(r.group, kind, r.input, reads, nbytes if kind == "floor fp32" else nbytes // 2)
+    if kind == "floor reshard":
+        tagdir = inp / (inp / "latest").read_text().strip() if (inp / "latest").exists() else inp
+        reads = [[str(f), 0, f.stat().st_size] for f in files_of(tagdir)]
+        return floor_row(r.group, kind, r.input, reads, sum(int(n) for _, _, n in reads))  # type: ignore[misc]
+    if kind.startswith("floor diff"):
+        if "consolidated" in kind:
+            reads = needed_reads(inp) + needed_reads(OUT / "gpt400m_z3_w2-fp32.safetensors")
+        else:
+            reads = needed_reads(inp, tag="global_step1") + needed_reads(inp, tag="global_step2")
+        return floor_row(r.group, kind, r.input, reads, 0)
+    if kind == "floor verify":
+        tagdir = inp / (inp / "latest").read_text().strip()
+        return floor_row(r.group, kind, r.input, [[str(f), 0, f.stat().st_size] for f in files_of(tagdir)], 0)
+    raise ValueError(kind)
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def machine() -> dict[str, str]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    mem = next(int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
+    du = shutil.disk_usage(DATA)
+    dev = subprocess.run(["df", "--output=source", str(DATA)], capture_output=True, text=True).stdout.split()[-1]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "zckpt", "bench"], capture_output=True, text=True,
+                           cwd=REPO).stdout.strip()  # fmt: skip
+    return {"cpu": f"{cpu}, nproc {os.cpu_count()}", "ram": f"{mem / 2**20:.1f} GiB",
+            "disk": f"{dev}, {du.total / 1e9:.0f} GB ({du.free / 1e9:.0f} GB free)",
+            "commit": commit.strip() + (" + uncommitted changes in zckpt/ or bench/" if dirty else ""),
+            "python": platform.python_version(), "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def table(rows: list[Row], cache: str) -> str:
+    by = {(r.input, r.name): r for r in rows}
+    hdr = ("| group | input | row | wall s (best) | runs s | peak RSS MB | rchar GB | wchar GB | read_bytes GB "
+           "| write_bytes GB | out GB | floor/this | this/DeepSpeed |")
+    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in rows:
+        b = r.best
+        runs = " ".join(f"{x.wall:.1f}" + ("" if x.rc in r.ok_rc else f"(rc{x.rc})") for x in r.runs)
+        if b is None:
+            lines.append(f"| {r.group} | {r.input} | {r.name} | FAILED | {runs} | | | | | | | | {r.note} |")
+            continue
+        fl = by.get((r.input, r.floor_of or ""))
+        ds = by.get((r.input, r.ds_of or ""))
+        frac = f"{fl.best.wall / b.wall:.2f}" if fl and fl.best else ""
+        vs = f"{b.wall / ds.best.wall:.2f}" if ds and ds.best else ""
+        lines.append(f"| {r.group} | {r.input} | {r.name} | {b.wall:.1f} | {runs} | {b.rss_mb:.0f} | "
+                     f"{_gb(b.io['rchar'])} | {_gb(b.io['wchar'])} | {_gb(b.io['read_bytes'])} | "
+                     f"{_gb(b.io['write_bytes'])} | {_gb(r.out_bytes) if r.out else ''} | {frac} | {vs} |")
+    return "\n".join(lines)
+
+
+def record(rows: list[Row], cache: str, args: argparse.Namespace, notes: list[str]) -> str:
+    m = machine()
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    cmds = "\n".join(f"- {r.input} / {r.name}: `{shlex.join(_rel(c) for c in r.cmd)}`" for r in rows)
+    text = (f"\n## {now} — `{shlex.join(['bench/run.py', *sys.argv[1:]])}`\n\n"
+            f"Machine: {m['cpu']}; RAM {m['ram']}; disk {m['disk']}; Python {m['python']}; commit {m['commit']}; "
+            f"load average at the end {m['load']} (other jobs share the 2 cores, so walls are noisy).\n"
+            f"Page cache: **{cache}** ({'inputs read into the page cache before every run' if cache == 'warm' else 'caches dropped (sync; drop_caches=3) before every run'}). "
+            f"Each row ran {args.repeat}x; wall = best run, all runs listed. floor/this = fraction of the copy floor "
+            f"(target >= 0.7); this/DeepSpeed = wall ratio to the matching DeepSpeed tool (target <= 0.5).\n\n"
+            + table(rows, cache) + "\n\n" + "".join(f"- {n}\n" for n in notes)
+            + "\n<details><summary>Commands (from the repo root)</summary>\n\n" + cmds + "\n\n</details>\n")
+    return text
+
+
+def _rel(s: str) -> str:
+    return s.replace(str(REPO) + "/", "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--cache", choices=("warm", "cold"), default="warm")
+    ap.add_argument("--workers", type=int, default=None, help="pass --workers N to zckpt (default: its own)")
+    ap.add_argument("--rows", nargs="*", default=None, help="only rows whose name contains one of these")
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    ap.add_argument("--no-build", action="store_true", help="use only the inputs already built")
+    args = ap.parse_args()
+    groups = set(args.only)
+    need = {"gpt400m_z3_w2"} | ({"gpt400m_z2_w2"} if "consolidate" in groups else set())
+    need |= {"gpt400m_z3_w4"} if "reshard" in groups else set()
+    need |= {"gpt100m_z3_w2", "gpt1b_z3_w2"} if "scale" in groups else set()
+    if not args.no_build:
+        build_inputs(sorted(need))
+    OUT.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    if args.cache == "cold" and not drop_caches():
+        notes.append("could not drop caches (not root?): runs are warm after the first")
+    rows = plan_rows(groups, args.workers)
+    if args.rows:
+        rows = [r for r in rows if any(s in r.name for s in args.rows) or r.name.startswith("floor")]
+    done: list[Row] = []
+    for r in add_floors(rows):
+        if not (DATA / r.input).exists() and not (OUT / r.input).exists():
+            continue
+        inputs = [DATA / r.input if (DATA / r.input).exists() else OUT / r.input]
+        if r.group == "diff":
+            inputs.append(OUT / "gpt400m_z3_w2-fp32.safetensors")
+        print(f"[{r.group}] {r.input}: {r.name} ...", flush=True)
+        run_row(r, args.repeat, args.cache, inputs)
+        b = r.best
+        print(f"    {'FAILED' if b is None else f'{b.wall:.1f}s  {b.rss_mb:.0f} MB'}", flush=True)
+        if b is None and "safetensors" in r.name and "zero_to_fp32" in r.name:
+            r.note = "DeepSpeed's safetensors path refuses tied weights (shared tensors)"
+        done.append(r)
+    text = record(done, args.cache, args, notes)
+    print(text)
+    if not args.no_record:
+        res = HERE / "RESULTS.md"
+        if not res.exists():
+            res.write_text("# zckpt benchmarks\n\nAppended by `make bench` (`bench/run.py`); newest last.\n")
+        with open(res, "a") as f:
+            f.write(text)
+    for p in OUT.glob(".plan-*"):
+        p.unlink()
+
+
+if __name__ == "__main__":
+    main()
