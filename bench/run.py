@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -158,6 +159,7 @@ class Row:
     runs: list[Run] = field(default_factory=list)
     out_bytes: int = 0
     note: str = ""
+    prepare: Callable[[], None] | None = None  # run before the first measurement (floor plans)
 
     @property
     def best(self) -> Run | None:
@@ -187,15 +189,22 @@ def needed_reads(ckpt_path: Path, *, tag: str | None = None, optim: bool = False
     return merged
 
 
-def floor_row(group: str, name: str, inp: str, reads: list[list[object]], write_bytes: int) -> Row:
+def floor_row(group: str, name: str, inp: str, plan_fn: Callable[[], tuple[list[list[object]], int]]) -> Row:
+    """A copy-floor row; its plan (byte ranges to read, bytes to write) is made just before it runs."""
     slug = "".join(c if c.isalnum() else "_" for c in f"{inp}-{name}")
     plan = OUT / f".plan-{slug}.json"
     out = OUT / f"{slug}.bin"
-    plan.write_text(json.dumps({"reads": reads, "write_bytes": write_bytes, "out": str(out)}))
-    return Row(group, name, inp, [VPY, str(HERE / "floor.py"), str(plan)], out=out)
+
+    def prepare() -> None:
+        reads, write_bytes = plan_fn()
+        plan.write_text(json.dumps({"reads": reads, "write_bytes": write_bytes, "out": str(out)}))
+
+    return Row(group, name, inp, [VPY, str(HERE / "floor.py"), str(plan)], out=out, prepare=prepare)
 
 
 def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
+    if row.prepare is not None:
+        row.prepare()
     for _ in range(repeat):
         if row.out is not None and row.out.exists():
             shutil.rmtree(row.out) if row.out.is_dir() else row.out.unlink()
@@ -316,24 +325,28 @@ def add_floors(rows: list[Row]) -> list[Row]:
 def _floor_for(r: Row) -> Row:
     inp = OUT / r.input if r.input == "native-w2" else DATA / r.input
     kind = r.floor_of or ""
-    if kind in ("floor fp32", "floor bf16"):
-        reads = needed_reads(inp)
-        nbytes = sum(int(n) for _, _, n in reads)  # type: ignore[misc]
-        return floor_row(r.group, kind, r.input, reads, nbytes if kind == "floor fp32" else nbytes // 2)
-    if kind == "floor reshard":
-        tagdir = inp / (inp / "latest").read_text().strip() if (inp / "latest").exists() else inp
-        reads = [[str(f), 0, f.stat().st_size] for f in files_of(tagdir)]
-        return floor_row(r.group, kind, r.input, reads, sum(int(n) for _, _, n in reads))  # type: ignore[misc]
-    if kind.startswith("floor diff"):
-        if "consolidated" in kind:
-            reads = needed_reads(inp) + needed_reads(OUT / "gpt400m_z3_w2-fp32.safetensors")
-        else:
-            reads = needed_reads(inp, tag="global_step1") + needed_reads(inp, tag="global_step2")
-        return floor_row(r.group, kind, r.input, reads, 0)
-    if kind == "floor verify":
-        tagdir = inp / (inp / "latest").read_text().strip()
-        return floor_row(r.group, kind, r.input, [[str(f), 0, f.stat().st_size] for f in files_of(tagdir)], 0)
-    raise ValueError(kind)
+
+    def whole_tag(path: Path) -> list[list[object]]:
+        tagdir = path / (path / "latest").read_text().strip() if (path / "latest").exists() else path
+        return [[str(f), 0, f.stat().st_size] for f in files_of(tagdir)]
+
+    def plan() -> tuple[list[list[object]], int]:
+        if kind in ("floor fp32", "floor bf16"):
+            reads = needed_reads(inp)
+            n = sum(int(x[2]) for x in reads)  # type: ignore[call-overload]
+            return reads, n if kind == "floor fp32" else n // 2
+        if kind == "floor reshard":
+            reads = whole_tag(inp)
+            return reads, sum(int(x[2]) for x in reads)  # type: ignore[call-overload]
+        if kind == "floor diff ckpt/consolidated":
+            return needed_reads(inp) + needed_reads(OUT / "gpt400m_z3_w2-fp32.safetensors"), 0
+        if kind == "floor diff step1/step2":
+            return needed_reads(inp, tag="global_step1") + needed_reads(inp, tag="global_step2"), 0
+        if kind == "floor verify":
+            return whole_tag(inp), 0
+        raise ValueError(kind)
+
+    return floor_row(r.group, kind, r.input, plan)
 
 
 # ---- report ------------------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ Library API (each CLI command is also a function here)::
 
 from __future__ import annotations
 
-from typing import Any
-
 from zckpt.errors import ZckptError
 from zckpt.formats import open_checkpoint as open
 from zckpt.model import Checkpoint, CheckpointMeta, Role, TensorEntry
@@ -21,17 +19,11 @@ __all__ = ["Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "ZckptError", 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    # Commands not imported eagerly below yet are imported on first use.
-    if name in ("reshard", "diff", "verify"):
-        import importlib
-
-        return getattr(importlib.import_module(f"zckpt.{name}"), name)
-    raise AttributeError(name)
-
-
 # Each command function is bound eagerly, after everything above: importing submodule `zckpt.X`
 # sets the package attribute `X` to the *module*, which would shadow a lazy `__getattr__`; the
 # from-import rebinds the name to the function. (Use `from zckpt.X import ...` for the module.)
 from zckpt.consolidate import consolidate  # noqa: E402
+from zckpt.diff import diff  # noqa: E402
 from zckpt.inspect import inspect  # noqa: E402
+from zckpt.reshard import reshard  # noqa: E402
+from zckpt.verify import verify  # noqa: E402

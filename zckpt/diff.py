@@ -40,7 +40,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import sys
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -530,15 +529,3 @@ def _table(rows: list[TensorDiff]) -> str:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
     return "\n".join(fmt.format(*r).rstrip() for r in [head, *body])
-
-
-class _CallableModule(types.ModuleType):
-    """Once ``zckpt.diff`` (this module) is imported, the import system binds the package attribute
-    ``zckpt.diff`` to the module, shadowing the lazily exported function; make the module callable
-    so ``zckpt.diff(a, b)`` works either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> DiffResult:
-        return diff(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 _lock = threading.Lock()
 _maps: dict[str, tuple[mmap.mmap, int]] = {}
+_fds: dict[str, tuple[int, int]] = {}
 
 
 def _map(path: str) -> tuple[mmap.mmap, int]:
@@ -48,6 +49,44 @@ def close_files(paths: object = None) -> None:
         keys = list(_maps) if paths is None else [p for p in paths if p in _maps]  # type: ignore[attr-defined]
         for k in keys:
             _maps.pop(k)
+        fkeys = list(_fds) if paths is None else [p for p in paths if p in _fds]  # type: ignore[attr-defined]
+        for k in fkeys:
+            os.close(_fds.pop(k)[0])
+
+
+def _fd(path: str) -> tuple[int, int]:
+    with _lock:
+        hit = _fds.get(path)
+        if hit is not None:
+            return hit
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise CorruptCheckpoint(f"cannot open {path}: {e.strerror}", path=path) from None
+        size = os.fstat(fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _fds[path] = (fd, size)
+        return fd, size
+
+
+def read_into(path: str, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
+    by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
+    memory afterwards: the bytes live only in ``out`` and the kernel's page cache."""
+    fd, size = _fd(path)
+    n = out.numel() * out.element_size()
+    if offset < 0 or offset + n > size:
+        raise CorruptCheckpoint(
+            f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)", path=path
+        )
+    mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    done = 0
+    while done < n:
+        k = os.preadv(fd, [mv[done:]], offset + done)
+        if k <= 0:
+            raise CorruptCheckpoint(f"{path}: short read at byte {offset + done} (file changed?)", path=path)
+        done += k
 
 
 def piece_view(p: Piece) -> torch.Tensor:

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import types
 import zipfile
 from collections.abc import Callable
@@ -530,14 +529,3 @@ _FORMAT_CHECKS: dict[str, Callable[[Path, Checkpoint | None, _Ctx], list[Problem
     "deepspeed": _deepspeed_checks,
     "native": _native_checks,
 }
-
-
-class _CallableModule(types.ModuleType):
-    """See ``zckpt.diff._CallableModule``: keep ``zckpt.verify(path)`` callable after this module
-    is imported (the import binds the package attribute to the module)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> VerifyReport:
-        return verify(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
