@@ -51,8 +51,12 @@ class SafetensorsStream:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._sink = HashingSink(self.tmp)
-        self._sink.write(struct.pack("<Q", len(raw)))
-        self._sink.write(raw)
+        try:
+            self._sink.write(struct.pack("<Q", len(raw)))
+            self._sink.write(raw)
+        except BaseException:
+            self.abort()
+            raise
         self._next = 0
 
     def write(self, name: str, t: torch.Tensor) -> None:
@@ -69,13 +73,22 @@ class SafetensorsStream:
         if self._next != len(self._order):
             raise ValueError(f"{self.path}: {len(self._order) - self._next} tensors were never written")
         size = self._sink.tell()
-        self._sink.close()
+        try:
+            self._sink.close()
+        except BaseException:
+            self.abort()
+            raise
         os.replace(self.tmp, self.path)
         return self._sink.hexdigest(), size
 
     def abort(self) -> None:
-        self._sink.close()
-        self.tmp.unlink(missing_ok=True)
+        """Remove the temporary file (also when closing it fails: a full disk fails the final flush)."""
+        try:
+            self._sink.close()
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None

@@ -42,6 +42,7 @@ from _safety import DS3, FIXTURES, cli, copy_case
 pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
 
 DELAY = {DELAY_ENV: "0.01"}
+RESHARD_DELAY = {DELAY_ENV: "0.002"}
 SEED = 20240611
 
 
@@ -218,7 +219,7 @@ def test_reshard_sigkill_random(src: Path, tmp_path: Path) -> None:
     cal = tmp_path / "cal"
     cal.mkdir()
     timing = calibrate(
-        lambda: fork(run_cli, ["reshard", src, cal / "out", "--world", "3", "--no-progress"], env=DELAY), cal
+        lambda: fork(run_cli, ["reshard", src, cal / "out", "--world", "3", "--no-progress"], env=RESHARD_DELAY), cal
     )
     rng = random.Random(f"{SEED}-reshard")
     seen: Counter[str] = Counter()
@@ -226,7 +227,7 @@ def test_reshard_sigkill_random(src: Path, tmp_path: Path) -> None:
         work = tmp_path / f"t{trial}"
         work.mkdir()
         out = work / "out"
-        pid = fork(run_cli, ["reshard", src, out, "--world", "3", "--no-progress"], env=DELAY)
+        pid = fork(run_cli, ["reshard", src, out, "--world", "3", "--no-progress"], env=RESHARD_DELAY)
         when = kill_at(pid, work, timing, rng)
         wait(pid)
         verdict = judge_output(out, ref)
@@ -312,7 +313,11 @@ def _engine_child(save_dir: Path, steps: int, tag: str, delay: str | None, rank:
     eng, _ = train(rank, world, config(3), steps)
     if delay:
         os.environ[DELAY_ENV] = delay
-    eng.save_checkpoint(str(save_dir), tag=tag)
+    try:
+        eng.save_checkpoint(str(save_dir), tag=tag)
+    except OSError as e:  # reported briefly: under RLIMIT_FSIZE a traceback would not fit the log either
+        print(f"OSError: {e.strerror}")
+        return 7
     return 0
 
 
@@ -393,6 +398,19 @@ def test_engine_save_sigkill_random(world: int, engine_refs: dict[str, Any], tmp
         assert all(wait(p, 120) == 0 for p in rerun), "rerun of the save failed"
         assert _judge_engine(sd, ref) == "b"
     print(f"engine world {world}: {dict(seen)}")
+
+
+def test_engine_save_file_size_limit(engine_refs: dict[str, Any], tmp_path: Path) -> None:
+    """The engine's save hits RLIMIT_FSIZE: it raises, leaves no temporary file, and latest still names a."""
+    sd = tmp_path / "sd"
+    shutil.copytree(engine_refs["w1"]["dir"], sd)
+    shutil.rmtree(sd / "b")
+    (sd / "latest").write_text("a")
+    log = tmp_path / "log"
+    code = wait(fork(_engine_child, sd, 3, "b", None, log=log, fsize_limit=600), 120)
+    assert code == 7 and "File too large" in log.read_text(), log.read_text()
+    assert not temps(sd), temps(sd)
+    assert (sd / "latest").read_text() == "a" and verify_ok(sd)
 
 
 @pytest.mark.xfail(

@@ -26,7 +26,7 @@ def _options(args: list[str]) -> set[str]:
 def test_help_snapshot() -> None:
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "inspect" in res.output and "consolidate" in res.output
-    assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--stats", "--help"}
+    assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--stats", "--all", "--help"}
     assert _options(["consolidate"]) == {
         "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",
         "--trust-pickle", "--progress", "--no-progress", "--json", "--help",

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt import outputs
+from zckpt import outputs, pipeline
 from zckpt.errors import CorruptCheckpoint, OutputExists
 from zckpt.model import Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
 
@@ -220,7 +220,16 @@ def test_failure_mid_write_leaves_no_files(tmp_path: Path, monkeypatch: pytest.M
             raise exc
         return real(self, max_bytes)
 
+    real_tasks = pipeline.item_tasks
+
+    def flaky_tasks(it: outputs.WriteItem, chunk_bytes: int = pipeline.CHUNK_BYTES) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:  # two tensors already written (safetensors goes through the pipeline)
+            raise exc
+        return real_tasks(it, chunk_bytes)
+
     monkeypatch.setattr(outputs.WriteItem, "chunks", flaky)
+    monkeypatch.setattr(pipeline, "item_tasks", flaky_tasks)
     (tmp_path / "o").mkdir()
     with pytest.raises(type(exc)):
         zckpt.consolidate(ck, tmp_path / "o" / out_name, max_shard_size=200, progress=False)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import fnmatch
 import shutil
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from zckpt.errors import KeyMappingError, OutputExists
 from zckpt.formats import hf, open_checkpoint, torch_file
 from zckpt.model import Checkpoint, Role, dtype_name
 from zckpt.outputs import Staging, WriteItem, parse_size, planned_names
+from zckpt.progress import bar as progress_bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
@@ -161,6 +161,7 @@ def consolidate(
     overwrite: bool = False,
     progress: bool = True,
     trust_pickle: bool = False,
+    workers: int | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model.
 
@@ -176,6 +177,8 @@ def consolidate(
         overwrite: replace an existing ``out``.
         progress: show a tqdm bar (only on a terminal).
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
+        workers: reader threads overlapping reads and casts with writes (safetensors output;
+            default ``zckpt.pipeline.default_workers()``).
 
     Returns:
         A ``ConsolidateResult`` listing the files written.
@@ -202,10 +205,15 @@ def consolidate(
             base = hf.SAFETENSORS if is_dir else out.name
         else:
             base = torch_file.BIN if is_dir else out.name
-        with Staging(out, is_dir=is_dir, overwrite=overwrite) as st, _bar(total, progress) as bar:
+        with (
+            Staging(out, is_dir=is_dir, overwrite=overwrite) as st,
+            progress_bar(total, "consolidate", enabled=progress) as bar,
+        ):
             st.expect(planned_names(base, items, shard))
             if fmt == "safetensors":
-                hf.write_into(st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update)
+                hf.write_into(
+                    st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update, workers=workers
+                )
             else:
                 torch_file.write_into(
                     st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update
@@ -221,22 +229,3 @@ def consolidate(
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
     return ConsolidateResult(out=out, format=fmt, files=tuple(files), tensors=len(items), bytes=total,
                              tied=tied, dtypes=counts, copied=tuple(f.name for f in extras))  # fmt: skip
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _bar(total: int, progress: bool) -> Any:
-    if not progress or not sys.stderr.isatty():
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", leave=False)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from tqdm import tqdm
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
 from zckpt.model import STATE_SEP, Checkpoint, TensorEntry, dtype_name
+from zckpt.progress import bar as progress_bar
 from zckpt.stats import CHUNK, is_exact, iter_chunks
 
 SCHEMA_VERSION = 1
@@ -347,15 +347,7 @@ def _diff(
         pairs.append((a_of[kb], kb, ea, eb))
 
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
-    bar = tqdm(
-        total=total,
-        desc="diff",
-        unit="el",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=not progress or not sys.stderr.isatty(),
-        leave=False,
-    )
+    bar = progress_bar(total, "diff", enabled=progress, unit="el")
     results: list[TensorDiff] = []
     with bar:
         for ka, kb, ea, eb in pairs:

@@ -56,12 +56,17 @@ class _Task:
     dtype: torch.dtype  # output dtype
 
 
+def item_tasks(it: WriteItem, chunk_bytes: int = CHUNK_BYTES) -> Iterator[_Task]:
+    """The chunks of one item, in output order (pieces tile the flattened tensor)."""
+    for p in sorted(it.entry.pieces, key=lambda p: p.start):
+        step = max(1, chunk_bytes // max(p.dtype.itemsize, it.dtype.itemsize))
+        for lo in range(0, p.numel, step):
+            yield _Task(p, lo, min(step, p.numel - lo), it.dtype)
+
+
 def _tasks(items: Sequence[WriteItem], chunk_bytes: int) -> Iterator[_Task]:
     for it in items:
-        for p in sorted(it.entry.pieces, key=lambda p: p.start):
-            step = max(1, chunk_bytes // max(p.dtype.itemsize, it.dtype.itemsize))
-            for lo in range(0, p.numel, step):
-                yield _Task(p, lo, min(step, p.numel - lo), it.dtype)
+        yield from item_tasks(it, chunk_bytes)
 
 
 class _Slot:

@@ -28,13 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from zckpt.errors import OutputExists, Unsupported
 from zckpt.flat import read_partition, read_range
 from zckpt.formats import open_checkpoint
 from zckpt.model import Checkpoint
 from zckpt.outputs import Staging
+from zckpt.progress import bar as progress_bar
 
 OnFile = Callable[[str, int], None]
 
@@ -123,12 +122,8 @@ def reshard(
         str(save_dir), str(dst_p), fmt, to, ckpt.meta.world_size, world, ckpt.meta.stage, stage, out_tag
     )
     with Staging(dst_p, is_dir=True, overwrite=overwrite) as st:
-        bar = tqdm(
-            desc=f"reshard -> world {world}",
-            unit="B",
-            unit_scale=True,
-            disable=not progress,
-            total=sum(e.stored_nbytes for e in ckpt.entries.values()),
+        bar = progress_bar(
+            sum(e.stored_nbytes for e in ckpt.entries.values()), f"reshard -> world {world}", enabled=progress
         )
 
         def on_file(name: str, nbytes: int) -> None:

@@ -78,7 +78,8 @@ def read_into(path: str, offset: int, out: torch.Tensor) -> None:
     n = out.numel() * out.element_size()
     if offset < 0 or offset + n > size:
         raise CorruptCheckpoint(
-            f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)", path=path
+            f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)",
+            path=path,
         )
     mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
     done = 0

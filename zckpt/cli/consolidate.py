@@ -43,6 +43,11 @@ FormatOpt = Annotated[
     Format | None,
     typer.Option("--format", help="Output format; default from OUT's suffix (a folder gets safetensors)."),
 ]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option("--workers", min=1, show_default=False,
+                 help="Reader threads overlapping reads/casts with writes (default: the cores, at most 4)."),
+]  # fmt: skip
 ExcludeFrozenOpt = Annotated[
     bool, typer.Option("--exclude-frozen", help="Leave out frozen (requires_grad=False) parameters.")
 ]
@@ -61,6 +66,7 @@ def command(
     trust_pickle: TrustPickleOpt = False,
     progress: ProgressOpt = True,
     json: JsonOpt = False,
+    workers: WorkersOpt = None,
 ) -> None:
     """Write one loadable model (safetensors or .bin, file or HF folder) from a checkpoint.
 
@@ -81,6 +87,7 @@ def command(
         overwrite=overwrite,
         progress=progress and not json,
         trust_pickle=trust_pickle,
+        workers=workers,
     )
     o = Output(json=json)
     o.result(res.to_json())

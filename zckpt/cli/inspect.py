@@ -21,6 +21,7 @@ def command(
     json: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     stats: StatsOpt = False,
+    all_: Annotated[bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")] = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata only, no tensor data).
 
@@ -55,11 +56,14 @@ def command(
         right=(1, 2, 3),
     )
     out.text()
+    rows = [t for t in r.tensors if all_ or t.role != "optim"]
     out.table(
         ["name", "shape", "dtype", "role", "pieces"],
-        [(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype, t.role, t.pieces) for t in r.tensors],
+        [(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype, t.role, t.pieces) for t in rows],
         right=(4,),
     )
+    if len(rows) < len(r.tensors):
+        out.text(f"({len(r.tensors) - len(rows)} optimizer-state tensors not listed: --all lists them)")
     if r.tied:
         out.text()
         out.text("tied: " + ", ".join(f"{a} -> {o}" for a, o in r.tied.items()))

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zckpt import pipeline
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
 from zckpt.outputs import (
@@ -40,7 +41,6 @@ from zckpt.outputs import (
     plan_shards,
     planned_names,
     shard_names,
-    tensor_bytes,
 )
 
 NAME = "hf"
@@ -273,6 +273,7 @@ def write_file(
     tied: Mapping[str, str] | None = None,
     metadata: Mapping[str, str] | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> str:
     """Stream ``items`` into a new safetensors file at ``path`` (header first, then each tensor in
     bounded chunks); write its ``.sha256`` sidecar. Returns the sha256. ``path`` must not exist."""
@@ -292,11 +293,7 @@ def write_file(
     try:
         sink.write(struct.pack("<Q", len(raw)))
         sink.write(raw)
-        for it in items:
-            for chunk in it.chunks():
-                sink.write(tensor_bytes(chunk))
-                if on_bytes is not None:
-                    on_bytes(chunk.numel() * chunk.element_size())
+        pipeline.write_items(sink, items, workers=workers, on_bytes=on_bytes)
     finally:
         sink.close()
     sink.write_sidecar()
@@ -312,13 +309,14 @@ def write_into(
     metadata: Mapping[str, str] | None = None,
     max_shard_size: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> list[str]:
     """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
     tied = dict(tied or {})
     shards = plan_shards(items, max_shard_size)
     names = shard_names(base, len(shards))
     for name, shard in zip(names, shards, strict=True):
-        write_file(folder / name, shard, tied=tied, metadata=metadata, on_bytes=on_bytes)
+        write_file(folder / name, shard, tied=tied, metadata=metadata, on_bytes=on_bytes, workers=workers)
     written = list(names)
     if len(shards) > 1:
         index = {
@@ -341,6 +339,7 @@ def write_safetensors(
     max_shard_size: int | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> list[Path]:
     """Write tensors to ``out`` (a ``.safetensors`` file, or a folder for the HF layout), atomically.
 
@@ -359,5 +358,5 @@ def write_safetensors(
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
         st.expect(planned_names(base, items, max_shard_size))
         write_into(st.dir, base, items, tied=tied, metadata=metadata,
-                   max_shard_size=max_shard_size, on_bytes=on_bytes)  # fmt: skip
+                   max_shard_size=max_shard_size, on_bytes=on_bytes, workers=workers)  # fmt: skip
         return st.commit()
