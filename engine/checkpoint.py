@@ -1,15 +1,23 @@
-"""Native checkpoints: ``save`` and ``load`` of an ``Engine`` (format: docs/native-format.md
-and read by ``zckpt.formats.native``).
+"""Checkpoints of an ``Engine``: ``save`` writes the native format (docs/native-format.md, read by
+``zckpt.formats.native``); ``load`` restores from a native *or a real DeepSpeed ZeRO-1/2/3* checkpoint saved
+at any world size, stage and precision.
 
 Save: every rank writes ``rank_{r:05d}.safetensors`` (its fp32 master chunks, optimizer-state chunks, frozen
 chunks, its RNG; rank 0 also buffers and client-state tensors) under a temporary name and renames it; the
 (sha256, size) of each file and each rank's Python/NumPy RNG state are all-gathered to rank 0, which writes
 ``manifest.json``, then ``latest``; a final barrier keeps every rank inside ``save`` until ``latest`` moved.
 
-Load: through the zckpt reader (the same ``Checkpoint`` model every zckpt command uses). Each rank copies
-only the elements of *its* chunk ``[start, start + valid)`` out of whichever source pieces hold them (mmap
-views, ``zckpt.storage.piece_view``), so a checkpoint saved at any world size (or stage) loads at any other:
-load-time resharding is the same code path as a same-size resume.
+Load: the format is detected through zckpt's formats registry and opened as a lazy ``Checkpoint`` (the model
+every zckpt command uses). Each rank copies only the elements ``[start, start + valid)`` of *its* chunk of
+each fp32 master, frozen param and per-element optimizer state out of whichever source pieces hold them
+(``zckpt.flat.read_range`` reads just those bytes), so load-time resharding is the same code path as
+a same-size resume. Optimizer states are matched by name to the states the engine's optimizer keeps
+(Adam's ``step`` may come from a DeepSpeed param group). Everything that is not a tensor (optimizer groups,
+scheduler, loss scaler, step counters, client_state, RNG) comes through the same mapping ``zckpt reshard
+--to native`` writes (``zckpt.formats.native_write.template_from_*``). DeepSpeed checkpoints carry no RNG
+state: loading one leaves the process's RNG alone, as DeepSpeed does. Model names and shapes are checked
+strictly (DeepSpeed's ``load_module_strict``): one ``CheckpointMismatch`` names every misfit. The optimizer
+half lives in ``engine.checkpoint_optim``.
 """
 
 from __future__ import annotations
@@ -24,13 +32,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.checkpoint_optim import CheckpointMismatch, load_optimizer, read_into
 from engine.st_stream import write_tensors
-from zckpt import storage
+from zckpt import formats
+from zckpt.errors import UnknownFormat, Unsupported
 from zckpt.formats import native
+from zckpt.formats.native_write import NativeTemplate, template_from_deepspeed, template_from_native
 from zckpt.model import Checkpoint, TensorEntry
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+    from engine.param import ParamState
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +76,6 @@ def _client_split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"client_state value at {path!r} is a {type(obj).__name__}; use JSON values or tensors")
-
-
-def _client_join(obj: Any, rank0: Path) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__tensor__"}:
-            return native.read_rank_tensor(rank0, obj["__tensor__"])
-        return {k: _client_join(v, rank0) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_client_join(v, rank0) for v in obj]
-    return obj
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,20 +211,45 @@ def _manifest(eng: Engine, tag: str, optim_specs: list[dict[str, Any]], infos: l
 
 
 # ------------------------------------------------------------------------------------------------
-def _read_into(entry: TensorEntry, lo: int, out: torch.Tensor) -> None:
-    """Copy elements ``[lo, lo + out.numel())`` of ``entry`` into ``out`` from the pieces that hold them."""
-    hi = lo + out.numel()
-    for p in entry.pieces:
-        a, b = max(lo, p.start), min(hi, p.start + p.numel)
-        if a < b:
-            out[a - lo : b - lo].copy_(storage.piece_view(p)[a - p.start : b - p.start])
+def _open(root: Path, tag: str | None) -> Checkpoint | None:
+    """The checkpoint at ``root`` (``latest``) or ``root/tag``, via zckpt's formats registry; None (with a
+    warning, as DeepSpeed does) when there is nothing to load."""
+    target = root if tag is None else root / tag
+    if not target.is_dir() or (tag is None and not (root / "latest").is_file() and not _is_tag_dir(root)):
+        log.warning("no checkpoint to load at %s (no `latest` file, no tag folder)", target)
+        return None
+    try:
+        mod = formats.detect(target)
+    except UnknownFormat as e:
+        log.warning("no checkpoint to load: %s", e)
+        return None
+    if mod.NAME not in ("native", "deepspeed"):
+        raise Unsupported(
+            f"{target}: a {mod.NAME} checkpoint holds no optimizer partitions for the engine to resume",
+            hint="the engine loads its native format or DeepSpeed ZeRO-1/2/3 checkpoints",
+            path=str(target),
+        )
+    ckpt: Checkpoint = mod.read(target)
+    if ckpt.meta.format == "deepspeed" and ckpt.meta.stage == 0:
+        ckpt.close()
+        raise Unsupported(
+            f"{target}: DeepSpeed ZeRO-0 checkpoint (its fp32 masters live only in the optimizer wrapper)",
+            hint="`zckpt consolidate` it to safetensors and load the weights into the model",
+            path=str(target),
+        )
+    return ckpt
 
 
-def _chunk_from(entry: TensorEntry, s: Any, like: torch.Tensor) -> None:
-    """Fill ``like`` (a padded chunk) with this rank's elements of ``entry``; padding zero."""
-    with torch.no_grad():
-        like.zero_()
-        _read_into(entry, s.start, like[: s.valid])
+def _is_tag_dir(p: Path) -> bool:
+    return (p / native.MANIFEST).is_file() or any(p.glob("*model_states.pt"))
+
+
+def _template(ckpt: Checkpoint) -> NativeTemplate:
+    """Everything but tensors (optimizer groups, scheduler, loss scaler, counters, client_state, RNG), in the
+    native manifest's shapes: the same mapping ``zckpt reshard --to native`` writes."""
+    if ckpt.meta.format == "native":
+        return template_from_native(ckpt, None)
+    return template_from_deepspeed(ckpt, None)
 
 
 def load(
@@ -232,101 +259,145 @@ def load(
     tag: str | None = None,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
+    strict: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Restore ``eng`` from a native checkpoint saved at any world size; (None, None) when there is none."""
-    root = Path(load_dir)
-    if tag is None:
-        latest = root / "latest"
-        if not latest.is_file():
-            log.warning("no checkpoint to load: %s does not exist", latest)
-            return None, None
-        tag = latest.read_text().strip()
-    td = root / tag
-    if not (td / "manifest.json").is_file():
-        log.warning("no checkpoint to load: %s has no manifest.json", td)
+    """Restore ``eng`` from a native or DeepSpeed ZeRO-1/2/3 checkpoint saved at any world size, stage and
+    precision; ``(tag folder, client_state)``, or ``(None, None)`` when there is none.
+
+    ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
+    vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded."""
+    ckpt = _open(Path(load_dir), tag)
+    if ckpt is None:
         return None, None
-    ckpt = native.read(td)
-    man = native.manifest(td)
+    try:
+        tmpl = _template(ckpt)
+        _check_model(eng, ckpt, strict)
+        _load_model(eng, ckpt)
+        if load_optimizer_states:
+            load_optimizer(eng, ckpt, tmpl)
+            _load_scaler(eng, tmpl.loss_scaler)
+        if load_lr_scheduler_states and eng.lr_scheduler is not None and tmpl.scheduler is not None:
+            eng.lr_scheduler.load_state_dict(tmpl.scheduler)
+        c = tmpl.counters
+        eng.global_steps = int(c.get("global_steps", 0))
+        samples = c.get("global_samples")
+        if ckpt.meta.format == "deepspeed" and ckpt.meta.extra.get("global_samples") is None:
+            samples = None  # DeepSpeed's own default
+        eng.global_samples = (
+            int(samples) if samples is not None else eng.global_steps * eng.train_batch_size()
+        )
+        eng.skipped_steps = int(c.get("skipped_steps", 0))
+        eng.micro_steps = int(c.get("micro_steps", eng.global_steps * eng.gradient_accumulation_steps()))
+        if ckpt.meta.format == "native" and tmpl.rng is not None:
+            _load_rng(*tmpl.rng(eng.comm.rank))  # DeepSpeed saves no RNG state; leave the process's alone
+        client = _client_join(tmpl.client_state or {}, tmpl.client_tensors)
+        td = Path(ckpt.meta.path)
+        return str(td / str(ckpt.meta.tag) if ckpt.meta.format == "deepspeed" else td), client
+    finally:
+        ckpt.close()
+
+
+def _client_join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: _client_join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_client_join(v, tensors) for v in obj]
+    return obj
+
+
+# ---- model tensors -----------------------------------------------------------------------------
+def _check_model(eng: Engine, ckpt: Checkpoint, strict: bool) -> None:
+    """Names and shapes of params and persistent buffers against the checkpoint; one error naming them all."""
+    where = ckpt.meta.path
+    missing, mismatch = [], []
+    for s in eng.states:
+        if s.name not in ckpt:
+            missing.append(s.name)
+        elif (e := ckpt.entry(s.name)).shape != s.shape:
+            mismatch.append(f"{s.name} (checkpoint {list(e.shape)}, model {list(s.shape)})")
+    buffers = dict(eng.module.named_buffers())
+    persistent = set(eng.module.state_dict())
+    for name, b in buffers.items():
+        if name not in ckpt:
+            if name in persistent:
+                missing.append(name)
+        elif (e := ckpt.entry(name)).shape != tuple(b.shape):
+            mismatch.append(f"{name} (checkpoint {list(e.shape)}, model {list(b.shape)})")
+    known = {s.name for s in eng.states} | set(eng.tied) | set(buffers)
+    unexpected = [e.name for e in ckpt.model_entries() if e.name not in known]
+    unexpected += [a for a in ckpt.meta.tied if a not in known]
+    if mismatch:  # never loadable, strict or not
+        raise CheckpointMismatch(
+            f"{where}: shape mismatch for {', '.join(mismatch)}", hint="the checkpoint is of another model"
+        )
+    if strict and (missing or unexpected):
+        parts = [f"missing in the checkpoint: {', '.join(missing)}"] if missing else []
+        parts += [f"not in the model: {', '.join(unexpected)}"] if unexpected else []
+        raise CheckpointMismatch(
+            f"{where}: checkpoint does not fit the model ({'; '.join(parts)})",
+            hint="engine.checkpoint.load(engine, dir, strict=False) loads only the common tensors",
+        )
+    for name in missing:
+        log.warning("%s: %s is not in the checkpoint; keeping the model's values", where, name)
+
+
+def _load_model(eng: Engine, ckpt: Checkpoint) -> None:
+    """fp32 masters / shards: this rank's chunk only (``read_into`` touches just the overlapping bytes of
+    the source pieces); non-sharded params and buffers: whole."""
     with torch.no_grad():
         for s in eng.states:
+            if s.name not in ckpt:
+                continue
+            e = ckpt.entry(s.name)
             if s.trainable:
                 assert s.master is not None
-                _chunk_from(ckpt.entry(s.name), s, s.master)
+                _fill_chunk(e, s, s.master)
                 if s.shard is not None and s.shard is not s.master:
                     s.shard.copy_(s.master)
             elif s.sharded:
                 assert s.shard is not None
-                _chunk_from(ckpt.entry(s.name), s, s.shard)
+                _fill_chunk(e, s, s.shard)
             else:
-                s.param.data.copy_(ckpt.read(s.name, s.param.dtype).view(s.shape))
-        buffers = dict(eng.module.named_buffers())
-        for name, b in buffers.items():
+                s.param.data.copy_(ckpt.read(e, s.param.dtype).view(s.shape))
+        for name, b in eng.module.named_buffers():
             if name in ckpt:
                 b.copy_(ckpt.read(name).view(b.shape))
         eng._publish()
         if eng.stage == 3:
             eng.refresh_gathered([s for s in eng.states if not s.trainable and s.gathered])
-    if load_optimizer_states:
-        _load_optimizer(eng, ckpt, man)
-        sd = man.get("loss_scaler")
-        if sd:
-            eng.loss_scaler.load_state_dict(sd)
-    if load_lr_scheduler_states and eng.lr_scheduler is not None and man.get("scheduler") is not None:
-        eng.lr_scheduler.load_state_dict(man["scheduler"])
-    c = man["counters"]
-    eng.global_steps, eng.global_samples = c["global_steps"], c["global_samples"]
-    eng.skipped_steps, eng.micro_steps = c["skipped_steps"], c["micro_steps"]
-    _load_rng(eng, td, man)
-    client = _client_join(man.get("client_state") or {}, native.rank_file(td, 0))
-    ckpt.close()
-    return str(td), client
 
 
-def _load_optimizer(eng: Engine, ckpt: Checkpoint, man: dict[str, Any]) -> None:
-    inner = eng.optimizer.optimizer
-    specs = {(o["param"], o["state"]): o for o in man["optim_states"]}
-    by_name = {s.name: s for s in eng.states if s.trainable}
-    for (pname, state), spec in specs.items():
-        s = by_name.get(pname)
-        if s is None:
-            continue
-        assert s.master is not None
-        entry = ckpt.entry(f"{pname}:{state}")
-        if spec["partitioned"]:
-            t = torch.zeros(s.chunk, dtype=entry.dtype, device=s.master.device)
-            _chunk_from(entry, s, t)
-        else:
-            t = ckpt.read(entry).to(s.master.device)
-        value: Any = t
-        if spec.get("python") == "int":
-            value = int(t.item())
-        elif spec.get("python") == "float":
-            value = float(t.item())
-        inner.state.setdefault(s.master, {})[state] = value
-    saved = man["optimizer"]["param_groups"]
-    if len(saved) != len(inner.param_groups):
-        raise ValueError(
-            f"checkpoint has {len(saved)} optimizer param groups, the optimizer {len(inner.param_groups)}"
+def _fill_chunk(entry: TensorEntry, s: ParamState, out: torch.Tensor) -> None:
+    """``out`` (a padded chunk) := this rank's elements of ``entry``, padding zero."""
+    out.zero_()
+    if s.valid:
+        read_into(entry, s.start, s.start + s.valid, out[: s.valid])
+
+
+def _load_scaler(eng: Engine, sd: Any) -> None:
+    """DeepSpeed's or our scaler state onto the engine's scaler when both are of one kind (dynamic or
+    static); a mismatch (another precision) keeps the engine's configured scaler."""
+    if not isinstance(sd, dict) or "cur_scale" not in sd:
+        return
+    ours = eng.loss_scaler
+    if bool(sd.get("dynamic")) != ours.dynamic:
+        log.warning(
+            "checkpoint loss scaler is %s, the engine's %s; keeping the engine's",
+            "dynamic" if sd.get("dynamic") else "static",
+            "dynamic" if ours.dynamic else "static",
         )
-    for g, sg in zip(inner.param_groups, saved, strict=True):
-        for k, v in sg.items():
-            if k != "params":
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+        return
+    ours.load_state_dict(sd)
 
 
-def _load_rng(eng: Engine, td: Path, man: dict[str, Any]) -> None:
-    """Rank r takes source rank r's RNG state; ranks beyond the source world take rank ``r % src_world``."""
-    src = eng.comm.rank % len(man["rng"])
-    state = man["rng"][src]
+def _load_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     npst = state["numpy"]
     np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), *npst[2:]))
-    f = native.rank_file(td, src)
-    t = native.read_rank_tensor(f, "rng/torch_cpu")
-    if t is not None:
-        torch.set_rng_state(t)
-    if torch.cuda.is_available():
-        tc = native.read_rank_tensor(f, "rng/torch_cuda")
-        if tc is not None:
-            torch.cuda.set_rng_state(tc)
+    if "rng/torch_cpu" in tensors:
+        torch.set_rng_state(tensors["rng/torch_cpu"])
+    if torch.cuda.is_available() and "rng/torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng/torch_cuda"])
