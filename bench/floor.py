@@ -22,7 +22,8 @@ BUF = 64 << 20
 
 
 def main() -> None:
-    plan = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
     reads, write_bytes, out = plan["reads"], int(plan["write_bytes"]), plan.get("out")
     total_read = sum(n for _, _, n in reads) or 1
     ratio = write_bytes / total_read

@@ -156,7 +156,8 @@ def worker(spec: dict, out: Path) -> None:  # type: ignore[type-arg]
             engine.save_checkpoint(str(out), tag=f"global_step{step}")
     dist.barrier()
     if rank == 0:
-        info = {"params": n_params(spec["shape"]), "spec": spec, "tags": [f"global_step{s}" for s in spec["save_steps"]],
+        tags = [f"global_step{s}" for s in spec["save_steps"]]
+        info = {"params": n_params(spec["shape"]), "spec": spec, "tags": tags,
                 "deepspeed": deepspeed.__version__}  # fmt: skip
         (out / "done.json").write_text(json.dumps(info, indent=1))
     dist.barrier()

@@ -27,13 +27,12 @@ import os
 import platform
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -51,7 +50,7 @@ sys.path.insert(0, str(REPO))
 # ---- measuring one subprocess ------------------------------------------------------------------------
 def _io() -> dict[str, int]:
     out = {}
-    for line in open("/proc/self/io"):
+    for line in Path("/proc/self/io").read_text().splitlines():
         k, v = line.split(":")
         out[k] = int(v)
     return out
@@ -202,6 +201,10 @@ def floor_row(group: str, name: str, inp: str, plan_fn: Callable[[], tuple[list[
     return Row(group, name, inp, [VPY, str(HERE / "floor.py"), str(plan)], out=out, prepare=prepare)
 
 
+def is_deepspeed(row: Row) -> bool:
+    return row.cmd[0] == DSPY
+
+
 def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
     if row.prepare is not None:
         row.prepare()
@@ -219,7 +222,7 @@ def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
         if row.out is not None:
             row.out_bytes = size_of(row.out)
         if r.rc not in row.ok_rc:
-            print(f"  !! {row.name} exited {r.rc}: {r.tail.strip().splitlines()[-1:] }", flush=True)
+            print(f"  !! {row.name} exited {r.rc}: {r.tail.strip().splitlines()[-1:]}", flush=True)
             break
     if row.out is not None and row.out.exists() and not row.keep:
         shutil.rmtree(row.out) if row.out.is_dir() else row.out.unlink()
@@ -242,70 +245,227 @@ def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
             n = ck.name
             c32 = OUT / f"{n}-fp32.safetensors"
             rows += [
-                Row("consolidate", f"zckpt consolidate fp32 single", n,
-                    [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress", *w], out=c32,
-                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin", keep=(ck == z3)),
-                Row("consolidate", f"zckpt consolidate fp32 2GB shards", n,
-                    [*ZCKPT, "consolidate", str(ck), str(OUT / f"{n}-fp32-sh"), "--dtype", "fp32",
-                     "--max-shard-size", "2GB", "--no-progress", *w], out=OUT / f"{n}-fp32-sh",
-                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin"),
-                Row("consolidate", f"zckpt consolidate bf16 single", n,
-                    [*ZCKPT, "consolidate", str(ck), str(OUT / f"{n}-bf16.safetensors"), "--dtype", "bf16",
-                     "--no-progress", *w], out=OUT / f"{n}-bf16.safetensors",
-                    floor_of="floor bf16", ds_of="zero_to_torch bf16 .bin"),
-                Row("consolidate", "zero_to_fp32 fp32 .bin", n,
-                    [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")], out=OUT / f"{n}-ds32"),
-                Row("consolidate", "zero_to_torch bf16 .bin", n,
-                    [DSPY, str(ck / "zero_to_torch.py"), str(ck), str(OUT / f"{n}-dsbf16"), "--dtype", "bf16"],
-                    out=OUT / f"{n}-dsbf16"),
+                Row(
+                    "consolidate",
+                    "zckpt consolidate fp32 single",
+                    n,
+                    [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress", *w],
+                    out=c32,
+                    floor_of="floor fp32",
+                    ds_of="zero_to_fp32 fp32 .bin",
+                    keep=(ck == z3),
+                ),
+                Row(
+                    "consolidate",
+                    "zckpt consolidate fp32 2GB shards",
+                    n,
+                    [
+                        *ZCKPT,
+                        "consolidate",
+                        str(ck),
+                        str(OUT / f"{n}-fp32-sh"),
+                        "--dtype",
+                        "fp32",
+                        "--max-shard-size",
+                        "2GB",
+                        "--no-progress",
+                        *w,
+                    ],
+                    out=OUT / f"{n}-fp32-sh",
+                    floor_of="floor fp32",
+                    ds_of="zero_to_fp32 fp32 .bin",
+                ),
+                Row(
+                    "consolidate",
+                    "zckpt consolidate bf16 single",
+                    n,
+                    [
+                        *ZCKPT,
+                        "consolidate",
+                        str(ck),
+                        str(OUT / f"{n}-bf16.safetensors"),
+                        "--dtype",
+                        "bf16",
+                        "--no-progress",
+                        *w,
+                    ],
+                    out=OUT / f"{n}-bf16.safetensors",
+                    floor_of="floor bf16",
+                    ds_of="zero_to_torch bf16 .bin",
+                ),
+                Row(
+                    "consolidate",
+                    "zero_to_fp32 fp32 .bin",
+                    n,
+                    [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")],
+                    out=OUT / f"{n}-ds32",
+                ),
+                Row(
+                    "consolidate",
+                    "zero_to_torch bf16 .bin",
+                    n,
+                    [
+                        DSPY,
+                        str(ck / "zero_to_torch.py"),
+                        str(ck),
+                        str(OUT / f"{n}-dsbf16"),
+                        "--dtype",
+                        "bf16",
+                    ],
+                    out=OUT / f"{n}-dsbf16",
+                ),
             ]
             if ck == z3:
-                rows.append(Row("consolidate", "zero_to_fp32 fp32 safetensors", n,
-                                [DSPY, npy(ck), str(ck), str(OUT / f"{n}-dsst"), "--safe_serialization"],
-                                out=OUT / f"{n}-dsst", ok_rc=(0,)))
+                rows.append(
+                    Row(
+                        "consolidate",
+                        "zero_to_fp32 fp32 safetensors",
+                        n,
+                        [DSPY, npy(ck), str(ck), str(OUT / f"{n}-dsst"), "--safe_serialization"],
+                        out=OUT / f"{n}-dsst",
+                        ok_rc=(0,),
+                    )
+                )
     if "scale" in groups:
-        for n in ("gpt100m_z3_w2", "gpt400m_z3_w2", "gpt1b_z3_w2"):
+        for n in ("gpt100m_z3_w2", "gpt1b_z3_w2"):  # the 400M point is the consolidate group's
             ck = DATA / n
             if not ck.exists():
                 continue
             c = OUT / f"{n}-scale.safetensors"
             rows += [
-                Row("scale", "zckpt consolidate fp32 single", n,
-                    [*ZCKPT, "consolidate", str(ck), str(c), "--dtype", "fp32", "--no-progress", *w], out=c,
-                    floor_of="floor fp32", ds_of="zero_to_fp32 fp32 .bin"),
-                Row("scale", "zero_to_fp32 fp32 .bin", n, [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")],
-                    out=OUT / f"{n}-ds32"),
+                Row(
+                    "scale",
+                    "zckpt consolidate fp32 single",
+                    n,
+                    [*ZCKPT, "consolidate", str(ck), str(c), "--dtype", "fp32", "--no-progress", *w],
+                    out=c,
+                    floor_of="floor fp32",
+                    ds_of="zero_to_fp32 fp32 .bin",
+                ),
+                Row(
+                    "scale",
+                    "zero_to_fp32 fp32 .bin",
+                    n,
+                    [DSPY, npy(ck), str(ck), str(OUT / f"{n}-ds32")],
+                    out=OUT / f"{n}-ds32",
+                ),
             ]
     if "reshard" in groups:
         for ck, world in ((z3, 4), (z3w4, 3)):
             n = ck.name
             rows += [
-                Row("reshard", f"zckpt reshard -> w{world}", n,
-                    [*ZCKPT, "reshard", str(ck), str(OUT / f"{n}-w{world}"), "--world", str(world), "--no-progress",
-                     *w], out=OUT / f"{n}-w{world}", floor_of=f"floor reshard", ds_of="ds_to_universal"),
-                Row("reshard", "ds_to_universal", n,
-                    [DSPY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / "global_step1"),
-                     "--output_folder", str(OUT / f"{n}-univ"), "--num_extract_workers", "2",
-                     "--num_merge_workers", "2"], out=OUT / f"{n}-univ"),
+                Row(
+                    "reshard",
+                    f"zckpt reshard -> w{world}",
+                    n,
+                    [
+                        *ZCKPT,
+                        "reshard",
+                        str(ck),
+                        str(OUT / f"{n}-w{world}"),
+                        "--world",
+                        str(world),
+                        "--no-progress",
+                        *w,
+                    ],
+                    out=OUT / f"{n}-w{world}",
+                    floor_of="floor reshard",
+                    ds_of="ds_to_universal",
+                ),
+                Row(
+                    "reshard",
+                    "ds_to_universal",
+                    n,
+                    [
+                        DSPY,
+                        "-m",
+                        "deepspeed.checkpoint.ds_to_universal",
+                        "--input_folder",
+                        str(ck / "global_step1"),
+                        "--output_folder",
+                        str(OUT / f"{n}-univ"),
+                        "--num_extract_workers",
+                        "2",
+                        "--num_merge_workers",
+                        "2",
+                    ],
+                    out=OUT / f"{n}-univ",
+                ),
             ]
-        rows.append(Row("reshard", "zckpt reshard -> native w2", z3.name,
-                        [*ZCKPT, "reshard", str(z3), str(OUT / "native-w2"), "--world", "2", "--to", "native",
-                         "--no-progress", *w], out=OUT / "native-w2", floor_of="floor reshard", keep=True))
-        rows.append(Row("reshard", "zckpt consolidate native fp32", "native-w2",
-                        [*ZCKPT, "consolidate", str(OUT / "native-w2"), str(OUT / "native-fp32.safetensors"),
-                         "--dtype", "fp32", "--no-progress", *w], out=OUT / "native-fp32.safetensors",
-                        floor_of="floor fp32"))
+        rows.append(
+            Row(
+                "reshard",
+                "zckpt reshard -> native w2",
+                z3.name,
+                [
+                    *ZCKPT,
+                    "reshard",
+                    str(z3),
+                    str(OUT / "native-w2"),
+                    "--world",
+                    "2",
+                    "--to",
+                    "native",
+                    "--no-progress",
+                    *w,
+                ],
+                out=OUT / "native-w2",
+                floor_of="floor reshard",
+                keep=True,
+            )
+        )
+        rows.append(
+            Row(
+                "reshard",
+                "zckpt consolidate native fp32",
+                "native-w2",
+                [
+                    *ZCKPT,
+                    "consolidate",
+                    str(OUT / "native-w2"),
+                    str(OUT / "native-fp32.safetensors"),
+                    "--dtype",
+                    "fp32",
+                    "--no-progress",
+                    *w,
+                ],
+                out=OUT / "native-fp32.safetensors",
+                floor_of="floor fp32",
+            )
+        )
     if "diff" in groups:
         c32 = OUT / "gpt400m_z3_w2-fp32.safetensors"
         rows += [
-            Row("diff", "zckpt diff ckpt vs consolidated", z3.name,
-                [*ZCKPT, "diff", str(z3), str(c32), "--no-progress"], floor_of="floor diff ckpt/consolidated"),
-            Row("diff", "zckpt diff step1 vs step2", z3.name,
-                [*ZCKPT, "diff", str(z3), str(z3), "--tag-a", "global_step1", "--tag-b", "global_step2",
-                 "--no-progress"], ok_rc=(0, 1), floor_of="floor diff step1/step2"),
+            Row(
+                "diff",
+                "zckpt diff ckpt vs consolidated",
+                z3.name,
+                [*ZCKPT, "diff", str(z3), str(c32), "--no-progress"],
+                floor_of="floor diff ckpt/consolidated",
+            ),
+            Row(
+                "diff",
+                "zckpt diff step1 vs step2",
+                z3.name,
+                [
+                    *ZCKPT,
+                    "diff",
+                    str(z3),
+                    str(z3),
+                    "--tag-a",
+                    "global_step1",
+                    "--tag-b",
+                    "global_step2",
+                    "--no-progress",
+                ],
+                ok_rc=(0, 1),
+                floor_of="floor diff step1/step2",
+            ),
         ]
     if "verify" in groups:
-        rows.append(Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify"))
+        rows.append(
+            Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify")
+        )
     return rows
 
 
@@ -351,17 +511,36 @@ def _floor_for(r: Row) -> Row:
 
 # ---- report ------------------------------------------------------------------------------------------
 def machine() -> dict[str, str]:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    mem = next(int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "?",
+    )
+    mem = next(
+        int(ln.split()[1])
+        for ln in Path("/proc/meminfo").read_text().splitlines()
+        if ln.startswith("MemTotal")
+    )
     du = shutil.disk_usage(DATA)
-    dev = subprocess.run(["df", "--output=source", str(DATA)], capture_output=True, text=True).stdout.split()[-1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
+    dev = subprocess.run(["df", "--output=source", str(DATA)], capture_output=True, text=True).stdout.split()[
+        -1
+    ]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "zckpt", "bench"], capture_output=True, text=True,
                            cwd=REPO).stdout.strip()  # fmt: skip
-    return {"cpu": f"{cpu}, nproc {os.cpu_count()}", "ram": f"{mem / 2**20:.1f} GiB",
-            "disk": f"{dev}, {du.total / 1e9:.0f} GB ({du.free / 1e9:.0f} GB free)",
-            "commit": commit.strip() + (" + uncommitted changes in zckpt/ or bench/" if dirty else ""),
-            "python": platform.python_version(), "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    return {
+        "cpu": f"{cpu}, nproc {os.cpu_count()}",
+        "ram": f"{mem / 2**20:.1f} GiB",
+        "disk": f"{dev}, {du.total / 1e9:.0f} GB ({du.free / 1e9:.0f} GB free)",
+        "commit": commit.strip() + (" + uncommitted changes in zckpt/ or bench/" if dirty else ""),
+        "python": platform.python_version(),
+        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }
 
 
 def _gb(n: int) -> str:
@@ -370,8 +549,10 @@ def _gb(n: int) -> str:
 
 def table(rows: list[Row], cache: str) -> str:
     by = {(r.input, r.name): r for r in rows}
-    hdr = ("| group | input | row | wall s (best) | runs s | peak RSS MB | rchar GB | wchar GB | read_bytes GB "
-           "| write_bytes GB | out GB | floor/this | this/DeepSpeed |")
+    hdr = (
+        "| group | input | row | wall s (best) | runs s | peak RSS MB | rchar GB | wchar GB | read_bytes GB "
+        "| write_bytes GB | out GB | floor/this | this/DeepSpeed |"
+    )
     lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in rows:
         b = r.best
@@ -383,9 +564,11 @@ def table(rows: list[Row], cache: str) -> str:
         ds = by.get((r.input, r.ds_of or ""))
         frac = f"{fl.best.wall / b.wall:.2f}" if fl and fl.best else ""
         vs = f"{b.wall / ds.best.wall:.2f}" if ds and ds.best else ""
-        lines.append(f"| {r.group} | {r.input} | {r.name} | {b.wall:.1f} | {runs} | {b.rss_mb:.0f} | "
-                     f"{_gb(b.io['rchar'])} | {_gb(b.io['wchar'])} | {_gb(b.io['read_bytes'])} | "
-                     f"{_gb(b.io['write_bytes'])} | {_gb(r.out_bytes) if r.out else ''} | {frac} | {vs} |")
+        lines.append(
+            f"| {r.group} | {r.input} | {r.name} | {b.wall:.1f} | {runs} | {b.rss_mb:.0f} | "
+            f"{_gb(b.io['rchar'])} | {_gb(b.io['wchar'])} | {_gb(b.io['read_bytes'])} | "
+            f"{_gb(b.io['write_bytes'])} | {_gb(r.out_bytes) if r.out else ''} | {frac} | {vs} |"
+        )
     return "\n".join(lines)
 
 
@@ -393,14 +576,23 @@ def record(rows: list[Row], cache: str, args: argparse.Namespace, notes: list[st
     m = machine()
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmds = "\n".join(f"- {r.input} / {r.name}: `{shlex.join(_rel(c) for c in r.cmd)}`" for r in rows)
-    text = (f"\n## {now} — `{shlex.join(['bench/run.py', *sys.argv[1:]])}`\n\n"
-            f"Machine: {m['cpu']}; RAM {m['ram']}; disk {m['disk']}; Python {m['python']}; commit {m['commit']}; "
-            f"load average at the end {m['load']} (other jobs share the 2 cores, so walls are noisy).\n"
-            f"Page cache: **{cache}** ({'inputs read into the page cache before every run' if cache == 'warm' else 'caches dropped (sync; drop_caches=3) before every run'}). "
-            f"Each row ran {args.repeat}x; wall = best run, all runs listed. floor/this = fraction of the copy floor "
-            f"(target >= 0.7); this/DeepSpeed = wall ratio to the matching DeepSpeed tool (target <= 0.5).\n\n"
-            + table(rows, cache) + "\n\n" + "".join(f"- {n}\n" for n in notes)
-            + "\n<details><summary>Commands (from the repo root)</summary>\n\n" + cmds + "\n\n</details>\n")
+    how = ("inputs read into the page cache before every run" if cache == "warm"
+           else "caches dropped (sync; drop_caches=3) before every run")  # fmt: skip
+    text = (
+        f"\n## {now} — `{shlex.join(['bench/run.py', *sys.argv[1:]])}`\n\n"
+        f"Machine: {m['cpu']}; RAM {m['ram']}; disk {m['disk']}; Python {m['python']}; commit {m['commit']}; "
+        f"load average at the end {m['load']} (other jobs share the 2 cores, so walls are noisy).\n"
+        f"Page cache: **{cache}** ({how}). "
+        f"Each zckpt/floor row ran {args.repeat}x, each DeepSpeed row {args.ds_repeat}x; wall = best run, "
+        f"all runs listed. floor/this = fraction of the copy floor "
+        f"(target >= 0.7); this/DeepSpeed = wall ratio to the matching DeepSpeed tool (target <= 0.5).\n\n"
+        + table(rows, cache)
+        + "\n\n"
+        + "".join(f"- {n}\n" for n in notes)
+        + "\n<details><summary>Commands (from the repo root)</summary>\n\n"
+        + cmds
+        + "\n\n</details>\n"
+    )
     return text
 
 
@@ -412,6 +604,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ds-repeat", type=int, default=1, help="runs of each DeepSpeed row (they are slow)")
     ap.add_argument("--cache", choices=("warm", "cold"), default="warm")
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to zckpt (default: its own)")
     ap.add_argument("--rows", nargs="*", default=None, help="only rows whose name contains one of these")
@@ -439,7 +632,7 @@ def main() -> None:
         if r.group == "diff":
             inputs.append(OUT / "gpt400m_z3_w2-fp32.safetensors")
         print(f"[{r.group}] {r.input}: {r.name} ...", flush=True)
-        run_row(r, args.repeat, args.cache, inputs)
+        run_row(r, args.ds_repeat if is_deepspeed(r) else args.repeat, args.cache, inputs)
         b = r.best
         print(f"    {'FAILED' if b is None else f'{b.wall:.1f}s  {b.rss_mb:.0f} MB'}", flush=True)
         if b is None and "safetensors" in r.name and "zero_to_fp32" in r.name:

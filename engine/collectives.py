@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -90,50 +89,69 @@ class Comm:
             return [s[:n].clone() for s, n in zip(shards, numels, strict=True)]
         sizes = [s.numel() for s in shards]
         total = sum(sizes)
-        inp = torch.cat([s.reshape(-1) for s in shards])
+        inp = _adjacent(shards)
+        if inp is None:
+            inp = torch.cat([s.reshape(-1) for s in shards])
         out = torch.empty(w * total, dtype=inp.dtype, device=inp.device)
         _all_gather(out, inp)
         rows = out.view(w, total)
         fulls: list[torch.Tensor] = []
         off = 0
         for c, n in zip(sizes, numels, strict=True):
-            fulls.append(rows[:, off : off + c].reshape(-1)[:n].clone())
+            # a param alone in its bucket is a view of the fresh output (no copy); else reshape copies
+            fulls.append(rows[:, off : off + c].reshape(-1)[:n])
             off += c
         return fulls
 
     def reduce_grads(
         self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
-    ) -> list[torch.Tensor]:
-        """Average full gradients over the ranks; return this rank's chunk of each in ONE collective.
+    ) -> torch.Tensor:
+        """Average full gradients over the ranks in ONE collective; return this rank's chunks, concatenated
+        (``chunks[0]`` elements of grad 0, then ``chunks[1]`` of grad 1...).
 
         ``partition_world`` is ``world`` (reduce-scatter: rank r gets elements ``[r*c, r*c+c)`` of each) or 1
         (all-reduce: every rank gets the whole gradient; stage 0).
         """
-        if not grads:
-            return []
         pw = partition_world
         total = sum(chunks)
-        buf = torch.empty(pw, total, dtype=grads[0].dtype, device=grads[0].device)
+        dtype, device = grads[0].dtype, grads[0].device
+        buf = torch.empty(pw, total, dtype=dtype, device=device)
         off = 0
         for g, c in zip(grads, chunks, strict=True):
+            # lay the gradient out rank-major without a padded temporary: full rows, a partial row, zeros
+            if c == 0:
+                continue
             flat = g.reshape(-1)
-            buf[:, off : off + c].copy_(F.pad(flat, (0, pw * c - flat.numel())).view(pw, c))
+            n = flat.numel()
+            rows, rem = divmod(n, c)
+            if rows:
+                buf[:rows, off : off + c].copy_(flat[: rows * c].view(rows, c))
+            if rows < pw:
+                buf[rows, off : off + rem].copy_(flat[rows * c :])
+                buf[rows, off + rem : off + c].zero_()
+                buf[rows + 1 :, off : off + c].zero_()
             off += c
         if self.world == 1:
-            mine = buf.view(-1)
-        elif pw == 1:
+            return buf.view(-1)
+        if pw == 1:
             dist.all_reduce(buf)
             mine = buf.view(-1)
         else:
             if pw != self.world:
                 raise ValueError(f"partition world {pw} must be 1 or the world size {self.world}")
-            mine = torch.empty(total, dtype=buf.dtype, device=buf.device)
+            mine = torch.empty(total, dtype=dtype, device=device)
             _reduce_scatter(mine, buf.view(-1))
-        if self.world > 1:
-            mine.div_(self.world)
-        out: list[torch.Tensor] = []
-        off = 0
-        for c in chunks:
-            out.append(mine[off : off + c])
-            off += c
-        return out
+        return mine.div_(self.world)
+
+
+def _adjacent(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over ``tensors`` when they lie back to back in one storage (the shards of consecutive
+    params in the engine's flat shard buffer), so a bucket is all-gathered without concatenating it."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage:
+            return None
+        end += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,))

@@ -51,4 +51,15 @@ def init_distributed(
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(device())
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one agent store across restarts: keys of the previous attempt's process group
+        # (its ranks' gloo/NCCL addresses) are still there, and a rank that reads one before its peer
+        # overwrites it connects to a dead process. Namespace this attempt's keys.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)  # fmt: skip
+        store = dist.PrefixStore(f"zckpt-engine/attempt{restart}", agent)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
     dist.init_process_group(backend=backend, timeout=timeout)

@@ -6,13 +6,19 @@ Algorithm (all stages share it; see ``engine.param`` for the tensor vocabulary):
    params and floating buffers to the compute dtype (fp16/bf16/fp32) on the device, broadcast them from rank 0
    in buckets, and cut every param into per-rank chunks: an fp32 *master* chunk for each trainable param
    (stages 1-3: ``ceil(numel / world)`` elements; stage 0: the whole param). Stage 3 keeps only the *shard*
-   and releases the full tensor; modules gather it on demand (``engine.hooks``).
+   and releases the full tensor; modules gather it on demand (``engine.hooks``) -- except at partition
+   world 1 without param offload, where the shard would be the whole param: it stays materialised, with no
+   hooks and no copies. Each rank's tensors live in flat buffers (``Engine._flatten``): one fp32 master
+   buffer, one fp32 grad buffer, one compute-dtype shard (stage 3) or param (partition world 1) buffer, the
+   per-param tensors being views, so the optimizer-side work is a few ops over big tensors.
 2. ``backward(loss)``: divide by the accumulation steps, multiply by the fp16 loss scale, run autograd. Each
    param's full gradient is handed to the bucketed reducer the moment it is final (``engine.grads``) and
-   averaged into its fp32 *grad shard*.
+   averaged into its fp32 *grad shard* (at world 1: added there at once; with optimizer offload: copied
+   asynchronously into a pinned host buffer).
 3. ``step()`` at an accumulation boundary: overflow check, global-norm clipping and the optimizer step on the
-   masters (``engine.optimizer``), loss-scale update, LR schedule; then the new values go back to the model
-   (stages 0-2: all-gather into the full params; stage 3: refresh the shards, re-gather persistent params).
+   masters (``engine.optimizer``, fused kernel where torch has one), loss-scale update, LR schedule; then
+   the new values go back to the model (partition world 1: one cast-copy of the flat buffer; stages 1-2:
+   all-gather into the full params; stage 3: one cast-copy into the shards, re-gather persistent params).
 """
 
 from __future__ import annotations
@@ -64,6 +70,15 @@ class Engine:
         self.partition_world = 1 if self.stage == 0 else self.comm.world
         self.master_device = torch.device("cpu") if config.offload_optimizer else self.device
         self.shard_device = torch.device("cpu") if config.offload_param else self.device
+        self.sharded = self.stage == 3 and (self.partition_world > 1 or config.offload_param)
+        """Stage-3 params are released between uses. Not at partition world 1 without param offload: the
+        shard would be the whole param, so it simply stays materialised (nothing to partition, no hooks)."""
+        self.flat_master = torch.zeros(0)
+        self.flat_grad = torch.zeros(0)
+        self.flat_shard: torch.Tensor | None = None
+        self.flat_param: torch.Tensor | None = None
+        self._h2d_stage: torch.Tensor | None = None
+        self._h2d_done: Any = None
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -74,9 +89,13 @@ class Engine:
         self.states, self.tied = self._partition(model, zc.stage3_param_persistence_threshold)
         self.fetcher: ParamFetcher | None = None
         self._hook_handles: list[Any] = []
-        if self.stage == 3:
+        if self.sharded:
             self.fetcher = ParamFetcher(
-                self.comm, self.device, zc.allgather_bucket_size, zc.stage3_prefetch_bucket_size
+                self.comm,
+                self.device,
+                zc.allgather_bucket_size,
+                zc.stage3_prefetch_bucket_size,
+                zc.stage3_max_reuse_distance,
             )
             by_id = {id(s.param): s for s in self.states}
             for m in model.modules():
@@ -84,8 +103,11 @@ class Engine:
                 if direct:
                     self.fetcher.module_params[m] = direct
             self._hook_handles = install_hooks(model, self.fetcher)
-        self.reducer = GradReducer(self.comm, zc.reduce_bucket_size, self.partition_world)
-        release = self._release_one if self.stage == 3 else None
+        self.reducer = GradReducer(
+            self.comm, zc.reduce_bucket_size, self.partition_world, self.device, self.flat_grad, self.dtype
+        )
+        self.reducer.n_trainable = sum(1 for s in self.states if s.trainable)
+        release = self._release_one if self.sharded else None
         for s in self.states:
             if s.trainable:
                 self._hook_handles.append(
@@ -99,7 +121,10 @@ class Engine:
             config=config.optimizer,
             model_parameters=model_parameters,
             partitioned=self.partition_world > 1,
+            flat_grad=self.flat_grad,
         )
+        if self.reducer.direct and self.reducer.to_host:
+            self.optimizer.lazy_zero = self.reducer
         if optimizer is not None:
             optimizer.param_groups = self.optimizer.param_groups  # a client scheduler now drives ours
         self.loss_scaler = build_loss_scaler(config)
@@ -133,30 +158,64 @@ class Engine:
                 partition_world=self.partition_world,
                 rank=self.comm.rank if self.partition_world > 1 else 0,
                 trainable=p.requires_grad,
-                sharded=self.stage == 3,
-                persistent=self.stage == 3 and p.numel() <= persistence,
+                sharded=self.sharded,
+                persistent=self.sharded and p.numel() <= persistence,
             )
             owners[id(p)] = st
             states.append(st)
         self._broadcast([s.param.data for s in states] + [b for b in model.buffers()])
+        self._flatten(states)
         engine_ref = weakref.ref(self)
         for s in states:
-            if s.trainable:
-                s.master = s.slice_of(s.param.data).to(self.master_device, torch.float32)
-                s.grad_shard = torch.zeros(s.chunk, dtype=torch.float32, device=self.master_device)
-            if s.sharded:
-                same = self.dtype == torch.float32 and self.master_device == self.shard_device
-                s.shard = (
-                    s.master
-                    if (same and s.master is not None)
-                    else s.slice_of(s.param.data).to(self.shard_device)
-                )
-                if self.shard_device.type == "cpu" and self.device.type == "cuda" and _pin(self.config):
-                    s.shard = s.shard.pin_memory()
-                s.release()
             s.param._zstate = s  # type: ignore[attr-defined]
             s.param._zengine = engine_ref  # type: ignore[attr-defined]
         return states, tied
+
+    def _flatten(self, states: list[ParamState]) -> None:
+        """Lay this rank's tensors out in flat buffers, each param's tensor a view at ``flat_offset``.
+
+        ``flat_master`` / ``flat_grad`` (fp32, master device): every trainable param's chunk, so the norm,
+        unscale/clip, overflow check and zeroing are one op each. Stage 3: ``flat_shard`` (compute dtype,
+        shard device; the masters themselves in fp32 on one device). Partition world 1 otherwise:
+        ``flat_param``, the trainable params themselves (``chunk == numel``, same offsets as the masters),
+        so publishing the step is one cast-copy.
+        """
+        trainable = [s for s in states if s.trainable]
+        total = sum(s.chunk for s in trainable)
+        zc = self.config.zero_optimization
+        cuda = torch.cuda.is_available()
+        pin_opt = cuda and self.master_device.type == "cpu" and _pinned(zc.offload_optimizer)
+        pin_par = cuda and self.shard_device.type == "cpu" and _pinned(zc.offload_param)
+        self.flat_master = _zeros(total, torch.float32, self.master_device, pin_opt)
+        self.flat_grad = _zeros(total, torch.float32, self.master_device, pin_opt)
+        off = 0
+        for s in trainable:
+            s.flat_offset = off
+            s.master = self.flat_master[off : off + s.chunk]
+            s.grad_shard = self.flat_grad[off : off + s.chunk]
+            s.master[: s.valid].copy_(s.param.data.reshape(-1)[s.start : s.start + s.valid])
+            off += s.chunk
+        if self.sharded:
+            same = self.dtype == torch.float32 and self.master_device == self.shard_device
+            if same:
+                self.flat_shard = self.flat_master
+            else:
+                self.flat_shard = _zeros(total, self.dtype, self.shard_device, pin_par)
+                self.flat_shard.copy_(self.flat_master)
+            for s in trainable:
+                s.shard = s.master if same else self.flat_shard[s.flat_offset : s.flat_offset + s.chunk]
+            for s in states:
+                if not s.trainable:
+                    s.shard = s.slice_of(s.param.data).to(self.shard_device)
+                    if pin_par:
+                        s.shard = s.shard.pin_memory()
+                s.release()
+        elif self.partition_world == 1 and trainable:
+            self.flat_param = torch.empty(total, dtype=self.dtype, device=self.device)
+            for s in trainable:
+                view = self.flat_param[s.flat_offset : s.flat_offset + s.numel]
+                view.copy_(s.param.data.reshape(-1))
+                s.param.data = view.view(s.shape)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's initial values everywhere (DeepSpeed broadcasts the model at start), in buckets."""
@@ -261,17 +320,39 @@ class Engine:
     def _publish(self) -> None:
         """Bring the updated masters back into the model (see the module docstring, step 3)."""
         trainable = [s for s in self.states if s.trainable]
-        if self.stage == 3:
-            for s in trainable:
-                assert s.shard is not None and s.master is not None
-                if s.shard is not s.master:
-                    s.shard.copy_(s.master)
+        if self.flat_shard is not None:
+            if self.flat_shard is not self.flat_master:
+                self._cast_into(self.flat_shard, self.flat_master)
             self.refresh_gathered([s for s in trainable if s.gathered])
+        elif self.flat_param is not None:
+            self._cast_into(self.flat_param, self.flat_master)
         else:
             self.refresh_gathered(trainable)
 
+    def _cast_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` across dtype and device. Host fp32 -> GPU 16-bit: cast on the host into a
+        pinned staging buffer, then ONE asynchronous host-to-device copy (half the bytes of copying fp32)."""
+        if src.device == dst.device or src.device.type != "cpu" or dst.dtype == src.dtype:
+            dst.copy_(src)
+            return
+        if self._h2d_stage is None:
+            self._h2d_stage = torch.empty(src.numel(), dtype=dst.dtype, pin_memory=torch.cuda.is_available())
+        elif self._h2d_done is not None:
+            self._h2d_done.synchronize()  # the previous copy out of the staging buffer has finished
+        self._h2d_stage.copy_(src)
+        dst.copy_(self._h2d_stage, non_blocking=True)
+        if dst.device.type == "cuda":
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record()
+
     def refresh_gathered(self, states: list[ParamState]) -> None:
-        """Overwrite the full tensors of gathered params with every rank's current chunk (bucketed)."""
+        """Overwrite the full tensors of gathered params with every rank's current chunk (bucketed).
+
+        Non-sharded frozen params are skipped: their full tensor is the only copy, already current."""
+        states = [s for s in states if s.trainable or s.sharded]
+        local16: torch.Tensor | None = None
+        if any(s.trainable and not s.sharded for s in states):
+            local16 = self.flat_master.to(self.device, self.dtype)  # one cast for every master
         limit = max(1, self.config.zero_optimization.allgather_bucket_size)
         bucket: list[ParamState] = []
         size = 0
@@ -279,7 +360,7 @@ class Engine:
             bucket.append(s)
             size += s.numel
             if size >= limit or i == len(states) - 1:
-                locals_ = [self._local_chunk(b) for b in bucket]
+                locals_ = [self._local_chunk(b, local16) for b in bucket]
                 if self.partition_world == 1:
                     fulls = [c[: b.numel] for c, b in zip(locals_, bucket, strict=True)]
                 else:
@@ -289,10 +370,12 @@ class Engine:
                         b.param.data.copy_(full.view(b.shape))
                 bucket, size = [], 0
 
-    def _local_chunk(self, s: ParamState) -> torch.Tensor:
-        src = s.shard if s.sharded else s.master
-        assert src is not None
-        return src.to(self.device, self.dtype)
+    def _local_chunk(self, s: ParamState, local16: torch.Tensor | None) -> torch.Tensor:
+        if s.sharded:
+            assert s.shard is not None
+            return s.shard.to(self.device, self.dtype, non_blocking=True)
+        assert local16 is not None
+        return local16[s.flat_offset : s.flat_offset + s.chunk]
 
     # -- DeepSpeedEngine accessors ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:
@@ -391,9 +474,15 @@ class Engine:
         return export.save_16bit_model(self, save_dir, save_filename)
 
 
-def _pin(config: EngineConfig) -> bool:
-    off = config.zero_optimization.offload_param
+def _pinned(off: Any) -> bool:
+    """Whether an offload block asks for page-locked host memory."""
     return bool(off is not None and off.pin_memory)
+
+
+def _zeros(n: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    if pin:
+        return torch.zeros(n, dtype=dtype, pin_memory=True)
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:

@@ -38,11 +38,17 @@ class PartitionedOptimizer:
         config: Any | None,
         model_parameters: Iterable[Any] | None = None,
         partitioned: bool = True,
+        flat_grad: torch.Tensor | None = None,
     ) -> None:
         self.comm = comm
         self.partitioned = partitioned
         """Grad shards are disjoint slices (stages 1-3); False for stage 0 (each rank holds all)."""
         self.states = [s for s in states if s.trainable]
+        self.flat_grad = flat_grad
+        """Every grad shard, contiguous (the engine's flat buffer): norm, clip, overflow and zeroing are one
+        op each on it. None: work on the per-param grad shards."""
+        self.lazy_zero: Any = None
+        """The gradient reducer, when it can treat a zeroed buffer lazily (``GradReducer.fresh``)."""
         by_param = {id(s.param): s for s in self.states}
         self.group_states: list[list[ParamState]] = []
         if client is not None:
@@ -86,6 +92,12 @@ class PartitionedOptimizer:
         return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.lazy_zero is not None:
+            self.lazy_zero.fresh = True  # the next gradients overwrite instead of adding (no zeroing pass)
+            return
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            return
         for s in self.states:
             assert s.grad_shard is not None
             s.grad_shard.zero_()
@@ -93,36 +105,52 @@ class PartitionedOptimizer:
     # -- the step ------------------------------------------------------------------------------
     def step(self, *, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = True) -> bool:
         """Unscale, clip and apply the accumulated grad shards; return False (and skip) on overflow."""
+        known_sq = None
+        if self.lazy_zero is not None:
+            known_sq = self.lazy_zero.take_sum_sq()
+            self.lazy_zero.materialize()
         grads = [s.grad_shard for s in self.states if s.grad_shard is not None]
-        if check_overflow:
-            flag = overflow_flag(grads)
-            self.overflow = bool(self.comm.all_reduce_(flag, "max").item())
+        flat = [self.flat_grad] if self.flat_grad is not None else grads
+        # the squared norm also detects overflow (inf/NaN propagate through the sum; one host sync)
+        sq = known_sq if known_sq is not None else _sum_sq(flat)
+        if self.partitioned:
+            sq = self.comm.all_reduce_(sq, "sum")
+        sq_host = float(sq.item())
+        if check_overflow and not math.isfinite(sq_host):
+            # a non-finite sum of squares is an overflow unless every element is finite (fp32 range)
+            self.overflow = bool(self.comm.all_reduce_(overflow_flag(flat), "max").item())
             if self.overflow:
                 self.zero_grad()
                 return False
-        sq = (
-            torch.stack([g.pow(2).sum() for g in grads]).sum()
-            if grads
-            else torch.zeros((), dtype=torch.float32)
-        )
-        if self.partitioned:
-            sq = self.comm.all_reduce_(sq.double(), "sum")
-        scaled_norm = math.sqrt(float(sq.item()))
+        self.overflow = False
+        scaled_norm = math.sqrt(sq_host)
         self.last_global_norm = scaled_norm / loss_scale
         combined = loss_scale
         if clip > 0:
             factor = (scaled_norm / loss_scale + 1e-6) / clip
             if factor > 1:
                 combined = factor * loss_scale
-        if combined != 1.0:
-            torch._foreach_mul_(grads, 1.0 / combined)
+        # a fused kernel takes the unscale/clip divisor itself (``grad_scale``, as under torch's GradScaler):
+        # one pass over the states instead of an extra pass over the gradients first
+        in_kernel = combined != 1.0 and bool(self.states) and _fused_scaling(self.optimizer)
+        if combined != 1.0 and not in_kernel:
+            torch._foreach_mul_(flat, 1.0 / combined)
+        opt: Any = self.optimizer
         for s in self.states:
             assert s.master is not None
             s.master.grad = s.grad_shard
-        self.optimizer.step()
-        for s in self.states:
-            assert s.master is not None
-            s.master.grad = None
+        if in_kernel:
+            dev = self.states[0].master.device  # type: ignore[union-attr]
+            opt.grad_scale = torch.full((), combined, dtype=torch.float32, device=dev)
+            opt.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+        try:
+            opt.step()
+        finally:
+            if in_kernel:
+                del opt.grad_scale, opt.found_inf
+            for s in self.states:
+                assert s.master is not None
+                s.master.grad = None
         self.zero_grad()
         return True
 
@@ -133,14 +161,53 @@ class PartitionedOptimizer:
         self.optimizer.load_state_dict(sd)
 
 
+def _choose(group: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """A client group with the implementation left open (fused/foreach None) takes ``extra``."""
+    if group.get("fused") is None and group.get("foreach") is None:
+        return {**group, **extra}
+    return group
+
+
+def _fused_scaling(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` takes ``grad_scale``/``found_inf`` (torch's fused Adam/AdamW/SGD kernels)."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in opt.param_groups
+    )
+
+
+def _sum_sq(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of every element, float64 0-dim, without a full-size temporary."""
+    norms = [torch.linalg.vector_norm(t).double() for t in tensors if t.numel() > 0]
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    dev = norms[0].device
+    return torch.stack([n.to(dev) for n in norms]).square().sum()
+
+
 def _rebuild(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], defaults: dict[str, Any]) -> Any:
     """``cls(groups, **defaults)`` passing only the defaults its constructor accepts (some defaults, such as
-    AdamW's ``decoupled_weight_decay``, are recorded but not constructor arguments); the rest is restored."""
+    AdamW's ``decoupled_weight_decay``, are recorded but not constructor arguments); the rest is restored.
+
+    When the client left the implementation open (``fused`` and ``foreach`` both None, torch's default), the
+    fused kernel is asked for (one pass over param, grad and states; CUDA and, in recent torch, CPU), falling
+    back to ``foreach`` where the class or device has no fused kernel: same update, fewer launches/passes.
+    """
     sig = inspect.signature(cls.__init__)
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
     kwargs = {k: v for k, v in defaults.items() if takes_all or k in sig.parameters}
-    opt = cls(groups, **kwargs)
-    opt.defaults.update(defaults)
+    choices: list[dict[str, Any]] = [{}]
+    if kwargs.get("fused", False) is None and kwargs.get("foreach", False) is None:
+        plain = not kwargs.get("differentiable") and not kwargs.get("capturable")
+        choices = [{"fused": True}, {"foreach": True}, {}] if plain else [{}]
+    for i, extra in enumerate(choices):
+        try:
+            # a client's groups repeat its defaults (fused/foreach None): the choice must reach them too
+            opt = cls([_choose(g, extra) for g in groups], **{**kwargs, **extra})
+            break
+        except (RuntimeError, ValueError, TypeError):
+            if i == len(choices) - 1:
+                raise
+    opt.defaults.update({k: v for k, v in defaults.items() if k not in ("fused", "foreach")})
     return opt
 
 

@@ -9,7 +9,9 @@ Every unique ``nn.Parameter`` of the model gets one ``ParamState``. The names be
 - **gathered**: the full parameter in the compute dtype (fp32/fp16/bf16), shape ``param.shape``. Under stages
   0-2 the original always holds it; under stage 3 only between a module's pre-hook and its release.
 - **shard**: this rank's partition in the compute dtype, flat, ``chunk`` elements (padding zero). Stage 3 only
-  (stages 0-2 keep the gathered tensor instead). Lives on the CPU with ``offload_param``.
+  (stages 0-2 keep the gathered tensor instead), and only where there is something to partition (partition
+  world > 1) or to offload (``offload_param``, then on the CPU); otherwise ``sharded`` is False and the
+  original keeps the full tensor.
 - **master**: the fp32 partition the optimizer updates (trainable params only), flat, ``chunk`` elements.
   With fp32 compute under stage 3 the shard *is* the master (one tensor). Lives on the CPU with
   ``offload_optimizer``.
@@ -60,6 +62,8 @@ class ParamState:
     persistent: bool = False
     """Stage 3 param small enough (``stage3_param_persistence_threshold``) to stay gathered."""
     aliases: tuple[str, ...] = ()
+    flat_offset: int = -1
+    """Where this param's chunk starts in the engine's flat buffers (trainable params; see ``Engine``)."""
     shard: torch.Tensor | None = None
     master: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None

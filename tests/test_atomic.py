@@ -219,7 +219,10 @@ def test_reshard_sigkill_random(src: Path, tmp_path: Path) -> None:
     cal = tmp_path / "cal"
     cal.mkdir()
     timing = calibrate(
-        lambda: fork(run_cli, ["reshard", src, cal / "out", "--world", "3", "--no-progress"], env=RESHARD_DELAY), cal
+        lambda: fork(
+            run_cli, ["reshard", src, cal / "out", "--world", "3", "--no-progress"], env=RESHARD_DELAY
+        ),
+        cal,
     )
     rng = random.Random(f"{SEED}-reshard")
     seen: Counter[str] = Counter()
@@ -270,7 +273,12 @@ def test_file_size_limit(name: str, tmp_path: Path) -> None:
 def test_reshard_file_size_limit(src: Path, tmp_path: Path) -> None:
     log = tmp_path / "log"
     code = wait(
-        fork(run_cli, ["reshard", src, tmp_path / "out", "--world", "3", "--no-progress"], log=log, fsize_limit=1500)
+        fork(
+            run_cli,
+            ["reshard", src, tmp_path / "out", "--world", "3", "--no-progress"],
+            log=log,
+            fsize_limit=1500,
+        )
     )
     text = log.read_text()
     assert code == 2 and "Traceback" not in text and text.count("error: ") == 1, text
@@ -301,16 +309,9 @@ def test_tmpfs_full(tmp_path: Path) -> None:
 
 
 # ---- engine save_checkpoint ---------------------------------------------------------------------------
-def _engine_child(save_dir: Path, steps: int, tag: str, delay: str | None, rank: int = 0, world: int = 1,
-                  store: Path | None = None) -> int:  # fmt: skip
-    if world > 1:
-        import torch.distributed as dist
-
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from _engine_ref import config, train
-
-    eng, _ = train(rank, world, config(3), steps)
+# World 1: the engine is trained once, in this process (no process group), and each trial forks a child that
+# only saves it. World 2: each trial forks two ranks that train 3 steps and save (gloo, file:// store).
+def _save(eng: Any, save_dir: Path, tag: str, delay: str | None) -> int:
     if delay:
         os.environ[DELAY_ENV] = delay
     try:
@@ -321,7 +322,81 @@ def _engine_child(save_dir: Path, steps: int, tag: str, delay: str | None, rank:
     return 0
 
 
-def _engine_load_child(save_dir: Path, want_steps: int) -> int:
+def _rank_child(save_dir: Path, saves: list[tuple[int, str]], delay: str | None, rank: int, world: int,
+                store: Path) -> int:  # fmt: skip
+    """One rank of a world-``world`` run: train, saving tag t after s steps for each (s, t) in ``saves``."""
+    import torch.distributed as dist
+    from _engine_ref import config, train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    eng, done = None, 0
+    for steps, tag in saves:
+        eng, _ = train(rank, world, config(3), steps - done, first=done, engine_=eng)
+        done = steps
+        if _save(eng, save_dir, tag, delay):
+            return 7
+    return 0
+
+
+def _spawn_world(world: int, tmp: Path, save_dir: Path, saves: list[tuple[int, str]], delay: str | None
+                 ) -> list[int]:  # fmt: skip
+    run = f"{os.getpid()}-{random.random():.9f}"
+    store = tmp / f"store-{run}"
+    return [
+        fork(_rank_child, save_dir, saves, delay, r, world, store, log=tmp / f"log-{run}-r{r}")
+        for r in range(world)
+    ]
+
+
+def _all_ok(pids: list[int], tmp: Path) -> None:
+    codes = [wait(p, 120) for p in pids]
+    if any(codes):
+        logs = "\n".join(f.read_text()[-3000:] for f in sorted(tmp.glob("log-*")))
+        raise AssertionError(f"engine children exited {codes}:\n{logs}")
+    for f in tmp.glob("log-*"):
+        f.unlink()
+
+
+@pytest.fixture(scope="module")
+def engine_refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Checkpoints written without kills, world 1 and 2: tag a after 2 steps, tag b after 3; and the world-1
+    engines themselves (after 2 and after 3 steps), held in this process for forked trials."""
+    base = tmp_path_factory.mktemp("engine-ref")
+    from _engine_ref import config, train
+
+    refs: dict[str, Any] = {}
+    d1 = base / "w1"
+    e2, _ = train(0, 1, config(3), 2)
+    e2.save_checkpoint(str(d1), tag="a")
+    e3, _ = train(0, 1, config(3), 3)
+    e3.save_checkpoint(str(d1), tag="b")
+    refs["w1"] = {"dir": d1, "a": tensors_of(d1, "a"), "b": tensors_of(d1, "b"), "engines": (e2, e3)}
+    d2 = base / "w2"
+    _all_ok(_spawn_world(2, base, d2, [(2, "a"), (3, "b")], None), base)
+    refs["w2"] = {"dir": d2, "a": tensors_of(d2, "a"), "b": tensors_of(d2, "b")}
+    return refs
+
+
+def _with_a(ref: dict[str, Any], sd: Path) -> Path:
+    """A save dir holding tag a only, ``latest`` naming it."""
+    shutil.copytree(ref["dir"], sd)
+    shutil.rmtree(sd / "b")
+    (sd / "latest").write_text("a")
+    return sd
+
+
+def _judge_engine(save_dir: Path, ref: dict[str, Any]) -> str:
+    latest = (save_dir / "latest").read_text().strip()
+    assert latest in ("a", "b"), latest
+    prev_ok = verify_ok(save_dir, "a") and same(tensors_of(save_dir, "a"), ref["a"])
+    assert prev_ok, "previous checkpoint damaged"
+    assert verify_ok(save_dir), f"latest names {latest}, which does not verify"
+    assert same(tensors_of(save_dir), ref[latest]), f"latest names {latest}, whose values are wrong"
+    return latest
+
+
+def _load_child(save_dir: Path, want_steps: int) -> int:
     from _engine_ref import config, train
 
     eng, _ = train(0, 1, config(3), 0)
@@ -329,85 +404,53 @@ def _engine_load_child(save_dir: Path, want_steps: int) -> int:
     return 0 if path is not None and eng.global_steps == want_steps else 3
 
 
-def _spawn_world(world: int, tmp: Path, save_dir: Path, steps: int, tag: str, delay: str | None) -> list[int]:
-    store = tmp / f"store-{random.random()}"
-    return [fork(_engine_child, save_dir, steps, tag, delay, r, world, store) for r in range(world)]
-
-
-@pytest.fixture(scope="module")
-def engine_refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Reference checkpoints written without kills: world 1 and 2, after 2 steps (tag a) and 3 (tag b)."""
-    base = tmp_path_factory.mktemp("engine-ref")
-    refs: dict[str, Any] = {}
-    for world in (1, 2):
-        d = base / f"w{world}"
-        for steps, tag in ((2, "a"), (3, "b")):
-            pids = _spawn_world(world, base, d, steps, tag, None)
-            assert all(wait(p, 120) == 0 for p in pids)
-        refs[f"w{world}"] = {"dir": d, "a": tensors_of(d, "a"), "b": tensors_of(d, "b")}
-    return refs
-
-
-def _judge_engine(save_dir: Path, ref: dict[str, Any]) -> str:
-    latest = (save_dir / "latest").read_text().strip()
-    assert latest in ("a", "b"), latest
-    assert verify_ok(save_dir, "a") and same(tensors_of(save_dir, "a"), ref["a"]), (
-        "previous checkpoint damaged"
-    )
-    assert verify_ok(save_dir), f"latest names {latest}, which does not verify"
-    assert same(tensors_of(save_dir), ref[latest]), f"latest names {latest}, whose values are wrong"
-    return latest
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_engine_save_sigkill_random(world: int, engine_refs: dict[str, Any], tmp_path: Path) -> None:
-    """Save tag b over a directory holding tag a; kill a rank at a random moment (world 2: rank 1, then rank
-    0 once it is stuck waiting). latest names a or b, both verify, the previous one loads, a rerun works."""
+    """Save tag b into a folder whose latest names a; SIGKILL a rank at a random moment (world 2: rank 1;
+    rank 0, then stuck in a collective, is killed 1 s later). latest names a or b, the one it names verifies
+    and holds the right values, a is intact and loads in the engine, and a rerun of the save succeeds."""
     ref = engine_refs[f"w{world}"]
     rng = random.Random(f"{SEED}-engine-{world}")
-    cal = tmp_path / "cal"
-    shutil.copytree(ref["dir"], cal)
-    shutil.rmtree(cal / "b")
-    (cal / "latest").write_text("a")
+    e3 = ref["engines"][1] if world == 1 else None
     pids: list[int] = []
 
-    def start() -> int:
-        pids[:] = _spawn_world(world, tmp_path, cal, 3, "b", "0.02")
+    def start(sd: Path, delay: str | None) -> list[int]:
+        if world == 1:
+            return [fork(_save, e3, sd, "b", delay)]
+        return _spawn_world(world, tmp_path, sd, [(3, "b")], delay)
+
+    cal = _with_a(ref, tmp_path / "cal")
+
+    def start_cal() -> int:
+        pids[:] = start(cal, "0.02")
         return pids[-1]
 
-    timing = calibrate(start, cal / "b")
-    assert all(wait(p, 120) == 0 for p in pids[:-1])
+    timing = calibrate(start_cal, cal / "b")
+    _all_ok(pids[:-1], tmp_path)
     seen: Counter[str] = Counter()
     for trial in range(3 if world == 1 else 2):
-        sd = tmp_path / f"t{trial}"
-        shutil.copytree(ref["dir"], sd)
-        shutil.rmtree(sd / "b")
-        (sd / "latest").write_text("a")
-        pids = _spawn_world(world, tmp_path, sd, 3, "b", "0.02")
-        victim = pids[-1]
-        (sd / "b").mkdir(exist_ok=True)
-        when = kill_at(victim, sd / "b", timing, rng)
-        wait(victim, 60)
+        sd = _with_a(ref, tmp_path / f"t{trial}")
+        (sd / "b").mkdir()
+        pids = start(sd, "0.02")
+        when = kill_at(pids[-1], sd / "b", timing, rng)
+        wait(pids[-1], 60)
         for p in pids[:-1]:
-            wait(p, 1.0)  # stuck in a collective with a dead peer: killed after 1 s
-        seen[_judge_engine(sd, ref) + f"@{when}"] += 1
+            wait(p, 1.0)
+        latest = _judge_engine(sd, ref)
+        seen[f"{latest}@{when}"] += 1
         if world == 1:
-            want = 2 if (sd / "latest").read_text() == "a" else 3
-            assert wait(fork(_engine_load_child, sd, want), 120) == 0, "latest does not load in the engine"
-        rerun = _spawn_world(world, tmp_path, sd, 3, "b", None)
-        assert all(wait(p, 120) == 0 for p in rerun), "rerun of the save failed"
+            assert wait(fork(_load_child, sd, 2 if latest == "a" else 3), 120) == 0, "latest does not load"
+        _all_ok(start(sd, None), tmp_path)
         assert _judge_engine(sd, ref) == "b"
     print(f"engine world {world}: {dict(seen)}")
 
 
 def test_engine_save_file_size_limit(engine_refs: dict[str, Any], tmp_path: Path) -> None:
     """The engine's save hits RLIMIT_FSIZE: it raises, leaves no temporary file, and latest still names a."""
-    sd = tmp_path / "sd"
-    shutil.copytree(engine_refs["w1"]["dir"], sd)
-    shutil.rmtree(sd / "b")
-    (sd / "latest").write_text("a")
+    ref = engine_refs["w1"]
+    sd = _with_a(ref, tmp_path / "sd")
     log = tmp_path / "log"
-    code = wait(fork(_engine_child, sd, 3, "b", None, log=log, fsize_limit=600), 120)
+    code = wait(fork(_save, ref["engines"][1], sd, "b", None, log=log, fsize_limit=600), 120)
     assert code == 7 and "File too large" in log.read_text(), log.read_text()
     assert not temps(sd), temps(sd)
     assert (sd / "latest").read_text() == "a" and verify_ok(sd)
@@ -420,19 +463,15 @@ def test_engine_save_file_size_limit(engine_refs: dict[str, Any], tmp_path: Path
     strict=True,
 )
 def test_engine_resave_same_tag_killed_between_renames(engine_refs: dict[str, Any], tmp_path: Path) -> None:
-    """Deterministic: save tag a again (a is what latest names), SIGKILL right after each rename."""
+    """Deterministic: save tag a again (latest names a) from the 3-step engine, SIGKILL right after each
+    rename; latest must still name a checkpoint that verifies (the old a or the new one)."""
     ref = engine_refs["w1"]
-    n = 0
+    e3 = ref["engines"][1]
     for k in range(1, 4):
-        sd = tmp_path / f"k{k}"
-        shutil.copytree(ref["dir"], sd)
-        (sd / "latest").write_text("a")
-        wait(fork(_die_at_rename(k, lambda sd=sd: _engine_child(sd, 3, "a", None))), 120)
-        latest = (sd / "latest").read_text().strip()
-        assert latest == "a"
-        n += 1
+        sd = _with_a(ref, tmp_path / f"k{k}")
+        wait(fork(_die_at_rename(k, lambda sd=sd: _save(e3, sd, "a", None))), 120)
+        assert (sd / "latest").read_text().strip() == "a"
         assert verify_ok(sd), f"killed after rename {k}: latest names a checkpoint that does not verify"
-    assert n == 3
 
 
 def test_kill_trial_count() -> None:

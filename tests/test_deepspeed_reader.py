@@ -267,7 +267,14 @@ def _weights_skip_optimizer_bytes(ck, monkeypatch) -> None:
         seen.append(p)
         return real(p)
 
+    real_copy = storage.copy_piece
+
+    def spy_copy(p, lo, hi, out):
+        seen.append(p)
+        return real_copy(p, lo, hi, out)
+
     monkeypatch.setattr(storage, "piece_view", spy)
+    monkeypatch.setattr(storage, "copy_piece", spy_copy)
     for k in ck:
         ck[k]
     assert seen

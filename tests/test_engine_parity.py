@@ -153,7 +153,8 @@ def test_gpt2_stage3_matches_plain_pytorch() -> None:
     assert got == pytest.approx(ref, rel=1e-6)
     m: Any = model2
     wte = m.transformer.wte.weight
-    assert wte.numel() == 0 and m.lm_head.weight is wte  # released; tied
+    # world 1 has nothing to partition: stage 3 keeps the 16-bit params materialised (no hooks, no copies)
+    assert wte.numel() == 61 * 12 and m.lm_head.weight is wte  # tied
 
 
 # ---- multi-rank ------------------------------------------------------------------------------------

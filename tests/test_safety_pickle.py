@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -313,3 +315,34 @@ def test_plant_helper_keeps_file_readable(tmp_path: Path) -> None:
     ref = load_file(FIXTURES / DS3 / "ref_fp32.safetensors")
     params = [k for k in ref if ":" not in k]
     assert params and all(torch.equal(got_sd[k], ref[k]) for k in params)
+
+
+# ---- held-out real checkpoints (fixtures/make_heldout.py output; not committed) ----------------------
+HELDOUT = os.environ.get("ZCKPT_HELDOUT")
+
+
+@pytest.mark.skipif(not HELDOUT, reason="set ZCKPT_HELDOUT to the folder fixtures/make_heldout.py wrote")
+def test_heldout_checkpoints_with_planted_payload(tmp_path: Path, evil_path: Path) -> None:
+    """Every held-out DeepSpeed checkpoint, a payload planted in its model-states file and (separately) in
+    its last optimizer file: inspect and consolidate refuse, naming the global and the file; nothing runs."""
+    cases = sorted(d for d in Path(str(HELDOUT)).iterdir() if (d / "latest").is_file())
+    assert cases
+    payload = op_call(op_global("os", "system"), op_str(_touch(evil_path)))
+    for case in cases:
+        tag = (case / "latest").read_text().strip()
+        model = sorted((case / tag).glob("*model_states.pt"))[:1]
+        files = model + sorted((case / tag).glob("*optim_states.pt"))[-1:]
+        for f in files:
+            work = tmp_path / f"{case.name}-{f.stem}"
+            ck = work / case.name
+            (ck / tag).mkdir(parents=True)
+            shutil.copy(case / "latest", ck / "latest")
+            for g in (case / tag).iterdir():
+                shutil.copy(g, ck / tag / g.name)
+            planted = ck / tag / f.name
+            rewrite_pkl(planted, lambda pkl: add_key(pkl, "client_extra", op_list(op_dict(x=payload))))
+            for args in (["inspect", ck], ["consolidate", ck, work / "out.safetensors"]):
+                line = assert_one_line_error(cli(*args), "os.system")
+                assert str(planted) in line, line
+            assert not (work / "out.safetensors").exists()
+    assert not evil_path.exists()

@@ -33,7 +33,7 @@ def read_range(
     for p in entry.pieces:
         a, b = max(lo, p.start), min(hi, p.start + p.numel)
         if b > a:
-            out[a - lo : b - lo].copy_(storage.piece_view(p)[a - p.start : b - p.start])
+            storage.copy_piece(p, a - p.start, b - p.start, out[a - lo : b - lo])
     return out
 
 

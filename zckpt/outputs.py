@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -155,6 +156,11 @@ _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
 """Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
 
 
+_OVERLAP_BYTES = 1 << 20
+"""Writes at least this large hash on a helper thread concurrently with the file write (both release
+the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
+
+
 class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, fsyncs on close and writes the sidecar."""
 
@@ -164,6 +170,7 @@ class HashingSink(io.RawIOBase):
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._sha = hashlib.sha256()
         self._pos = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def writable(self) -> bool:
         return True
@@ -175,8 +182,17 @@ class HashingSink(io.RawIOBase):
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
         if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
             time.sleep(float(os.environ[_TEST_DELAY_ENV]))
-        self._f.write(mv)
-        self._sha.update(mv)
+        if len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
+            done = self._hasher.submit(self._sha.update, mv)
+            try:
+                self._f.write(mv)
+            finally:
+                done.result()
+        else:
+            self._f.write(mv)
+            self._sha.update(mv)
         self._pos += len(mv)
         return len(mv)
 
@@ -197,6 +213,8 @@ class HashingSink(io.RawIOBase):
                     os.fsync(self._f.fileno())
                 finally:  # a failed flush (disk full) must still release the file
                     self._f.close()
+                    if self._hasher is not None:
+                        self._hasher.shutdown()
         finally:
             super().close()
 

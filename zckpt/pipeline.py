@@ -5,7 +5,8 @@ Work is cut into chunks of at most ``CHUNK_BYTES`` of source bytes; a pool of ``
 fills a ring of reusable buffers — ``pread`` of exactly the chunk's byte range from the rank file
 (``storage.read_into``: no mmap page faults, no page tables, nothing left in the process's RSS),
 plus a torch cast when the output dtype differs — while the calling thread writes the finished
-chunks in order with large sequential writes. ``pread``, torch copies, file writes and hashing all
+chunks in order with large sequential writes (a ``HashingSink`` hashes each chunk on its own
+thread while it is being written). ``pread``, torch copies, file writes and hashing all
 release the GIL, so the stages run in parallel on separate cores. Memory: ``workers + 2`` slots of
 one source chunk (plus its cast), whatever the model size; no Python loop ever touches elements.
 
@@ -15,11 +16,14 @@ writes saturate a disk long before more threads help), overridable with ``ZCKPT_
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -28,6 +32,8 @@ from zckpt import storage
 if TYPE_CHECKING:
     from zckpt.model import Piece
     from zckpt.outputs import WriteItem
+
+T = TypeVar("T")
 
 CHUNK_BYTES = 16 << 20
 """Source bytes per chunk: large enough for sequential I/O, small enough that the ring stays small."""
@@ -114,16 +120,17 @@ def write_items(
     tasks = _tasks(items, chunk_bytes)
     total = 0
     with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-read") as pool:
+        write = sink.write
         window: list[tuple[Future[memoryview], int]] = []
         k = 0
         try:
             for t in tasks:
                 if len(window) == nslots:
-                    total += _drain(window.pop(0)[0], sink, on_bytes)
+                    total += _drain(window.pop(0)[0], write, on_bytes)
                 window.append((pool.submit(slots[k % nslots].fill, t), k))
                 k += 1
             while window:
-                total += _drain(window.pop(0)[0], sink, on_bytes)
+                total += _drain(window.pop(0)[0], write, on_bytes)
         except BaseException:
             for f, _ in window:
                 f.cancel()
@@ -131,9 +138,49 @@ def write_items(
     return total
 
 
-def _drain(f: Future[memoryview], sink: Sink, on_bytes: Callable[[int], None] | None) -> int:
+def prefetch(it: Iterable[T], depth: int = 2) -> Iterator[T]:
+    """Iterate ``it`` on a background thread, up to ``depth`` items ahead of the consumer: a chunk
+    producer (reads, casts) overlaps with the consumer's writes. Exceptions are re-raised in order."""
+    q: queue.Queue[tuple[int, object]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for x in it:
+                while not stop.is_set():
+                    try:
+                        q.put((0, x), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((1, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((2, e))
+
+    t = threading.Thread(target=run, name="zckpt-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, x = q.get()
+            if kind == 1:
+                return
+            if kind == 2:
+                raise x  # type: ignore[misc]
+            yield x  # type: ignore[misc]
+    finally:
+        stop.set()
+        while t.is_alive():
+            with contextlib.suppress(queue.Empty):
+                q.get(timeout=0.1)
+
+
+def _drain(
+    f: Future[memoryview], write: Callable[[memoryview], object], on_bytes: Callable[[int], None] | None
+) -> int:
     mv = f.result()
-    sink.write(mv)
+    write(mv)
     if on_bytes is not None:
         on_bytes(len(mv))
     return len(mv)

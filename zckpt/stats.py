@@ -54,7 +54,7 @@ def iter_chunks(
             p = pieces[j]
             s, e = max(lo, p.start), min(hi, p.start + p.numel)
             if e > s:
-                out[s - lo : e - lo].copy_(storage.piece_view(p)[s - p.start : e - p.start])
+                storage.copy_piece(p, s - p.start, e - p.start, out[s - lo : e - lo])
             j += 1
         yield lo, out
 

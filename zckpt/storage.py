@@ -111,8 +111,29 @@ def read_entry(e: TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor
     want = e.dtype if dtype is None else dtype
     out = torch.empty(e.numel, dtype=want)
     for p in e.pieces:
-        out[p.start : p.start + p.numel].copy_(piece_view(p))
+        copy_piece(p, 0, p.numel, out[p.start : p.start + p.numel])
     return out.view(e.shape)
+
+
+def copy_piece(p: Piece, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Copy the piece's elements ``[lo, hi)`` (piece-relative) into ``out`` (1-D, ``hi - lo`` elements),
+    casting to ``out``'s dtype. File bytes are read with ``pread`` (straight into ``out`` when the
+    dtypes match), never through the mapping, so nothing read stays in this process's RSS."""
+    n = hi - lo
+    if n <= 0:
+        return
+    if p.value is not None:
+        out.copy_(p.value.reshape(-1)[lo:hi])
+        return
+    if lo < 0 or hi > p.numel:
+        raise ValueError(f"range [{lo}, {hi}) outside a piece of {p.numel} elements")
+    offset = p.byte_offset + lo * p.dtype.itemsize
+    if out.dtype == p.dtype and out.is_contiguous():
+        read_into(p.file, offset, out)
+    else:
+        tmp = torch.empty(n, dtype=p.dtype)
+        read_into(p.file, offset, tmp)
+        out.copy_(tmp)
 
 
 def read_range(p: Piece, lo: int, hi: int) -> torch.Tensor:

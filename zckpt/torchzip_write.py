@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zckpt import pipeline
 from zckpt.errors import Unsupported
 from zckpt.outputs import HashingSink, tensor_bytes
 from zckpt.pickle_safe import FOREIGN_CLASSES
@@ -163,7 +164,9 @@ class TorchZipWriter:
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         written = 0
         with self.zf.open(info, "w", force_zip64=zip64) as w:
-            for c in chunks:
+            # a lazy chunk stream is read ahead on a thread: its reads overlap the CRC, hash and write
+            stream = chunks if isinstance(chunks, (list, tuple)) else pipeline.prefetch(chunks)
+            for c in stream:
                 data = tensor_bytes(c) if isinstance(c, torch.Tensor) else c
                 w.write(data)
                 written += len(data)

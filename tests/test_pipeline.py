@@ -1,0 +1,107 @@
+"""zckpt.pipeline: ordered, bounded-memory streaming of tensors (pread + cast on workers, write in order)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from zckpt import pipeline, storage
+from zckpt.errors import CorruptCheckpoint
+from zckpt.model import Piece, Role, TensorEntry
+from zckpt.outputs import HashingSink, WriteItem
+
+
+def _file_entry(tmp: Path, name: str, t: torch.Tensor, cuts: list[int], gap: int = 24) -> TensorEntry:
+    """``t`` stored as pieces ``[cuts[i], cuts[i+1])`` in one file, in reverse order with junk gaps."""
+    flat = t.reshape(-1)
+    path = tmp / f"{name}.bin"
+    blob = bytearray(b"\xab" * gap)
+    pieces = []
+    bounds = list(zip(cuts[:-1], cuts[1:], strict=True))
+    for lo, hi in reversed(bounds):
+        off = len(blob)
+        blob += flat[lo:hi].contiguous().view(torch.uint8).numpy().tobytes()
+        blob += b"\xcd" * gap
+        pieces.append(Piece(str(path), off, flat.dtype, lo, hi - lo, rank=0))
+    path.write_bytes(bytes(blob))
+    return TensorEntry(name, tuple(t.shape), t.dtype, Role.PARAM, tuple(pieces))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_items_matches_torch(tmp_path: Path, workers: int, out_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 11, generator=g)
+    b = torch.randn(1001, generator=g)
+    c = torch.arange(5, dtype=torch.int64)  # ints keep their dtype
+    items = [
+        WriteItem("a", _file_entry(tmp_path, "a", a, [0, 100, 101, 407]), out_dtype),
+        WriteItem("b", _file_entry(tmp_path, "b", b, [0, 1001]), out_dtype),
+        WriteItem(
+            "c",
+            TensorEntry("c", (5,), c.dtype, Role.BUFFER, (Piece("", 0, c.dtype, 0, 5, value=c),)),
+            c.dtype,
+        ),  # fmt: skip
+    ]
+    sink = io.BytesIO()
+    # tiny chunks: many tasks per piece, every slot of the ring reused many times
+    n = pipeline.write_items(sink, items, workers=workers, chunk_bytes=64)
+    want = b"".join(
+        x.reshape(-1).to(d).contiguous().view(torch.uint8).numpy().tobytes()
+        for x, d in ((a, out_dtype), (b, out_dtype), (c, c.dtype))
+    )
+    assert n == len(want)
+    assert sink.getvalue() == want
+
+
+def test_truncated_file_raises(tmp_path: Path) -> None:
+    e = _file_entry(tmp_path, "t", torch.ones(100), [0, 100])
+    Path(e.pieces[0].file).write_bytes(b"\0" * 16)
+    storage.close_files()
+    with pytest.raises(CorruptCheckpoint, match="truncated"):
+        pipeline.write_items(io.BytesIO(), [WriteItem("t", e, torch.float32)], workers=2)
+
+
+def test_hashing_sink_overlapped_hash_is_sha256(tmp_path: Path) -> None:
+    import hashlib
+
+    data = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8).numpy().tobytes()
+    sink = HashingSink(tmp_path / "f")
+    sink.write(data[:10])  # small write: inline hash
+    sink.write(memoryview(data)[10:])  # large write: hashed on the helper thread
+    sink.close()
+    assert sink.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_prefetch_order_errors_and_early_close() -> None:
+    assert list(pipeline.prefetch(iter(range(100)), depth=3)) == list(range(100))
+
+    def boom():  # type: ignore[no-untyped-def]
+        yield 1
+        raise ValueError("x")
+
+    it = pipeline.prefetch(boom())
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="x"):
+        next(it)
+
+    produced = []
+
+    def endless():  # type: ignore[no-untyped-def]
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    before = threading.active_count()
+    it2 = pipeline.prefetch(endless(), depth=2)
+    assert next(it2) == 0
+    it2.close()  # the producer thread stops instead of running forever
+    assert threading.active_count() <= before
+    assert len(produced) <= 5
