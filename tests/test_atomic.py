@@ -179,14 +179,22 @@ def test_consolidate_killed_after_each_rename(name: str, src: Path, tmp_path: Pa
         assert r.code == 0 and judge_output(out, ref) == "complete", r.stderr
 
 
-def test_consolidate_sigint_cleans_up(src: Path, tmp_path: Path) -> None:
-    """Ctrl-C mid-write: exit 130, one line, output absent, no temporary files left."""
+def test_sigint_cleans_up(src: Path, tmp_path: Path) -> None:
+    """Ctrl-C mid-write (consolidate to each layout, reshard): exit 130, one line, output absent, no
+    temporary files left."""
     rng = random.Random(SEED)
-    for trial, name in enumerate(["model.safetensors", "hf", "model.bin"]):
+    jobs = [
+        ["consolidate", src, "model.safetensors"],
+        ["consolidate", src, "hf"],
+        ["consolidate", src, "model.bin"],
+        ["reshard", src, "re", "--world", "3", "--no-progress"],
+    ]
+    for trial, job in enumerate(jobs):
         work = tmp_path / f"t{trial}"
         work.mkdir()
         log = tmp_path / f"t{trial}.log"
-        pid = fork(run_cli, ["consolidate", src, work / name], env={DELAY_ENV: "0.05"}, log=log)
+        args = [*job[:2], work / str(job[2]), *job[3:]]
+        pid = fork(run_cli, args, env={DELAY_ENV: "0.05"}, log=log)
         deadline = time.monotonic() + 60
         while not temps(work):
             assert not exited(pid), "finished before any write was seen"
