@@ -3,9 +3,10 @@
 at any world size, stage and precision.
 
 Save: every rank writes ``rank_{r:05d}.safetensors`` (its fp32 master chunks, optimizer-state chunks, frozen
-chunks, its RNG; rank 0 also buffers and client-state tensors) under a temporary name and renames it; the
+chunks, its RNG; rank 0 also buffers and client-state tensors) into the staging folder ``.<tag>.staging``; the
 (sha256, size) of each file and each rank's Python/NumPy RNG state are all-gathered to rank 0, which writes
-``manifest.json``, then ``latest``; a final barrier keeps every rank inside ``save`` until ``latest`` moved.
+``manifest.json``, publishes the folder as ``<tag>`` (atomic swap when the tag exists: ``engine.publish``),
+then moves ``latest``; a final barrier keeps every rank inside ``save`` until ``latest`` moved.
 
 Load: the format is detected through zckpt's formats registry and opened as a lazy ``Checkpoint`` (the model
 every zckpt command uses). Each rank copies only the elements ``[start, start + valid)`` of *its* chunk of
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint_optim import CheckpointMismatch, load_optimizer, read_into
+from engine.publish import move_latest, publish, staging_dir
 from engine.st_stream import write_tensors
 from zckpt import formats
 from zckpt.errors import UnknownFormat, Unsupported
@@ -91,7 +94,10 @@ def save(
     comm = eng.comm
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
     td = Path(save_dir) / tag
-    td.mkdir(parents=True, exist_ok=True)
+    stage = staging_dir(Path(save_dir), tag)
+    if comm.rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
+        stage.mkdir(parents=True)
     comm.barrier()
     r, pw = comm.rank, eng.partition_world
     tensors: dict[str, torch.Tensor] = {}
@@ -128,7 +134,7 @@ def save(
         for name, b in eng.module.named_buffers():
             tensors[f"buffer/{name}"] = b.detach().cpu().contiguous()
         client_json = _client_split(client_state or {}, "", tensors)
-    sha, size = write_tensors(td / _rank_file(r), tensors)
+    sha, size = write_tensors(stage / _rank_file(r), tensors)
     np_state: Any = np.random.get_state()
     rng = {
         "python": _jsonable(random.getstate()),
@@ -137,13 +143,10 @@ def save(
     infos = comm.all_gather_object({"file": _rank_file(r), "sha256": sha, "bytes": size, "rng": rng})
     if r == 0:
         manifest = _manifest(eng, tag, optim_specs, infos, client_json)
-        tmp = td / f".manifest.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, td / "manifest.json")
+        (stage / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        publish(stage, td)
         if save_latest:
-            latest_tmp = Path(save_dir) / f".latest.tmp-{os.getpid()}"
-            latest_tmp.write_text(tag)
-            os.replace(latest_tmp, Path(save_dir) / "latest")
+            move_latest(Path(save_dir), tag)
     comm.barrier()
     return td
 

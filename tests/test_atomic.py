@@ -464,12 +464,6 @@ def test_engine_save_file_size_limit(engine_refs: dict[str, Any], tmp_path: Path
     assert (sd / "latest").read_text() == "a" and verify_ok(sd)
 
 
-@pytest.mark.xfail(
-    reason="engine/checkpoint.py save(): re-saving the tag `latest` already names replaces rank files and "
-    "manifest.json one rename at a time inside the live tag folder; a kill between them leaves `latest` "
-    "naming a checkpoint whose manifest checksums do not match (stage the tag folder and swap it whole)",
-    strict=True,
-)
 def test_engine_resave_same_tag_killed_between_renames(engine_refs: dict[str, Any], tmp_path: Path) -> None:
     """Deterministic: save tag a again (latest names a) from the 3-step engine, SIGKILL right after each
     rename; latest must still name a checkpoint that verifies (the old a or the new one)."""
