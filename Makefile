@@ -30,7 +30,7 @@ test-dist: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check zckpt engine tests bench
+	$(VENV)/bin/ruff format --check zckpt engine tests bench fixtures docs
 	$(VENV)/bin/mypy
 
 demo: setup

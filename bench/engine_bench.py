@@ -64,7 +64,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["plain", "engine", "deepspeed"], required=True)
     ap.add_argument("--size", choices=list(SIZES), default="tiny")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--offload", action="store_true")
@@ -133,7 +135,9 @@ def main() -> None:
         "dtype": args.dtype, "stage": args.stage if args.impl != "plain" else None, "offload": args.offload,
         "micro": args.micro, "step_s": round(step, 4), "tokens_per_s": round(tokens / step, 1),
         "mfu": round(flops / step / world / PEAK_FLOPS[args.device], 4),
-        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+        "gpu_peak_gib": (
+            round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None
+        ),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "losses": losses,
     }  # fmt: skip

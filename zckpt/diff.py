@@ -50,7 +50,6 @@ from tqdm import tqdm
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
 from zckpt.model import STATE_SEP, Checkpoint, TensorEntry, dtype_name
-from zckpt.pipeline import prefetch
 from zckpt.progress import bar as progress_bar
 from zckpt.stats import CHUNK, is_exact, iter_chunks
 
@@ -423,9 +422,7 @@ def _compare(
         )  # fmt: skip
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
     acc = _Acc()
-    # both sides are read ahead on threads (pread releases the GIL) while this thread folds
-    pairs = zip(prefetch(iter_chunks(ea, chunk)), prefetch(iter_chunks(eb, chunk)), strict=True)
-    for (_, xa), (_, xb) in pairs:
+    for (_, xa), (_, xb) in zip(iter_chunks(ea, chunk), iter_chunks(eb, chunk), strict=True):
         _fold(xa, xb, exact, atol, rtol, acc)
         bar.update(xa.numel())
     if acc.changed:

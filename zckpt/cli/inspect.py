@@ -21,7 +21,9 @@ def command(
     json: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     stats: StatsOpt = False,
-    all_: Annotated[bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")] = False,
+    all_: Annotated[
+        bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")
+    ] = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata only, no tensor data).
 
