@@ -101,7 +101,12 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             return loss
     else:
+        if args.impl == "deepspeed" and args.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         ds = importlib.import_module(args.impl)
+        if args.impl == "deepspeed" and args.device == "cpu":
+            # DeepSpeed loads a shared-memory comm op even with DS_BUILD_OPS=0; plain gloo is what we compare
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         ds.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
         if dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
