@@ -46,7 +46,7 @@ FormatOpt = Annotated[
 WorkersOpt = Annotated[
     int | None,
     typer.Option("--workers", min=1, show_default=False,
-                 help="Reader threads overlapping reads/casts with writes (default: the cores, at most 4)."),
+                 help="Reader threads overlapping reads/casts with writes (default: cores - 1, 1 to 4)."),
 ]  # fmt: skip
 ExcludeFrozenOpt = Annotated[
     bool, typer.Option("--exclude-frozen", help="Leave out frozen (requires_grad=False) parameters.")

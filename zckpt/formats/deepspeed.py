@@ -168,21 +168,31 @@ def _sub(lay: _Layout, name: str) -> _Layout:
     return one
 
 
+def _fp32_flats(
+    osds: list[dict[str, Any]], files: list[Path], key: str, groups: int, what: str
+) -> list[list[Any]]:
+    """Each rank's list of flat fp32 tensors under ``key`` (one per group or sub-group), counts checked."""
+    flats: list[list[Any]] = []
+    for r, osd in enumerate(osds):
+        parts = osd.get(key)
+        if not isinstance(parts, list) or len(parts) != groups:
+            raise ShardMismatch(
+                f"{files[r]}: {len(parts or [])} flat fp32 tensors in {key} but the model file lists "
+                f"{groups} groups (files from different runs?)",
+                path=str(files[r]),
+            )
+        flats.append([_ref(files[r], f"{what} {g}", t) for g, t in enumerate(parts)])
+    return flats
+
+
 # ---- ZeRO-1/2 and BF16_Optimizer ----------------------------------------------------------------------
 def _zero12(
     osds: list[dict[str, Any]], files: list[Path], param_shapes: list[dict[str, Any]], ws: int, padded: bool
 ) -> tuple[_Layout, list[list[Any]], list[dict[str, Any]], list[list[int]]]:
     lay = _Layout()
-    flats: list[list[Any]] = []
-    for r, osd in enumerate(osds):
-        parts = osd.get("single_partition_of_fp32_groups")
-        if not isinstance(parts, list) or len(parts) != len(param_shapes):
-            raise ShardMismatch(
-                f"{files[r]}: {len(parts or [])} fp32 groups but the model file lists "
-                f"{len(param_shapes)} param groups",
-                path=str(files[r]),
-            )
-        flats.append([_ref(files[r], f"fp32 partition of group {g}", t) for g, t in enumerate(parts)])
+    flats = _fp32_flats(
+        osds, files, "single_partition_of_fp32_groups", len(param_shapes), "fp32 partition of group"
+    )
     groups_info: list[dict[str, Any]] = []
     sizes: list[list[int]] = [[0] * len(param_shapes) for _ in range(ws)]
     for g, shapes in enumerate(param_shapes):
@@ -264,16 +274,7 @@ def _zero3(
     osds: list[dict[str, Any]], files: list[Path], param_shapes: list[dict[str, Any]], ws: int
 ) -> tuple[_Layout, list[list[Any]], list[dict[str, Any]], list[list[int]]]:
     lay = _Layout()
-    flats = []
-    for r, osd in enumerate(osds):
-        parts = osd.get("fp32_flat_groups")
-        if not isinstance(parts, list) or len(parts) != len(param_shapes):
-            raise ShardMismatch(
-                f"{files[r]}: {len(parts or [])} fp32 sub-groups but the model file lists "
-                f"{len(param_shapes)}",
-                path=str(files[r]),
-            )
-        flats.append([_ref(files[r], f"fp32 sub-group {s}", t) for s, t in enumerate(parts)])
+    flats = _fp32_flats(osds, files, "fp32_flat_groups", len(param_shapes), "fp32 sub-group")
     subs: list[dict[str, Any]] = []
     for s, shapes in enumerate(param_shapes):
         off = 0

@@ -11,6 +11,7 @@ per rank with the padding excluded. Buffers (``buffer/<name>``) and replicated o
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -136,29 +137,19 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
                 out.append(piece(r, key, dtype, start, valid, c - valid))
         return tuple(out)
 
+    def pieces_of(key: str, spec: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype, tuple[Piece, ...]]:
+        shape, dtype = tuple(spec["shape"]), parse_dtype(spec["dtype"])
+        if spec["partitioned"]:
+            return shape, dtype, partitioned(key, shape, dtype)
+        return shape, dtype, (piece(0, key, dtype, 0, math.prod(shape), 0),)  # replicated: rank 0's copy
+
     entries: list[TensorEntry] = []
     for t in man["tensors"]:
         role = Role(t["role"])
-        shape, dtype = tuple(t["shape"]), parse_dtype(t["dtype"])
-        key = f"{role.value}/{t['name']}"
-        if t["partitioned"]:
-            pieces = partitioned(key, shape, dtype)
-        else:
-            n = 1
-            for d in shape:
-                n *= d
-            pieces = (piece(0, key, dtype, 0, n, 0),)
+        shape, dtype, pieces = pieces_of(f"{role.value}/{t['name']}", t)
         entries.append(TensorEntry(t["name"], shape, dtype, role, pieces))
     for o in man["optim_states"]:
-        shape, dtype = tuple(o["shape"]), parse_dtype(o["dtype"])
-        key = f"optim/{o['state']}/{o['param']}"
-        if o["partitioned"]:
-            pieces = partitioned(key, shape, dtype)
-        else:
-            n = 1
-            for d in shape:
-                n *= d
-            pieces = (piece(0, key, dtype, 0, n, 0),)
+        shape, dtype, pieces = pieces_of(f"optim/{o['state']}/{o['param']}", o)
         entries.append(TensorEntry(o["param"], shape, dtype, Role.OPTIM, pieces, state=o["state"]))
     opt = man.get("optimizer") or {}
     meta = CheckpointMeta(
