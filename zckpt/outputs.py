@@ -18,12 +18,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,37 @@ def shard_names(base: str, n: int) -> list[str]:
         return [base]
     stem, dot, suffix = base.partition(".")
     return [f"{stem}-{k:05d}-of-{n:05d}{dot}{suffix}" for k in range(1, n + 1)]
+
+
+def write_sharded(
+    folder: Path,
+    base: str,
+    items: Sequence[WriteItem],
+    max_shard_size: int | None,
+    write_one: Callable[[Path, list[WriteItem]], object],
+    *,
+    index_metadata: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Write ``base`` into ``folder``: one file, or HF-style shards plus ``<base>.index.json``; returns names.
+
+    ``write_one(path, items)`` writes one file (format-specific); ``aliases`` are tied names listed in the
+    index's ``weight_map`` beside their owner (the ``.bin`` convention; safetensors keeps them in metadata).
+    """
+    shards = plan_shards(items, max_shard_size)
+    names = shard_names(base, len(shards))
+    for name, shard in zip(names, shards, strict=True):
+        write_one(folder / name, shard)
+    written = list(names)
+    if len(shards) > 1:
+        where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
+        where.update({a: where[o] for a, o in (aliases or {}).items() if o in where})
+        meta = {"total_size": sum(it.nbytes for it in items), **(index_metadata or {})}
+        with open(folder / f"{base}.index.json", "x") as f:
+            json.dump({"metadata": meta, "weight_map": where}, f, indent=2, sort_keys=True)
+            f.write("\n")
+        written.append(f"{base}.index.json")
+    return written
 
 
 # ---- files -------------------------------------------------------------------------------------

@@ -34,14 +34,7 @@ import torch
 from zckpt import pipeline
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import (
-    HashingSink,
-    Staging,
-    WriteItem,
-    plan_shards,
-    planned_names,
-    shard_names,
-)
+from zckpt.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
 
 NAME = "hf"
 
@@ -313,21 +306,16 @@ def write_into(
 ) -> list[str]:
     """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
     tied = dict(tied or {})
-    shards = plan_shards(items, max_shard_size)
-    names = shard_names(base, len(shards))
-    for name, shard in zip(names, shards, strict=True):
-        write_file(folder / name, shard, tied=tied, metadata=metadata, on_bytes=on_bytes, workers=workers)
-    written = list(names)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(it.nbytes for it in items), **({TIED_KEY: tied} if tied else {})},
-            "weight_map": {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard},
-        }
-        with open(folder / f"{base}.index.json", "x") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-        written.append(f"{base}.index.json")
-    return written
+    return write_sharded(
+        folder,
+        base,
+        items,
+        max_shard_size,
+        lambda p, shard: write_file(
+            p, shard, tied=tied, metadata=metadata, on_bytes=on_bytes, workers=workers
+        ),
+        index_metadata={TIED_KEY: tied} if tied else None,
+    )
 
 
 def write_safetensors(

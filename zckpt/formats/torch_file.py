@@ -23,7 +23,7 @@ from typing import Any
 from zckpt import torchzip
 from zckpt.errors import CorruptCheckpoint, Unsupported
 from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, Staging, WriteItem, plan_shards, planned_names, shard_names
+from zckpt.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
 from zckpt.pickle_safe import TensorRef
 from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 
@@ -193,20 +193,11 @@ def write_into(
 ) -> list[str]:
     """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
     tied = dict(tied or {})
-    shards = plan_shards(items, max_shard_size)
-    names = shard_names(base, len(shards))
-    for name, shard in zip(names, shards, strict=True):
-        write_file(folder / name, shard, tied=tied, on_bytes=on_bytes)
-    written = list(names)
-    if len(shards) > 1:
-        where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
-        where.update({a: where[o] for a, o in tied.items() if o in where})
-        index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": where}
-        with open(folder / f"{base}.index.json", "x") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-        written.append(f"{base}.index.json")
-    return written
+
+    def write_one(p: Path, shard: list[WriteItem]) -> str:
+        return write_file(p, shard, tied=tied, on_bytes=on_bytes)
+
+    return write_sharded(folder, base, items, max_shard_size, write_one, aliases=tied)
 
 
 def write_torch(
