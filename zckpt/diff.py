@@ -22,6 +22,15 @@ Precision
     (``a != b`` in int64; tolerances do not apply). Work is done in chunks of ``zckpt.stats.CHUNK``
     elements, so memory stays bounded for any tensor size; padding is never read.
 
+    Fast path (same results): a chunk pair with the same float dtype and the same bits (compared
+    as integers) moves no difference metric, so no float64 pass is made over it; one dot product
+    in its own dtype (or isnan/isinf when that is not finite or is zero) gives its NaN/Inf counts
+    and whether it is nonzero. A tensor bit-identical in every chunk gets ``cosine = 1`` (``None``
+    when no finite element is nonzero) without summing norms; when a later chunk differs, the
+    earlier identical chunks are re-read and their float64 sums of squares added. Differing chunks
+    take the float64 path above; a finite float64 sum of squares of each side stands in for the
+    per-element finiteness test. The next chunk pair is read on a worker thread meanwhile.
+
 Metrics (per tensor, over the elements finite on both sides unless stated)
     ``max_abs_diff = max|a-b|``; ``max_rel_diff = max |a-b|/|b|`` (0/0 counts as 0, x/0 as +inf);
     ``rel_l2 = ||a-b|| / ||b||`` (0 when both are 0, +inf when only ||b|| is 0);
@@ -38,11 +47,13 @@ Equality
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -55,6 +66,8 @@ from zckpt.stats import CHUNK, is_exact, iter_chunks
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -333,7 +346,7 @@ def _diff(
     b_set = set(b_keys)
     only_a = tuple(a_of[m] for m in a_of if m not in b_set and _selected(m, globs))
     only_b = tuple(k for k in b_keys if k not in a_of)
-    pairs: list[tuple[str, str, TensorEntry, TensorEntry]] = []
+    pairs: list[_Pair] = []
     seen: set[tuple[str, str]] = set()
     tied_skipped = 0
     for kb in b_keys:
@@ -349,9 +362,13 @@ def _diff(
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
     results: list[TensorDiff] = []
+    work = _Work()
     with bar:
-        for ka, kb, ea, eb in pairs:
-            results.append(_compare(ka, kb, ea, eb, atol, rtol, ignore_dtype, chunk, bar))
+        stream = _prefetch(_chunk_stream(pairs, chunk))
+        pending = _Pending(stream)
+        for i, (ka, kb, ea, eb) in enumerate(pairs):
+            chunks = pending.of(i)
+            results.append(_compare(ka, kb, ea, eb, atol, rtol, ignore_dtype, chunks, chunk, work, bar))
     results.sort(key=TensorDiff.sort_key)
     return DiffResult(
         a=_side(ca),
@@ -397,9 +414,12 @@ def _compare(
     atol: float,
     rtol: float,
     ignore_dtype: bool,
+    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]],
     chunk: int,
+    work: _Work,
     bar: tqdm,
 ) -> TensorDiff:
+    """Compare one pair; ``chunks`` yields its aligned chunk pairs (nothing when the shapes differ)."""
     reasons: list[str] = []
     dtype_differs = ea.dtype != eb.dtype
     if dtype_differs and not ignore_dtype:
@@ -422,8 +442,18 @@ def _compare(
         )  # fmt: skip
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
     acc = _Acc()
-    for (_, xa), (_, xb) in zip(iter_chunks(ea, chunk), iter_chunks(eb, chunk), strict=True):
-        _fold(xa, xb, exact, atol, rtol, acc)
+    owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
+    nonzero = False  # some finite element of those chunks is nonzero
+    for xa, xb in chunks:
+        if not exact and owed >= 0 and _bits_equal(xa, xb):
+            nonzero |= _scan_same(xa, acc)
+            owed += 1
+        else:
+            if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's chunks)
+                for _, x in itertools.islice(iter_chunks(ea, chunk), owed):
+                    _fold_same(x, acc, work, count=False)
+            owed = -1
+            _fold(xa, xb, exact, atol, rtol, acc, work)
         bar.update(xa.numel())
     if acc.changed:
         reasons.append("values")
@@ -431,6 +461,8 @@ def _compare(
     nd = math.sqrt(acc.d2)
     rel_l2 = (nd / nb) if nb > 0 else (0.0 if nd == 0 else math.inf)
     cosine = acc.ab / (na * nb) if na > 0 and nb > 0 else None
+    if owed > 0:  # every chunk bit-identical: <a,b> = ||a|| ||b|| without summing anything
+        cosine = 1.0 if nonzero else None
     if cosine is not None:
         cosine = max(-1.0, min(1.0, cosine))
     return TensorDiff(
@@ -449,41 +481,179 @@ def _compare(
     )
 
 
-def _fold(xa: torch.Tensor, xb: torch.Tensor, exact: bool, atol: float, rtol: float, acc: _Acc) -> None:
+_Pair = tuple[str, str, TensorEntry, TensorEntry]
+
+
+def _chunk_stream(pairs: list[_Pair], chunk: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order."""
+    for i, (_, _, ea, eb) in enumerate(pairs):
+        if ea.shape != eb.shape:
+            continue
+        for (_, xa), (_, xb) in zip(iter_chunks(ea, chunk), iter_chunks(eb, chunk), strict=True):
+            yield i, xa, xb
+
+
+def _prefetch(it: Iterator[_T]) -> Iterator[_T]:
+    """Yield ``it``'s items, producing the next one on a worker thread meanwhile: reading (``pread``)
+    and torch kernels release the GIL, so the next chunk pair's I/O overlaps this one's arithmetic.
+    At most one item is read ahead, so memory stays bounded."""
+    end = object()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zckpt-diff-read") as ex:
+        fut = ex.submit(next, it, end)
+        while True:
+            item = fut.result()
+            if item is end:
+                return
+            fut = ex.submit(next, it, end)
+            yield item  # type: ignore[misc]
+
+
+class _Pending:
+    """Chunk pairs of one tensor pair, drawn from the shared prefetched stream."""
+
+    def __init__(self, stream: Iterator[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        self._stream = stream
+        self._head: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def of(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            if self._head is None:
+                self._head = next(self._stream, None)
+                if self._head is None:
+                    return
+            i, xa, xb = self._head
+            if i != index:
+                return
+            self._head = None
+            yield xa, xb
+
+
+class _Work:
+    """Reusable float64 working buffers (fresh multi-MiB allocations cost a page fault per page)."""
+
+    def __init__(self) -> None:
+        self._a = torch.empty(0, dtype=torch.float64)
+        self._b = torch.empty(0, dtype=torch.float64)
+
+    def f64(self, xa: torch.Tensor, xb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = xa.numel()
+        if self._a.numel() < n:
+            self._a = torch.empty(n, dtype=torch.float64)
+            self._b = torch.empty(n, dtype=torch.float64)
+        a = self._a[:n].copy_(xa)
+        b = self._b[:n] if xb is None else self._b[:n].copy_(xb)
+        return a, b
+
+
+def _bits_equal(xa: torch.Tensor, xb: torch.Tensor) -> bool:
+    """Both chunks hold the same bit patterns (same dtype): NaN payloads and signed zeros included."""
+    if xa.dtype != xb.dtype:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(xa.element_size())
+    if as_int is None or xa.is_complex():
+        return torch.equal(xa, xb)  # NaN-free equality is enough for the fast path
+    return torch.equal(xa.view(as_int), xb.view(as_int))
+
+
+def _fold(
+    xa: torch.Tensor, xb: torch.Tensor, exact: bool, atol: float, rtol: float, acc: _Acc, work: _Work
+) -> None:
     """Fold one chunk pair (same length, logical dtypes) into ``acc``."""
     if exact:
         ia, ib = xa.to(torch.int64), xb.to(torch.int64)
         acc.changed += int((ia != ib).sum())
         a, b = xa.to(torch.float64), xb.to(torch.float64)
-    else:
-        a, b = xa.to(torch.float64), xb.to(torch.float64)
-        fa, fb = torch.isfinite(a), torch.isfinite(b)
-        both = fa & fb
-        if not bool(both.all()):
-            nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-            acc.nan_a += int(nan_a.sum())
-            acc.nan_b += int(nan_b.sum())
-            acc.inf_a += int(torch.isinf(a).sum())
-            acc.inf_b += int(torch.isinf(b).sum())
-            odd = ~both
-            same = (a[odd] == b[odd]) | (nan_a[odd] & nan_b[odd])
-            acc.changed += int((~same).sum())
-            a, b = a[both], b[both]
-    if a.numel() == 0:
+        if a.numel():
+            _fold_finite(a, b, True, atol, rtol, acc)
         return
-    acc.a2 += float(torch.dot(a, a))
-    acc.b2 += float(torch.dot(b, b))
+    if _bits_equal(xa, xb):
+        _fold_same(xa, acc, work)
+        return
+    a, b = work.f64(xa, xb)
+    a2, b2 = float(torch.dot(a, a)), float(torch.dot(b, b))
+    if math.isfinite(a2) and math.isfinite(b2):  # then every element is finite (no float64 overflow)
+        _fold_finite(a, b, False, atol, rtol, acc, a2, b2)
+        return
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    both = fa & fb
+    if not bool(both.all()):
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        acc.nan_a += int(nan_a.sum())
+        acc.nan_b += int(nan_b.sum())
+        acc.inf_a += int(torch.isinf(a).sum())
+        acc.inf_b += int(torch.isinf(b).sum())
+        odd = ~both
+        same = (a[odd] == b[odd]) | (nan_a[odd] & nan_b[odd])
+        acc.changed += int((~same).sum())
+        a, b = a[both], b[both]
+    if a.numel():
+        _fold_finite(a, b, False, atol, rtol, acc)
+
+
+def _scan_same(x: torch.Tensor, acc: _Acc) -> bool:
+    """Count the non-finite values of a chunk that is bit-identical on both sides, without float64
+    work; return whether some finite element is nonzero. One float-dtype dot of ``x`` with itself
+    answers both when it is finite and nonzero (a finite sum of squares has no NaN/Inf term)."""
+    s = float(torch.dot(x, x)) if x.dtype in _DOT_DTYPES else math.nan
+    if math.isfinite(s) and s > 0:
+        return True
+    nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+    acc.nan_a += nan
+    acc.nan_b += nan
+    acc.inf_a += inf
+    acc.inf_b += inf
+    return bool((x[torch.isfinite(x)] if nan or inf else x).any())
+
+
+_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def _fold_same(x: torch.Tensor, acc: _Acc, work: _Work, count: bool = True) -> None:
+    """A chunk whose two sides are bit-identical: no difference metric moves, only the norms and the
+    non-finite counts (the same on both sides) need the values."""
+    a, _ = work.f64(x)
+    s = float(torch.dot(a, a))
+    if not math.isfinite(s):
+        nan, inf = int(torch.isnan(a).sum()), int(torch.isinf(a).sum())
+        if count:  # else ``_scan_same`` counted them already
+            acc.nan_a += nan
+            acc.nan_b += nan
+            acc.inf_a += inf
+            acc.inf_b += inf
+        if nan or inf:
+            a = a[torch.isfinite(a)]
+            s = float(torch.dot(a, a))
+    acc.a2 += s
+    acc.b2 += s
+    acc.ab += s
+
+
+def _fold_finite(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    exact: bool,
+    atol: float,
+    rtol: float,
+    acc: _Acc,
+    a2: float | None = None,
+    b2: float | None = None,
+) -> None:
+    """Fold float64 chunks of finite values in; ``a`` and ``b`` are scratch (overwritten)."""
+    acc.a2 += float(torch.dot(a, a)) if a2 is None else a2
+    acc.b2 += float(torch.dot(b, b)) if b2 is None else b2
     acc.ab += float(torch.dot(a, b))
-    d = a.sub(b)
+    d = a.sub_(b)
     acc.d2 += float(torch.dot(d, d))
     d.abs_()
     acc.max_abs = max(acc.max_abs, float(d.max()))
-    bab = b.abs_()  # b is an owned float64 copy; not needed after this
+    bab = b.abs_()
     if not exact:
-        tol = bab.mul(rtol).add_(atol) if rtol else atol
-        acc.changed += int((d > tol).sum())
-    zero = d == 0
-    rel = d.div_(bab).masked_fill_(zero, 0.0)  # 0/0 -> 0, x/0 -> inf
+        if atol == 0 and rtol == 0:
+            acc.changed += int(torch.count_nonzero(d))
+        else:
+            tol = bab.mul(rtol).add_(atol) if rtol else atol
+            acc.changed += int((d > tol).sum())
+    rel = d.div_(bab).nan_to_num_(nan=0.0, posinf=math.inf)  # 0/0 -> 0, x/0 -> inf
     acc.max_rel = max(acc.max_rel, float(rel.max()))
 
 
