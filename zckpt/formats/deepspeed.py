@@ -6,6 +6,8 @@ the pickled metadata into ``TensorEntry`` pieces that point into the files. Trai
 the fp32 master partitions, optimizer states at the flat state partitions (same layout), frozen params
 and buffers at the 16-bit ``module`` / ``frozen_param_fragments`` tensors. Only ``data.pkl`` of each file
 is read here (``zckpt.torchzip.load_refs``); tensor bytes are read later, on demand, by ``zckpt.storage``.
+The one exception is ZeRO-0 (``zckpt.formats._deepspeed_zero0``): its unnamed fp32 masters are matched to
+names by value, which reads the 16-bit params and fp32 copies once at open time (a single file).
 Layout math: ../shared/docs/deepspeed-format.md §4; ``deepspeed`` is never imported.
 """
 
@@ -385,31 +387,13 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         stage, ws, precision = 0, int(m0.get("dp_world_size", 1) or 1), None
         if len(mfiles_by_rank) > 1:
             raise ShardMismatch(f"{td}: ZeRO-3 model-state files without optimizer files", path=str(td))
-        trainable: set[str] = {
-            n for n, t in module.items() if isinstance(t, TensorRef) and n not in buffer_names
-        }
         tied = dict(m0.get("shared_params") or _tied_from_module(module, set(buffer_names)))
-        for name in module:
-            if name in trainable and name not in tied:
-                ref = _ref(mfiles_by_rank[0], f"module[{name!r}]", module[name])
-                precision = precision or {"bfloat16": "bf16", "float16": "fp16"}.get(
-                    dtype_name(ref.dtype), "fp32"
-                )
-                entries.append(_whole(name, ref, Role.PARAM))
-        opt = m0.get("optimizer")
-        if isinstance(opt, dict):
-            inner = opt.get("optimizer_state_dict", opt)
-            opt_groups = [{k: v for k, v in pg.items()} for pg in inner.get("param_groups", [])]
-            for st in (inner.get("state") or {}).values():
-                state_names += [k for k in st if k not in state_names]
-            extra["zero0_optimizer"] = {
-                k: _jsonable(v)
-                for k, v in opt.items()
-                if k not in ("optimizer_state_dict", "fp32_groups", "state", "param_groups")
-            }
-            extra["zero0_note"] = (
-                "fp32 masters are not mapped to names; PARAM entries are the 16-bit module weights"
-            )
+        from zckpt.formats._deepspeed_zero0 import read_zero0  # it imports this module's helpers
+
+        z0 = read_zero0(mfiles_by_rank[0], m0, module, buffer_names, tied)
+        entries, precision, opt_groups, state_names = z0.entries, z0.precision, z0.opt_groups, z0.state_names
+        extra.update(z0.extra)
+        skipped += z0.skipped
     else:
         first = ofiles_by_rank[min(ofiles_by_rank)]
         o_first = _load(first, trust_pickle)["optimizer_state_dict"]

@@ -1,0 +1,146 @@
+"""ZeRO-0 DeepSpeed files: fp32 masters named by value, and the fallbacks when that is not unique.
+
+Oracle: hand-made fp32 masters and Adam moments saved with torch.save in DeepSpeed's ZeRO-0 layout
+(``module`` 16-bit = master cast; ``optimizer`` = FP16_UnfusedOptimizer state dict); the reader must give
+back exactly the tensors chosen here, under the right names.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from zckpt.formats import deepspeed as ds
+from zckpt.model import Role
+
+LOW = torch.bfloat16
+
+
+def _save(
+    root: Path,
+    model: list[tuple[str, torch.Tensor, int | None]],  # (name, fp32 value, param group or None = frozen)
+    *,
+    fp32_override: dict[str, torch.Tensor] | None = None,
+) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """A ZeRO-0 save; returns (save dir, {name: {"fp32"/"exp_avg"/"exp_avg_sq": tensor}})."""
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
+    module["buf"] = torch.arange(3)
+    groups: list[list[str]] = [[], []]
+    truth: dict[str, dict[str, torch.Tensor]] = {}
+    for name, v, g in model:
+        module[name] = v.to(LOW)
+        if g is not None:
+            groups[g].append(name)
+    groups = [g for g in groups if g]
+    fp32_groups, pgs, state = [], [], {}
+    idx = 0
+    for g, names in enumerate(groups):
+        fp32_groups.append([])
+        pgs.append({"lr": 0.1 * (g + 1), "weight_decay": 0.0, "params": []})
+        for name in names:
+            v = dict((n, t) for n, t, _ in model)[name]
+            master = (fp32_override or {}).get(name, v).clone()
+            m1, m2 = torch.full_like(v, 0.5 + idx), torch.full_like(v, 2.0 + idx)
+            fp32_groups[g].append(master)
+            state[idx] = {"step": torch.tensor(3.0), "exp_avg": m1, "exp_avg_sq": m2}
+            pgs[g]["params"].append(idx)
+            truth[name] = {"fp32": master, "exp_avg": m1, "exp_avg_sq": m2}
+            idx += 1
+    sd = {
+        "module": module,
+        "buffer_names": ["buf"],
+        "optimizer": {
+            "dynamic_loss_scale": True,
+            "cur_scale": 64.0,
+            "cur_iter": 3,
+            "optimizer_state_dict": {"state": state, "param_groups": pgs},
+            "fp32_groups": fp32_groups,
+        },
+        "global_steps": 3,
+        "dp_world_size": 2,
+        "mp_world_size": 1,
+    }
+    td = root / "global_step3"
+    td.mkdir(parents=True)
+    torch.save(sd, td / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text("global_step3")
+    return root, truth
+
+
+def _vals(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def test_masters_named_by_value_with_interleaved_groups_and_frozen(tmp_path: Path) -> None:
+    same = _vals(9, 4)  # two trainable params with identical values, groups, masters, states: harmless tie
+    model = [
+        ("a", _vals(1, 4), 0),
+        ("f", _vals(2, 4), None),  # frozen, same shape as its neighbours
+        ("b", _vals(3, 4), 1),
+        ("c", _vals(4, 2, 2), 0),
+        ("d", same, 0),
+        ("e", same.clone(), 0),
+        ("g", _vals(5, 4), 1),
+    ]
+    d, truth = _save(tmp_path, model)
+    # make e's moments equal d's so the tie cannot matter
+    sd = torch.load(d / "global_step3" / "mp_rank_00_model_states.pt", weights_only=True)
+    st = sd["optimizer"]["optimizer_state_dict"]["state"]
+    st[3] = {k: v.clone() for k, v in st[2].items()}
+    torch.save(sd, d / "global_step3" / "mp_rank_00_model_states.pt")
+    truth["e"].update({k: st[2][k] for k in ("exp_avg", "exp_avg_sq")})
+    ck = ds.read(d)
+    assert ck.meta.extra["zero0_note"].startswith(
+        "fp32 masters mapped to names by value (6 trainable, 1 frozen)"
+    )
+    for name, t in truth.items():
+        assert ck.entry(name).role is Role.PARAM and ck[name].dtype == torch.float32
+        assert torch.equal(ck[name], t["fp32"]), name
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ck.read(f"{name}:{s}"), t[s]), (name, s)
+        assert ck.read(f"{name}:step").item() == 3.0
+    assert ck.entry("f").role is Role.FROZEN and torch.equal(ck["f"], model[1][1].to(LOW))
+    assert ck.entry("buf").role is Role.BUFFER
+    groups = ck.meta.optimizer.param_groups  # type: ignore[union-attr]
+    assert [g["params"] for g in groups] == [["a", "c", "d", "e"], ["b", "g"]]
+    assert ck.meta.precision == "bf16" and ck.meta.stage == 0
+
+
+def _assert_fallback(ck, model, why: str) -> None:
+    note = ck.meta.extra["zero0_note"]
+    assert note.startswith("fp32 masters not mapped to names") and why in note, note
+    for name, v, _ in model:
+        assert ck.entry(name).role is Role.PARAM and torch.equal(ck[name], v.to(LOW)), name
+    assert not list(ck.optim_keys())
+
+
+def test_frozen_equal_to_trainable_falls_back(tmp_path: Path) -> None:
+    v = _vals(1, 4)
+    model = [("f", v.clone(), None), ("a", v, 0), ("b", _vals(2, 3), 0)]
+    d, _ = _save(tmp_path, model)
+    _assert_fallback(ds.read(d), model, "hold identical 16-bit values; which one is trainable is ambiguous")
+
+
+def test_unmatched_master_falls_back(tmp_path: Path) -> None:
+    model = [("a", _vals(1, 4), 0), ("b", _vals(2, 4), 0)]
+    d, _ = _save(tmp_path, model, fp32_override={"b": _vals(3, 4)})  # a stale master: no 16-bit twin
+    _assert_fallback(ds.read(d), model, "fp32_groups[0][1] (shape [4]) matches no 16-bit module param")
+
+
+def test_equal_16bit_but_different_masters_falls_back(tmp_path: Path) -> None:
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    model = [("a", v, 0), ("b", v.clone(), 0)]
+    nudged = v + 2.0**-20  # below bf16 resolution: same 16-bit value, different fp32 bits
+    assert torch.equal(nudged.to(LOW), v.to(LOW)) and not torch.equal(nudged, v)
+    d, _ = _save(tmp_path, model, fp32_override={"b": nudged})
+    _assert_fallback(ds.read(d), model, "different fp32 masters")
+
+
+def test_equal_16bit_in_different_groups_falls_back(tmp_path: Path) -> None:
+    v = _vals(1, 4)
+    model = [("a", v, 0), ("b", v.clone(), 1)]
+    d, _ = _save(tmp_path, model)
+    _assert_fallback(ds.read(d), model, "param groups 0 and 1")

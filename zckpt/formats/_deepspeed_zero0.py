@@ -1,0 +1,252 @@
+"""ZeRO-0 DeepSpeed checkpoints: naming the fp32 master copies by value.
+
+A ZeRO-0 save is one ``mp_rank_00_model_states.pt``: the 16-bit ``module`` and, under ``optimizer``,
+DeepSpeed's ``FP16_UnfusedOptimizer``/``FP16_Optimizer`` state dict: ``fp32_groups`` (one fp32 tensor per
+trainable param, per param group, in the optimizer's order) and ``optimizer_state_dict`` (the torch
+optimizer's per-index state and ``param_groups``). Nothing in the file names the fp32 tensors, and several
+params can share a shape, so they are matched by VALUE: DeepSpeed copies each master into its 16-bit param
+after every step, so for the right pairing ``fp32.to(module dtype)`` is bit-equal to the module tensor.
+
+Module params are walked in order (buffers and tied aliases skipped); each is compared with the next
+unused fp32 tensor of every group (same shape and bit-equal cast; groups may interleave in the model, each
+group follows model order); the first group that matches takes it, a param nothing matches is FROZEN.
+If an fp32 tensor stays unmatched, or two module params with bit-identical 16-bit values would receive
+different things (one frozen and one trainable, different groups, different fp32 bits or optimizer states),
+the mapping is not unique and the reader falls back to the 16-bit module weights as PARAM entries, saying
+why in ``meta.extra["zero0_note"]``; it never guesses.
+
+Cost: unlike every other reader, this reads tensor bytes at open time (each 16-bit param once, each fp32
+master once; optimizer states only to settle a tie). That is acceptable only here: ZeRO-0 is a single
+file, and the matching holds at most one tensor per param group plus one param in memory at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zckpt import storage
+from zckpt.formats.deepspeed import _is_scalar, _jsonable, _ref, _scalar_piece, _whole
+from zckpt.model import Piece, Role, TensorEntry, dtype_name
+from zckpt.pickle_safe import TensorRef
+
+_LOW = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class Zero0:
+    """What the ZeRO-0 branch of the reader produces."""
+
+    entries: list[TensorEntry] = field(default_factory=list)
+    precision: str | None = None
+    opt_groups: list[dict[str, Any]] = field(default_factory=list)
+    state_names: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _load(ref: TensorRef) -> torch.Tensor:
+    out = torch.empty(ref.numel, dtype=ref.dtype)
+    if ref.numel:
+        storage.read_into(ref.file, ref.byte_offset, out)
+    return out.view(tuple(ref.shape))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(
+        t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), digest_size=16
+    ).hexdigest()
+
+
+def _masters(opt: dict[str, Any]) -> list[list[TensorRef]] | str:
+    """The fp32 copies per group, or why there are none we can match."""
+    groups = opt.get("fp32_groups")
+    if groups is None:
+        if "fp32_groups_flat" in opt:
+            return "fp32 masters are stored flat per group (FP16_Optimizer fused); not mapped to names"
+        return "no fp32_groups in the optimizer state"
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+        return f"fp32_groups is {type(groups).__name__}, expected a list of lists of tensors"
+    for g, grp in enumerate(groups):
+        for i, t in enumerate(grp):
+            if not isinstance(t, TensorRef) or t.dtype != torch.float32 or not t.is_contiguous:
+                return f"fp32_groups[{g}][{i}] is not a contiguous fp32 tensor"
+    return groups
+
+
+def _match(
+    params: dict[str, TensorRef], groups: list[list[TensorRef]]
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]] | str:
+    """{param name: (group, index)} and {param name: digest of its 16-bit bytes}, or why the mapping is
+    not unique."""
+    ptr = [0] * len(groups)
+    head: list[torch.Tensor | None] = [None] * len(groups)
+    got: dict[str, tuple[int, int]] = {}
+    digest: dict[str, str] = {}
+    for name, ref in params.items():
+        low = _load(ref)
+        digest[name] = f"{dtype_name(low.dtype)}{tuple(low.shape)}:{_digest(low)}"
+        for g, grp in enumerate(groups):
+            if ptr[g] >= len(grp) or tuple(grp[ptr[g]].shape) != tuple(low.shape):
+                continue
+            if head[g] is None:
+                head[g] = _load(grp[ptr[g]]).to(low.dtype)
+            if _bits_equal(head[g], low):  # type: ignore[arg-type]
+                got[name] = (g, ptr[g])
+                ptr[g] += 1
+                head[g] = None
+                break
+    for g, grp in enumerate(groups):
+        if ptr[g] < len(grp):
+            return (
+                f"fp32_groups[{g}][{ptr[g]}] (shape {list(grp[ptr[g]].shape)}) matches no 16-bit module "
+                "param in order"
+            )
+    return got, digest
+
+
+def _tie_problem(
+    params: dict[str, TensorRef],
+    groups: list[list[TensorRef]],
+    got: dict[str, tuple[int, int]],
+    digest: dict[str, str],
+    states: dict[tuple[int, int], dict[str, Any]],
+) -> str | None:
+    """Params with bit-identical 16-bit values could swap masters: say why if that would change anything."""
+    buckets: dict[str, list[str]] = {}
+    for name, d in digest.items():
+        buckets.setdefault(d, []).append(name)
+    for names in buckets.values():
+        if len(names) < 2 or not any(n in got for n in names):
+            continue
+        first = _load(params[names[0]])
+        if not all(_bits_equal(_load(params[n]), first) for n in names[1:]):
+            continue  # a digest collision, not equal values
+        frozen = [n for n in names if n not in got]
+        if frozen:
+            live = next(n for n in names if n in got)
+            return f"{live} and {frozen[0]} hold identical 16-bit values; which one is trainable is ambiguous"
+        g0, i0 = got[names[0]]
+        ref = _load(groups[g0][i0])
+        for n in names[1:]:
+            g, i = got[n]
+            if g != g0:
+                return f"{names[0]} and {n} hold identical 16-bit values but sit in param groups {g0} and {g}"
+            if not _bits_equal(_load(groups[g][i]), ref):
+                return f"{names[0]} and {n} hold identical 16-bit values but different fp32 masters"
+            a, b = states.get((g0, i0), {}), states.get((g, i), {})
+            if set(a) != set(b) or any(
+                isinstance(a[k], TensorRef) != isinstance(b[k], TensorRef)
+                or (isinstance(a[k], TensorRef) and not _bits_equal(_load(a[k]), _load(b[k])))
+                or (not isinstance(a[k], TensorRef) and a[k] != b[k])
+                for k in a
+            ):
+                return f"{names[0]} and {n} hold identical 16-bit values but different optimizer states"
+    return None
+
+
+def _states_by_slot(
+    inner: dict[str, Any], groups: list[list[TensorRef]]
+) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None]:
+    """{(group, index in group): torch optimizer state}; the torch state is keyed by the flat param index
+    listed in ``param_groups[g]["params"]``."""
+    pgs = inner.get("param_groups") or []
+    if len(pgs) != len(groups) or any(
+        len(pg.get("params", [])) != len(grp) for pg, grp in zip(pgs, groups, strict=False)
+    ):
+        return {}, "optimizer param_groups do not line up with fp32_groups; optimizer states not mapped"
+    state = inner.get("state") or {}
+    out = {}
+    for g, pg in enumerate(pgs):
+        for i, idx in enumerate(pg["params"]):
+            st = state.get(idx, state.get(str(idx)))
+            if isinstance(st, dict):
+                out[(g, i)] = st
+    return out, None
+
+
+def read_zero0(
+    mfile: Path, m0: dict[str, Any], module: dict[str, Any], buffer_names: list[str], tied: dict[str, str]
+) -> Zero0:
+    z = Zero0()
+    params = {
+        n: _ref(mfile, f"module[{n!r}]", t)
+        for n, t in module.items()
+        if isinstance(t, TensorRef) and n not in buffer_names and n not in tied
+    }
+    for ref in params.values():
+        z.precision = _LOW.get(dtype_name(ref.dtype), "fp32")
+        break
+    opt = m0.get("optimizer")
+    inner: dict[str, Any] = {}
+    if isinstance(opt, dict):
+        inner = opt.get("optimizer_state_dict", opt)
+        z.opt_groups = [dict(pg) for pg in inner.get("param_groups", [])]
+        for st in (inner.get("state") or {}).values():
+            z.state_names += [k for k in st if k not in z.state_names]
+        z.extra["zero0_optimizer"] = {
+            k: _jsonable(v)
+            for k, v in opt.items()
+            if k not in ("optimizer_state_dict", "fp32_groups", "fp32_groups_flat", "state", "param_groups")
+        }
+    why: str | None
+    if not isinstance(opt, dict):
+        why = "no optimizer state in the file"
+    elif z.precision == "fp32":
+        why = "fp32 training: the module weights are the masters; frozen params can't be told apart"
+    else:
+        masters = _masters(opt)
+        why = masters if isinstance(masters, str) else None
+    if why is None:
+        assert not isinstance(masters, str)
+        res = _match(params, masters)
+        if isinstance(res, str):
+            why = res
+        else:
+            got, digest = res
+            states, state_note = _states_by_slot(inner, masters)
+            why = _tie_problem(params, masters, got, digest, states)
+    if why is not None:
+        z.entries = [_whole(n, ref, Role.PARAM) for n, ref in params.items()]
+        z.extra["zero0_note"] = (
+            f"fp32 masters not mapped to names ({why}); PARAM entries are the module weights"
+        )
+        return z
+    for name, ref in params.items():
+        if name in got:
+            g, i = got[name]
+            z.entries.append(_whole(name, _ref(mfile, f"fp32_groups[{g}][{i}]", masters[g][i]), Role.PARAM))
+        else:
+            z.entries.append(_whole(name, ref, Role.FROZEN))
+    for name, (g, i) in got.items():
+        for s, v in states.get((g, i), {}).items():
+            if isinstance(v, TensorRef) and tuple(v.shape) == tuple(params[name].shape):
+                ref = _ref(mfile, f"optimizer state {s!r} of {name}", v)
+                piece = Piece(ref.file, ref.byte_offset, ref.dtype, 0, ref.numel, 0)
+                z.entries.append(TensorEntry(name, tuple(v.shape), v.dtype, Role.OPTIM, (piece,), s))
+            elif _is_scalar(v):
+                p = _scalar_piece(v, 0)
+                z.entries.append(TensorEntry(name, (), p.dtype, Role.OPTIM, (p,), s))
+            else:
+                z.skipped.append(f"{s}: {name} is neither a tensor of the param's shape nor a scalar")
+    by_slot = {gi: n for n, gi in got.items()}
+    for g, pg in enumerate(z.opt_groups):
+        if state_note is None:
+            pg["params"] = [by_slot[(g, i)] for i in range(len(pg.get("params", [])))]
+    z.extra["zero0_note"] = (
+        f"fp32 masters mapped to names by value ({len(got)} trainable, {len(params) - len(got)} frozen)"
+        + (f"; {state_note}" if state_note else "")
+    )
+    return z
