@@ -20,3 +20,5 @@ printf '\n(what the last 20 steps changed; exit status 1 = "different")\n'
 run $BIN/zckpt diff out/ out/ --tag-a global_step20 --tag-b global_step40 --top 5 || true
 run $BIN/zckpt reshard out/ out-w$NEW_WORLD --world "$NEW_WORLD"
 run $BIN/torchrun --standalone --nproc_per_node "$NEW_WORLD" docs/demo/train.py --steps 5 --load out-w$NEW_WORLD
+printf '\n(the same 5 steps on the original %s ranks, for comparison: the losses above should match)\n' "$WORLD"
+run $BIN/torchrun --standalone --nproc_per_node "$WORLD" docs/demo/train.py --steps 5 --load out
