@@ -19,6 +19,18 @@ receives the HF config/tokenizer files found beside the checkpoint so ``from_pre
 works. Tied aliases: safetensors stores the owner once and records ``{alias: owner}`` in its
 metadata and index (transformers re-ties from its config); ``.bin`` pickles both names on one storage.
 
+Distributed (``distributed=``, or the CLI under ``torchrun``): the ranks of a process group split the
+writing. Every rank opens the checkpoint (headers only) and computes the same shard plan; ranks check
+that their plans agree, rank 0 creates the staging folder, each rank writes shards ``rank::world`` (with
+their sidecars) into it, rank 0 the index and the HF config files, and after every rank reports
+success rank 0 moves the folder into place. The output is byte-identical to a single-process run
+with the same arguments. If any rank fails, every rank raises and nothing is published. ``OUT`` must
+be on a filesystem every rank sees (one host, or a shared mount). Work is split by output file, so
+pass a ``max_shard_size`` giving at least ``world`` shards; an output of one file (a ``.safetensors``
+or ``.bin`` OUT without sharding) is written by rank 0 alone while the others wait (a warning says so).
+Launch: ``torchrun --nproc_per_node N -m zckpt.cli.app consolidate CKPT OUT/ --max-shard-size 5GB``
+(several hosts: ``--nnodes``/``--rdzv-endpoint`` as usual; the CLI starts a gloo group from ``env://``).
+
 Integrity: every tensor file ``F`` gets ``F.sha256`` (``sha256sum`` format, whole-file hash computed
 while streaming). Safety: an existing ``OUT`` is refused unless ``overwrite``; ``OUT`` may not lie
 inside the input (nor, when overwriting a folder, contain it); everything is written in a hidden
@@ -27,19 +39,25 @@ temporary folder beside ``OUT`` and moved into place at the end, and removed on 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import hashlib
+import json
+import os
 import shutil
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zckpt import dist, pipeline
 from zckpt.errors import KeyMappingError, OutputExists
 from zckpt.formats import hf, open_checkpoint, torch_file
 from zckpt.model import Checkpoint, Role, dtype_name
-from zckpt.outputs import Staging, WriteItem, parse_size, planned_names
+from zckpt.outputs import Staging, WriteItem, parse_size, plan_shards, planned_names
 from zckpt.progress import bar as progress_bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,6 +180,7 @@ def consolidate(
     progress: bool = True,
     trust_pickle: bool = False,
     workers: int | None = None,
+    distributed: bool | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model.
 
@@ -178,10 +197,13 @@ def consolidate(
         progress: show a tqdm bar (only on a terminal).
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
         workers: reader threads overlapping reads and casts with writes (safetensors output;
-            default ``zckpt.pipeline.default_workers()``).
+            default ``zckpt.pipeline.default_workers()``, divided among the ranks of one host).
+        distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
+            group (module doc). ``None``: when a group of world > 1 is initialised; ``True``: also start
+            one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.
 
     Returns:
-        A ``ConsolidateResult`` listing the files written.
+        A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
 
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
@@ -189,6 +211,13 @@ def consolidate(
     out = Path(out)
     fmt, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
+    g = dist.group(distributed)
+    if g is not None:
+        return _consolidate_group(
+            g, ckpt_or_path, out, fmt, is_dir, shard, dtype=dtype, keep_fp32=keep_fp32, tag=tag,
+            exclude_frozen=exclude_frozen, overwrite=overwrite, progress=progress,
+            trust_pickle=trust_pickle, workers=workers,
+        )  # fmt: skip
     opened = not isinstance(ckpt_or_path, Checkpoint)
     ckpt = (
         open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
@@ -201,31 +230,143 @@ def consolidate(
         items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
         total = sum(it.nbytes for it in items)
         extras = _hf_files(src) if is_dir else []
-        if fmt == "safetensors":
-            base = hf.SAFETENSORS if is_dir else out.name
-        else:
-            base = torch_file.BIN if is_dir else out.name
+        base = _base(out, fmt, is_dir)
         with (
             Staging(out, is_dir=is_dir, overwrite=overwrite) as st,
             progress_bar(total, "consolidate", enabled=progress) as bar,
         ):
             st.expect(planned_names(base, items, shard))
-            if fmt == "safetensors":
-                hf.write_into(
-                    st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update, workers=workers
-                )
-            else:
-                torch_file.write_into(
-                    st.dir, base, items, tied=tied, max_shard_size=shard, on_bytes=bar.update
-                )
+            _write(st.dir, fmt, base, items, tied, shard, bar.update, workers)
             for f in extras:
                 shutil.copy2(f, st.dir / f.name)
             files = st.commit()
     finally:
         if opened:
             ckpt.close()
+    return _result(out, fmt, files, items, total, tied, extras)
+
+
+def _result(out: Path, fmt: str, files: Sequence[Path], items: Sequence[WriteItem], total: int,
+            tied: dict[str, str], extras: Sequence[Path]) -> ConsolidateResult:  # fmt: skip
     counts: dict[str, int] = {}
     for it in items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
     return ConsolidateResult(out=out, format=fmt, files=tuple(files), tensors=len(items), bytes=total,
                              tied=tied, dtypes=counts, copied=tuple(f.name for f in extras))  # fmt: skip
+
+
+def _base(out: Path, fmt: str, is_dir: bool) -> str:
+    if fmt == "safetensors":
+        return hf.SAFETENSORS if is_dir else out.name
+    return torch_file.BIN if is_dir else out.name
+
+
+def _write(
+    folder: Path,
+    fmt: str,
+    base: str,
+    items: Sequence[WriteItem],
+    tied: dict[str, str],
+    shard: int | None,
+    on_bytes: Callable[[int], None],
+    workers: int | None,
+    part: tuple[int, int] = (0, 1),
+) -> None:
+    if fmt == "safetensors":
+        hf.write_into(folder, base, items, tied=tied, max_shard_size=shard, on_bytes=on_bytes,
+                      workers=workers, part=part)  # fmt: skip
+    else:
+        torch_file.write_into(folder, base, items, tied=tied, max_shard_size=shard, on_bytes=on_bytes,
+                              part=part)  # fmt: skip
+
+
+def _plan_digest(fmt: str, base: str, is_dir: bool, items: Sequence[WriteItem], tied: dict[str, str],
+                 shard: int | None) -> str:  # fmt: skip
+    """What every rank must agree on before writing: the exact files and tensors of the output."""
+    tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in items]
+    plan_ = [fmt, base, is_dir, shard, sorted(tied.items()), tensors]
+    return hashlib.sha256(json.dumps(plan_).encode()).hexdigest()
+
+
+def _consolidate_group(
+    g: dist.Group,
+    ckpt_or_path: Checkpoint | str | Path,
+    out: Path,
+    fmt: str,
+    is_dir: bool,
+    shard: int | None,
+    *,
+    dtype: str,
+    keep_fp32: Sequence[str],
+    tag: str | None,
+    exclude_frozen: bool,
+    overwrite: bool,
+    progress: bool,
+    trust_pickle: bool,
+    workers: int | None,
+) -> ConsolidateResult:
+    """``consolidate`` split over the ranks of ``g`` (module doc); every step ends in a collective vote."""
+    opened = not isinstance(ckpt_or_path, Checkpoint)
+    ckpt = ckpt_or_path if isinstance(ckpt_or_path, Checkpoint) else None
+    if workers is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        workers = max(1, pipeline.default_workers() // max(1, local))
+    with contextlib.ExitStack() as stack:  # rank 0's Staging: removed on any exit before commit
+        st: Staging | None = None
+        err: BaseException | None = None
+        try:  # 1. open and plan on every rank; rank 0 makes the staging folder
+            if not isinstance(ckpt_or_path, Checkpoint):
+                ckpt = open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
+            assert ckpt is not None
+            src = Path(ckpt.meta.path)
+            _check_paths(src, out, overwrite=overwrite)
+            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
+            base = _base(out, fmt, is_dir)
+            digest = _plan_digest(fmt, base, is_dir, items, tied, shard)
+            if g.rank == 0:
+                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite))
+                st.expect(planned_names(base, items, shard))
+        except BaseException as e:  # noqa: BLE001 - voted on, then re-raised on this rank
+            err = e
+        try:
+            g.agree(err, "consolidate: opening the checkpoint")
+            staging, digest0 = g.broadcast((str(st.dir), digest) if st is not None else None)
+            g.agree(None if digest == digest0 else KeyMappingError(
+                f"rank {g.rank}: the output plan differs from rank 0's (another checkpoint, tag or "
+                "options on this rank?)", hint="give every rank the same checkpoint and options"),
+                "consolidate: agreeing on the output plan")  # fmt: skip
+
+            shards = plan_shards(items, shard)
+            mine = shards[g.rank :: g.world]
+            if g.rank == 0 and len(shards) < g.world:
+                warnings.warn(
+                    f"{out}: {len(shards)} output file(s) for {g.world} ranks; {g.world - len(shards)} "
+                    "rank(s) idle (pass a smaller --max-shard-size to split the work)",
+                    stacklevel=2,
+                )
+            total = sum(it.nbytes for it in items)
+            mine_bytes = sum(it.nbytes for s in mine for it in s)
+            err = None
+            try:  # 2. every rank writes its shards (rank 0 also the index)
+                with progress_bar(mine_bytes, "consolidate", enabled=progress and g.rank == 0) as bar:
+                    _write(Path(staging), fmt, base, items, tied, shard, bar.update, workers,
+                           part=(g.rank, g.world))  # fmt: skip
+            except BaseException as e:  # noqa: BLE001
+                err = e
+            g.agree(err, "consolidate: writing shards")
+
+            extras = _hf_files(src) if is_dir else []
+            err, final = None, None
+            if st is not None:  # 3. rank 0 publishes
+                try:
+                    for f in extras:
+                        shutil.copy2(f, st.dir / f.name)
+                    final = [str(p) for p in st.commit()]
+                except BaseException as e:  # noqa: BLE001
+                    err = e
+            g.agree(err, "consolidate: publishing the output")
+            files = [Path(p) for p in g.broadcast(final)]
+        finally:
+            if opened and ckpt is not None:
+                ckpt.close()
+    return _result(out, fmt, files, items, total, tied, extras)

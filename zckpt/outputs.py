@@ -161,18 +161,24 @@ def write_sharded(
     *,
     index_metadata: Mapping[str, Any] | None = None,
     aliases: Mapping[str, str] | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """Write ``base`` into ``folder``: one file, or HF-style shards plus ``<base>.index.json``; returns names.
 
     ``write_one(path, items)`` writes one file (format-specific); ``aliases`` are tied names listed in the
     index's ``weight_map`` beside their owner (the ``.bin`` convention; safetensors keeps them in metadata).
+    ``part=(rank, world)`` writes only shards ``rank::world`` of the (deterministic) plan, and the index
+    only on rank 0: ``world`` processes given the same items write the same files between them.
     """
+    rank, world = part
     shards = plan_shards(items, max_shard_size)
     names = shard_names(base, len(shards))
-    for name, shard in zip(names, shards, strict=True):
-        write_one(folder / name, shard)
-    written = list(names)
-    if len(shards) > 1:
+    written = []
+    for k, (name, shard) in enumerate(zip(names, shards, strict=True)):
+        if k % world == rank:
+            write_one(folder / name, shard)
+            written.append(name)
+    if len(shards) > 1 and rank == 0:
         where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
         where.update({a: where[o] for a, o in (aliases or {}).items() if o in where})
         meta = {"total_size": sum(it.nbytes for it in items), **(index_metadata or {})}

@@ -1,8 +1,13 @@
-"""``zckpt consolidate CKPT OUT``: write one loadable model (safetensors or .bin) from a checkpoint."""
+"""``zckpt consolidate CKPT OUT``: write one loadable model (safetensors or .bin) from a checkpoint.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the ranks split the output shards between them (gloo group from
+``env://``; see ``zckpt.consolidate``); only rank 0 prints the result.
+"""
 
 from __future__ import annotations
 
 import enum
+import os
 from typing import Annotated
 
 import typer
@@ -73,8 +78,10 @@ def command(
     Streams tensor by tensor; trainable params come from the fp32 masters; tied weights are stored
     once in safetensors and recorded as aliases.
     """
+    from zckpt import dist
     from zckpt.consolidate import consolidate
 
+    distributed = dist.env_world() > 1
     res = consolidate(
         ckpt,
         out,
@@ -88,7 +95,10 @@ def command(
         progress=progress and not json,
         trust_pickle=trust_pickle,
         workers=workers,
+        distributed=distributed or None,
     )
+    if distributed and int(os.environ.get("RANK", "0")) != 0:
+        return
     o = Output(json=json)
     o.result(res.to_json())
     dts = ", ".join(f"{n} {d}" for d, n in res.dtypes.items())

@@ -303,8 +303,10 @@ def write_into(
     max_shard_size: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
     workers: int | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> list[str]:
-    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
+    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names.
+    ``part=(rank, world)``: this rank's share only (see ``zckpt.outputs.write_sharded``)."""
     tied = dict(tied or {})
     return write_sharded(
         folder,
@@ -315,6 +317,7 @@ def write_into(
             p, shard, tied=tied, metadata=metadata, on_bytes=on_bytes, workers=workers
         ),
         index_metadata={TIED_KEY: tied} if tied else None,
+        part=part,
     )
 
 

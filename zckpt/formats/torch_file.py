@@ -190,14 +190,16 @@ def write_into(
     tied: Mapping[str, str] | None = None,
     max_shard_size: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> list[str]:
-    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names."""
+    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names.
+    ``part=(rank, world)``: this rank's share only (see ``zckpt.outputs.write_sharded``)."""
     tied = dict(tied or {})
 
     def write_one(p: Path, shard: list[WriteItem]) -> str:
         return write_file(p, shard, tied=tied, on_bytes=on_bytes)
 
-    return write_sharded(folder, base, items, max_shard_size, write_one, aliases=tied)
+    return write_sharded(folder, base, items, max_shard_size, write_one, aliases=tied, part=part)
 
 
 def write_torch(

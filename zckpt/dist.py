@@ -1,0 +1,99 @@
+"""The process group a distributed conversion runs on, and how its ranks agree on success or failure.
+
+A conversion split over ranks (``consolidate(..., distributed=...)``) needs three things from
+``torch.distributed`` and nothing else: each rank's place (``Group.rank`` / ``Group.world``), one value
+sent from rank 0 to all (``Group.broadcast``), and a vote after each step (``Group.agree``): every rank
+reports whether its part succeeded, and if any failed, every rank raises — the failing ones their own
+error, the others a ``WriteFailed`` naming the failed ranks — so no rank goes on to publish output that
+another rank did not finish. Collectives carry small Python objects only (paths, plan digests, error
+texts), never tensor bytes: those go straight to the shared output folder.
+
+``group(distributed)`` resolves the mode: ``None`` uses the default process group when one is
+initialised with world > 1; ``True`` also initialises one (gloo, ``env://``, as ``torchrun`` sets up)
+when ``WORLD_SIZE`` > 1 and none exists; ``False`` is single-process. A default group on another
+backend (NCCL) gets a gloo sub-group for these CPU-side messages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from zckpt.errors import KeyMappingError, WriteFailed
+
+
+@dataclass(frozen=True)
+class Group:
+    """A gloo process group of ``world`` ranks, seen from ``rank``."""
+
+    rank: int
+    world: int
+    pg: Any = None
+    """The ``torch.distributed`` group to use (None: the default group)."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """``obj`` as given on rank 0, on every rank."""
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Collective vote after a step: re-raise ``error`` on its rank, raise ``WriteFailed`` on the others
+        when any rank failed; return on every rank when all succeeded."""
+        votes = self.gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, v) for r, v in enumerate(votes) if v is not None]
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        first_rank, first_msg = failed[0]
+        ranks = ", ".join(str(r) for r, _ in failed)
+        raise WriteFailed(
+            f"{what} failed on rank {ranks} ({first_msg}); nothing was written",
+            hint=f"see rank {first_rank}'s error for the cause",
+        )
+
+
+def env_world() -> int:
+    """``WORLD_SIZE`` from the environment (1 when unset), as ``torchrun`` sets it."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def group(distributed: bool | None) -> Group | None:
+    """The group to split work over, or None to run single-process (see module doc)."""
+    if distributed is False:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        if distributed:
+            raise KeyMappingError("distributed mode needs torch.distributed, which this torch build lacks")
+        return None
+    if not dist.is_initialized():
+        if not distributed or env_world() <= 1:
+            if distributed:
+                raise KeyMappingError(
+                    "distributed mode: no process group is initialised and WORLD_SIZE is not > 1",
+                    hint="launch with torchrun --nproc_per_node N (or init torch.distributed first)",
+                )
+            return None
+        dist.init_process_group("gloo", init_method="env://")
+    world = dist.get_world_size()
+    if world <= 1:
+        return None
+    pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return Group(dist.get_rank(), world, pg)
