@@ -1,8 +1,10 @@
-"""Byte access: one shared read-only mmap per file; pieces become tensors without reading other bytes.
+"""Byte access: pieces become tensors without reading any other bytes of their files.
 
-Only this module touches tensor bytes. ``read_entry`` assembles a logical tensor from its pieces:
-``read_entry`` returns a tensor the caller owns (one copy out of the page cache); streaming writers
-use ``piece_view`` (a zero-copy view of the copy-on-write mapping; never modify it).
+Only this module touches tensor bytes. ``copy_piece`` / ``read_into`` read a byte range with ``pread``
+straight into a caller's buffer (nothing read stays in this process's RSS); ``read_entry`` assembles an
+owned copy of a logical tensor from its pieces; ``iter_chunks`` streams one in bounded chunks.
+``piece_view`` is a zero-copy view of a cached copy-on-write mmap, for small metadata tensors (never
+modify it).
 """
 
 from __future__ import annotations
@@ -134,11 +136,6 @@ def copy_piece(p: Piece, lo: int, hi: int, out: torch.Tensor) -> None:
         tmp = torch.empty(n, dtype=p.dtype)
         read_into(p.file, offset, tmp)
         out.copy_(tmp)
-
-
-def read_range(p: Piece, lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of a piece (piece-relative), as a view."""
-    return piece_view(p)[lo:hi]
 
 
 def iter_chunks(
