@@ -50,10 +50,9 @@ import fnmatch
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -63,11 +62,10 @@ from zckpt.formats import open_checkpoint
 from zckpt.model import STATE_SEP, Checkpoint, TensorEntry, dtype_name
 from zckpt.progress import bar as progress_bar
 from zckpt.stats import CHUNK, is_exact, iter_chunks
+from zckpt.storage import iter_aligned_views
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -364,7 +362,7 @@ def _diff(
     results: list[TensorDiff] = []
     work = _Work()
     with bar:
-        stream = _prefetch(_chunk_stream(pairs, chunk))
+        stream = _chunk_stream(pairs, chunk)
         pending = _Pending(stream)
         for i, (ka, kb, ea, eb) in enumerate(pairs):
             chunks = pending.of(i)
@@ -485,27 +483,12 @@ _Pair = tuple[str, str, TensorEntry, TensorEntry]
 
 
 def _chunk_stream(pairs: list[_Pair], chunk: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order."""
+    """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order: zero-copy views
+    of both files' page cache (see ``storage.iter_aligned_views``)."""
     for i, (_, _, ea, eb) in enumerate(pairs):
-        if ea.shape != eb.shape:
-            continue
-        for (_, xa), (_, xb) in zip(iter_chunks(ea, chunk), iter_chunks(eb, chunk), strict=True):
-            yield i, xa, xb
-
-
-def _prefetch(it: Iterator[_T]) -> Iterator[_T]:
-    """Yield ``it``'s items, producing the next one on a worker thread meanwhile: reading (``pread``)
-    and torch kernels release the GIL, so the next chunk pair's I/O overlaps this one's arithmetic.
-    At most one item is read ahead, so memory stays bounded."""
-    end = object()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zckpt-diff-read") as ex:
-        fut = ex.submit(next, it, end)
-        while True:
-            item = fut.result()
-            if item is end:
-                return
-            fut = ex.submit(next, it, end)
-            yield item  # type: ignore[misc]
+        if ea.shape == eb.shape:
+            for xa, xb in iter_aligned_views(ea, eb, chunk):
+                yield i, xa, xb
 
 
 class _Pending:

@@ -167,3 +167,40 @@ def _release(path: str, offset: int, nbytes: int) -> None:
     end = min(size, offset + nbytes)
     if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def iter_aligned_views(
+    a: TensorEntry, b: TensorEntry, max_elems: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Aligned chunks of two same-size entries, ``(A's elements [lo, hi), B's elements [lo, hi))``, in
+    each entry's dtype, at most ``max_elems`` per chunk.
+
+    Chunk boundaries include every piece boundary of both sides, so each chunk lies inside one piece
+    per side and is a zero-copy view of the file mapping (a cast copy only when a piece's stored dtype
+    differs from its entry's). Warm pages are mapped by the kernel's fault-around, several times
+    faster than copying them out with ``pread``; each chunk's pages are released (``MADV_DONTNEED``)
+    once the consumer moves on, so RSS stays at one chunk. Never keep or modify a yielded chunk.
+    """
+    if a.numel != b.numel:
+        raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
+    pa, pb = sorted(a.pieces, key=lambda p: p.start), sorted(b.pieces, key=lambda p: p.start)
+    ia = ib = 0
+    lo = 0
+    while lo < a.numel:
+        while pa[ia].start + pa[ia].numel <= lo:
+            ia += 1
+        while pb[ib].start + pb[ib].numel <= lo:
+            ib += 1
+        x, y = pa[ia], pb[ib]
+        hi = min(lo + max_elems, x.start + x.numel, y.start + y.numel, a.numel)
+        yield _span(x, lo, hi, a.dtype), _span(y, lo, hi, b.dtype)
+        for p in (x, y):
+            if p.value is None:
+                isz = p.dtype.itemsize
+                _release(p.file, p.byte_offset + (lo - p.start) * isz, (hi - lo) * isz)
+        lo = hi
+
+
+def _span(p: Piece, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    v = piece_view(p)[lo - p.start : hi - p.start]
+    return v if v.dtype == dtype else v.to(dtype)
