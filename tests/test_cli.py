@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,38 @@ def test_inspect_deepspeed_fixture() -> None:
     assert params == {k: v for k, v in info["param_shapes"].items() if k not in info["frozen"]}
     res = runner.invoke(app, ["inspect", str(FIXTURE)])
     assert res.exit_code == 0 and "tied: head.weight -> emb.weight" in res.stdout
+
+
+def _zckpt(*args: str, fast: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ZCKPT_FAST_EXIT": "1" if fast else "0", "ZCKPT_DEBUG": ""}
+    argv = [sys.executable, "-c", "from zckpt.cli.app import main; main()", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_fast_exit_keeps_exit_codes_and_flushes_all_output(model: Path, tmp_path: Path) -> None:
+    """The console script ends with os._exit: same status and the same complete stdout as a normal exit."""
+    other = tmp_path / "other.safetensors"
+    save_file({**SD, "fc.bias": SD["fc.bias"] + 1}, str(other))
+    for args, want in (
+        (["inspect", str(model), "--json", "--stats"], 0),
+        (["diff", str(model), str(model)], 0),
+        (["diff", str(model), str(other), "--json"], 1),
+        (["inspect", str(tmp_path / "missing")], 2),
+    ):
+        fast, slow = _zckpt(*args), _zckpt(*args, fast=False)
+        assert (fast.returncode, slow.returncode) == (want, want), (args, fast.stderr)
+        assert fast.stdout == slow.stdout and fast.stderr == slow.stderr, args
+    assert json.loads(_zckpt("inspect", str(model), "--json").stdout)["format"]
+
+
+def test_closed_pipe_exits_quietly(model: Path) -> None:
+    """`zckpt inspect ... | head -1`: no 'Broken pipe' error line, status 141 as for `cat`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from zckpt.cli.app import main; main()", "inspect", str(model), "--all"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
