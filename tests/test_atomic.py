@@ -480,3 +480,48 @@ def test_kill_trial_count() -> None:
     """Bookkeeping for the issue: seeded random SIGKILL trials in this file (>= 20 required)."""
     per = {"consolidate": 3 * 4, "reshard": 4, "engine": 3 + 2}
     assert sum(per.values()) >= 20
+
+
+def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """Staged files are made durable at commit, all of them (index, sidecars, ``latest`` included),
+    before the first rename; a sink outside any staging folder is fsynced when it closes."""
+    from zckpt import consolidate, reshard
+    from zckpt.outputs import HashingSink
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a: Any, b: Any, *args: Any, **kw: Any) -> None:
+        events.append(("rename", str(a)))
+        real_rename(a, b, *args, **kw)
+
+    def replace(a: Any, b: Any, *args: Any, **kw: Any) -> None:
+        events.append(("rename", str(a)))
+        real_replace(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    for run, out in (
+        (lambda o: consolidate(src, o, max_shard_size="100KB", progress=False), tmp_path / "sharded"),
+        (lambda o: consolidate(src, o, progress=False), tmp_path / "one.safetensors"),
+        (lambda o: reshard(src, o, world=3, progress=False), tmp_path / "w3"),
+    ):
+        events.clear()
+        run(out)
+        first_rename = next(i for i, (k, _) in enumerate(events) if k == "rename")
+        synced = {p for k, p in events[:first_rename] if k == "fsync"}
+        found = out.rglob("*") if out.is_dir() else out.parent.glob(out.name + "*")
+        final = [p for p in found if p.is_file()]
+        assert len(final) >= 2, final
+        for p in final:  # each final file was fsynced under its staged name before anything moved
+            rel = p.relative_to(out if out.is_dir() else out.parent)
+            assert any(s.endswith(f"/{rel}") and ".zckpt-tmp-" in s for s in synced), (out, rel)
+    events.clear()
+    with HashingSink(tmp_path / "loose.bin") as sink:
+        sink.write(b"x" * 10)
+    assert ("fsync", str(tmp_path / "loose.bin")) in events

@@ -6,10 +6,13 @@ Owns the pieces every writer shares:
   out in bounded chunks (``storage.iter_chunks``), so a writer never holds a whole tensor.
 - ``Staging``: outputs are written into a hidden temporary folder beside the destination and moved
   into place by ``commit()``; any exception (KeyboardInterrupt included) removes everything.
-- ``HashingSink``: a write-only, non-seekable file wrapper that fsyncs on close and computes the
-  sha256 of every byte written. Each tensor file ``F`` gets a sidecar ``F.sha256`` in ``sha256sum``
-  format (``<hex>  <name>``) covering the whole file, so ``sha256sum -c F.sha256`` or ``zckpt verify``
-  can check it.
+- ``HashingSink``: a write-only, non-seekable file wrapper that computes the sha256 of every byte
+  written and makes the file durable: at ``close()`` (fsync), or, inside an active ``Staging``
+  folder of this process, at that folder's ``commit()``, which fsyncs every staged file at once
+  before anything is renamed (the disk flushes one file in the background while the next is
+  written, instead of the pipeline stalling on each file's fsync). Each tensor file ``F`` gets a
+  sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the whole file, so
+  ``sha256sum -c F.sha256`` or ``zckpt verify`` can check it.
 - Shard planning and HF shard names (``model-00001-of-00003.safetensors``), size parsing (``5GB``).
 """
 
@@ -23,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -199,12 +203,24 @@ _OVERLAP_BYTES = 1 << 20
 the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
 
 
+_active_staging: set[Path] = set()
+_staging_lock = threading.Lock()
+
+
+def _fsync_deferred(path: Path) -> bool:
+    """``path`` lies in a staging folder of this process whose ``commit()`` will fsync it."""
+    with _staging_lock:
+        return any(d in path.parents for d in _active_staging)
+
+
 class HashingSink(io.RawIOBase):
-    """Write-only, non-seekable file that hashes what it writes, fsyncs on close and writes the sidecar."""
+    """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
+    folder's commit) and writes the sidecar."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
+        self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._sha = hashlib.sha256()
         self._pos = 0
@@ -248,7 +264,8 @@ class HashingSink(io.RawIOBase):
             if not self.closed and not self._f.closed:
                 try:
                     self._f.flush()
-                    os.fsync(self._f.fileno())
+                    if self._durable_now:
+                        os.fsync(self._f.fileno())
                 finally:  # a failed flush (disk full) must still release the file
                     self._f.close()
                     if self._hasher is not None:
@@ -262,7 +279,8 @@ class HashingSink(io.RawIOBase):
         with open(side, "x") as f:
             f.write(f"{self.hexdigest()}  {self.path.name}\n")
             f.flush()
-            os.fsync(f.fileno())
+            if self._durable_now:
+                os.fsync(f.fileno())
         return side
 
 
@@ -303,6 +321,9 @@ class Staging:
             os.umask(umask)
             os.chmod(self.dir, 0o777 & ~umask)
         self._done = False
+        self._key = Path(os.path.abspath(self.dir))
+        with _staging_lock:
+            _active_staging.add(self._key)
 
     def __enter__(self) -> Staging:
         return self
@@ -326,11 +347,19 @@ class Staging:
                 check_dest(self.dest.parent / n, is_dir=False, overwrite=self.overwrite)
 
     def abort(self) -> None:
+        self._release()
         shutil.rmtree(self.dir, ignore_errors=True)
         self._done = True
 
+    def _release(self) -> None:
+        with _staging_lock:
+            _active_staging.discard(self._key)
+
     def commit(self) -> list[Path]:
-        """Move the staged files into place; returns their final paths."""
+        """Make every staged file durable (fsync, folders included), then move them into place;
+        returns their final paths."""
+        self._release()
+        _fsync_tree(self.dir)
         names = sorted(p.name for p in self.dir.iterdir())
         if self.is_dir:
             trash = None
@@ -369,6 +398,18 @@ def check_dest(dest: Path, *, is_dir: bool, overwrite: bool) -> None:
         want = "a folder" if is_dir else "a file"
         raise OutputExists(f"{dest} is {kind}; refusing to replace it by {want}",
                            hint="remove it first or choose another output path", path=str(dest))  # fmt: skip
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (files first, then their folders, ``root`` last)."""
+    for d, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(d))
 
 
 def _fsync_dir(path: Path) -> None:
