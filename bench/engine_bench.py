@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="print rank 0's profile of the timed steps")
     args = ap.parse_args()
 
     cfg = SIZES[args.size]
@@ -121,7 +122,10 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1 + rank)
     times, losses = [], []
+    prof = torch.profiler.profile(record_shapes=True, with_stack=True) if args.profile else None
     for i in range(args.warmup + args.steps):
+        if prof is not None and i == args.warmup:
+            prof.__enter__()
         x = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
         y = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
         if args.device == "cuda":
@@ -132,6 +136,11 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(round(lv, 5))
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        if rank == 0:
+            table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=15)
+            print(table, flush=True)
     step = statistics.median(times)
     tokens = args.micro * cfg.block_size * world
     flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size) * tokens

@@ -31,6 +31,29 @@ class Comm:
         self.active = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size() if self.active else 1
         self.rank = dist.get_rank() if self.active else 0
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.pairwise = self.active and dist.get_backend() == "gloo"
+        """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange). Gloo's
+        own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are 2.5-3.5x slower for bucket-sized
+        tensors (measured: 93 MB at world 2 on one host, 122 / 152 ms against 41 ms); NCCL's are optimal."""
+
+    def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable buffer of ``numel`` elements for data that dies before the call returns (``"z"``, a
+        reduce's result, lives until its caller has added it into the grad shards, before any other call).
+        Each collective uses slots ``"x"``, ``"y"``, ``"z"`` at most once, so three buffers serve all.
+
+        On the host every fresh bucket-sized tensor is a new ``mmap`` (glibc serves large allocations that
+        way) whose pages fault in one by one as the collective writes them and are unmapped when it is
+        freed: per step that is as many page faults as bytes moved. Reusing one buffer per (use, dtype)
+        removes them. Accelerators have a caching allocator already, so this is host-only.
+        """
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        key = (name, dtype, device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     @property
     def distributed(self) -> bool:
@@ -91,15 +114,27 @@ class Comm:
         total = sum(sizes)
         inp = _adjacent(shards)
         if inp is None:
-            inp = torch.cat([s.reshape(-1) for s in shards])
-        out = torch.empty(w * total, dtype=inp.dtype, device=inp.device)
-        _all_gather(out, inp)
+            inp = torch.cat([s.reshape(-1) for s in shards], out=self.scratch("x", total, *_kind(shards[0])))
+        # a lone param's full tensor is a view of a fresh output (no copy); the params of a bucket are
+        # copied out of a scratch output into tensors of their own
+        lone = sum(1 for c in sizes if c) <= 1
+        dtype, device = _kind(inp)
+        out = (
+            torch.empty(w * total, dtype=dtype, device=device)
+            if lone
+            else self.scratch("z", w * total, *_kind(inp))
+        )
+        self._all_gather(out, inp)
         rows = out.view(w, total)
         fulls: list[torch.Tensor] = []
         off = 0
         for c, n in zip(sizes, numels, strict=True):
-            # a param alone in its bucket is a view of the fresh output (no copy); else reshape copies
-            fulls.append(rows[:, off : off + c].reshape(-1)[:n])
+            if lone:
+                full = rows[:, off : off + c].reshape(-1)
+            else:
+                full = torch.empty(w * c, dtype=dtype, device=device)
+                full.view(w, c).copy_(rows[:, off : off + c])
+            fulls.append(full[:n])
             off += c
         return fulls
 
@@ -115,7 +150,7 @@ class Comm:
         pw = partition_world
         total = sum(chunks)
         dtype, device = grads[0].dtype, grads[0].device
-        buf = torch.empty(pw, total, dtype=dtype, device=device)
+        buf = self.scratch("x", pw * total, dtype, device).view(pw, total)
         off = 0
         for g, c in zip(grads, chunks, strict=True):
             # lay the gradient out rank-major without a padded temporary: full rows, a partial row, zeros
@@ -139,9 +174,30 @@ class Comm:
         else:
             if pw != self.world:
                 raise ValueError(f"partition world {pw} must be 1 or the world size {self.world}")
-            mine = torch.empty(total, dtype=dtype, device=device)
-            _reduce_scatter(mine, buf.view(-1))
+            mine = self.scratch("z", total, dtype, device)
+            self._reduce_scatter(mine, buf)
         return mine.div_(self.world)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if not self.pairwise:
+            _all_gather(out, inp)
+            return
+        rep = self.scratch("y", out.numel(), *_kind(inp)).view(self.world, -1)
+        rep.copy_(inp.reshape(1, -1).expand_as(rep))  # rank j's row goes to rank j: every row is my shard
+        dist.all_to_all_single(out, rep)
+
+    def _reduce_scatter(self, mine: torch.Tensor, rows: torch.Tensor) -> None:
+        """``mine`` = the sum over ranks of row ``rank`` of every rank's ``rows`` (``(world, n)``)."""
+        if not self.pairwise:
+            _reduce_scatter(mine, rows.view(-1))
+            return
+        got = self.scratch("y", rows.numel(), *_kind(rows))
+        dist.all_to_all_single(got, rows.reshape(-1))  # row j of rank i -> rank j, placed at row i
+        torch.sum(got.view(self.world, -1), dim=0, out=mine)
+
+
+def _kind(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    return t.dtype, t.device
 
 
 def _adjacent(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
