@@ -45,8 +45,12 @@ $(DSSTAMP): requirements-ds.txt
 fixtures: $(DSSTAMP)
 	$(DSVENV)/bin/python fixtures/make_fixtures.py
 
+# Two sections appended to bench/RESULTS.md: every group with a warm page cache (the engine group included:
+# plain PyTorch, the engine and DeepSpeed at world 2 on CPU/gloo), then consolidate and scale (DeepSpeed's
+# converters included) with caches dropped before every run (drop_caches: needs root).
 bench: setup $(DSSTAMP)
 	$(VPY) bench/run.py
+	$(VPY) bench/run.py --cache cold --only consolidate scale --repeat 1 --ds-repeat 1 --no-build
 
 clean:
 	rm -rf $(VENV) $(DSVENV) out demo-out

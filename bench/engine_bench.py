@@ -12,6 +12,7 @@ peak memory per rank (GPU allocator and host RSS), and the per-step losses (so r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -34,6 +35,13 @@ SIZES = {
     "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1792),
 }
 PEAK_FLOPS = {"cuda": 989e12, "cpu": float("nan")}
+
+
+def _count(cfg: GPTConfig) -> int:
+    """Parameters of ``GPT(cfg)`` (tied head counted once), without building it."""
+    e, f = cfg.n_embd, 4 * cfg.n_embd
+    block = 2 * 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (f * e + f) + (e * f + e)
+    return cfg.vocab_size * e + cfg.block_size * e + cfg.n_layer * block + 2 * e
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -70,6 +78,15 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--layers", type=int, default=None, help="override the size's n_layer")
+    ap.add_argument("--embd", type=int, default=None, help="override n_embd (n_head becomes embd // 128)")
+    ap.add_argument(
+        "--init",
+        choices=["eager", "meta"],
+        default="eager",
+        help="meta: build without materialising the model (engine: meta device, materialised per module at "
+        "initialize; DeepSpeed: zero.Init, partitioned at construction onto the offload device)",
+    )
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
@@ -77,14 +94,24 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = SIZES[args.size]
+    if args.layers or args.embd:
+        embd = args.embd or cfg.n_embd
+        layers = args.layers or cfg.n_layer
+        cfg = dataclasses.replace(cfg, n_layer=layers, n_embd=embd, n_head=max(1, embd // 128))
     dev = torch.device(args.device)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    if args.init == "meta" and args.impl == "engine":
+        with torch.device("meta"):
+            model = GPT(cfg)
+    elif args.init == "meta" and args.impl == "deepspeed":
+        model = None  # built under deepspeed.zero.Init below, once the process group exists
+    else:
+        model = GPT(cfg)
+    n_params = _count(cfg)
     if args.impl == "plain":
         model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
@@ -111,6 +138,10 @@ def main() -> None:
         ds.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
         if dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
+        if model is None:
+            where, pin = ("cpu", True) if args.offload else (None, False)
+            with ds.zero.Init(config_dict_or_path=ds_config(args), remote_device=where, pin_memory=pin):
+                model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         eng, _, _, _ = ds.initialize(model=model, optimizer=opt, config=ds_config(args))
 

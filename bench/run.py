@@ -13,14 +13,25 @@ larger of ``wait4``'s ``ru_maxrss`` and the polled sum of the tree's VmRSS), byt
 syscalls, not mmap faults; ``read_bytes``/``write_bytes`` count storage I/O), and the ratios
 floor_time / time ("fraction of floor", target >= 0.7) and time / DeepSpeed's time.
 
-    .venv/bin/python bench/run.py                      # everything (the make bench target)
-    .venv/bin/python bench/run.py --only consolidate   # groups: consolidate reshard diff verify scale
-    .venv/bin/python bench/run.py --cache cold --repeat 1 --no-record
+The ``engine`` group needs no inputs: ``bench/engine_bench.py`` under ``torchrun --standalone
+--nproc_per_node 2`` on CPU/gloo (``OMP_NUM_THREADS=1``, one rank per core) for plain PyTorch, the engine
+and DeepSpeed ZeRO-3 (its own venv's torchrun), at micro-batch 1 and 4; per config the best (lowest)
+median step time over ``--repeat`` runs, tokens/s, peak RSS per rank, the ratios to DeepSpeed (target
+<= 0.8) and to plain PyTorch, and whether the engine's per-step losses agree with DeepSpeed's. These rows
+go into their own table in the same section.
+
+``make bench`` runs the first line below (warm cache, every group), then the cold-cache line.
+
+    .venv/bin/python bench/run.py                      # every group, warm page cache
+    .venv/bin/python bench/run.py --cache cold --only consolidate scale --repeat 1 --ds-repeat 1 --no-build
+    .venv/bin/python bench/run.py --only consolidate   # groups: consolidate reshard diff verify scale engine
+    .venv/bin/python bench/run.py --only engine --no-build --no-record --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -41,8 +53,12 @@ OUT = DATA / "out"
 VPY = str(REPO / ".venv/bin/python")
 DSPY = str(REPO / ".venv-ds/bin/python")
 ZCKPT = [VPY, "-m", "zckpt.cli.app"]
-GROUPS = ("consolidate", "reshard", "diff", "verify", "scale")
+GROUPS = ("consolidate", "reshard", "diff", "verify", "scale", "engine")
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false")
+# engine group: CPU/gloo at world 2, one single-threaded rank per core
+ENGINE_WORLD, ENGINE_STEPS, ENGINE_WARMUP, ENGINE_MICROS = 2, 10, 2, (1, 4)
+ENGINE_ENV = {"OMP_NUM_THREADS": "1"}  # on top of ENV; shown in the recorded commands
+PLAIN, ENGINE, DEEPSPEED = "plain PyTorch", "engine ZeRO-3", "DeepSpeed ZeRO-3"
 
 sys.path.insert(0, str(REPO))
 
@@ -56,25 +72,31 @@ def _io() -> dict[str, int]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return kids
+
+
 def _tree(pid: int) -> list[int]:
     todo, seen = [pid], []
     while todo:
         p = todo.pop()
         seen.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
+        todo.extend(_children(p))
     return seen
 
 
-def _rss_kb(pid: int) -> int:
+def _rss_kb(pid: int, key: str = "VmRSS") -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
@@ -88,6 +110,8 @@ class Run:
     io: dict[str, int]
     rc: int
     tail: str = ""
+    result: dict[str, Any] | None = None  # the last "RESULT {json}" line of the output (engine_bench)
+    child_peak_mb: list[float] = field(default_factory=list)  # VmHWM of each direct child (torchrun: ranks)
 
 
 def measure(cmd: list[str], *, ok_rc: tuple[int, ...] = (0,), env: dict[str, str] | None = None) -> Run:
@@ -95,6 +119,7 @@ def measure(cmd: list[str], *, ok_rc: tuple[int, ...] = (0,), env: dict[str, str
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or ENV, cwd=str(REPO))
     peak_tree = 0
+    child_hwm: dict[int, int] = {}
     import threading
 
     buf: list[bytes] = []
@@ -105,6 +130,8 @@ def measure(cmd: list[str], *, ok_rc: tuple[int, ...] = (0,), env: dict[str, str
         if pid:
             break
         peak_tree = max(peak_tree, sum(_rss_kb(q) for q in _tree(p.pid)))
+        for q in _children(p.pid):  # the high-water mark is monotonic: the last poll before exit is ~exact
+            child_hwm[q] = max(child_hwm.get(q, 0), _rss_kb(q, "VmHWM"))
         time.sleep(0.02)
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -112,8 +139,14 @@ def measure(cmd: list[str], *, ok_rc: tuple[int, ...] = (0,), env: dict[str, str
     after = _io()
     rss = max(peak_tree, ru.ru_maxrss) / 1024
     io = {k: after[k] - before[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")}
-    tail = b"".join(buf).decode(errors="replace")[-2000:]
-    return Run(wall, rss, io, p.returncode, tail if p.returncode not in ok_rc else "")
+    text = b"".join(buf).decode(errors="replace")
+    result = None
+    for line in text.splitlines():
+        if "RESULT {" in line:
+            with contextlib.suppress(ValueError):
+                result = json.loads(line[line.index("RESULT {") + len("RESULT ") :])
+    kids = [v / 1024 for v in child_hwm.values() if v]
+    return Run(wall, rss, io, p.returncode, text[-2000:], result, kids)
 
 
 def files_of(path: Path) -> list[Path]:
@@ -159,11 +192,23 @@ class Row:
     out_bytes: int = 0
     note: str = ""
     prepare: Callable[[], None] | None = None  # run before the first measurement (floor plans)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment on top of ENV
+
+    def ok(self, run: Run) -> bool:
+        return run.rc in self.ok_rc and (self.group != "engine" or run.result is not None)
 
     @property
     def best(self) -> Run | None:
-        ok = [r for r in self.runs if r.rc in self.ok_rc]
-        return min(ok, key=lambda r: r.wall) if ok else None
+        """The fastest successful run: lowest wall time, or for engine rows lowest median step time."""
+        ok = [r for r in self.runs if self.ok(r)]
+        if not ok:
+            return None
+        return min(ok, key=step_s if self.group == "engine" else (lambda r: r.wall))
+
+
+def step_s(run: Run) -> float:
+    """An engine run's median step time (engine_bench's ``step_s``)."""
+    return float(run.result["step_s"]) if run.result else float("inf")
 
 
 def needed_reads(ckpt_path: Path, *, tag: str | None = None, optim: bool = False) -> list[list[object]]:
@@ -202,6 +247,7 @@ def floor_row(group: str, name: str, inp: str, plan_fn: Callable[[], tuple[list[
 
 
 def is_deepspeed(row: Row) -> bool:
+    """A DeepSpeed converter row (run ``--ds-repeat`` times); engine rows all run ``--repeat`` times."""
     return row.cmd[0] == DSPY
 
 
@@ -217,12 +263,13 @@ def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
             drop_caches()
         else:
             warm(inputs)
-        r = measure(row.cmd, ok_rc=row.ok_rc)
+        r = measure(row.cmd, ok_rc=row.ok_rc, env=dict(ENV, **row.env))
         row.runs.append(r)
         if row.out is not None:
             row.out_bytes = size_of(row.out)
-        if r.rc not in row.ok_rc:
-            print(f"  !! {row.name} exited {r.rc}: {r.tail.strip().splitlines()[-1:]}", flush=True)
+        if not row.ok(r):
+            what = f"exited {r.rc}" if r.rc not in row.ok_rc else "printed no RESULT line"
+            print(f"  !! {row.name} {what}: {r.tail.strip().splitlines()[-3:]}", flush=True)
             break
     if row.out is not None and row.out.exists() and not row.keep:
         shutil.rmtree(row.out) if row.out.is_dir() else row.out.unlink()
@@ -466,6 +513,22 @@ def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
         rows.append(
             Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify")
         )
+    if "engine" in groups:
+        rows += engine_rows()
+    return rows
+
+
+def engine_rows() -> list[Row]:
+    """plain PyTorch, the engine and DeepSpeed ZeRO-3 on the same GPT, config and data, CPU/gloo."""
+    rows: list[Row] = []
+    for micro in ENGINE_MICROS:
+        common = ["--device", "cpu", "--size", "small", "--dtype", "fp32", "--micro", str(micro),
+                  "--steps", str(ENGINE_STEPS), "--warmup", str(ENGINE_WARMUP)]  # fmt: skip
+        launch = ["--standalone", "--nproc_per_node", str(ENGINE_WORLD), str(HERE / "engine_bench.py")]
+        for name, venv, impl in ((PLAIN, ".venv", "plain"), (ENGINE, ".venv", "engine"),
+                                 (DEEPSPEED, ".venv-ds", "deepspeed")):  # fmt: skip
+            cmd = [str(REPO / venv / "bin/torchrun"), *launch, "--impl", impl, *common]
+            rows.append(Row("engine", name, f"GPT small fp32, micro {micro}", cmd, env=dict(ENGINE_ENV)))
     return rows
 
 
@@ -572,23 +635,104 @@ def table(rows: list[Row], cache: str) -> str:
     return "\n".join(lines)
 
 
+def engine_table(rows: list[Row]) -> tuple[str, list[str]]:
+    """The engine rows' table, and one note per config on the engine's and DeepSpeed's losses."""
+    by = {(r.input, r.name): r for r in rows}
+    hdr = (
+        "| config | impl | step s (best) | runs step s | tokens/s | peak RSS/rank GiB (max of ranks) "
+        "| rank 0 RSS GiB (own) | tree peak RSS GiB | wall s | this/DeepSpeed | this/plain |"
+    )
+    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in rows:
+        b = r.best
+        runs = " ".join(f"{step_s(x):.3f}" if r.ok(x) else f"(rc{x.rc})" for x in r.runs)
+        if b is None or b.result is None:
+            lines.append(f"| {r.input} | {r.name} | FAILED | {runs} | | | | | | | |")
+            continue
+        ratio = {}
+        for other in (DEEPSPEED, PLAIN):
+            o = by.get((r.input, other))
+            ob = o.best if o is not None and o is not r else None
+            ratio[other] = f"{step_s(b) / step_s(ob):.2f}" if ob is not None else ""
+        rank = f"{max(b.child_peak_mb) / 1024:.2f}" if b.child_peak_mb else ""
+        bold = "**" if r.name == ENGINE else ""
+        res = b.result
+        lines.append(
+            f"| {r.input} | {r.name} | {bold}{step_s(b):.3f}{bold} | {runs} | {res['tokens_per_s']:.0f} | "
+            f"{rank} | {res['host_peak_rss_gib']:.2f} | {b.rss_mb / 1024:.2f} | {b.wall:.1f} | "
+            f"{ratio[DEEPSPEED]} | {ratio[PLAIN]} |"
+        )
+    notes = []
+    for inp in dict.fromkeys(r.input for r in rows):
+        eng, ds, pl = (by.get((inp, n)) for n in (ENGINE, DEEPSPEED, PLAIN))
+        if eng is None or ds is None:
+            continue
+        el = [x.result["losses"] for x in eng.runs if eng.ok(x) and x.result]
+        dl = [x.result["losses"] for x in ds.runs if ds.ok(x) and x.result]
+        if not el or not dl:
+            continue
+        same_len = len({len(x) for x in el + dl}) == 1
+        d = max(abs(a - b) for e in el for s in dl for a, b in zip(e, s, strict=False))
+        agree = same_len and round(d, 7) <= 1e-5  # printed to 5 decimals: one unit of the last digit
+        first = [f"{n} {b.result['losses'][0]:.5f}" for n, x in ((PLAIN, pl), (ENGINE, eng), (DEEPSPEED, ds))
+                 if x is not None and (b := x.best) is not None and b.result]  # fmt: skip
+        notes.append(
+            f"{inp}: per-step losses (rank 0, all {len(el[0])} steps incl. warm-up, every run) of the engine "
+            f"and DeepSpeed {'**agree**' if agree else '**DIFFER**'} within engine_bench's printed precision "
+            f"(5 decimals; max |Δ| {d:.1e}); "
+            f"step-0 loss {', '.join(first)}."
+        )
+    return "\n".join(lines), notes
+
+
 def record(rows: list[Row], cache: str, args: argparse.Namespace, notes: list[str]) -> str:
     m = machine()
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    cmds = "\n".join(f"- {r.input} / {r.name}: `{shlex.join(_rel(c) for c in r.cmd)}`" for r in rows)
+    files = [r for r in rows if r.group != "engine"]
+    eng = [r for r in rows if r.group == "engine"]
+    shown = ((r, [*(f"{k}={v}" for k, v in r.env.items()), *map(_rel, r.cmd)]) for r in rows)
+    cmds = "\n".join(f"- {r.input} / {r.name}: `{shlex.join(c)}`" for r, c in shown)
     how = ("inputs read into the page cache before every run" if cache == "warm"
            else "caches dropped (sync; drop_caches=3) before every run")  # fmt: skip
+    if cache == "warm" and not files:
+        how = "the engine rows read no input files"
     text = (
-        f"\n## {now} — `{shlex.join(['bench/run.py', *sys.argv[1:]])}`\n\n"
+        f"\n## {now} — {cache} page cache — `{shlex.join(['bench/run.py', *sys.argv[1:]])}`\n\n"
         f"Machine: {m['cpu']}; RAM {m['ram']}; disk {m['disk']}; Python {m['python']}; commit {m['commit']}; "
         f"load average at the end {m['load']} (other jobs share the 2 cores, so walls are noisy).\n"
-        f"Page cache: **{cache}** ({how}). "
-        f"Each zckpt/floor row ran {args.repeat}x, each DeepSpeed row {args.ds_repeat}x; wall = best run, "
-        f"all runs listed. floor/this = fraction of the copy floor "
-        f"(target >= 0.7); this/DeepSpeed = wall ratio to the matching DeepSpeed tool (target <= 0.5).\n\n"
-        + table(rows, cache)
-        + "\n\n"
-        + "".join(f"- {n}\n" for n in notes)
+        f"Page cache: **{cache}** ({how})."
+    )
+    if files:
+        text += (
+            f" Each zckpt/floor row ran {args.repeat}x, each DeepSpeed row {args.ds_repeat}x; "
+            f"wall = best run, all runs listed. floor/this = fraction of the copy floor (target >= 0.7); "
+            f"this/DeepSpeed = wall ratio to the matching DeepSpeed tool (target <= 0.5).\n\n"
+            + table(files, cache)
+            + "\n\n"
+        )
+    else:
+        text += "\n\n"
+    if eng:
+        res = next((b.result for r in eng if (b := r.best) is not None and b.result), {})
+        etab, enotes = engine_table(eng)
+        text += (
+            f"Engine (`bench/engine_bench.py` under `torchrun --standalone --nproc_per_node {ENGINE_WORLD}`, "
+            f"CPU/gloo, `OMP_NUM_THREADS=1`: one rank per core; GPT `small` "
+            f"({res.get('params', 0) / 1e6:.1f}M params), fp32, ZeRO-3 for the engine and DeepSpeed, plain = "
+            f"each rank trains its own unsharded copy, no communication; same init, optimizer and data; "
+            f"{ENGINE_STEPS} timed steps after {ENGINE_WARMUP} warm-up). Each config ran {args.repeat}x; "
+            f"step s = a run's median step time (rank 0), best = lowest over the runs, all runs listed; "
+            f"tokens/s of the best run (micro-batch x 256 tokens x {ENGINE_WORLD} ranks / step); "
+            f"peak RSS/rank = the larger of the ranks' VmHWM (polled by run.py), rank 0 (own) = its "
+            f"ru_maxrss as engine_bench reports it, tree = the polled peak of the summed VmRSS of torchrun "
+            f"and its ranks; "
+            f"wall = the whole torchrun command. this/DeepSpeed: target <= 0.8 for the engine.\n\n"
+            + etab
+            + "\n\n"
+            + "".join(f"- {n}\n" for n in enotes)
+        )
+    text += (
+        "".join(f"- {n}\n" for n in notes)
         + "\n<details><summary>Commands (from the repo root)</summary>\n\n"
         + cmds
         + "\n\n</details>\n"
@@ -612,10 +756,11 @@ def main() -> None:
     ap.add_argument("--no-build", action="store_true", help="use only the inputs already built")
     args = ap.parse_args()
     groups = set(args.only)
-    need = {"gpt400m_z3_w2"} | ({"gpt400m_z2_w2"} if "consolidate" in groups else set())
+    need = {"gpt400m_z3_w2"} if groups - {"engine"} else set()  # the engine group needs no inputs
+    need |= {"gpt400m_z2_w2"} if "consolidate" in groups else set()
     need |= {"gpt400m_z3_w4"} if "reshard" in groups else set()
     need |= {"gpt100m_z3_w2", "gpt1b_z3_w2"} if "scale" in groups else set()
-    if not args.no_build:
+    if not args.no_build and need:
         build_inputs(sorted(need))
     OUT.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
@@ -626,15 +771,23 @@ def main() -> None:
         rows = [r for r in rows if any(s in r.name for s in args.rows) or r.name.startswith("floor")]
     done: list[Row] = []
     for r in add_floors(rows):
-        if not (DATA / r.input).exists() and not (OUT / r.input).exists():
-            continue
-        inputs = [DATA / r.input if (DATA / r.input).exists() else OUT / r.input]
+        inputs: list[Path] = []
+        if r.group != "engine":
+            if not (DATA / r.input).exists() and not (OUT / r.input).exists():
+                continue
+            inputs = [DATA / r.input if (DATA / r.input).exists() else OUT / r.input]
         if r.group == "diff":
             inputs.append(OUT / "gpt400m_z3_w2-fp32.safetensors")
         print(f"[{r.group}] {r.input}: {r.name} ...", flush=True)
         run_row(r, args.ds_repeat if is_deepspeed(r) else args.repeat, args.cache, inputs)
         b = r.best
-        print(f"    {'FAILED' if b is None else f'{b.wall:.1f}s  {b.rss_mb:.0f} MB'}", flush=True)
+        if b is None:
+            print("    FAILED", flush=True)
+        elif b.result is not None:
+            rank, tps = max(b.child_peak_mb or [0]) / 1024, b.result["tokens_per_s"]
+            print(f"    {step_s(b):.3f} s/step  {tps:.0f} tokens/s  {rank:.2f} GiB/rank", flush=True)
+        else:
+            print(f"    {b.wall:.1f}s  {b.rss_mb:.0f} MB", flush=True)
         if b is None and "safetensors" in r.name and "zero_to_fp32" in r.name:
             r.note = "DeepSpeed's safetensors path refuses tied weights (shared tensors)"
         done.append(r)

@@ -59,6 +59,11 @@ class GPT(nn.Module):
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * c.n_layer) if n.endswith("out.weight") else 1))
 
+    def reset_parameters(self) -> None:
+        """Refill the position buffer (a model built on the meta device gets it back uninitialised)."""
+        with torch.no_grad():
+            self.pos.copy_(torch.arange(self.pos.numel(), device=self.pos.device))
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         x = self.wte(idx) + self.wpe(self.pos[:t])
