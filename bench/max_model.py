@@ -34,6 +34,14 @@ def mem_available_gib() -> float:
     return float("inf")
 
 
+def settle(baseline: float, slack_gib: float = 2.0, limit_s: float = 180.0) -> None:
+    """Wait until the host has its memory back from the previous attempt (a killed process's pinned
+    pages take a while to be freed), so every attempt starts with the same free RAM."""
+    t0 = time.perf_counter()
+    while mem_available_gib() < baseline - slack_gib and time.perf_counter() - t0 < limit_s:
+        time.sleep(1)
+
+
 def attempt(impl: str, layers: int, args: argparse.Namespace) -> dict:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
@@ -43,7 +51,8 @@ def attempt(impl: str, layers: int, args: argparse.Namespace) -> dict:
     ]  # fmt: skip
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    min_avail, why = mem_available_gib(), ""
+    start_avail = min_avail = mem_available_gib()
+    why = ""
     out: list[bytes] = []
     os.set_blocking(p.stdout.fileno(), False)  # type: ignore[union-attr]
     while p.poll() is None:
@@ -73,7 +82,8 @@ def attempt(impl: str, layers: int, args: argparse.Namespace) -> dict:
     rec = {
         "impl": impl, "layers": layers, "embd": args.embd, "fits": result is not None,
         "params": result["params"] if result else None, "wall_s": round(time.perf_counter() - t0, 1),
-        "min_host_available_gib": round(min_avail, 1), "why": why or None,
+        "start_host_available_gib": round(start_avail, 1), "min_host_available_gib": round(min_avail, 1),
+        "why": why or None,
     }  # fmt: skip
     if result:
         rec.update(
@@ -95,7 +105,9 @@ def main() -> None:
     ap.add_argument("--reserve-gib", type=float, default=3.0)
     args = ap.parse_args()
     largest = None
+    baseline = mem_available_gib()
     for layers in args.layers:
+        settle(baseline)
         rec = attempt(args.impl, layers, args)
         print(json.dumps(rec), flush=True)
         if not rec["fits"]:
