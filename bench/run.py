@@ -513,6 +513,9 @@ def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
         rows.append(
             Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify")
         )
+    for r in rows:  # DeepSpeed's converters do not fsync: charge them the flush zckpt and the floor pay
+        if is_deepspeed(r) and r.group != "engine":
+            r.cmd = [DSPY, str(HERE / "then_sync.py"), *r.cmd[1:]]
     if "engine" in groups:
         rows += engine_rows()
     return rows
