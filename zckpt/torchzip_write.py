@@ -23,7 +23,9 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,11 @@ from zckpt.outputs import HashingSink, tensor_bytes
 from zckpt.pickle_safe import FOREIGN_CLASSES
 
 ALIGNMENT = 64
+_OVERLAP_BYTES = 1 << 20
+"""Records at least this large take their CRC32 on a helper thread, concurrently with the write and hash
+(zlib releases the GIL): the bytes go straight to the sink and the running CRC and size are handed to
+zipfile's record writer (its ``_crc`` / ``_file_size``, which its ``close`` puts in the data descriptor;
+CPython 3.8+). Where those attributes are missing, zipfile's own ``write`` is used."""
 STORAGE_TYPES: dict[torch.dtype, str] = {
     torch.float32: "FloatStorage", torch.float16: "HalfStorage", torch.bfloat16: "BFloat16Storage",
     torch.float64: "DoubleStorage", torch.int64: "LongStorage", torch.int32: "IntStorage",
@@ -152,6 +159,7 @@ class TorchZipWriter:
         self.sink = sink
         self.prefix = prefix
         self.zf = zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._pool: ThreadPoolExecutor | None = None
 
     def write_record(self, name: str, chunks: Iterable[bytes | memoryview | torch.Tensor], size: int) -> None:
         """Add record ``<prefix>/<name>`` of ``size`` bytes from ``chunks``; data aligned to 64 bytes."""
@@ -166,12 +174,24 @@ class TorchZipWriter:
         with self.zf.open(info, "w", force_zip64=zip64) as w:
             # a lazy chunk stream is read ahead on a thread: its reads overlap the CRC, hash and write
             stream = chunks if isinstance(chunks, (list, tuple)) else pipeline.prefetch(chunks)
+            overlap = size >= _OVERLAP_BYTES and hasattr(w, "_crc") and hasattr(w, "_file_size")
             for c in stream:
                 data = tensor_bytes(c) if isinstance(c, torch.Tensor) else c
-                w.write(data)
+                if overlap:  # the record's CRC on a helper thread while the chunk is written and hashed
+                    crc = self._crc_pool().submit(zlib.crc32, data, w._crc)  # type: ignore[attr-defined]
+                    self.sink.write(memoryview(data))
+                    w._crc = crc.result()  # type: ignore[attr-defined]
+                    w._file_size += len(data)  # type: ignore[attr-defined]
+                else:
+                    w.write(data)
                 written += len(data)
         if written != size:
             raise RuntimeError(f"record {name}: wrote {written} bytes, planned {size}")
+
+    def _crc_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-crc")
+        return self._pool
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.write_record(name, [data], len(data))
@@ -184,8 +204,12 @@ class TorchZipWriter:
         self.write_bytes("byteorder", b"little")
 
     def close(self) -> None:
-        self.write_bytes("version", b"3\n")
-        self.zf.close()
+        try:
+            self.write_bytes("version", b"3\n")
+            self.zf.close()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
 
 
 __all__ = ["GlobalRef", "StorageSlot", "TensorSlot", "TorchPickler", "TorchZipWriter", "dumps"]
