@@ -613,13 +613,17 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _header(*cols: str) -> list[str]:
+    """A markdown table's header and separator lines."""
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 def table(rows: list[Row], cache: str) -> str:
     by = {(r.input, r.name): r for r in rows}
-    hdr = (
-        "| group | input | row | wall s (best) | runs s | peak RSS MB | rchar GB | wchar GB | read_bytes GB "
-        "| write_bytes GB | out GB | floor/this | this/DeepSpeed |"
-    )
-    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    lines = _header(
+        "group", "input", "row", "wall s (best)", "runs s", "peak RSS MB", "rchar GB", "wchar GB",
+        "read_bytes GB", "write_bytes GB", "out GB", "floor/this", "this/DeepSpeed",
+    )  # fmt: skip
     for r in rows:
         b = r.best
         runs = " ".join(f"{x.wall:.1f}" + ("" if x.rc in r.ok_rc else f"(rc{x.rc})") for x in r.runs)
@@ -641,11 +645,10 @@ def table(rows: list[Row], cache: str) -> str:
 def engine_table(rows: list[Row]) -> tuple[str, list[str]]:
     """The engine rows' table, and one note per config on the engine's and DeepSpeed's losses."""
     by = {(r.input, r.name): r for r in rows}
-    hdr = (
-        "| config | impl | step s (best) | runs step s | tokens/s | peak RSS/rank GiB (max of ranks) "
-        "| rank 0 RSS GiB (own) | tree peak RSS GiB | wall s | this/DeepSpeed | this/plain |"
-    )
-    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    lines = _header(
+        "config", "impl", "step s (best)", "runs step s", "tokens/s", "peak RSS/rank GiB (max of ranks)",
+        "rank 0 RSS GiB (own)", "tree peak RSS GiB", "wall s", "this/DeepSpeed", "this/plain",
+    )  # fmt: skip
     for r in rows:
         b = r.best
         runs = " ".join(f"{step_s(x):.3f}" if r.ok(x) else f"(rc{x.rc})" for x in r.runs)
