@@ -114,15 +114,16 @@ class Comm:
         total = sum(sizes)
         inp = _adjacent(shards)
         if inp is None:
-            inp = torch.cat([s.reshape(-1) for s in shards], out=self.scratch("x", total, *_kind(shards[0])))
+            flat = [s.reshape(-1) for s in shards]
+            inp = torch.cat(flat, out=self.scratch("x", total, shards[0].dtype, shards[0].device))
         # a lone param's full tensor is a view of a fresh output (no copy); the params of a bucket are
         # copied out of a scratch output into tensors of their own
         lone = sum(1 for c in sizes if c) <= 1
-        dtype, device = _kind(inp)
+        dtype, device = inp.dtype, inp.device
         out = (
             torch.empty(w * total, dtype=dtype, device=device)
             if lone
-            else self.scratch("z", w * total, *_kind(inp))
+            else self.scratch("z", w * total, dtype, device)
         )
         self._all_gather(out, inp)
         rows = out.view(w, total)
@@ -182,7 +183,7 @@ class Comm:
         if not self.pairwise:
             _all_gather(out, inp)
             return
-        rep = self.scratch("y", out.numel(), *_kind(inp)).view(self.world, -1)
+        rep = self.scratch("y", out.numel(), inp.dtype, inp.device).view(self.world, -1)
         rep.copy_(inp.reshape(1, -1).expand_as(rep))  # rank j's row goes to rank j: every row is my shard
         dist.all_to_all_single(out, rep)
 
@@ -191,13 +192,9 @@ class Comm:
         if not self.pairwise:
             _reduce_scatter(mine, rows.view(-1))
             return
-        got = self.scratch("y", rows.numel(), *_kind(rows))
+        got = self.scratch("y", rows.numel(), rows.dtype, rows.device)
         dist.all_to_all_single(got, rows.reshape(-1))  # row j of rank i -> rank j, placed at row i
         torch.sum(got.view(self.world, -1), dim=0, out=mine)
-
-
-def _kind(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-    return t.dtype, t.device
 
 
 def _adjacent(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -15,20 +15,14 @@ import os
 import shutil
 from pathlib import Path
 
+from zckpt.outputs import fsync_path
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
 def staging_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.staging"
-
-
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -52,8 +46,8 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(staged: Path, target: Path) -> None:
     """Make the complete folder ``staged`` visible as ``target`` (replacing any old ``target``)."""
     for f in staged.iterdir():
-        _fsync_path(f)
-    _fsync_path(staged)
+        fsync_path(f)
+    fsync_path(staged)
     if not target.exists():
         os.rename(staged, target)
     elif _exchange(staged, target):
@@ -63,7 +57,7 @@ def publish(staged: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(staged, target)
         shutil.rmtree(old)
-    _fsync_path(target.parent)
+    fsync_path(target.parent)
 
 
 def move_latest(save_dir: Path, tag: str) -> None:
@@ -73,4 +67,4 @@ def move_latest(save_dir: Path, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, save_dir / "latest")
-    _fsync_path(save_dir)
+    fsync_path(save_dir)

@@ -400,15 +400,20 @@ def check_dest(dest: Path, *, is_dir: bool, overwrite: bool) -> None:
                            hint="remove it first or choose another output path", path=str(dest))  # fmt: skip
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync one file or folder by path (errors propagate)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     """fsync every file and folder under ``root`` (files first, then their folders, ``root`` last)."""
     for d, _, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(os.path.join(d, name))
         _fsync_dir(Path(d))
 
 
