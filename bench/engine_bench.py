@@ -46,7 +46,7 @@ def _count(cfg: GPTConfig) -> int:
 
 def ds_config(args: argparse.Namespace) -> dict:
     zero: dict = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
-                  "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8,
+                  "reduce_bucket_size": args.reduce_bucket, "stage3_prefetch_bucket_size": 5e8,
                   "stage3_param_persistence_threshold": 1e5}  # fmt: skip
     if args.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -87,6 +87,7 @@ def main() -> None:
         help="meta: build without materialising the model (engine: meta device, materialised per module at "
         "initialize; DeepSpeed: zero.Init, partitioned at construction onto the offload device)",
     )
+    ap.add_argument("--reduce-bucket", type=float, default=5e8, help="reduce_bucket_size (elements)")
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
@@ -154,9 +155,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(1 + rank)
     times, losses = [], []
     prof = torch.profiler.profile(record_shapes=True, with_stack=True) if args.profile else None
+    faults0 = 0
     for i in range(args.warmup + args.steps):
-        if prof is not None and i == args.warmup:
-            prof.__enter__()
+        if i == args.warmup:
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            if prof is not None:
+                prof.__enter__()
         x = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
         y = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
         if args.device == "cuda":
@@ -167,6 +171,7 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(round(lv, 5))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / args.steps
     if prof is not None:
         prof.__exit__(None, None, None)
         if rank == 0:
@@ -184,6 +189,7 @@ def main() -> None:
             round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None
         ),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "minor_faults_per_step": round(faults),
         "losses": losses,
     }  # fmt: skip
     if rank == 0:

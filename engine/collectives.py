@@ -14,11 +14,15 @@ The two hot collectives work on *buckets* of several parameters so that one laun
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.shm import ShmPeers
+from engine.shm import usable as shm_usable
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -36,11 +40,24 @@ class Comm:
         """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange). Gloo's
         own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are 2.5-3.5x slower for bucket-sized
         tensors (measured: 93 MB at world 2 on one host, 122 / 152 ms against 41 ms); NCCL's are optimal."""
+        self._shm: ShmPeers | None | bool = None if self.pairwise and self.world > 1 else False
+        self.shm_min_bytes = int(os.environ.get("ZCKPT_ENGINE_SHM_MIN_BYTES", 1 << 16))
+        """Smaller exchanges stay on gloo: below this a segment's barrier costs as much as the socket."""
+
+    def shm(self, nbytes: int) -> ShmPeers | None:
+        """The shared-memory peers (``engine.shm``) for an exchange of ``nbytes`` per rank, when every rank
+        is on this host; set up by the first large collective (a collective call itself)."""
+        if self._shm is False or nbytes < self.shm_min_bytes:
+            return None
+        if self._shm is None:
+            self._shm = ShmPeers(self.world, self.rank) if shm_usable(self.world) else False
+        return self._shm if isinstance(self._shm, ShmPeers) else None
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reusable buffer of ``numel`` elements for data that dies before the call returns (``"z"``, a
-        reduce's result, lives until its caller has added it into the grad shards, before any other call).
-        Each collective uses slots ``"x"``, ``"y"``, ``"z"`` at most once, so three buffers serve all.
+        """A reusable buffer of ``numel`` elements. The all-gather uses slots ``"x"``, ``"y"``, ``"z"``, whose
+        data dies before it returns; the gradient reduction uses ``"rx"``, ``"ry"``, ``"rz"``, alive while it
+        is in flight and (``"rz"``, its result) until the caller has added it into the grad shards, before it
+        starts the next one.
 
         On the host every fresh bucket-sized tensor is a new ``mmap`` (glibc serves large allocations that
         way) whose pages fault in one by one as the collective writes them and are unmapped when it is
@@ -112,14 +129,17 @@ class Comm:
             return [s[:n].clone() for s, n in zip(shards, numels, strict=True)]
         sizes = [s.numel() for s in shards]
         total = sum(sizes)
+        dtype, device = shards[0].dtype, shards[0].device
+        peers = self.shm(total * shards[0].element_size()) if device.type == "cpu" else None
+        if peers is not None:
+            return self._all_gather_shm(peers, shards, sizes, numels)
         inp = _adjacent(shards)
         if inp is None:
             flat = [s.reshape(-1) for s in shards]
-            inp = torch.cat(flat, out=self.scratch("x", total, shards[0].dtype, shards[0].device))
+            inp = torch.cat(flat, out=self.scratch("x", total, dtype, device))
         # a lone param's full tensor is a view of a fresh output (no copy); the params of a bucket are
         # copied out of a scratch output into tensors of their own
         lone = sum(1 for c in sizes if c) <= 1
-        dtype, device = inp.dtype, inp.device
         out = (
             torch.empty(w * total, dtype=dtype, device=device)
             if lone
@@ -139,6 +159,28 @@ class Comm:
             off += c
         return fulls
 
+    def _all_gather_shm(
+        self, peers: ShmPeers, shards: Sequence[torch.Tensor], sizes: Sequence[int], numels: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """``all_gather_params`` through shared memory: my shards into my segment, a barrier, then each full
+        tensor assembled straight from every rank's segment (the one copy the gather needs)."""
+        dtype = shards[0].dtype
+        total = sum(sizes)
+        rows = [seg.view(dtype) for seg in peers.next("gather", total * shards[0].element_size())]
+        inp = _adjacent(shards)
+        if inp is not None:
+            rows[self.rank].copy_(inp)
+        else:
+            torch.cat([sh.reshape(-1) for sh in shards], out=rows[self.rank])
+        peers.barrier()
+        fulls: list[torch.Tensor] = []
+        off = 0
+        for c, n in zip(sizes, numels, strict=True):
+            full = torch.cat([row[off : off + c] for row in rows])
+            fulls.append(full[:n])
+            off += c
+        return fulls
+
     def reduce_grads(
         self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
     ) -> torch.Tensor:
@@ -148,10 +190,29 @@ class Comm:
         ``partition_world`` is ``world`` (reduce-scatter: rank r gets elements ``[r*c, r*c+c)`` of each) or 1
         (all-reduce: every rank gets the whole gradient; stage 0).
         """
+        return self.start_reduce_grads(grads, chunks, partition_world).wait()
+
+    def start_reduce_grads(
+        self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
+    ) -> Reduction:
+        """``reduce_grads`` launched asynchronously: the gradients are laid out (so they may be freed when
+        this returns) and the collective runs in the background -- on gloo's worker thread, or NCCL's
+        stream -- while the caller goes on with the backward. ``wait()`` on the result gives what
+        ``reduce_grads`` returns. Its buffers are the ``"r*"`` scratch slots, distinct from the
+        all-gather's, so params can be gathered meanwhile; at most one reduction may be in flight."""
         pw = partition_world
         total = sum(chunks)
         dtype, device = grads[0].dtype, grads[0].device
-        buf = self.scratch("x", pw * total, dtype, device).view(pw, total)
+        nbytes = pw * total * grads[0].element_size()
+        peers = self.shm(nbytes) if device.type == "cpu" else None
+        segs = (
+            None
+            if peers is None
+            else [seg.view(dtype).view(pw, total) for seg in peers.next("reduce", nbytes)]
+        )
+        buf = (
+            self.scratch("rx", pw * total, dtype, device).view(pw, total) if segs is None else segs[self.rank]
+        )
         off = 0
         for g, c in zip(grads, chunks, strict=True):
             # lay the gradient out rank-major without a padded temporary: full rows, a partial row, zeros
@@ -168,16 +229,23 @@ class Comm:
                 buf[rows + 1 :, off : off + c].zero_()
             off += c
         if self.world == 1:
-            return buf.view(-1)
+            return Reduction(None, buf.view(-1), 1)
+        if pw != 1 and pw != self.world:
+            raise ValueError(f"partition world {pw} must be 1 or the world size {self.world}")
+        if segs is not None:
+            assert peers is not None
+            # every rank reads the part meant for it (its row; stage 0: everything) from every segment
+            parts = [seg.view(-1) if pw == 1 else seg[self.rank] for seg in segs]
+            out = self.scratch("rz", parts[0].numel(), dtype, device)
+            return Reduction(peers.start_barrier(), out, self.world, parts=parts)
         if pw == 1:
-            dist.all_reduce(buf)
-            mine = buf.view(-1)
-        else:
-            if pw != self.world:
-                raise ValueError(f"partition world {pw} must be 1 or the world size {self.world}")
-            mine = self.scratch("z", total, dtype, device)
-            self._reduce_scatter(mine, buf)
-        return mine.div_(self.world)
+            return Reduction(dist.all_reduce(buf, async_op=True), buf.view(-1), self.world)
+        mine = self.scratch("rz", total, dtype, device)
+        if not self.pairwise:
+            return Reduction(_reduce_scatter(mine, buf.view(-1), async_op=True), mine, self.world, keep=buf)
+        got = self.scratch("ry", buf.numel(), dtype, device)
+        work = dist.all_to_all_single(got, buf.view(-1), async_op=True)  # row j of rank i -> rank j, row i
+        return Reduction(work, mine, self.world, parts=list(got.view(self.world, -1).unbind(0)))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if not self.pairwise:
@@ -187,14 +255,41 @@ class Comm:
         rep.copy_(inp.reshape(1, -1).expand_as(rep))  # rank j's row goes to rank j: every row is my shard
         dist.all_to_all_single(out, rep)
 
-    def _reduce_scatter(self, mine: torch.Tensor, rows: torch.Tensor) -> None:
-        """``mine`` = the sum over ranks of row ``rank`` of every rank's ``rows`` (``(world, n)``)."""
-        if not self.pairwise:
-            _reduce_scatter(mine, rows.view(-1))
-            return
-        got = self.scratch("y", rows.numel(), rows.dtype, rows.device)
-        dist.all_to_all_single(got, rows.reshape(-1))  # row j of rank i -> rank j, placed at row i
-        torch.sum(got.view(self.world, -1), dim=0, out=mine)
+
+class Reduction:
+    """An in-flight ``Comm.start_reduce_grads``; ``wait()`` returns this rank's averaged chunks."""
+
+    def __init__(
+        self,
+        work: Any,
+        out: torch.Tensor,
+        world: int,
+        *,
+        parts: list[torch.Tensor] | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        self._work = work
+        self._out = out
+        self._world = world
+        self._parts = parts
+        """The ranks' contributions to my result, summed into ``out`` at ``wait`` (the pairwise exchange's
+        received rows, or the shared-memory segments' parts meant for me)."""
+        self._keep = keep  # the input, alive until the collective is done (an accelerator's fresh buffer)
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective is done; the averaged result (the same tensor on a second call)."""
+        if self._world > 1:
+            if self._work is not None:
+                self._work.wait()
+            if self._parts is not None:
+                # a chain of adds: one pass per rank, faster than a reduction over a stacked dim
+                torch.add(self._parts[0], self._parts[1], out=self._out)
+                for part in self._parts[2:]:
+                    self._out.add_(part)
+            self._out.div_(self._world)
+            self._work = self._parts = self._keep = None
+            self._world = 1
+        return self._out
 
 
 def _adjacent(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

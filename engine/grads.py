@@ -4,8 +4,10 @@ ranks, and accumulated into each param's fp32 *grad shard* (``engine.param``).
 A post-accumulate-grad hook on every trainable parameter hands its ``.grad`` to ``GradReducer.add`` as soon as
 autograd has finished summing it (so a tied parameter arrives once, with both uses added), then drops
 ``.grad`` and, under stage 3, releases the gathered parameter. When a bucket reaches ``reduce_bucket_size``
-elements it is reduce-scattered (stages 1-3) or all-reduced (stage 0); ``flush`` sends the rest when the
-engine's backward ends.
+elements it is reduce-scattered (stages 1-3) or all-reduced (stage 0) *asynchronously*: the collective runs
+while autograd computes the next bucket's gradients, and its result is added into the grad shards when the
+next bucket is launched (one reduction in flight, as DeepSpeed's ``overlap_comm``). ``flush`` sends the rest
+and waits when the engine's backward ends.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.collectives import Comm
+from engine.collectives import Comm, Reduction
 from engine.param import ParamState
 
 
@@ -54,6 +56,7 @@ class GradReducer:
         only): the next flush copies instead of adding. ``materialize`` zeroes it for real."""
         self._pending: dict[torch.dtype, list[tuple[ParamState, torch.Tensor]]] = {}
         self._pending_numel: dict[torch.dtype, int] = {}
+        self._inflight: tuple[Reduction, list[ParamState]] | None = None
 
     def add(self, state: ParamState, grad: torch.Tensor) -> None:
         assert state.grad_shard is not None
@@ -83,9 +86,21 @@ class GradReducer:
         self._pending_numel.pop(dtype, None)
         if not bucket:
             return
+        self._finish()  # the previous bucket's result is read before its buffers are reused
         states = [s for s, _ in bucket]
-        mine = self.comm.reduce_grads([g for _, g in bucket], [s.chunk for s in states], self.partition_world)
-        bucket.clear()  # the full gradients can go now
+        work = self.comm.start_reduce_grads(
+            [g for _, g in bucket], [s.chunk for s in states], self.partition_world
+        )
+        bucket.clear()  # laid out: the full gradients can go now
+        self._inflight = (work, states)
+
+    def _finish(self) -> None:
+        """Wait for the reduction in flight, if any, and add its result into the grad shards."""
+        if self._inflight is None:
+            return
+        work, states = self._inflight
+        self._inflight = None
+        mine = work.wait()
         if mine.device != self.flat_grad.device:
             mine = mine.to(self.flat_grad.device)  # one device-to-host copy per bucket
         off = 0
@@ -109,6 +124,7 @@ class GradReducer:
         """Reduce every pending gradient. Ranks must call it at the same point (end of backward)."""
         for dtype in sorted(self._pending, key=str):
             self._reduce(dtype)
+        self._finish()
         if self._staged:
             assert self._staging is not None
             if self.device.type == "cuda":

@@ -1,8 +1,10 @@
 """engine.collectives on 3 gloo ranks: the pairwise (all_to_all) all-gather and reduce-scatter used on gloo
-against gloo's own collectives and against hand-made tensors, on awkward sizes, with scratch reuse."""
+against gloo's own collectives and against hand-made tensors, on awkward sizes, with scratch reuse and a
+reduction in flight while params are gathered."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,19 +24,25 @@ def _check(rank: int, world: int) -> dict[str, Any]:
     comm = Comm()
     assert comm.pairwise  # gloo
     out: dict[str, Any] = {}
-    for pairwise in (True, False):
-        comm.pairwise = pairwise
-        for numels in ([7, 1, 0, 10], [30], [5, 3], [2, 0]):  # several, lone, smaller again, with an empty
+    for mode in ("shm", "pairwise", "gloo"):
+        pairwise = mode
+        comm.pairwise = mode != "gloo"
+        comm.shm_min_bytes = 0 if mode == "shm" else 1 << 62
+        for numels in ([7, 1, 0, 10], [30], [5, 3], [2, 0], [3000, 9]):  # several, lone, smaller, an empty
             chunks = [-(-n // world) for n in numels]
             shards = [_shard(rank, c, i) for i, c in enumerate(chunks)]
+            if len(numels) == 2:  # adjacent views of one flat buffer (the engine's shard buffer)
+                flat = torch.cat(shards)
+                shards = list(flat.split(chunks))
             fulls = comm.all_gather_params(shards, numels)
             kept = [f.clone() for f in fulls]
             comm.all_gather_params([_shard(rank, c, 9) for c in chunks], numels)  # reuses the scratch
             for i, (f, k, n, c) in enumerate(zip(fulls, kept, numels, chunks, strict=True)):
                 want = torch.cat([_shard(r, c, i) for r in range(world)])[:n]
                 assert torch.equal(f, want) and torch.equal(f, k), (pairwise, numels, i, f, want, k)
+        assert (comm.shm(1 << 20) is not None) == (mode == "shm")  # the shm mode really ran on /dev/shm
         g = torch.Generator().manual_seed(0)
-        sizes = (13, 4, 1, 9)
+        sizes = (13, 4, 1, 9, 4000)
         every = [[torch.randn(n, generator=g) for n in sizes] for _ in range(world)]
         ints = [[torch.randint(-50, 50, (n,), generator=g).float() for n in sizes] for _ in range(world)]
         for grads_of in (every, ints):
@@ -49,12 +57,20 @@ def _check(rank: int, world: int) -> dict[str, Any]:
             w = torch.cat(want)
             exact = grads_of is ints
             assert torch.equal(mine, w) if exact else torch.allclose(mine, w, atol=1e-6), (pairwise, exact)
+            # asynchronous: the inputs are dropped and params gathered while the reduction is in flight
+            grads = [t.clone() for t in grads_of[rank]]
+            pending = comm.start_reduce_grads(grads, chunks, world)
+            del grads
+            gathered = comm.all_gather_params([_shard(rank, 4, 7)], [4 * world - 1])
+            assert torch.equal(gathered[0], torch.cat([_shard(r, 4, 7) for r in range(world)])[:-1])
+            assert torch.equal(pending.wait(), w) if exact else torch.allclose(pending.wait(), w, atol=1e-6)
             whole = comm.reduce_grads(grads_of[rank], [t.numel() for t in grads_of[rank]], 1)  # stage 0
             summed = [torch.stack([gr[i] for gr in grads_of]).sum(0) for i in range(len(sizes))]
-            assert torch.allclose(whole, torch.cat(summed) / world)
-        out[str(pairwise)] = True
+            assert torch.allclose(whole, torch.cat(summed) / world, atol=1e-6), mode
+        out[mode] = True
     return out
 
 
 def test_pairwise_collectives_match_gloo_and_hand_made() -> None:
-    assert run(_check, 3) == [{"True": True, "False": True}] * 3
+    assert run(_check, 3) == [{"shm": True, "pairwise": True, "gloo": True}] * 3
+    assert not list(Path("/dev/shm").glob("zckpt-engine-*"))  # every segment was unlinked once mapped
