@@ -6,12 +6,13 @@ every other rank of the group maps too, so an exchange becomes: write my part in
 collective needs anyway), one barrier, read the others' parts straight from their segments. The barrier is a
 one-element gloo all-reduce, which also orders the exchange with the group's other collectives.
 
-Segments come in two *parities* used alternately: exchange ``n + 2`` overwrites the segment of exchange
-``n``, which every rank has finished reading once all ranks passed the barrier of exchange ``n + 1`` (each
-rank reads exchange ``n`` before it writes exchange ``n + 1``). A segment grows when an exchange needs more
-bytes; growing is collective (every rank asks for the same sizes in the same order, as for any collective),
-and each file is unlinked as soon as every rank has mapped it, so nothing is left in ``/dev/shm`` even if
-the job is killed.
+Each exchange has a *slot* (one segment per rank), reused by the slot's next exchange: before a rank
+writes into it again, a barrier makes sure every rank has read the previous exchange (each rank reads an
+exchange before it starts the next one on the same slot). That costs one more tiny all-reduce per exchange
+instead of a second set of segments, so the segments add no more memory than gloo's own buffers. A segment
+grows when an exchange needs more bytes; growing is collective (every rank asks for the same sizes in the
+same order, as for any collective), and each file is unlinked as soon as every rank has mapped it, so
+nothing is left in ``/dev/shm`` even if the job is killed.
 
 Used only when every rank of a gloo group runs on this host (same hostname and boot id) and ``/dev/shm`` is
 writable; ``ZCKPT_ENGINE_SHM=0`` turns it off.
@@ -59,20 +60,19 @@ class ShmPeers:
         box = [secrets.token_hex(6) if rank == 0 else None]
         dist.broadcast_object_list(box, 0)
         self._job = box[0]
-        self._segs: dict[tuple[str, int], tuple[int, list[torch.Tensor]]] = {}
-        self._parity: dict[str, int] = {}
+        self._segs: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._gen = 0
 
     def next(self, slot: str, nbytes: int) -> list[torch.Tensor]:
-        """The segments (one ``uint8`` tensor per rank, ``nbytes`` long) of the next exchange on ``slot``."""
-        parity = self._parity.get(slot, 0)
-        self._parity[slot] = parity ^ 1
-        key = (slot, parity)
-        have = self._segs.get(key)
+        """The segments (one ``uint8`` tensor per rank, ``nbytes`` long) for the next exchange on ``slot``,
+        once every rank has read the previous one: this rank may write its own segment now."""
+        have = self._segs.get(slot)
         if have is None or have[0] < nbytes:
             size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-            self._segs[key] = (size, self._map(size))
-        return [s[:nbytes] for s in self._segs[key][1]]
+            self._segs[slot] = (size, self._map(size))  # its barriers also order it after the last reads
+        else:
+            self.barrier()
+        return [s[:nbytes] for s in self._segs[slot][1]]
 
     def _map(self, size: int) -> list[torch.Tensor]:
         self._gen += 1
