@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -156,6 +157,15 @@ def main() -> None:
     times, losses = [], []
     prof = torch.profiler.profile(record_shapes=True, with_stack=True) if args.profile else None
     faults0 = 0
+    gc_time = [0.0, 0.0]  # time in Python's cyclic GC during the timed steps; start of the current pass
+
+    def on_gc(phase: str, _info: dict) -> None:
+        if phase == "start":
+            gc_time[1] = time.perf_counter()
+        elif faults0:
+            gc_time[0] += time.perf_counter() - gc_time[1]
+
+    gc.callbacks.append(on_gc)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -190,6 +200,7 @@ def main() -> None:
         ),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "minor_faults_per_step": round(faults),
+        "gc_s_per_step": round(gc_time[0] / args.steps, 4),
         "losses": losses,
     }  # fmt: skip
     if rank == 0:

@@ -63,6 +63,6 @@ def test_deepspeed_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     got = json.loads(out.read_text())
     assert got["losses"] == pytest.approx(_reference(_script_module()), rel=1e-6)

@@ -1,6 +1,6 @@
 """The process group a distributed conversion runs on, and how its ranks agree on success or failure.
 
-A conversion split over ranks (``consolidate(..., distributed=...)``) needs three things from
+A conversion split over ranks (``consolidate`` / ``reshard(..., distributed=...)``) needs three things from
 ``torch.distributed`` and nothing else: each rank's place (``Group.rank`` / ``Group.world``), one value
 sent from rank 0 to all (``Group.broadcast``), and a vote after each step (``Group.agree``): every rank
 reports whether its part succeeded, and if any failed, every rank raises — the failing ones their own

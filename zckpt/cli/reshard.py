@@ -1,13 +1,15 @@
 """``zckpt reshard [SRC [DST]] --world N``: rewrite a sharded checkpoint for another world size.
 
 Run bare inside a run's checkpoint folder (``zckpt reshard --world 8``): SRC is ``.`` and DST the
-sibling folder ``<folder>-world8``; the source is never written to.
+sibling folder ``<folder>-world8``; the source is never written to. Under ``torchrun`` (``WORLD_SIZE`` > 1)
+the processes split the rank files between them (see ``zckpt.reshard``); only rank 0 prints the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -65,8 +67,10 @@ def command(
     native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
     universal conversion). Streamed tensor by tensor; written to a temporary folder, renamed at the end.
     """
+    from zckpt import dist
     from zckpt.reshard import reshard
 
+    distributed = dist.env_world() > 1
     res = reshard(
         src,
         dst,
@@ -77,7 +81,10 @@ def command(
         overwrite=overwrite,
         progress=progress and not json,
         trust_pickle=trust_pickle,
+        distributed=distributed or None,
     )
+    if distributed and int(os.environ.get("RANK", "0")) != 0:
+        return
     o = Output(json=json)
     o.result(dataclasses.asdict(res))
     zero = f" ZeRO-{res.stage}" if res.stage is not None else ""

@@ -341,11 +341,13 @@ def write_deepspeed(
     stage: int,
     tmpl: DsTemplate,
     on_file: Callable[[str, int], None] | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """Write ``ckpt`` as a DeepSpeed ZeRO-``stage`` checkpoint for ``world`` ranks into ``tag_dir``.
 
     Returns notes for the caller (batch-size changes, dropped states). ``on_file(name, nbytes)`` is
-    called after each file (progress)."""
+    called after each file (progress). ``part=(i, n)``: write only ranks ``i::n``'s files, and the
+    files all ranks share only when ``i`` is 0 (process ``i`` of ``n`` in a distributed reshard)."""
     if stage not in (1, 2, 3):
         raise Unsupported(f"cannot write DeepSpeed ZeRO stage {stage}; stages 1, 2 and 3 are supported")
     if ckpt.meta.format == "deepspeed" and ckpt.meta.extra.get("bf16_optimizer"):
@@ -445,7 +447,7 @@ def write_deepspeed(
     if stage in (1, 2):
         shapes = [OrderedDict((n, torch.Size(ents[n].shape)) for n in g) for g in groups]
         lays = [zero12_layout([ents[n].numel for n in g], world) for g in groups]
-        for r in range(world):
+        for r in range(part[0], world, part[1]):
             f = _File()
             fp32, states, pads, maps = [], {}, [], []
             for gi, g in enumerate(groups):
@@ -483,8 +485,9 @@ def write_deepspeed(
                 f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
                 {"optimizer_state_dict": osd, "ds_config": f.convert(cfg), "ds_version": tmpl.ds_version},
             )
-        f = _File()
-        emit(f, "mp_rank_00_model_states.pt", model_file(f, 0, shapes))
+        if part[0] == 0:
+            f = _File()
+            emit(f, "mp_rank_00_model_states.pt", model_file(f, 0, shapes))
         return notes
 
     # ZeRO-3
@@ -493,7 +496,7 @@ def write_deepspeed(
         for idx in zero3_sub_groups([ents[n].numel for n in g], world, tmpl.sub_group_size):
             subs.append((gi, [g[k] for k in idx]))
     shapes = [OrderedDict((n, torch.Size(ents[n].shape)) for n in names) for _, names in subs]
-    for r in range(world):
+    for r in range(part[0], world, part[1]):
         f = _File()
         flats, states = [], {}
         for si, (_gi, names) in enumerate(subs):

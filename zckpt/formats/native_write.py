@@ -184,21 +184,12 @@ def template_from_deepspeed(
     )
 
 
-def write_native(
-    ckpt: Checkpoint,
-    tag_dir: Path,
-    *,
-    world: int,
-    tag: str,
-    tmpl: NativeTemplate,
-    on_file: Callable[[str, int], None] | None = None,
-) -> list[str]:
-    """Write ``ckpt`` as a native checkpoint for ``world`` ranks into ``tag_dir``; returns notes."""
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    pw = 1 if tmpl.stage == 0 else world
+def _specs(
+    ckpt: Checkpoint, tmpl: NativeTemplate
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """The manifest's tensor and optimizer-state specs, and notes on what cannot be written."""
     notes: list[str] = []
     models = ckpt.model_entries()
-    optims = [e for e in ckpt.entries.values() if e.role is Role.OPTIM]
     params = {e.name: e for e in models if e.role is Role.PARAM}
     specs_t, specs_o = [], []
     for e in models:
@@ -207,7 +198,7 @@ def write_native(
         specs_t.append(
             {"name": e.name, "shape": list(e.shape), "dtype": dt, "role": e.role.value, "partitioned": part}
         )
-    for o in optims:
+    for o in (e for e in ckpt.entries.values() if e.role is Role.OPTIM):
         p = params.get(o.name)
         part = p is not None and o.shape == p.shape and o.numel > 1
         if p is None:
@@ -223,9 +214,28 @@ def write_native(
                 "python": tmpl.python_types.get((o.name, o.state or "")),
             }
         )
+    return specs_t, specs_o, notes
+
+
+def write_native(
+    ckpt: Checkpoint,
+    tag_dir: Path,
+    *,
+    world: int,
+    tag: str,
+    tmpl: NativeTemplate,
+    on_file: Callable[[str, int], None] | None = None,
+    part: tuple[int, int] = (0, 1),
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Write the rank files of ``ckpt`` as a native checkpoint for ``world`` ranks into ``tag_dir``: all of
+    them, or with ``part=(i, n)`` ranks ``i::n`` only (process ``i`` of ``n`` in a distributed reshard).
+    Returns notes and the written files' manifest entries; ``write_manifest`` completes the folder."""
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    pw = 1 if tmpl.stage == 0 else world
+    models = ckpt.model_entries()
+    _, specs_o, notes = _specs(ckpt, tmpl)
     files: dict[str, dict[str, Any]] = {}
-    rngs: list[dict[str, Any]] = []
-    for r in range(world):
+    for r in range(part[0], world, part[1]):
         items: list[WriteItem] = []
 
         def chunk(e: TensorEntry, key: str, dtype: torch.dtype, r: int = r) -> WriteItem:
@@ -248,8 +258,7 @@ def write_native(
                     items.append(WriteItem(key, slice_entry(o, 0, o.numel, name=key), o.dtype))
                     items[-1] = WriteItem(key, _reshaped(items[-1].entry, o.shape), o.dtype)
         assert tmpl.rng is not None
-        rng_json, rng_t = tmpl.rng(r)
-        rngs.append(rng_json)
+        _, rng_t = tmpl.rng(r)
         items += [WriteItem(k, entry_from_tensor(k, v, Role.BUFFER), v.dtype) for k, v in rng_t.items()]
         if r == 0:
             items += [
@@ -267,12 +276,25 @@ def write_native(
         files[name] = {"sha256": sha, "bytes": path.stat().st_size}
         if on_file is not None:
             on_file(name, path.stat().st_size)
+    return notes, files
+
+
+def write_manifest(
+    ckpt: Checkpoint, tag_dir: Path, *, world: int, tag: str, tmpl: NativeTemplate, files: dict[str, Any]
+) -> None:
+    """The manifest of a native checkpoint whose rank files (``files``: every rank's entry, as
+    ``write_native`` returns them) are in ``tag_dir``; written last, by one process."""
+    missing = [f"rank_{r:05d}.safetensors" for r in range(world) if f"rank_{r:05d}.safetensors" not in files]
+    if missing:
+        raise AssertionError(f"manifest without rank files {missing[:3]}")
+    specs_t, specs_o, _ = _specs(ckpt, tmpl)
+    assert tmpl.rng is not None
     man = {
         "format": native.FORMAT,
         "version": native.VERSION,
         "tag": tag,
         "world_size": world,
-        "partition_world": pw,
+        "partition_world": 1 if tmpl.stage == 0 else world,
         "stage": tmpl.stage,
         "precision": tmpl.precision,
         "compute_dtype": LP.get(tmpl.precision, "float32"),
@@ -283,15 +305,14 @@ def write_native(
         "scheduler": tmpl.scheduler,
         "loss_scaler": tmpl.loss_scaler,
         "counters": tmpl.counters,
-        "rng": rngs,
+        "rng": [tmpl.rng(r)[0] for r in range(world)],
         "client_state": tmpl.client_state,
         "config": tmpl.config,
-        "files": files,
+        "files": {name: files[name] for name in sorted(files)},
     }
     tmp = tag_dir / f".manifest.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(man, indent=1) + "\n")
     os.replace(tmp, tag_dir / native.MANIFEST)
-    return notes
 
 
 def _reshaped(e: TensorEntry, shape: tuple[int, ...]) -> TensorEntry:
