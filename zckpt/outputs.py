@@ -12,7 +12,8 @@ Owns the pieces every writer shares:
   before anything is renamed (the disk flushes one file in the background while the next is
   written, instead of the pipeline stalling on each file's fsync). Each tensor file ``F`` gets a
   sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the whole file, so
-  ``sha256sum -c F.sha256`` or ``zckpt verify`` can check it.
+  ``sha256sum -c F.sha256`` or ``zckpt verify`` can check it. The bytes go to the device with
+  ``O_DIRECT`` where the filesystem allows (``zckpt.direct_io``), not through the page cache.
 - Shard planning and HF shard names (``model-00001-of-00003.safetensors``), size parsing (``5GB``).
 """
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from zckpt import storage
+from zckpt import direct_io, storage
 from zckpt.errors import KeyMappingError, OutputExists, WriteFailed
 from zckpt.model import Piece, Role, TensorEntry
 
@@ -222,6 +223,12 @@ class HashingSink(io.RawIOBase):
         self.path = path
         self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
+        self._direct: direct_io.DirectWriter | None = None
+        if direct_io.enabled():
+            try:
+                self._direct = direct_io.DirectWriter(str(path), self._f.fileno())
+            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
+                self._direct = None
         self._sha = hashlib.sha256()
         self._pos = 0
         self._hasher: ThreadPoolExecutor | None = None
@@ -241,14 +248,20 @@ class HashingSink(io.RawIOBase):
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
             done = self._hasher.submit(self._sha.update, mv)
             try:
-                self._f.write(mv)
+                self._put(mv)
             finally:
                 done.result()
         else:
-            self._f.write(mv)
+            self._put(mv)
             self._sha.update(mv)
         self._pos += len(mv)
         return len(mv)
+
+    def _put(self, mv: memoryview) -> None:
+        if self._direct is not None:
+            self._direct.write(mv)
+        else:
+            self._f.write(mv)
 
     def tell(self) -> int:
         return self._pos
@@ -263,6 +276,9 @@ class HashingSink(io.RawIOBase):
         try:
             if not self.closed and not self._f.closed:
                 try:
+                    if self._direct is not None:
+                        direct, self._direct = self._direct, None
+                        direct.close()
                     self._f.flush()
                     if self._durable_now:
                         os.fsync(self._f.fileno())
