@@ -598,13 +598,14 @@ def machine() -> dict[str, str]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "zckpt", "bench"], capture_output=True, text=True,
-                           cwd=REPO).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "zckpt", "engine", "bench", ":!bench/RESULTS.md"],
+                           capture_output=True, text=True, cwd=REPO).stdout.strip()  # fmt: skip
+    # (RESULTS.md itself is appended by make bench's first section before the second one runs)
     return {
         "cpu": f"{cpu}, nproc {os.cpu_count()}",
         "ram": f"{mem / 2**20:.1f} GiB",
         "disk": f"{dev}, {du.total / 1e9:.0f} GB ({du.free / 1e9:.0f} GB free)",
-        "commit": commit.strip() + (" + uncommitted changes in zckpt/ or bench/" if dirty else ""),
+        "commit": commit.strip() + (" + uncommitted changes in zckpt/, engine/ or bench/" if dirty else ""),
         "python": platform.python_version(),
         "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
     }
