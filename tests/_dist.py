@@ -38,3 +38,17 @@ def run(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="zdist-") as tmp:
         mp.spawn(_entry, args=(fn, world, tmp, args), nprocs=world, join=True)
         return [json.loads(Path(tmp, f"result_{r}.json").read_text()) for r in range(world)]
+
+
+def outcome(call: Callable[[], object]) -> str:
+    """How a distributed conversion ended on this rank: ``"no error"``, ``"own:<strerror>"`` (this rank's own
+    ``OSError``) or ``"peer:<message>"`` (the ``WriteFailed`` a failure on another rank raises here)."""
+    from zckpt.errors import WriteFailed
+
+    try:
+        call()
+    except OSError as e:
+        return f"own:{e.strerror}"
+    except WriteFailed as e:
+        return f"peer:{e}"
+    return "no error"
