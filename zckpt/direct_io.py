@@ -17,6 +17,7 @@ network filesystems) -- at open, or on a first write with ``EINVAL`` -- it falls
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -121,7 +122,6 @@ class DirectWriter:
             self._pool.shutdown()
             os.close(self._dfd)
             for b in self._bufs:
-                try:
+                # a view still referenced (by an error's traceback) keeps it open: freed along with it
+                with contextlib.suppress(BufferError):
                     b.close()
-                except BufferError:  # a view is still referenced (by an error's traceback): freed with it
-                    pass

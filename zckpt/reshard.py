@@ -177,8 +177,6 @@ def _counter(res: ReshardResult, update: Callable[[int], object]) -> OnFile:
 class _Written:
     """What one process wrote, and how to complete the folder once every process has written."""
 
-    stage: int
-    notes: list[str]
     files: dict[str, Any]
     """Native rank files' manifest entries (by name); empty for DeepSpeed output."""
     finish: Callable[[dict[str, Any]], None]
@@ -194,7 +192,8 @@ def _write(
     on_file: OnFile,
     part: tuple[int, int],
 ) -> _Written:
-    """Write rank files ``part[0]::part[1]`` of the output into ``out_dir / res.tag``."""
+    """Write rank files ``part[0]::part[1]`` of the output into ``out_dir / res.tag``; fills in ``res.stage``
+    and ``res.notes``."""
     tag_dir = out_dir / res.tag
     if res.dst_format == "deepspeed":
         from zckpt.formats import deepspeed_write as dw
@@ -212,7 +211,7 @@ def _write(
         )
         res.stage = int(out_stage or 3)
         res.notes += notes
-        return _Written(res.stage, notes, {}, lambda _files: None)
+        return _Written({}, lambda _files: None)
     from zckpt.formats import native_write as nw
 
     if ckpt.meta.format == "native":
@@ -230,7 +229,7 @@ def _write(
     def finish(every: dict[str, Any]) -> None:
         nw.write_manifest(ckpt, tag_dir, world=res.world, tag=res.tag, tmpl=ntmpl, files=every)
 
-    return _Written(ntmpl.stage, notes, files, finish)
+    return _Written(files, finish)
 
 
 def _plan_digest(ckpt: Checkpoint, res: ReshardResult, stage: int | None) -> str:
