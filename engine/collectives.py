@@ -167,11 +167,7 @@ class Comm:
         dtype = shards[0].dtype
         total = sum(sizes)
         rows = [seg.view(dtype) for seg in peers.next("gather", total * shards[0].element_size())]
-        inp = _adjacent(shards)
-        if inp is not None:
-            rows[self.rank].copy_(inp)
-        else:
-            torch.cat([sh.reshape(-1) for sh in shards], out=rows[self.rank])
+        torch.cat([sh.reshape(-1) for sh in shards], out=rows[self.rank])  # one copy, adjacent or not
         peers.barrier()
         fulls: list[torch.Tensor] = []
         off = 0
