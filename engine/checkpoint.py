@@ -11,7 +11,7 @@ then moves ``latest``; a final barrier keeps every rank inside ``save`` until ``
 Load: the format is detected through zckpt's formats registry and opened as a lazy ``Checkpoint`` (the model
 every zckpt command uses). Each rank copies only the elements ``[start, start + valid)`` of *its* chunk of
 each fp32 master, frozen param and per-element optimizer state out of whichever source pieces hold them
-(``zckpt.flat.read_range`` reads just those bytes), so load-time resharding is the same code path as
+(``zckpt.io.flat.read_range`` reads just those bytes), so load-time resharding is the same code path as
 a same-size resume. Optimizer states are matched by name to the states the engine's optimizer keeps
 (Adam's ``step`` may come from a DeepSpeed param group). Everything that is not a tensor (optimizer groups,
 scheduler, loss scaler, step counters, client_state, RNG) comes through the same mapping ``zckpt reshard
@@ -38,10 +38,11 @@ from engine.checkpoint_optim import CheckpointMismatch, load_optimizer, read_int
 from engine.publish import move_latest, publish, staging_dir
 from engine.st_stream import write_tensors
 from zckpt import formats
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
 from zckpt.formats import native
 from zckpt.formats.native_write import NativeTemplate, template_from_deepspeed, template_from_native
-from zckpt.model import Checkpoint, TensorEntry
+from zckpt.model import TensorEntry
 
 if TYPE_CHECKING:
     from engine.engine import Engine

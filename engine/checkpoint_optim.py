@@ -2,7 +2,7 @@
 
 States are matched by name to the states the engine's optimizer keeps (its current state, or one
 zero-gradient step of the same class and group settings on a 2-element probe): per-element states are cut to
-this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.flat.read_range``), scalar states
+this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.io.flat.read_range``), scalar states
 (Adam's ``step``) are read whole and given the probe's type (a FusedAdam-style ``step`` kept in a DeepSpeed
 param group counts too).
 Param groups must hold the same params; their hyper-parameters are restored, implementation switches
@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zckpt import flat
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats.native_write import NativeTemplate
-from zckpt.model import STATE_SEP, Checkpoint, Role, TensorEntry
+from zckpt.io import flat
+from zckpt.model import STATE_SEP, Role, TensorEntry
 
 if TYPE_CHECKING:
     from engine.engine import Engine

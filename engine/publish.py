@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from zckpt.outputs import fsync_path
+from zckpt.io.outputs import fsync_path
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

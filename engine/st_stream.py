@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from zckpt.formats.hf import ST_DTYPES
-from zckpt.outputs import HashingSink, tensor_bytes
+from zckpt.io.outputs import HashingSink, tensor_bytes
 
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 

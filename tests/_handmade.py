@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from zckpt.model import Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.checkpoint import Checkpoint
+from zckpt.model import CheckpointMeta, Piece, Role, TensorEntry
 
 
 def make_ckpt(

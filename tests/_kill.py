@@ -171,7 +171,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def verify_ok(path: Path, tag: str | None = None) -> bool:
-    from zckpt.verify import verify
+    from zckpt.ops.verify import verify
 
     return verify(path, tag=tag).ok
 

@@ -486,7 +486,7 @@ def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Pat
     """Staged files are made durable at commit, all of them (index, sidecars, ``latest`` included),
     before the first rename; a sink outside any staging folder is fsynced when it closes."""
     from zckpt import consolidate, reshard
-    from zckpt.outputs import HashingSink
+    from zckpt.io.outputs import HashingSink
 
     events: list[tuple[str, str]] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace

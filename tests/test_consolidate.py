@@ -15,9 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt import outputs, pipeline
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, OutputExists
-from zckpt.model import Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.io import outputs, pipeline
+from zckpt.model import CheckpointMeta, Piece, Role, TensorEntry
 
 torch.manual_seed(0)
 MASTERS = {  # fp32 masters of trainable params

@@ -16,7 +16,7 @@ import pytest
 from _dist import outcome, run
 
 import zckpt
-from zckpt.consolidate import consolidate
+from zckpt.ops.consolidate import consolidate
 
 pytestmark = pytest.mark.dist
 

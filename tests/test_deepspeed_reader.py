@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zckpt import storage
 from zckpt.errors import ShardMismatch, UnknownFormat, ZckptError
 from zckpt.formats import deepspeed as ds
+from zckpt.io import storage
 from zckpt.model import Role
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ds"

@@ -1,4 +1,4 @@
-"""zckpt.diff against hand computations on hand-made checkpoints (tests/_handmade.py), and against
+"""zckpt.ops.diff against hand computations on hand-made checkpoints (tests/_handmade.py), and against
 DeepSpeed's own zero_to_fp32 output when the real fixtures exist."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from _handmade import make_ckpt
 
 import zckpt
-from zckpt.diff import DiffResult, diff
 from zckpt.errors import KeyMappingError
+from zckpt.ops.diff import DiffResult, diff
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "diff-json-schema.json").read_text())
@@ -33,7 +33,7 @@ def _base() -> dict[str, torch.Tensor]:
 
 
 def _oracle(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: float = 0.0) -> dict[str, float]:
-    """Full-tensor float64 reference, written independently of zckpt.diff's chunked code."""
+    """Full-tensor float64 reference, written independently of zckpt.ops.diff's chunked code."""
     a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
     d = (a64 - b64).abs()
     rel = torch.where(d == 0, torch.zeros_like(d), d / b64.abs())

@@ -217,7 +217,7 @@ def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[s
     """Load with the byte-reading entry points recorded: partitioned tensors are read only over this rank's
     chunk ``[start, start + valid)``; whole tensors only for what every rank needs (scalars, buffers, and
     frozen params when the engine does not shard them)."""
-    from zckpt import flat, storage
+    from zckpt.io import flat, storage
     from zckpt.partition import chunk_range
 
     ranged: list[tuple[str, int, int, int]] = []

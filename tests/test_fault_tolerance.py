@@ -39,6 +39,6 @@ def test_torchrun_restart_resumes_from_latest(tmp_path: Path) -> None:
     assert run["losses"] == ref["losses"][KILL_STEP:]
     assert run["params"] == ref["params"]
     assert (ck / "latest").read_text().strip() == f"global_step{STEPS}"
-    from zckpt.verify import verify
+    from zckpt.ops.verify import verify
 
     assert verify(ck).ok

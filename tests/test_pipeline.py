@@ -1,4 +1,5 @@
-"""zckpt.pipeline: ordered, bounded-memory streaming of tensors (pread + cast on workers, write in order)."""
+"""zckpt.io.pipeline: ordered, bounded-memory streaming of tensors (pread + cast on workers, write in
+order)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zckpt import pipeline, storage
 from zckpt.errors import CorruptCheckpoint
+from zckpt.io import pipeline, storage
+from zckpt.io.outputs import HashingSink, WriteItem
 from zckpt.model import Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, WriteItem
 
 
 def _file_entry(tmp: Path, name: str, t: torch.Tensor, cuts: list[int], gap: int = 24) -> TensorEntry:

@@ -1,4 +1,4 @@
-"""zckpt.reshard: checkpoint-level round trips and layouts checked against DeepSpeed's own files.
+"""zckpt.ops.reshard: checkpoint-level round trips and layouts checked against DeepSpeed's own files.
 
 Oracles: DeepSpeed's gathered fp32 masters and Adam moments (``ref_fp32.safetensors`` of each fixture, written
 by the live engine), DeepSpeed's own per-rank metadata (an identity reshard must reproduce
@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import OutputExists, Unsupported
-from zckpt.flat import read_partition, read_range
 from zckpt.formats.deepspeed_write import adjust_batch, zero3_sub_groups, zero12_layout
+from zckpt.io.flat import read_partition, read_range
+from zckpt.io.pickle_safe import TensorRef
+from zckpt.io.torchzip import load_refs
 from zckpt.model import Role
-from zckpt.pickle_safe import TensorRef
-from zckpt.reshard import default_dst, reshard
-from zckpt.torchzip import load_refs
+from zckpt.ops.reshard import default_dst, reshard
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "fixtures" / "ds"

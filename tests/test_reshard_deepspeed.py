@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from zckpt.reshard import reshard
+from zckpt.ops.reshard import reshard
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = REPO / ".venv-ds" / "bin" / "torchrun"

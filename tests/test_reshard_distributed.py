@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from _dist import outcome, run
 
-from zckpt.reshard import reshard
+from zckpt.ops.reshard import reshard
 
 pytestmark = pytest.mark.dist
 

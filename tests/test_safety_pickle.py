@@ -43,7 +43,7 @@ from _safety import (
 )
 
 from zckpt.errors import UnsafePickle
-from zckpt.pickle_safe import SafeUnpickler
+from zckpt.io.pickle_safe import SafeUnpickler
 
 pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
 
@@ -154,7 +154,7 @@ def test_torch_lazy_attributes_are_not_resolved(tmp_path: Path) -> None:
     (which imports ``torch._dynamo``/``torch.onnx`` or calls deprecated factories). In a fresh interpreter."""
     code = (
         "import io, sys\n"
-        "from zckpt.pickle_safe import SafeUnpickler\n"
+        "from zckpt.io.pickle_safe import SafeUnpickler\n"
         "from zckpt.errors import UnsafePickle\n"
         "for n in ('_dynamo', 'onnx', '_inductor', 'has_mps', 'load'):\n"
         "    try:\n"

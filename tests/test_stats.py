@@ -1,4 +1,4 @@
-"""zckpt.stats against full-tensor torch computations on hand-made checkpoints (tests/_handmade.py)."""
+"""zckpt.ops.stats against full-tensor torch computations on hand-made checkpoints (tests/_handmade.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from _handmade import make_ckpt
 
-from zckpt import storage
-from zckpt.stats import checkpoint_stats, iter_chunks, tensor_stats
+from zckpt.io import storage
+from zckpt.ops.stats import checkpoint_stats, iter_chunks, tensor_stats
 
 
 def _tensors() -> dict[str, torch.Tensor]:

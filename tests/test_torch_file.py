@@ -1,4 +1,4 @@
-"""torch .bin/.pt reader and streaming writer (zckpt.formats.torch_file, zckpt.torchzip_write),
+"""torch .bin/.pt reader and streaming writer (zckpt.formats.torch_file, zckpt.io.torchzip_write),
 checked against torch.save / torch.load(weights_only=True)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import zckpt
-from zckpt import torchzip
 from zckpt.errors import Unsupported
 from zckpt.formats import torch_file
+from zckpt.io import torchzip
+from zckpt.io.outputs import WriteItem, entry_from_tensor, items_from_state_dict
+from zckpt.io.pickle_safe import LossScaler, ZeroStageEnum, safe_loads
+from zckpt.io.torchzip_write import dumps
 from zckpt.model import Role
-from zckpt.outputs import WriteItem, entry_from_tensor, items_from_state_dict
-from zckpt.pickle_safe import LossScaler, ZeroStageEnum, safe_loads
-from zckpt.torchzip_write import dumps
 
 torch.manual_seed(0)
 EMB = torch.randn(13, 7)

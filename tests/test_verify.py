@@ -1,4 +1,4 @@
-"""zckpt.verify on intact and deliberately damaged checkpoints: each damage is made by hand here
+"""zckpt.ops.verify on intact and deliberately damaged checkpoints: each damage is made by hand here
 (truncate, flip a byte, delete or add a rank file) and must be reported, naming the file."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from test_diff import validate
 
 from zckpt.errors import UnknownFormat
 from zckpt.formats.hf import write_safetensors
-from zckpt.outputs import items_from_state_dict
-from zckpt.verify import VerifyReport, verify
+from zckpt.io.outputs import items_from_state_dict
+from zckpt.ops.verify import VerifyReport, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "verify-json-schema.json").read_text())
@@ -195,8 +195,8 @@ def test_deepspeed_rank_files(tmp_path: Path, case: str) -> None:
 
 
 def test_consolidated_output_verifies_and_diffs_clean(tmp_path: Path) -> None:
-    from zckpt.consolidate import consolidate
-    from zckpt.diff import diff
+    from zckpt.ops.consolidate import consolidate
+    from zckpt.ops.diff import diff
 
     ck = _ds_copy(tmp_path, "s2_fp16_w2")
     out = tmp_path / "out"
@@ -233,7 +233,7 @@ def test_cli(tmp_path: Path) -> None:
 
 
 def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
-    from zckpt.reshard import reshard
+    from zckpt.ops.reshard import reshard
 
     src = _ds_copy(tmp_path, "s3_bf16_w2_g2")
     out = tmp_path / "native"

@@ -6,24 +6,55 @@ Library API (each CLI command is also a function here)::
     ckpt = zckpt.open("out/")            # lazy: metadata only
     w = ckpt["emb.weight"]               # reads that one tensor
     zckpt.consolidate("out/", "model.safetensors", dtype="bf16")
+
+Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (pure math the engine
+needs) loads nothing else.
 """
 
 from __future__ import annotations
 
-from zckpt.errors import ZckptError
-from zckpt.formats import open_checkpoint as open
-from zckpt.model import Checkpoint, CheckpointMeta, Role, TensorEntry
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "ZckptError", "open", "consolidate",
-           "inspect", "reshard", "diff", "verify"]  # fmt: skip
 __version__ = "0.1.0"
 
+_LAZY: dict[str, tuple[str, str]] = {
+    "open": ("zckpt.formats", "open_checkpoint"),
+    "Checkpoint": ("zckpt.checkpoint", "Checkpoint"),
+    "CheckpointMeta": ("zckpt.model", "CheckpointMeta"),
+    "Role": ("zckpt.model", "Role"),
+    "TensorEntry": ("zckpt.model", "TensorEntry"),
+    "ZckptError": ("zckpt.errors", "ZckptError"),
+    "consolidate": ("zckpt.ops.consolidate", "consolidate"),
+    "diff": ("zckpt.ops.diff", "diff"),
+    "inspect": ("zckpt.ops.inspect", "inspect"),
+    "reshard": ("zckpt.ops.reshard", "reshard"),
+    "verify": ("zckpt.ops.verify", "verify"),
+}
+__all__ = ["Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "ZckptError", "consolidate", "diff",
+           "inspect", "open", "reshard", "verify"]  # fmt: skip
 
-# Each command function is bound eagerly, after everything above: importing submodule `zckpt.X`
-# sets the package attribute `X` to the *module*, which would shadow a lazy `__getattr__`; the
-# from-import rebinds the name to the function. (Use `from zckpt.X import ...` for the module.)
-from zckpt.consolidate import consolidate  # noqa: E402
-from zckpt.diff import diff  # noqa: E402
-from zckpt.inspect import inspect  # noqa: E402
-from zckpt.reshard import reshard  # noqa: E402
-from zckpt.verify import verify  # noqa: E402
+if TYPE_CHECKING:
+    from zckpt.checkpoint import Checkpoint
+    from zckpt.errors import ZckptError
+    from zckpt.formats import open_checkpoint as open  # noqa: A004
+    from zckpt.model import CheckpointMeta, Role, TensorEntry
+    from zckpt.ops.consolidate import consolidate
+    from zckpt.ops.diff import diff
+    from zckpt.ops.inspect import inspect
+    from zckpt.ops.reshard import reshard
+    from zckpt.ops.verify import verify
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'zckpt' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

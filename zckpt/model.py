@@ -4,7 +4,7 @@ A checkpoint is a set of *logical tensors* (``TensorEntry``: name, shape, dtype,
 *pieces* (``Piece``: a run of its flattened elements stored contiguously in one file, at a known byte
 offset), plus one frozen manifest (``CheckpointMeta``). Readers build all of it from headers and
 pickled metadata only; tensor bytes are read on demand, one tensor at a time, through mmap
-(``zckpt.storage``), touching only the bytes that tensor needs.
+(``zckpt.io.storage``), touching only the bytes that tensor needs.
 
 Keys: a model tensor's key is its state-dict name (``"emb.weight"``); an optimizer state's key is
 ``"<param name>:<state>"`` (``"emb.weight:exp_avg"``). Tied aliases resolve to their owner's entry.
@@ -15,13 +15,12 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from zckpt import storage
 from zckpt.errors import CorruptCheckpoint, KeyMappingError
 
 STATE_SEP = ":"
@@ -215,76 +214,3 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, (set, frozenset, tuple)):
         return list(o)
     return repr(o)
-
-
-class Checkpoint(Mapping[str, torch.Tensor]):
-    """A lazily read checkpoint. A ``Mapping`` of model tensors (params, frozen params, buffers and
-    tied aliases) keyed by state-dict name; ``ckpt[name]`` reads that one tensor.
-
-    Optimizer states are reached through ``optim_keys()`` / ``read(key)`` / ``entries``.
-    """
-
-    def __init__(self, meta: CheckpointMeta, entries: list[TensorEntry]) -> None:
-        self.meta = meta
-        self.entries: dict[str, TensorEntry] = {}
-        for e in entries:
-            if e.key in self.entries:
-                raise CorruptCheckpoint(f"{meta.path}: tensor {e.key!r} appears twice")
-            self.entries[e.key] = e
-        for alias, owner in meta.tied.items():
-            if owner not in self.entries:
-                raise CorruptCheckpoint(f"{meta.path}: tied alias {alias!r} names missing owner {owner!r}")
-        self._model_keys = [k for k, e in self.entries.items() if e.role.is_model]
-        self._model_keys += [a for a in meta.tied if a not in self.entries]
-
-    # -- Mapping -------------------------------------------------------------------------------
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.read(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._model_keys)
-
-    def __len__(self) -> int:
-        return len(self._model_keys)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and (key in self.entries or key in self.meta.tied)
-
-    # -- lazy access ---------------------------------------------------------------------------
-    def entry(self, key: str) -> TensorEntry:
-        """The entry for ``key``; tied aliases resolve to their owner."""
-        owner = self.meta.tied.get(key, key)
-        try:
-            return self.entries[owner]
-        except KeyError:
-            raise KeyMappingError(
-                f"{self.meta.path}: no tensor {key!r}", hint="`zckpt inspect` lists the keys"
-            ) from None
-
-    def optim_keys(self) -> list[str]:
-        return [k for k, e in self.entries.items() if e.role is Role.OPTIM]
-
-    def model_entries(self) -> list[TensorEntry]:
-        """Owner entries of model tensors (no aliases), in checkpoint order."""
-        return [e for e in self.entries.values() if e.role.is_model]
-
-    def read(self, key: str | TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read one logical tensor (and nothing else) into memory, optionally cast."""
-        e = key if isinstance(key, TensorEntry) else self.entry(key)
-        return storage.read_entry(e, dtype)
-
-    def close(self) -> None:
-        storage.close_files(self.meta.files)
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        m = self.meta
-        return (
-            f"Checkpoint(format={m.format!r}, path={m.path!r}, world_size={m.world_size}, stage={m.stage}, "
-            f"tensors={len(self)}, optim_states={len(self.optim_keys())})"
-        )

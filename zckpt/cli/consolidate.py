@@ -1,7 +1,7 @@
 """``zckpt consolidate CKPT OUT``: write one loadable model (safetensors or .bin) from a checkpoint.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the ranks split the output shards between them (gloo group from
-``env://``; see ``zckpt.consolidate``); only rank 0 prints the result.
+``env://``; see ``zckpt.ops.consolidate``); only rank 0 prints the result.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def command(
     Streams tensor by tensor; trainable params come from the fp32 masters; tied weights are stored
     once in safetensors and recorded as aliases.
     """
-    from zckpt import dist
-    from zckpt.consolidate import consolidate
+    from zckpt.ops import group as dist
+    from zckpt.ops.consolidate import consolidate
 
     distributed = dist.env_world() > 1
     res = consolidate(

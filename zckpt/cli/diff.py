@@ -71,7 +71,7 @@ def command(
     difference, relative L2, cosine similarity, fraction changed and NaN/Inf counts, compared in
     float64 (integers exactly). Exit status: 0 equal within tolerance, 1 different, 2 error.
     """
-    from zckpt.diff import diff
+    from zckpt.ops.diff import diff
 
     r = diff(
         a,

@@ -30,7 +30,7 @@ def command(
     Format, stage, world size, precision, tensors by role, one row per tensor, tied and frozen
     params, optimizer states.
     """
-    from zckpt.inspect import inspect
+    from zckpt.ops.inspect import inspect
 
     r = inspect(ckpt, tag=tag, trust_pickle=trust_pickle, stats=stats)
     out = Output(json=json)

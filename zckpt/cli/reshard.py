@@ -2,7 +2,7 @@
 
 Run bare inside a run's checkpoint folder (``zckpt reshard --world 8``): SRC is ``.`` and DST the
 sibling folder ``<folder>-world8``; the source is never written to. Under ``torchrun`` (``WORLD_SIZE`` > 1)
-the processes split the rank files between them (see ``zckpt.reshard``); only rank 0 prints the result.
+the processes split the rank files between them (see ``zckpt.ops.reshard``); only rank 0 prints the result.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def command(
     native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
     universal conversion). Streamed tensor by tensor; written to a temporary folder, renamed at the end.
     """
-    from zckpt import dist
-    from zckpt.reshard import reshard
+    from zckpt.ops import group as dist
+    from zckpt.ops.reshard import reshard
 
     distributed = dist.env_world() > 1
     res = reshard(

@@ -20,7 +20,7 @@ def command(
     partition sizes, safetensors headers and zip CRC-32s intact, recorded checksums (.sha256
     sidecars, manifests) recomputed. One line per problem, naming the file.
     """
-    from zckpt.verify import verify
+    from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)
     out = Output(json=json)

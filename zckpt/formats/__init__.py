@@ -12,8 +12,8 @@ import importlib
 from pathlib import Path
 from types import ModuleType
 
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat
-from zckpt.model import Checkpoint
 
 _MODULES = (
     "zckpt.formats.native",

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from zckpt import storage
 from zckpt.formats.deepspeed import _is_scalar, _jsonable, _ref, _scalar_piece, _whole
+from zckpt.io import storage
+from zckpt.io.pickle_safe import TensorRef
 from zckpt.model import Piece, Role, TensorEntry, dtype_name
-from zckpt.pickle_safe import TensorRef
 
 _LOW = {"bfloat16": "bf16", "float16": "fp16"}
 

@@ -5,7 +5,8 @@ checking them against each other (world size, missing/extra/stale ranks, partiti
 the pickled metadata into ``TensorEntry`` pieces that point into the files. Trainable params point at
 the fp32 master partitions, optimizer states at the flat state partitions (same layout), frozen params
 and buffers at the 16-bit ``module`` / ``frozen_param_fragments`` tensors. Only ``data.pkl`` of each file
-is read here (``zckpt.torchzip.load_refs``); tensor bytes are read later, on demand, by ``zckpt.storage``.
+is read here (``zckpt.io.torchzip.load_refs``); tensor bytes are read later, on demand, by
+``zckpt.io.storage``.
 The one exception is ZeRO-0 (``zckpt.formats._deepspeed_zero0``): its unnamed fp32 masters are matched to
 names by value, which reads the 16-bit params and fp32 copies once at open time (a single file).
 Layout math: ../shared/docs/deepspeed-format.md §4; ``deepspeed`` is never imported.
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 
 from zckpt import partition
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._deepspeed_files import check_ranks, detect, resolve, scan
-from zckpt.model import Checkpoint, CheckpointMeta, OptimizerInfo, Piece, Role, TensorEntry, dtype_name
-from zckpt.pickle_safe import TensorRef, _Record
-from zckpt.torchzip import load_refs
+from zckpt.io.pickle_safe import TensorRef, _Record
+from zckpt.io.torchzip import load_refs
+from zckpt.model import CheckpointMeta, OptimizerInfo, Piece, Role, TensorEntry, dtype_name
 
 NAME = "deepspeed"
 __all__ = ["NAME", "detect", "read"]

@@ -13,7 +13,7 @@ Owns the layouts DeepSpeed's own ``load_checkpoint`` reads without universal con
   model-states file (size-0 params, full buffers, re-chunked ``frozen_param_fragments``) and an optim
   file (``fp32_flat_groups`` + the inner optimizer's per-sub-group state).
 
-Tensor bytes are streamed from the source entries (``zckpt.flat``) into ``zckpt.torchzip_write``
+Tensor bytes are streamed from the source entries (``zckpt.io.flat``) into ``zckpt.io.torchzip_write``
 archives, one storage at a time. What the writer needs besides tensors comes from a ``DsTemplate``:
 taken verbatim from the source files when the source is DeepSpeed, synthesised otherwise.
 """
@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from zckpt import partition
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import Unsupported
-from zckpt.flat import FlatSource, Segment, chunk_of, source, whole
-from zckpt.model import Checkpoint, Role, TensorEntry, parse_dtype
-from zckpt.outputs import HashingSink
-from zckpt.pickle_safe import LossScaler, TensorRef, ZeroStageEnum, _Record, fragment_address
-from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+from zckpt.io.flat import FlatSource, Segment, chunk_of, source, whole
+from zckpt.io.outputs import HashingSink
+from zckpt.io.pickle_safe import LossScaler, TensorRef, ZeroStageEnum, _Record, fragment_address
+from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+from zckpt.model import Role, TensorEntry, parse_dtype
 
 LP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DS_VERSION = "0.19.8"
@@ -149,7 +150,7 @@ _LAYOUT_KEYS = frozenset(
 
 def template_from_deepspeed(ckpt: Checkpoint, *, trust_pickle: bool = False) -> DsTemplate:
     """Everything non-tensor from a DeepSpeed source, verbatim (rank 0's model and optim files)."""
-    from zckpt.torchzip import load_refs
+    from zckpt.io.torchzip import load_refs
 
     files = [Path(f) for f in ckpt.meta.files]
     mfile = next(f for f in files if f.name.endswith("_model_states.pt"))
@@ -184,7 +185,7 @@ def template_from_deepspeed(ckpt: Checkpoint, *, trust_pickle: bool = False) -> 
 def template_from_native(ckpt: Checkpoint) -> DsTemplate:
     """DeepSpeed metadata synthesised from a native (engine) checkpoint: its config is DeepSpeed-shaped."""
     from zckpt.formats import native
-    from zckpt.pickle_safe import DynamicLossScaler
+    from zckpt.io.pickle_safe import DynamicLossScaler
 
     extra = ckpt.meta.extra
     opt = ckpt.meta.optimizer
@@ -268,7 +269,7 @@ class _File:
         return TensorSlot(slot, shp, 0, requires_grad)
 
     def scalar(self, t: torch.Tensor) -> TensorSlot:
-        from zckpt.outputs import entry_from_tensor
+        from zckpt.io.outputs import entry_from_tensor
 
         e = entry_from_tensor("scalar", t)
         return self.tensor(whole(e), tuple(t.shape))
@@ -328,7 +329,7 @@ class _File:
 
 # ---- the writer ----------------------------------------------------------------------------------
 def _scalar_state(e: TensorEntry) -> torch.Tensor:
-    from zckpt.flat import read_range
+    from zckpt.io.flat import read_range
 
     return read_range(e, 0, 1).reshape(())
 

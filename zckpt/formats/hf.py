@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from zckpt import pipeline
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
-from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
+from zckpt.io import pipeline
+from zckpt.io.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
+from zckpt.model import STATE_SEP, CheckpointMeta, Piece, Role, TensorEntry
 
 NAME = "hf"
 
@@ -306,7 +307,7 @@ def write_into(
     part: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names.
-    ``part=(rank, world)``: this rank's share only (see ``zckpt.outputs.write_sharded``)."""
+    ``part=(rank, world)``: this rank's share only (see ``zckpt.io.outputs.write_sharded``)."""
     tied = dict(tied or {})
     return write_sharded(
         folder,
@@ -337,7 +338,7 @@ def write_safetensors(
     Args:
         out: a file name ending in ``.safetensors``, or a folder (gets ``model.safetensors``, sharded
             with an index when ``max_shard_size`` splits it).
-        items: what to write (see ``zckpt.outputs.items_from_state_dict``).
+        items: what to write (see ``zckpt.io.outputs.items_from_state_dict``).
         tied: ``{alias: owner}``; owners are stored once and aliases recorded in the metadata.
 
     Returns:

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from zckpt import storage
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.hf import ST_DTYPES, read_header
-from zckpt.model import Checkpoint, CheckpointMeta, OptimizerInfo, Piece, Role, TensorEntry, parse_dtype
+from zckpt.io import storage
+from zckpt.model import CheckpointMeta, OptimizerInfo, Piece, Role, TensorEntry, parse_dtype
 from zckpt.partition import chunk_range, chunk_size
 
 NAME = "native"

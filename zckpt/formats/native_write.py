@@ -5,7 +5,7 @@ Per rank ``r < partition_world`` the file ``rank_{r:05d}.safetensors`` holds chu
 elements, trailing padding zeroed) of every ``param/<name>`` (fp32 master), ``frozen/<name>`` and partitioned
 ``optim/<state>/<name>``, plus replicated (0-d) optimizer states; every rank file holds ``rng/torch_cpu``;
 rank 0's also ``buffer/<name>`` and ``client/<path>`` tensors. ``manifest.json`` carries the same keys the
-engine writes. Tensors stream through ``hf.write_file`` from entries sliced with ``zckpt.flat.slice_entry``
+engine writes. Tensors stream through ``hf.write_file`` from entries sliced with ``zckpt.io.flat.slice_entry``
 (only the needed source bytes are read, one bounded chunk at a time).
 
 RNG: new rank ``r`` takes old rank ``r``'s state when it exists, else old rank ``r % old_world``'s (the
@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from zckpt.flat import slice_entry
+from zckpt.checkpoint import Checkpoint
 from zckpt.formats import hf, native
-from zckpt.model import Checkpoint, Role, TensorEntry, dtype_name
-from zckpt.outputs import WriteItem, entry_from_tensor
+from zckpt.io.flat import slice_entry
+from zckpt.io.outputs import WriteItem, entry_from_tensor
+from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.partition import chunk_range, chunk_size
 
 LP = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -133,7 +134,7 @@ def template_from_deepspeed(
     ckpt: Checkpoint, stage: int | None, *, trust_pickle: bool = False
 ) -> NativeTemplate:
     from zckpt.formats.deepspeed_write import template_from_deepspeed as ds_tmpl
-    from zckpt.pickle_safe import TensorRef
+    from zckpt.io.pickle_safe import TensorRef
 
     t = ds_tmpl(ckpt, trust_pickle=trust_pickle)
     client_tensors: dict[str, torch.Tensor] = {}

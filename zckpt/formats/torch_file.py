@@ -1,4 +1,4 @@
-"""torch ``.bin`` / ``.pt`` state dicts: lazy reading through ``zckpt.torchzip``; streaming writing.
+"""torch ``.bin`` / ``.pt`` state dicts: lazy reading through ``zckpt.io.torchzip``; streaming writing.
 
 Reading never runs ``torch.load``: the pickle goes through the allowlisted ``SafeUnpickler`` and each
 tensor becomes pieces pointing into its storage record. Accepted layouts: a plain state dict, or a
@@ -20,12 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from zckpt import torchzip
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, Unsupported
-from zckpt.model import STATE_SEP, Checkpoint, CheckpointMeta, Piece, Role, TensorEntry
-from zckpt.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
-from zckpt.pickle_safe import TensorRef
-from zckpt.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+from zckpt.io import torchzip
+from zckpt.io.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
+from zckpt.io.pickle_safe import TensorRef
+from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+from zckpt.model import STATE_SEP, CheckpointMeta, Piece, Role, TensorEntry
 
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -193,7 +194,7 @@ def write_into(
     part: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names.
-    ``part=(rank, world)``: this rank's share only (see ``zckpt.outputs.write_sharded``)."""
+    ``part=(rank, world)``: this rank's share only (see ``zckpt.io.outputs.write_sharded``)."""
     tied = dict(tied or {})
 
     def write_one(p: Path, shard: list[WriteItem]) -> str:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zckpt import partition, storage
+from zckpt import partition
+from zckpt.io import storage
 from zckpt.model import TensorEntry
 
 CHUNK_BYTES = 64 << 20

@@ -1,7 +1,7 @@
 """``consolidate``: turn any checkpoint zckpt reads into one loadable model (safetensors or torch .bin).
 
 Streams tensor by tensor: each tensor's pieces are read from the mmap'd rank files, cast in bounded
-chunks (``zckpt.outputs.CHUNK_BYTES``) and written straight to the output, so peak memory is one
+chunks (``zckpt.io.outputs.CHUNK_BYTES``) and written straight to the output, so peak memory is one
 chunk plus the page cache, whatever the model size. Trainable params come from the checkpoint's
 PARAM entries, which readers point at the fp32 masters where the format keeps them.
 
@@ -53,12 +53,14 @@ from typing import Any
 
 import torch
 
-from zckpt import dist, pipeline
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError, OutputExists
 from zckpt.formats import hf, open_checkpoint, torch_file
-from zckpt.model import Checkpoint, Role, dtype_name
-from zckpt.outputs import Staging, WriteItem, parse_size, plan_shards, planned_names
-from zckpt.progress import bar as progress_bar
+from zckpt.io import pipeline
+from zckpt.io.outputs import Staging, WriteItem, parse_size, plan_shards, planned_names
+from zckpt.model import Role, dtype_name
+from zckpt.ops import group as dist
+from zckpt.ops.progress import bar as progress_bar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
@@ -197,7 +199,7 @@ def consolidate(
         progress: show a tqdm bar (only on a terminal).
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
         workers: reader threads overlapping reads and casts with writes (safetensors output;
-            default ``zckpt.pipeline.default_workers()``, divided among the ranks of one host).
+            default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
         distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
             group (module doc). ``None``: when a group of world > 1 is initialised; ``True``: also start
             one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from zckpt import storage
+from zckpt.io import storage
 
 if TYPE_CHECKING:
+    from zckpt.io.outputs import WriteItem
     from zckpt.model import Piece
-    from zckpt.outputs import WriteItem
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ old rank ``r % old_world``'s state (so data-parallel ranks that share a stream s
 DeepSpeed files hold no RNG state.
 
 Tensors are streamed: each destination file is written one storage at a time, each storage read in
-bounded chunks from only the source bytes it needs (``zckpt.flat``). Output goes to a hidden staging
+bounded chunks from only the source bytes it needs (``zckpt.io.flat``). Output goes to a hidden staging
 folder beside DST (tag folder first, ``latest`` last) that is renamed into place at the end; the
 source is never written to. ``read_partition`` is the pure helper for load-time reshard.
 
@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zckpt import dist as zdist
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError, OutputExists, Unsupported
-from zckpt.flat import read_partition, read_range
 from zckpt.formats import open_checkpoint
-from zckpt.model import Checkpoint
-from zckpt.outputs import Staging
-from zckpt.progress import bar as progress_bar
+from zckpt.io.flat import read_partition, read_range
+from zckpt.io.outputs import Staging
+from zckpt.ops import group as zdist
+from zckpt.ops.progress import bar as progress_bar
 
 OnFile = Callable[[str, int], None]
 
@@ -254,7 +254,7 @@ def _reshard_group(
 ) -> ReshardResult:
     """``reshard`` split over the processes of ``g``: process ``i`` writes the rank files ``i::g.world``
     into rank 0's staging folder; rank 0 writes what names them all (native manifest), ``latest`` last,
-    and publishes. Every step ends in a collective vote (``zckpt.dist``), so no process publishes output
+    and publishes. Every step ends in a collective vote (``zckpt.ops.group``), so no process publishes output
     another did not finish."""
     t0 = time.perf_counter()
     ckpt: Checkpoint | None = None

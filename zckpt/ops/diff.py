@@ -19,7 +19,7 @@ Precision
     then upcast to **float64**, which represents every value of every float dtype up to 32 bits (and
     of every integer up to 2**53) exactly; all metrics and tolerance tests are computed there, and
     all accumulations are in float64. Integer/bool tensors on both sides are compared exactly
-    (``a != b`` in int64; tolerances do not apply). Work is done in chunks of ``zckpt.stats.CHUNK``
+    (``a != b`` in int64; tolerances do not apply). Work is done in chunks of ``zckpt.ops.stats.CHUNK``
     elements, so memory stays bounded for any tensor size; padding is never read.
 
     Fast path (same results): a chunk pair with the same float dtype and the same bits (compared
@@ -57,12 +57,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.model import STATE_SEP, Checkpoint, TensorEntry, dtype_name
-from zckpt.progress import bar as progress_bar
-from zckpt.stats import CHUNK, is_exact, iter_chunks
-from zckpt.storage import iter_aligned_views
+from zckpt.io.storage import iter_aligned_views
+from zckpt.model import STATE_SEP, TensorEntry, dtype_name
+from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.stats import CHUNK, is_exact, iter_chunks
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"

@@ -3,7 +3,7 @@
 Builds an ``InspectReport``: format, stage, world size, precision, step/tag, tensor counts and bytes
 by role, one row per logical tensor (name, state, shape, dtype, role, number of pieces), tied and
 frozen lists, and the optimizer's kind and state names. Near-instant on a multi-GB checkpoint.
-With ``stats=True`` it also streams every tensor through ``zckpt.stats`` (min/max/mean/std/norm,
+With ``stats=True`` it also streams every tensor through ``zckpt.ops.stats`` (min/max/mean/std/norm,
 NaN/Inf counts), which reads all tensor bytes in bounded chunks.
 """
 
@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
-from zckpt.model import Checkpoint, Role, dtype_name
-from zckpt.stats import TensorStats, checkpoint_stats
+from zckpt.model import Role, dtype_name
+from zckpt.ops.stats import TensorStats, checkpoint_stats
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def inspect(
         path: anything ``zckpt.open`` reads (or an open ``Checkpoint``).
         tag: the DeepSpeed tag to read instead of ``latest``.
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
-        stats: also compute per-tensor statistics (reads every tensor, streamed; ``zckpt.stats``).
+        stats: also compute per-tensor statistics (reads every tensor, streamed; ``zckpt.ops.stats``).
 
     Example:
         >>> r = zckpt.inspect("out/checkpoint-100"); r.world_size, r.params

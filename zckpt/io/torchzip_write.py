@@ -10,7 +10,7 @@ extra field, as torch does), and ``byteorder`` / ``version`` / ``.format_version
   ``torch._utils._rebuild_tensor_v2`` over a ``StorageSlot`` persistent id; the same slot object
   pickled twice is memoized, so tied names share one tensor) and ``GlobalRef`` (any dotted global,
   emitted by name without importing it). Instances of the stand-ins in
-  ``zckpt.pickle_safe.FOREIGN_CLASSES`` are pickled under their foreign names (DeepSpeed's
+  ``zckpt.io.pickle_safe.FOREIGN_CLASSES`` are pickled under their foreign names (DeepSpeed's
   ``LossScaler`` ...), so DeepSpeed files can be written without importing deepspeed.
 - ``TorchZipWriter`` streams records into a ``HashingSink`` (sequential: sizes and CRCs go into zip
   data descriptors, zip64 when needed), so each storage is written as it is read and the file's
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from zckpt import pipeline
 from zckpt.errors import Unsupported
-from zckpt.outputs import HashingSink, tensor_bytes
-from zckpt.pickle_safe import FOREIGN_CLASSES
+from zckpt.io import pipeline
+from zckpt.io.outputs import HashingSink, tensor_bytes
+from zckpt.io.pickle_safe import FOREIGN_CLASSES
 
 ALIGNMENT = 64
 _OVERLAP_BYTES = 1 << 20

@@ -13,7 +13,7 @@ Owns the pieces every writer shares:
   written, instead of the pipeline stalling on each file's fsync). Each tensor file ``F`` gets a
   sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the whole file, so
   ``sha256sum -c F.sha256`` or ``zckpt verify`` can check it. The bytes go to the device with
-  ``O_DIRECT`` where the filesystem allows (``zckpt.direct_io``), not through the page cache.
+  ``O_DIRECT`` where the filesystem allows (``zckpt.io.direct_io``), not through the page cache.
 - Shard planning and HF shard names (``model-00001-of-00003.safetensors``), size parsing (``5GB``).
 """
 
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from zckpt import direct_io, storage
 from zckpt.errors import KeyMappingError, OutputExists, WriteFailed
+from zckpt.io import direct_io, storage
 from zckpt.model import Piece, Role, TensorEntry
 
 CHUNK_BYTES = 64 << 20

@@ -98,7 +98,7 @@ class StorageRef:
 class TensorRef:
     """A tensor of a pickle, not loaded: its storage record, element offset, shape and stride.
 
-    ``byte_offset`` is the absolute file offset of element 0, filled by ``zckpt.torchzip`` once the
+    ``byte_offset`` is the absolute file offset of element 0, filled by ``zckpt.io.torchzip`` once the
     record offsets are known; ``attrs`` keeps Python attributes pickled with it (DeepSpeed's ``ds_id``).
     """
 
@@ -133,7 +133,7 @@ class TensorRef:
 
     def load(self) -> torch.Tensor:
         """Read this tensor's bytes (a copy). Meant for small metadata tensors."""
-        from zckpt import storage
+        from zckpt.io import storage
         from zckpt.model import Piece
 
         if self.is_contiguous:

@@ -12,7 +12,7 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    unpickler, every storage record present and long enough.
 3. Every piece's bytes lie inside its file.
 4. Checksums, wherever recorded: ``<file>.sha256`` sidecars (``sha256sum`` format, written by
-   ``consolidate``/``reshard`` through ``zckpt.outputs.HashingSink``) and, for formats that keep
+   ``consolidate``/``reshard`` through ``zckpt.io.outputs.HashingSink``) and, for formats that keep
    one, their manifest (``_FORMAT_CHECKS``). A sidecar whose file is gone is a problem too.
 5. Format-specific checks (``_FORMAT_CHECKS`` by format name, plus an optional
    ``verify(path, ckpt) -> list[Problem]`` function in the format module): HF shards on disk that
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt import formats
+from zckpt.checkpoint import Checkpoint
 from zckpt.errors import (
     CorruptCheckpoint,
     KeyMappingError,
@@ -45,7 +46,6 @@ from zckpt.errors import (
     Unsupported,
     ZckptError,
 )
-from zckpt.model import Checkpoint
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -313,7 +313,7 @@ def _check_safetensors(f: Path, size: int) -> list[Problem]:
 
 
 def _check_torch_zip(f: Path, ctx: _Ctx) -> list[Problem]:
-    from zckpt.torchzip import load_refs
+    from zckpt.io.torchzip import load_refs
 
     if not zipfile.is_zipfile(f):
         return [

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zckpt import storage
-from zckpt.model import Checkpoint, TensorEntry, dtype_name
+from zckpt.checkpoint import Checkpoint
+from zckpt.io import storage
+from zckpt.model import TensorEntry, dtype_name
 
 CHUNK = 1 << 20
 """Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for

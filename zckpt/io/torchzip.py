@@ -3,7 +3,7 @@
 A torch zip archive holds ``<prefix>/data.pkl`` (the pickled object, tensors as persistent ids) and
 one uncompressed record ``<prefix>/data/<key>`` per storage. ``load_refs`` unpickles ``data.pkl``
 through ``SafeUnpickler`` and fills every ``TensorRef`` with its file and absolute byte offset, so a
-reader can later fetch any tensor's bytes (and only those) through ``zckpt.storage``.
+reader can later fetch any tensor's bytes (and only those) through ``zckpt.io.storage``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zipfile
 from typing import Any
 
 from zckpt.errors import CorruptCheckpoint, Unsupported
-from zckpt.pickle_safe import TensorRef, _Record, safe_loads
+from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
