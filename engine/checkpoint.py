@@ -5,8 +5,10 @@ at any world size, stage and precision.
 Save: every rank writes ``rank_{r:05d}.safetensors`` (its fp32 master chunks, optimizer-state chunks, frozen
 chunks, its RNG; rank 0 also buffers and client-state tensors) into the staging folder ``.<tag>.staging``; the
 (sha256, size) of each file and each rank's Python/NumPy RNG state are all-gathered to rank 0, which writes
-``manifest.json``, publishes the folder as ``<tag>`` (atomic swap when the tag exists: ``engine.publish``),
-then moves ``latest``; a final barrier keeps every rank inside ``save`` until ``latest`` moved.
+``manifest.json``, publishes the folder as ``<tag>`` (atomic swap when the tag exists), then moves ``latest``;
+a final barrier keeps every rank inside ``save`` until ``latest`` moved. The files are written by the native
+format's one writer (``zckpt.formats.native.write``), the same code ``zckpt reshard --to native`` uses: the
+engine hands it its tensors, specs and ``TrainingState``.
 
 Load: the format is detected through zckpt's formats registry and opened as a lazy ``Checkpoint`` (the model
 every zckpt command uses). Each rank copies only the elements ``[start, start + valid)`` of *its* chunk of
@@ -14,20 +16,20 @@ each fp32 master, frozen param and per-element optimizer state out of whichever 
 (``zckpt.io.flat.read_range`` reads just those bytes), so load-time resharding is the same code path as
 a same-size resume. Optimizer states are matched by name to the states the engine's optimizer keeps
 (Adam's ``step`` may come from a DeepSpeed param group). Everything that is not a tensor (optimizer groups,
-scheduler, loss scaler, step counters, client_state, RNG) comes through the same mapping ``zckpt reshard
---to native`` writes (``zckpt.formats.native_write.template_from_*``). DeepSpeed checkpoints carry no RNG
-state: loading one leaves the process's RNG alone, as DeepSpeed does. Model names and shapes are checked
+scheduler, loss scaler, step counters, client_state, RNG) comes from the checkpoint's ``TrainingState``,
+whatever its format. DeepSpeed checkpoints carry no RNG state: loading one leaves the process's RNG alone,
+as DeepSpeed does. Model names and shapes are checked
 strictly (DeepSpeed's ``load_module_strict``): one ``CheckpointMismatch`` names every misfit. The optimizer
 half lives in ``engine.checkpoint_optim``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,14 +37,17 @@ import numpy as np
 import torch
 
 from engine.checkpoint_optim import CheckpointMismatch, load_optimizer, read_into
-from engine.publish import move_latest, publish, staging_dir
-from engine.st_stream import write_tensors
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
-from zckpt.formats import native
-from zckpt.formats.native_write import NativeTemplate, template_from_deepspeed, template_from_native
-from zckpt.model import TensorEntry
+from zckpt.formats._latest import write_latest
+from zckpt.formats.native import layout as L
+from zckpt.formats.native import write as W
+from zckpt.io.items import WriteItem, entry_from_tensor
+from zckpt.io.staging import fsync_path, publish_folder
+from zckpt.io.storage import read_entry
+from zckpt.model import Role, TensorEntry, dtype_name
+from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -51,38 +56,109 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _rank_file(r: int) -> str:
-    return f"rank_{r:05d}.safetensors"
+# ------------------------------------------------------------------------------------------------
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    """Where the ranks of one save write the tag folder before rank 0 publishes it."""
+    return save_dir / f".{tag}.staging"
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (np.integer, np.floating)):
-        return v.item()
-    return v
+def _rank_rng() -> RankRng:
+    np_state: Any = np.random.get_state()
+    torch_states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        torch_states["torch_cuda"] = torch.cuda.get_rng_state()
+    return RankRng(
+        to_json(random.getstate()),
+        [np_state[0], np_state[1].tolist(), *[to_json(x) for x in np_state[2:]]],
+        {k: entry_from_tensor(k, t, Role.BUFFER) for k, t in torch_states.items()},
+    )
 
 
-def _client_split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON-able copy of client_state; tensors move to ``tensors`` as ``client/<path>`` (rank 0's file)."""
+def _rank_items(eng: Engine, client: Mapping[str, Any]) -> tuple[list[WriteItem], list[L.OptimSpec]]:
+    """This rank's tensors for its rank file, and the optimizer-state specs (the same on every rank)."""
+    r, pw = eng.comm.rank, eng.partition_world
+    items: list[WriteItem] = []
+    specs: list[L.OptimSpec] = []
+    inner = eng.optimizer.optimizer
+    for s in eng.states:
+        if s.trainable:
+            assert s.master is not None
+            for k, v in inner.state.get(s.master, {}).items():
+                t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                part = t.shape == s.master.shape and t.dim() == 1
+                if r < pw:
+                    items.append(W.tensor_item(L.optim_key(k, s.name), t.detach().cpu().contiguous()))
+                py = None if isinstance(v, torch.Tensor) else type(v).__name__
+                shape = s.shape if part else tuple(t.shape)
+                specs.append(L.OptimSpec(s.name, k, shape, dtype_name(t.dtype), part, py))
+        if r < pw:
+            role = Role.PARAM if s.trainable else Role.FROZEN
+            val = s.master if s.trainable else s.local_values()
+            assert val is not None
+            items.append(W.tensor_item(L.tensor_key(role, s.name), val.detach().cpu().contiguous()))
+    if r == 0:
+        for name, b in eng.module.named_buffers():
+            items.append(W.tensor_item(L.tensor_key(Role.BUFFER, name), b.detach().cpu().contiguous()))
+        items += W.client_tree(client)[1]
+    return items, specs
+
+
+def _tensor_specs(eng: Engine) -> list[L.TensorSpec]:
+    specs = [
+        L.TensorSpec(
+            s.name,
+            s.shape,
+            "float32" if s.trainable else dtype_name(s.dtype),
+            Role.PARAM if s.trainable else Role.FROZEN,
+            True,
+        )
+        for s in eng.states
+    ]
+    specs += [
+        L.TensorSpec(n, tuple(b.shape), dtype_name(b.dtype), Role.BUFFER, False)
+        for n, b in eng.module.named_buffers()
+    ]
+    return specs
+
+
+def training_state(eng: Engine, client: Mapping[str, Any]) -> TrainingState:
+    """The engine's state beside its tensors, as every native writer consumes it."""
+    inner = eng.optimizer.optimizer
+    names_by_master = {id(s.master): s.name for s in eng.states if s.master is not None}
+    groups = tuple(
+        ParamGroup(
+            tuple(names_by_master[id(p)] for p in g["params"]),
+            {k: to_json(v) for k, v in g.items() if k != "params"},
+        )
+        for g in inner.param_groups
+    )
+    names = sorted({k for s in eng.states if s.master is not None for k in inner.state.get(s.master, {})})
+    sched = eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None
+    return TrainingState(
+        stage=eng.stage,
+        precision=eng.config.precision,
+        optimizer=OptimizerState(type(inner).__name__, groups, tuple(names)),
+        scheduler=to_json(sched),
+        loss_scaler=to_json(eng.loss_scaler.state_dict()),
+        counters=Counters(eng.global_steps, eng.global_samples, eng.skipped_steps, eng.micro_steps),
+        client_state=client,
+        config=to_json(eng.config.to_dict()),
+    )
+
+
+def _client(obj: Any, path: str) -> Any:
+    """client_state with tensors as entries (written into rank 0's file); JSON values otherwise."""
     if isinstance(obj, torch.Tensor):
-        key = f"client/{path}"
-        tensors[key] = obj.detach().cpu().contiguous()
-        return {"__tensor__": key}
+        return entry_from_tensor(f"client/{path}", obj.detach().cpu().contiguous(), Role.BUFFER)
     if isinstance(obj, dict):
-        return {str(k): _client_split(v, f"{path}.{k}" if path else str(k), tensors) for k, v in obj.items()}
+        return {str(k): _client(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_client_split(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+        return [_client(v, f"{path}.{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"client_state value at {path!r} is a {type(obj).__name__}; use JSON values or tensors")
 
 
-# ------------------------------------------------------------------------------------------------
 def save(
     eng: Engine,
     save_dir: str | os.PathLike[str],
@@ -94,124 +170,42 @@ def save(
     """Write a native checkpoint of ``eng`` into ``save_dir/<tag>`` (collective: every rank calls it)."""
     comm = eng.comm
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
-    td = Path(save_dir) / tag
-    stage = staging_dir(Path(save_dir), tag)
+    root = Path(save_dir)
+    td = root / tag
+    stage = staging_dir(root, tag)
     if comm.rank == 0:
         shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
         stage.mkdir(parents=True)
     comm.barrier()
-    r, pw = comm.rank, eng.partition_world
-    tensors: dict[str, torch.Tensor] = {}
-    inner = eng.optimizer.optimizer
-    optim_specs: list[dict[str, Any]] = []
-    for s in eng.states:
-        if s.trainable:
-            assert s.master is not None
-            for k, v in inner.state.get(s.master, {}).items():
-                t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                part = t.shape == s.master.shape and t.dim() == 1
-                if r < pw:
-                    tensors[f"optim/{k}/{s.name}"] = t.detach().cpu().contiguous()
-                optim_specs.append(
-                    {
-                        "param": s.name,
-                        "state": k,
-                        "shape": list(s.shape) if part else list(t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "partitioned": part,
-                        "python": None if isinstance(v, torch.Tensor) else type(v).__name__,
-                    }
-                )
-        if r < pw:
-            prefix = "param" if s.trainable else "frozen"
-            val = s.master if s.trainable else s.local_values()
-            assert val is not None
-            tensors[f"{prefix}/{s.name}"] = val.detach().cpu().contiguous()
-    tensors["rng/torch_cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    client_json = None
-    if r == 0:
-        for name, b in eng.module.named_buffers():
-            tensors[f"buffer/{name}"] = b.detach().cpu().contiguous()
-        client_json = _client_split(client_state or {}, "", tensors)
-    sha, size = write_tensors(stage / _rank_file(r), tensors)
-    np_state: Any = np.random.get_state()
-    rng = {
-        "python": _jsonable(random.getstate()),
-        "numpy": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]],
-    }
-    infos = comm.all_gather_object({"file": _rank_file(r), "sha256": sha, "bytes": size, "rng": rng})
-    if r == 0:
-        manifest = _manifest(eng, tag, optim_specs, infos, client_json)
-        (stage / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        publish(stage, td)
+    client = _client(client_state or {}, "")
+    items, optim_specs = _rank_items(eng, client if comm.rank == 0 else {})
+    rng = _rank_rng()
+    items += W.rng_items(rng)
+    rec = W.write_rank(stage / L.rank_file(comm.rank), items)
+    infos = comm.all_gather_object((rec, W.rng_json(rng)))
+    if comm.rank == 0:
+        state = training_state(eng, client)
+        man = W.build_manifest(
+            tag=tag,
+            world=comm.world,
+            stage=eng.stage,
+            tensors=_tensor_specs(eng),
+            optim_states=optim_specs,
+            tied=eng.tied,
+            state=state,
+            client_state=W.client_tree(client)[0],
+            rng=[j for _, j in infos],
+            records=[r for r, _ in infos],
+        )
+        W.write_manifest(stage, man)
+        for f in stage.iterdir():
+            fsync_path(f)
+        fsync_path(stage)
+        publish_folder(stage, td, overwrite=True)
         if save_latest:
-            move_latest(Path(save_dir), tag)
+            write_latest(root, tag)
     comm.barrier()
     return td
-
-
-def _manifest(eng: Engine, tag: str, optim_specs: list[dict[str, Any]], infos: list[dict[str, Any]],
-              client_json: Any) -> dict[str, Any]:  # fmt: skip
-    inner = eng.optimizer.optimizer
-    names_by_master = {id(s.master): s.name for s in eng.states if s.master is not None}
-    groups = []
-    for g in inner.param_groups:
-        hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
-        groups.append({**hyper, "params": [names_by_master[id(p)] for p in g["params"]]})
-    tensors = []
-    for s in eng.states:
-        tensors.append(
-            {
-                "name": s.name,
-                "shape": list(s.shape),
-                "dtype": "float32" if s.trainable else str(s.dtype).removeprefix("torch."),
-                "role": "param" if s.trainable else "frozen",
-                "partitioned": True,
-            }
-        )
-    for name, b in eng.module.named_buffers():
-        tensors.append(
-            {
-                "name": name,
-                "shape": list(b.shape),
-                "dtype": str(b.dtype).removeprefix("torch."),
-                "role": "buffer",
-                "partitioned": False,
-            }
-        )
-    sched = eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None
-    return {
-        "format": native.FORMAT,
-        "version": native.VERSION,
-        "tag": tag,
-        "world_size": eng.comm.world,
-        "partition_world": eng.partition_world,
-        "stage": eng.stage,
-        "precision": eng.config.precision,
-        "compute_dtype": str(eng.dtype).removeprefix("torch."),
-        "tensors": tensors,
-        "optim_states": optim_specs,
-        "tied": dict(eng.tied),
-        "optimizer": {
-            "kind": type(inner).__name__,
-            "param_groups": groups,
-            "state_names": sorted({o["state"] for o in optim_specs}),
-        },
-        "scheduler": _jsonable(sched),
-        "loss_scaler": _jsonable(eng.loss_scaler.state_dict()),
-        "counters": {
-            "global_steps": eng.global_steps,
-            "global_samples": eng.global_samples,
-            "skipped_steps": eng.skipped_steps,
-            "micro_steps": eng.micro_steps,
-        },
-        "rng": [i["rng"] for i in infos],
-        "client_state": client_json,
-        "config": _jsonable(eng.config.to_dict()),
-        "files": {i["file"]: {"sha256": i["sha256"], "bytes": i["bytes"]} for i in infos},
-    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,21 +217,23 @@ def _open(root: Path, tag: str | None) -> Checkpoint | None:
         log.warning("no checkpoint to load at %s (no `latest` file, no tag folder)", target)
         return None
     try:
-        mod = formats.detect(target)
+        fmt = formats.detect(target)
     except UnknownFormat as e:
         log.warning("no checkpoint to load: %s", e)
         return None
-    if mod.NAME not in ("native", "deepspeed"):
+    if not fmt.training:
         raise Unsupported(
-            f"{target}: a {mod.NAME} checkpoint holds no optimizer partitions for the engine to resume",
+            f"{target}: a {fmt.name} checkpoint holds no optimizer partitions for the engine to resume",
             hint="the engine loads its native format or DeepSpeed ZeRO-1/2/3 checkpoints",
             path=str(target),
         )
-    ckpt: Checkpoint = mod.read(target)
-    if ckpt.meta.format == "deepspeed" and ckpt.meta.stage == 0:
+    ckpt: Checkpoint = fmt.read(target)
+    low = [e.name for e in ckpt.model_entries() if e.role is Role.PARAM and e.dtype != torch.float32]
+    if low:
         ckpt.close()
         raise Unsupported(
-            f"{target}: DeepSpeed ZeRO-0 checkpoint (its fp32 masters live only in the optimizer wrapper)",
+            f"{target}: holds no fp32 master for {low[0]} (a DeepSpeed ZeRO-0 checkpoint whose masters could "
+            "not be matched to names?); resuming from 16-bit weights would not be the same run",
             hint="`zckpt consolidate` it to safetensors and load the weights into the model",
             path=str(target),
         )
@@ -245,15 +241,7 @@ def _open(root: Path, tag: str | None) -> Checkpoint | None:
 
 
 def _is_tag_dir(p: Path) -> bool:
-    return (p / native.MANIFEST).is_file() or any(p.glob("*model_states.pt"))
-
-
-def _template(ckpt: Checkpoint) -> NativeTemplate:
-    """Everything but tensors (optimizer groups, scheduler, loss scaler, counters, client_state, RNG), in the
-    native manifest's shapes: the same mapping ``zckpt reshard --to native`` writes."""
-    if ckpt.meta.format == "native":
-        return template_from_native(ckpt, None)
-    return template_from_deepspeed(ckpt, None)
+    return (p / L.MANIFEST).is_file() or any(p.glob("*model_states.pt"))
 
 
 def load(
@@ -274,40 +262,39 @@ def load(
     if ckpt is None:
         return None, None
     try:
-        tmpl = _template(ckpt)
+        st = ckpt.meta.state
         _check_model(eng, ckpt, strict)
         _load_model(eng, ckpt)
         if load_optimizer_states:
-            load_optimizer(eng, ckpt, tmpl)
-            _load_scaler(eng, tmpl.loss_scaler)
-        if load_lr_scheduler_states and eng.lr_scheduler is not None and tmpl.scheduler is not None:
-            eng.lr_scheduler.load_state_dict(tmpl.scheduler)
-        c = tmpl.counters
-        eng.global_steps = int(c.get("global_steps", 0))
-        samples = c.get("global_samples")
-        if ckpt.meta.format == "deepspeed" and ckpt.meta.extra.get("global_samples") is None:
-            samples = None  # DeepSpeed's own default
-        eng.global_samples = (
-            int(samples) if samples is not None else eng.global_steps * eng.train_batch_size()
-        )
-        eng.skipped_steps = int(c.get("skipped_steps", 0))
-        eng.micro_steps = int(c.get("micro_steps", eng.global_steps * eng.gradient_accumulation_steps()))
-        if ckpt.meta.format == "native" and tmpl.rng is not None:
-            _load_rng(*tmpl.rng(eng.comm.rank))  # DeepSpeed saves no RNG state; leave the process's alone
-        client = _client_join(tmpl.client_state or {}, tmpl.client_tensors)
-        td = Path(ckpt.meta.path)
-        return str(td / str(ckpt.meta.tag) if ckpt.meta.format == "deepspeed" else td), client
+            load_optimizer(eng, ckpt)
+            _load_scaler(eng, st.loss_scaler)
+        if load_lr_scheduler_states and eng.lr_scheduler is not None and st.scheduler is not None:
+            eng.lr_scheduler.load_state_dict(st.scheduler)
+        _load_counters(eng, st.counters)
+        if st.rng:  # DeepSpeed saves no RNG state: then the process's is left alone, as DeepSpeed does
+            _load_rng(st.rng[eng.comm.rank % len(st.rng)])
+        return ckpt.meta.path, _client_join(st.client_state, ckpt)
     finally:
         ckpt.close()
 
 
-def _client_join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _load_counters(eng: Engine, c: Counters) -> None:
+    eng.global_steps = c.global_steps or 0
+    samples = c.global_samples
+    eng.global_samples = samples if samples is not None else eng.global_steps * eng.train_batch_size()
+    eng.skipped_steps = c.skipped_steps or 0
+    micro = c.micro_steps
+    eng.micro_steps = micro if micro is not None else eng.global_steps * eng.gradient_accumulation_steps()
+
+
+def _client_join(obj: Any, ckpt: Checkpoint) -> Any:
+    """client_state with its tensor entries read."""
+    if isinstance(obj, TensorEntry):
+        return ckpt.read(obj)
     if isinstance(obj, dict):
-        if set(obj) == {"__tensor__"}:
-            return tensors[obj["__tensor__"]]
-        return {k: _client_join(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_client_join(v, tensors) for v in obj]
+        return {k: _client_join(v, ckpt) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_client_join(v, ckpt) for v in obj)
     return obj
 
 
@@ -396,12 +383,14 @@ def _load_scaler(eng: Engine, sd: Any) -> None:
     ours.load_state_dict(sd)
 
 
-def _load_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    npst = state["numpy"]
-    np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), *npst[2:]))
-    if "rng/torch_cpu" in tensors:
-        torch.set_rng_state(tensors["rng/torch_cpu"])
-    if torch.cuda.is_available() and "rng/torch_cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng/torch_cuda"])
+def _load_rng(rng: RankRng) -> None:
+    if rng.python is not None:
+        py = rng.python
+        random.setstate((py[0], tuple(py[1]), py[2]))
+    if rng.numpy is not None:
+        npst = rng.numpy
+        np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), *npst[2:]))
+    if "torch_cpu" in rng.torch:
+        torch.set_rng_state(read_entry(rng.torch["torch_cpu"]).view(torch.uint8))
+    if torch.cuda.is_available() and "torch_cuda" in rng.torch:
+        torch.cuda.set_rng_state(read_entry(rng.torch["torch_cuda"]).view(torch.uint8))

@@ -12,13 +12,13 @@ Param groups must hold the same params; their hyper-parameters are restored, imp
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
-from zckpt.formats.native_write import NativeTemplate
 from zckpt.io import flat
 from zckpt.model import STATE_SEP, Role, TensorEntry
 
@@ -38,11 +38,12 @@ _OPT_HINT = "build the optimizer with the checkpoint's param groups, or load wit
 _IMPL_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
-def load_optimizer(eng: Engine, ckpt: Checkpoint, tmpl: NativeTemplate) -> None:
+def load_optimizer(eng: Engine, ckpt: Checkpoint) -> None:
     """Per-param states matched by name to the states the engine's optimizer keeps; per-element states cut
     to this rank's chunk, scalar states (``step``) whole; then the groups' hyper-parameters."""
     inner = eng.optimizer.optimizer
-    saved = list((tmpl.optimizer or {}).get("param_groups") or [])
+    opt = ckpt.meta.state.optimizer
+    saved = list(opt.groups) if opt is not None else []
     ours = eng.optimizer.group_states
     where = ckpt.meta.path
     if len(saved) != len(ours):
@@ -52,7 +53,7 @@ def load_optimizer(eng: Engine, ckpt: Checkpoint, tmpl: NativeTemplate) -> None:
         )
     tied = ckpt.meta.tied
     for i, (sg, sts) in enumerate(zip(saved, ours, strict=True)):
-        theirs = {tied.get(n, n) for n in sg.get("params", [])}
+        theirs = {tied.get(n, n) for n in sg.params}
         mine = {tied.get(s.name, s.name) for s in sts}
         if theirs != mine:
             diff = sorted(mine ^ theirs)[:6]
@@ -73,13 +74,13 @@ def load_optimizer(eng: Engine, ckpt: Checkpoint, tmpl: NativeTemplate) -> None:
                 want = {k: None for k in owner_states.get(owner, [])}
             new: dict[str, Any] = {}
             for k, like in want.items():
-                new[k] = _state_value(ckpt, owner, k, like, s, sg, tmpl.python_types.get((owner, k)))
+                new[k] = _state_value(ckpt, owner, k, like, s, sg.options)
             extra = sorted(set(owner_states.get(owner, [])) - set(want))
             if extra:
                 log.warning("%s: optimizer states %s of %s are not kept by %s; ignored",
                             where, extra, s.name, type(inner).__name__)  # fmt: skip
             inner.state[s.master] = new
-        for k, v in sg.items():
+        for k, v in sg.options.items():
             if k not in _IMPL_KEYS and k in g:
                 g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
 
@@ -115,7 +116,7 @@ def _state_layout(
 
 
 def _state_value(
-    ckpt: Checkpoint, owner: str, k: str, like: Any, s: ParamState, group: dict[str, Any], python: str | None
+    ckpt: Checkpoint, owner: str, k: str, like: Any, s: ParamState, group: Mapping[str, Any]
 ) -> Any:
     """State ``k`` of ``s`` from the checkpoint, shaped and typed like ``like`` (None: as stored)."""
     assert s.master is not None
@@ -150,7 +151,7 @@ def _state_value(
         val = ckpt.read(e)
     if isinstance(like, torch.Tensor):
         return val.reshape(like.shape).to(like.device, like.dtype)
-    kind = type(like).__name__ if like is not None else python
+    kind = type(like).__name__ if like is not None else (e.pytype if e is not None else None)
     if kind == "int":
         return int(val.item())
     if kind == "float":

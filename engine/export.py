@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.st_stream import SafetensorsStream
+from zckpt.io.safetensors import StreamWriter
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -44,7 +44,10 @@ def save_16bit_model(eng: Engine, save_dir: str | os.PathLike[str], save_filenam
         shape = st.shape if st is not None else tuple(t.shape)
         specs.append((name, t.dtype, shape))
     binary = save_filename.endswith(".bin")
-    writer = SafetensorsStream(path, specs) if rank0 and not binary else None
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if rank0:
+        tmp.unlink(missing_ok=True)  # left by a killed export
+    writer = StreamWriter(tmp, specs, {"format": "pt"}) if rank0 and not binary else None
     kept: dict[str, torch.Tensor] = {}
     try:
         for name, t in sd.items():
@@ -63,8 +66,8 @@ def save_16bit_model(eng: Engine, save_dir: str | os.PathLike[str], save_filenam
         if writer is not None:
             writer.commit()
         elif rank0:
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             torch.save(kept, tmp)
+        if rank0:
             os.replace(tmp, path)
     except BaseException:
         if writer is not None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.model import CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.model import Piece, Role, TensorEntry
+from zckpt.state import CheckpointMeta
 
 
 def make_ckpt(

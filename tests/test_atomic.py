@@ -39,6 +39,8 @@ from _kill import (
 )
 from _safety import DS3, FIXTURES, cli, copy_case
 
+from zckpt.io import staging
+
 pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
 
 DELAY = {DELAY_ENV: "0.01"}
@@ -125,6 +127,7 @@ def _die_at_rename(n: int, body: Callable[[], Any]) -> Callable[[], Any]:
 
         os.replace = wrap(os.replace)  # type: ignore[assignment]
         os.rename = wrap(os.rename)  # type: ignore[assignment]
+        staging._renameat2 = wrap(staging._renameat2)  # the atomic swap / no-replace rename of a folder
         return body()
 
     return run
@@ -144,6 +147,13 @@ def _count_renames(body: Callable[[], Any], log: Path) -> int:
             return orig_rename(*a, **k)
 
         os.replace, os.rename = rep, ren  # type: ignore[assignment]
+        real_at2 = staging._renameat2
+
+        def at2(*a: Any, **k: Any) -> Any:
+            count[0] += 1
+            return real_at2(*a, **k)
+
+        staging._renameat2 = at2
         try:
             return body()
         finally:
@@ -486,7 +496,7 @@ def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Pat
     """Staged files are made durable at commit, all of them (index, sidecars, ``latest`` included),
     before the first rename; a sink outside any staging folder is fsynced when it closes."""
     from zckpt import consolidate, reshard
-    from zckpt.io.outputs import HashingSink
+    from zckpt.io.sink import HashingSink
 
     events: list[tuple[str, str]] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
@@ -503,9 +513,16 @@ def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Pat
         events.append(("rename", str(a)))
         real_replace(a, b, *args, **kw)
 
+    real_at2 = staging._renameat2
+
+    def at2(a: Any, b: Any, flags: int) -> bool:
+        events.append(("rename", str(a)))
+        return real_at2(a, b, flags)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(staging, "_renameat2", at2)
     for run, out in (
         (lambda o: consolidate(src, o, max_shard_size="100KB", progress=False), tmp_path / "sharded"),
         (lambda o: consolidate(src, o, progress=False), tmp_path / "one.safetensors"),

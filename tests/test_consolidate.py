@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 import zckpt
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, OutputExists
-from zckpt.io import outputs, pipeline
-from zckpt.model import CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.io import items as outputs
+from zckpt.io import pipeline
+from zckpt.model import Piece, Role, TensorEntry
+from zckpt.state import CheckpointMeta, TrainingState
 
 torch.manual_seed(0)
 MASTERS = {  # fp32 masters of trainable params
@@ -67,8 +69,9 @@ def make_ckpt(root: Path, *, world: int = 3, precision: str | None = "bf16") -> 
             entries.append(TensorEntry(name, tuple(t.shape), t.dtype, role, tuple(pieces)))
     for f, b in zip(files, blobs, strict=True):
         f.write_bytes(bytes(b))
-    meta = CheckpointMeta(format="handmade", path=str(root), world_size=world, precision=precision,
-                          tied=TIED, files=tuple(map(str, files)))  # fmt: skip
+    meta = CheckpointMeta(format="handmade", path=str(root), world_size=world,
+                          state=TrainingState(precision=precision), tied=TIED,
+                          files=tuple(map(str, files)))  # fmt: skip
     return Checkpoint(meta, entries)
 
 
@@ -175,9 +178,13 @@ def test_hf_trainer_files_are_copied(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "toy"}')
     (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
     (tmp_path / "ckpt" / "trainer_state.json").write_text("{}")
-    res = zckpt.consolidate(ck, tmp_path / "out", progress=False)
+    (tmp_path / "ckpt" / "tokenizer.json").write_text('{"x": 1}')
+    res = zckpt.consolidate(ck, tmp_path / "out", dtype="bf16", progress=False)
     assert sorted(res.copied) == ["config.json", "tokenizer.json"]
-    assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "toy"}'
+    # config.json keeps every key and names the dtype the weights were written in; the rest byte for byte
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config == {"model_type": "toy", "dtype": "bfloat16"}
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"x": 1}'
     assert not (tmp_path / "out" / "trainer_state.json").exists()
 
 

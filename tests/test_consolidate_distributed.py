@@ -46,7 +46,7 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     import warnings
 
     from zckpt.errors import KeyMappingError, WriteFailed
-    from zckpt.formats import hf
+    from zckpt.io import safetensors as hf  # every safetensors file goes through its write_file
 
     out_root = Path(root) / "dist"
     seen: dict[str, Any] = {}

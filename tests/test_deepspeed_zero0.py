@@ -104,8 +104,8 @@ def test_masters_named_by_value_with_interleaved_groups_and_frozen(tmp_path: Pat
         assert ck.read(f"{name}:step").item() == 3.0
     assert ck.entry("f").role is Role.FROZEN and torch.equal(ck["f"], model[1][1].to(LOW))
     assert ck.entry("buf").role is Role.BUFFER
-    groups = ck.meta.optimizer.param_groups  # type: ignore[union-attr]
-    assert [g["params"] for g in groups] == [["a", "c", "d", "e"], ["b", "g"]]
+    groups = ck.meta.optimizer.groups  # type: ignore[union-attr]
+    assert [g.params for g in groups] == [("a", "c", "d", "e"), ("b", "g")]
     assert ck.meta.precision == "bf16" and ck.meta.stage == 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zckpt.io import direct_io
-from zckpt.io.outputs import HashingSink
+from zckpt.io.sink import HashingSink
 
 B = direct_io.BUF_BYTES
 SIZES = [

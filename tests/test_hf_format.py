@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import zckpt
 from zckpt.errors import CorruptCheckpoint, OutputExists, ShardMismatch, Unsupported
 from zckpt.formats import hf, torch_file
-from zckpt.io.outputs import WriteItem, entry_from_tensor, items_from_state_dict
+from zckpt.io.items import WriteItem, entry_from_tensor, items_from_state_dict
 from zckpt.model import Role
 
 torch.manual_seed(0)
@@ -57,7 +57,7 @@ def test_write_then_safetensors_loads_it(tmp_path: Path) -> None:
 def test_read_file_written_by_safetensors_lazily(tmp_path: Path) -> None:
     sd = {k: v for k, v in SD.items() if k != "head.weight"}
     save_file(sd, tmp_path / "x.safetensors", metadata={"format": "pt"})
-    assert hf.detect(tmp_path / "x.safetensors")
+    assert hf.FORMAT.detect(tmp_path / "x.safetensors")
     with zckpt.open(tmp_path / "x.safetensors") as ck:
         assert ck.meta.format == "hf"
         assert all(len(e.pieces) == 1 for e in ck.entries.values())
@@ -113,7 +113,7 @@ def test_hf_folder_of_sharded_bin(tmp_path: Path) -> None:
     out = tmp_path / "binmodel"
     torch_file.write_torch(out, items, tied=tied, max_shard_size=300)
     assert (out / "pytorch_model.bin.index.json").is_file()
-    assert hf.detect(out)
+    assert hf.FORMAT.detect(out)
     with zckpt.open(out) as ck:
         assert ck.meta.format == "hf"
         _assert_same({k: ck[k] for k in ck}, SD)

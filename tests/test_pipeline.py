@@ -12,7 +12,8 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import pipeline, storage
-from zckpt.io.outputs import HashingSink, WriteItem
+from zckpt.io.items import WriteItem
+from zckpt.io.sink import HashingSink
 from zckpt.model import Piece, Role, TensorEntry
 
 

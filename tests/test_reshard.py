@@ -19,12 +19,13 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import OutputExists, Unsupported
-from zckpt.formats.deepspeed_write import adjust_batch, zero3_sub_groups, zero12_layout
+from zckpt.formats.deepspeed.layout import adjust_batch, zero3_sub_groups, zero12_layout
 from zckpt.io.flat import read_partition, read_range
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.torchzip import load_refs
 from zckpt.model import Role
 from zckpt.ops.reshard import default_dst, reshard
+from zckpt.state import RankRng
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "fixtures" / "ds"
@@ -44,7 +45,25 @@ BF16_OPT_CASES = _cases(bf16_optimizer=True)
 needs_fixtures = pytest.mark.skipif(not CASES, reason="no DeepSpeed fixtures under fixtures/ds")
 
 
-def _assert_same(a: zckpt.Checkpoint, b: zckpt.Checkpoint, keys: tuple[str, ...] = ("clip_grad",)) -> None:
+def _same_state(a: zckpt.Checkpoint, b: zckpt.Checkpoint) -> None:
+    """The training states agree: optimizer, scheduler, loss scaler, counters, client state (by value)."""
+    sa, sb = a.meta.state, b.meta.state
+    assert sa.optimizer == sb.optimizer
+    assert (sa.scheduler, sa.loss_scaler, sa.counters) == (sb.scheduler, sb.loss_scaler, sb.counters)
+    assert _values(a, sa.client_state) == _values(b, sb.client_state)
+
+
+def _values(ck: zckpt.Checkpoint, o: object) -> object:
+    if isinstance(o, zckpt.TensorEntry):
+        return ck.read(o).tolist()
+    if isinstance(o, dict):
+        return {k: _values(ck, v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_values(ck, v) for v in o]
+    return o
+
+
+def _assert_same(a: zckpt.Checkpoint, b: zckpt.Checkpoint, clip_grad: bool = True) -> None:
     assert set(a.entries) == set(b.entries)
     for k, e in a.entries.items():
         f = b.entries[k]
@@ -53,9 +72,13 @@ def _assert_same(a: zckpt.Checkpoint, b: zckpt.Checkpoint, keys: tuple[str, ...]
         assert torch.equal(x, y), k
     assert dict(a.meta.tied) == dict(b.meta.tied)
     assert a.meta.step == b.meta.step
-    assert a.meta.optimizer == b.meta.optimizer
-    for key in ("lr_scheduler", "client_state", "skipped_steps", "global_samples", "loss_scaler", *keys):
-        assert a.meta.extra.get(key) == b.meta.extra.get(key), key
+    _same_state(a, b)
+    clip = [c.meta.state.private("deepspeed").get("clip_grad") for c in (a, b)]
+    assert clip[0] == clip[1] or not clip_grad
+
+
+def _rng(ck: zckpt.Checkpoint, r: RankRng) -> tuple[object, object, dict[str, list[int]]]:
+    return r.python, r.numpy, {k: ck.read(e).tolist() for k, e in r.torch.items()}
 
 
 def _other_world(w: int) -> int:
@@ -90,7 +113,7 @@ def test_deepspeed_roundtrip_every_fixture(case: str, tmp_path: Path) -> None:
     )
     for k in a.entries:
         assert torch.equal(a.read(k), c.read(k)), k
-    assert c.meta.extra["client_state"] == info["client_state"] and c.meta.step == info["global_steps"]
+    assert c.meta.state.client_state == info["client_state"] and c.meta.step == info["global_steps"]
     reshard(tmp_path / "n", tmp_path / "d", world=info["world"], to="deepspeed", progress=False)
     d = zckpt.open(tmp_path / "d")
     for k in a.entries:
@@ -121,7 +144,7 @@ def test_deepspeed_stage_change(case: str, stage: int, tmp_path: Path) -> None:
     b = zckpt.open(tmp_path / "o")
     assert b.meta.stage == stage == res.stage and b.meta.world_size == 2
     a = zckpt.open(src)
-    _assert_same(a, b, () if 3 in (stage, a.meta.stage) else ("clip_grad",))  # ZeRO-3 files keep no clip_grad
+    _assert_same(a, b, clip_grad=3 not in (stage, a.meta.stage))  # ZeRO-3 files keep no clip_grad
 
 
 def _tensors(o: object, path: str = "") -> dict[str, TensorRef]:
@@ -304,11 +327,10 @@ def test_engine_world2_reshard_offline_to_3_resumes_like_uninterrupted(tmp_path:
             assert set(other.entries) == set(a.entries)
             for k in a.entries:
                 assert torch.equal(a.read(k), other.read(k)), (stage, k)
-            assert other.meta.optimizer == a.meta.optimizer and dict(other.meta.tied) == dict(a.meta.tied)
-            for key in ("scheduler", "loss_scaler", "counters", "client_state"):
-                assert other.meta.extra[key] == a.meta.extra[key], key
+            assert dict(other.meta.tied) == dict(a.meta.tied)
+            _same_state(a, other)
         # RNG: new rank r takes old rank r % old_world
-        assert b.meta.extra["rng"] == [a.meta.extra["rng"][r % 2] for r in range(3)]
+        assert [_rng(b, r) for r in b.meta.state.rng] == [_rng(a, a.meta.state.rng[r % 2]) for r in range(3)]
     resumed = run(_engine_resume, 3, root)[0]
     for stage in (1, 2, 3):
         got = resumed[f"s{stage}"]

@@ -15,7 +15,7 @@ import zckpt
 from zckpt.errors import Unsupported
 from zckpt.formats import torch_file
 from zckpt.io import torchzip
-from zckpt.io.outputs import WriteItem, entry_from_tensor, items_from_state_dict
+from zckpt.io.items import WriteItem, entry_from_tensor, items_from_state_dict
 from zckpt.io.pickle_safe import LossScaler, ZeroStageEnum, safe_loads
 from zckpt.io.torchzip_write import dumps
 from zckpt.model import Role
@@ -49,8 +49,7 @@ def test_write_then_torch_load_weights_only(tmp_path: Path) -> None:
     # tied names come back as one tensor on one storage
     assert got["head.weight"].untyped_storage().data_ptr() == got["emb.weight"].untyped_storage().data_ptr()
     # every storage record starts 64-byte aligned, like torch.save's
-    _, records, zf = torchzip.record_offsets(str(tmp_path / "m.bin"))
-    zf.close()
+    _, records = torchzip.record_offsets(str(tmp_path / "m.bin"))
     assert all(off % 64 == 0 for name, (off, _) in records.items() if "/data/" in name)
     # the sidecar is the sha256 of the whole file, in sha256sum format
     digest = hashlib.sha256((tmp_path / "m.bin").read_bytes()).hexdigest()

@@ -16,7 +16,7 @@ from test_diff import validate
 
 from zckpt.errors import UnknownFormat
 from zckpt.formats.hf import write_safetensors
-from zckpt.io.outputs import items_from_state_dict
+from zckpt.io.items import items_from_state_dict
 from zckpt.ops.verify import VerifyReport, verify
 
 ROOT = Path(__file__).resolve().parents[1]

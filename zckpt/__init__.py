@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str]] = {
     "open": ("zckpt.formats", "open_checkpoint"),
     "Checkpoint": ("zckpt.checkpoint", "Checkpoint"),
-    "CheckpointMeta": ("zckpt.model", "CheckpointMeta"),
+    "CheckpointMeta": ("zckpt.state", "CheckpointMeta"),
+    "TrainingState": ("zckpt.state", "TrainingState"),
     "Role": ("zckpt.model", "Role"),
     "TensorEntry": ("zckpt.model", "TensorEntry"),
     "ZckptError": ("zckpt.errors", "ZckptError"),
@@ -31,19 +32,22 @@ _LAZY: dict[str, tuple[str, str]] = {
     "reshard": ("zckpt.ops.reshard", "reshard"),
     "verify": ("zckpt.ops.verify", "verify"),
 }
-__all__ = ["Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "ZckptError", "consolidate", "diff",
-           "inspect", "open", "reshard", "verify"]  # fmt: skip
+__all__ = [
+    "Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "TrainingState", "ZckptError",
+    "consolidate", "diff", "inspect", "open", "reshard", "verify",
+]  # fmt: skip
 
 if TYPE_CHECKING:
     from zckpt.checkpoint import Checkpoint
     from zckpt.errors import ZckptError
     from zckpt.formats import open_checkpoint as open  # noqa: A004
-    from zckpt.model import CheckpointMeta, Role, TensorEntry
+    from zckpt.model import Role, TensorEntry
     from zckpt.ops.consolidate import consolidate
     from zckpt.ops.diff import diff
     from zckpt.ops.inspect import inspect
     from zckpt.ops.reshard import reshard
     from zckpt.ops.verify import verify
+    from zckpt.state import CheckpointMeta, TrainingState
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,8 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, KeyMappingError
 from zckpt.io import storage
-from zckpt.model import CheckpointMeta, Role, TensorEntry
+from zckpt.model import Role, TensorEntry
+from zckpt.state import CheckpointMeta
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
@@ -31,7 +32,15 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             self.entries[e.key] = e
         for alias, owner in meta.tied.items():
             if owner not in self.entries:
-                raise CorruptCheckpoint(f"{meta.path}: tied alias {alias!r} names missing owner {owner!r}")
+                raise CorruptCheckpoint(
+                    f"{meta.path}: tied alias {alias!r:.80} names missing owner {owner!r:.80}", path=meta.path
+                )
+            if alias in self.entries:
+                raise CorruptCheckpoint(
+                    f"{meta.path}: tied alias {alias!r:.80} is also a tensor of its own",
+                    hint="the tie metadata is damaged",
+                    path=meta.path,
+                )
         self._model_keys = [k for k, e in self.entries.items() if e.role.is_model]
         self._model_keys += [a for a in meta.tied if a not in self.entries]
 

@@ -13,10 +13,8 @@ Keys: a model tensor's key is its state-dict name (``"emb.weight"``); an optimiz
 from __future__ import annotations
 
 import enum
-import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +37,23 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
+
+
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Training precisions (DeepSpeed's names) and their compute dtypes."""
+_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def precision_of(dtype: torch.dtype) -> str:
+    """The training precision whose compute dtype is ``dtype`` (fp32 for anything else)."""
+    return next((k for k, v in PRECISIONS.items() if v == dtype), "fp32")
+
+
+def parse_precision(name: str) -> str | None:
+    """``fp32``/``bf16``/``fp16`` for a precision or dtype name (``bfloat16``, ``half``...), else None."""
+    key = name.lower().removeprefix("torch.")
+    key = _PRECISION_ALIASES.get(key, key)
+    return key if key in PRECISIONS else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -104,6 +119,9 @@ class TensorEntry:
     role: Role
     pieces: tuple[Piece, ...]
     state: str | None = None
+    pytype: str | None = None
+    """``"int"`` / ``"float"`` when the source saved a 0-d value as a Python number (an optimizer's
+    ``step``): writers give it back that type."""
 
     def __post_init__(self) -> None:
         if (self.role is Role.OPTIM) != (self.state is not None):
@@ -158,59 +176,3 @@ class TensorEntry:
                 for p in self.pieces
             ],
         }
-
-
-@dataclass(frozen=True)
-class OptimizerInfo:
-    """The optimizer as the checkpoint recorded it.
-
-    ``param_groups`` are the hyper-parameters of each group with ``params`` replaced by parameter
-    names; ``state_names`` the per-parameter states present (``exp_avg``, ``momentum_buffer``, ...).
-    """
-
-    kind: str
-    param_groups: tuple[dict[str, Any], ...] = ()
-    state_names: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class CheckpointMeta:
-    """The manifest: everything about a checkpoint that is not tensor bytes."""
-
-    format: str
-    path: str
-    world_size: int = 1
-    stage: int | None = None
-    tag: str | None = None
-    step: int | None = None
-    precision: str | None = None
-    optimizer: OptimizerInfo | None = None
-    tied: Mapping[str, str] = field(default_factory=dict)
-    config: Mapping[str, Any] | None = None
-    files: tuple[str, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Format-specific state: scheduler, loss scaler, client_state, versions, step counters..."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        for alias, owner in self.tied.items():
-            if alias == owner:
-                raise ValueError(f"tied alias {alias!r} points at itself")
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["tied"] = dict(self.tied)
-        return json.loads(json.dumps(d, default=_json_default))
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, torch.dtype):
-        return dtype_name(o)
-    if isinstance(o, torch.Tensor):
-        return o.tolist() if o.numel() <= 16 else f"<tensor {list(o.shape)} {dtype_name(o.dtype)}>"
-    if isinstance(o, enum.Enum):
-        return o.value
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
-    return repr(o)

@@ -18,15 +18,21 @@ import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import CorruptCheckpoint, Unsupported
-from zckpt.io import torchzip
-from zckpt.io.outputs import HashingSink, Staging, WriteItem, planned_names, write_sharded
+from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
+from zckpt.formats import _flat
+from zckpt.formats.base import Format, ModelWriter
+from zckpt.io import storage, torchzip
+from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
+from zckpt.io.shards import planned_names, write_sharded
+from zckpt.io.sink import HashingSink
+from zckpt.io.staging import Staging
 from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
-from zckpt.model import STATE_SEP, CheckpointMeta, Piece, Role, TensorEntry
+from zckpt.model import Piece, Role, TensorEntry
+from zckpt.state import CheckpointMeta, Counters, TrainingState
 
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -34,17 +40,6 @@ STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 ZCKPT_RECORD = "zckpt.json"
 BIN = "pytorch_model.bin"
 MAX_RUNS = 1 << 16
-
-
-def detect(path: Path) -> bool:
-    return path.is_file() and (path.suffix in SUFFIXES or torchzip.is_torch_zip(str(path)))
-
-
-def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    entries, tied, extra = file_entries(path, trust_pickle=trust_pickle)
-    step = extra.pop("step", None)
-    meta = CheckpointMeta(format=NAME, path=str(path), step=step, tied=tied, files=(str(path),), extra=extra)
-    return Checkpoint(meta, entries)
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -72,6 +67,21 @@ def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
     )
 
 
+def _refuse_rank_file(obj: Any, path: Path) -> None:
+    """A DeepSpeed rank file alone holds one rank's partitions (or 16-bit weights beside fp32 masters kept
+    elsewhere): read as a state dict it would be a wrong model. Refuse it, naming the folder to give."""
+    if (
+        isinstance(obj, dict)
+        and ("ds_version" in obj or "ds_config" in obj)
+        and ("module" in obj or "optimizer_state_dict" in obj)
+    ):
+        raise KeyMappingError(
+            f"{path}: one rank file of a DeepSpeed checkpoint; alone it is not the trained model",
+            hint=f"give the folder that holds it ({path.parent}) or the folder holding `latest`",
+            path=str(path),
+        )
+
+
 def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
     """(storage element offset, length) of each contiguous run of ``ref``, in logical order."""
     shape, stride = ref.shape, ref.stride
@@ -80,8 +90,11 @@ def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
         run *= shape[k - 1]
         k -= 1
     if math.prod(shape[:k]) > MAX_RUNS:
-        raise Unsupported(f"{path}: tensor {name!r} is a scattered view (stride {stride})",
-                          hint="re-save it with .contiguous()", path=str(path))  # fmt: skip
+        raise Unsupported(
+            f"{path}: tensor {name!r} is a scattered view (stride {stride})",
+            hint="re-save it with .contiguous()",
+            path=str(path),
+        )
     offsets = [ref.offset]
     for d in range(k):
         offsets = [o + i * stride[d] for o in offsets for i in range(shape[d])]
@@ -93,14 +106,14 @@ def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
 
 
 def _zckpt_record(path: Path) -> dict[str, Any]:
-    with zipfile.ZipFile(path) as zf:
-        names = [n for n in zf.namelist() if n.rpartition("/")[2] == ZCKPT_RECORD]
-        if not names:
-            return {}
-        try:
+    try:
+        with storage.open_regular(path) as f, zipfile.ZipFile(f) as zf:
+            names = [n for n in zf.namelist() if n.rpartition("/")[2] == ZCKPT_RECORD]
+            if not names:
+                return {}
             rec = json.loads(zf.read(names[0]))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CorruptCheckpoint(f"{path}: unreadable {ZCKPT_RECORD} record", path=str(path)) from None
+    except (ValueError, UnicodeDecodeError, RecursionError, zipfile.BadZipFile, OSError):
+        raise CorruptCheckpoint(f"{path}: unreadable {ZCKPT_RECORD} record", path=str(path)) from None
     return rec if isinstance(rec, dict) else {}
 
 
@@ -109,8 +122,11 @@ def file_entries(
 ) -> tuple[list[TensorEntry], dict[str, str], dict[str, Any]]:
     """(entries, tied aliases, extra) of one torch zip file; reads only the pickle and zip directory."""
     obj = torchzip.load_refs(str(path), trust_pickle=trust_pickle)
+    _refuse_rank_file(obj, path)
     sd, container = _find_state_dict(obj, path)
     roles = _zckpt_record(path).get("roles") or {}
+    if not isinstance(roles, dict):
+        raise CorruptCheckpoint(f"{path}: {ZCKPT_RECORD} roles must be an object", path=str(path))
     entries: list[TensorEntry] = []
     tied: dict[str, str] = {}
     owners: dict[tuple[str, int, tuple[int, ...], tuple[int, ...]], str] = {}
@@ -129,12 +145,8 @@ def file_entries(
         for o, n in _runs(ref, path, name):
             pieces.append(Piece(str(path), base + o * ref.dtype.itemsize, ref.dtype, start, n))
             start += n
-        default = Role.PARAM if (ref.dtype.is_floating_point or ref.dtype.is_complex) else Role.BUFFER
-        role = Role(roles.get(name, default.value))
-        base_name, state = name, None
-        if role is Role.OPTIM:
-            base_name, _, state = name.rpartition(STATE_SEP)
-        entries.append(TensorEntry(base_name, ref.shape, ref.dtype, role, tuple(pieces), state=state))
+        role = _flat.role_of(name, ref.dtype, roles, path)
+        entries.append(_flat.entry_of(name, ref.shape, ref.dtype, role, tuple(pieces), path))
     extra: dict[str, Any] = {"container": container, "skipped": skipped}
     if isinstance(obj, dict):
         for k in ("global_step", "step", "iteration"):
@@ -183,24 +195,29 @@ def write_file(
     return sink.hexdigest()
 
 
-def write_into(
-    folder: Path,
-    base: str,
-    items: Sequence[WriteItem],
-    *,
-    tied: Mapping[str, str] | None = None,
-    max_shard_size: int | None = None,
-    on_bytes: Callable[[int], None] | None = None,
-    part: tuple[int, int] = (0, 1),
-) -> list[str]:
-    """Write ``base`` (or its shards plus ``<base>.index.json``) into an existing folder; returns names.
-    ``part=(rank, world)``: this rank's share only (see ``zckpt.io.outputs.write_sharded``)."""
-    tied = dict(tied or {})
+class BinWriter(ModelWriter):
+    kind = "bin"
+    suffixes = SUFFIXES
+    base_name = BIN
 
-    def write_one(p: Path, shard: list[WriteItem]) -> str:
-        return write_file(p, shard, tied=tied, on_bytes=on_bytes)
+    def write_into(
+        self,
+        folder: Path,
+        base: str,
+        items: Sequence[WriteItem],
+        *,
+        tied: Mapping[str, str],
+        max_shard_size: int | None,
+        on_bytes: Callable[[int], None] | None,
+        workers: int | None,
+        part: tuple[int, int],
+    ) -> list[str]:
+        """Aliases are listed in the index beside their owner (the ``.bin`` convention)."""
 
-    return write_sharded(folder, base, items, max_shard_size, write_one, aliases=tied, part=part)
+        def one(p: Path, shard: list[WriteItem]) -> str:
+            return write_file(p, shard, tied=tied, on_bytes=on_bytes)
+
+        return write_sharded(folder, base, items, max_shard_size, one, aliases=tied, part=part)
 
 
 def write_torch(
@@ -222,6 +239,35 @@ def write_torch(
     base = BIN if is_dir else out.name
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
         st.expect(planned_names(base, items, max_shard_size))
-        write_into(st.dir, base, items, tied=tied, max_shard_size=max_shard_size,
-                   on_bytes=on_bytes)  # fmt: skip
+        BinWriter().write_into(
+            st.dir,
+            base,
+            items,
+            tied=dict(tied or {}),
+            max_shard_size=max_shard_size,
+            on_bytes=on_bytes,
+            workers=None,
+            part=(0, 1),
+        )
         return st.commit()
+
+
+class TorchFileFormat(Format):
+    """A torch ``.bin``/``.pt`` state dict (one file; HF folders of them are ``hf``'s)."""
+
+    name = NAME
+    model_writer: ClassVar[ModelWriter] = BinWriter()
+
+    def detect(self, path: Path) -> bool:
+        return path.is_file() and (path.suffix in SUFFIXES or torchzip.is_torch_zip(str(path)))
+
+    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        entries, tied, extra = file_entries(path, trust_pickle=trust_pickle)
+        state = TrainingState(counters=Counters(global_steps=extra.pop("step", None)))
+        meta = CheckpointMeta(
+            format=NAME, path=str(path), tied=tied, files=(str(path),), state=state, extra=extra
+        )
+        return Checkpoint(meta, entries)
+
+
+FORMAT = TorchFileFormat()

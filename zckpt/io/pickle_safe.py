@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+import pickletools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from zckpt.errors import UnsafePickle
+from zckpt.errors import CorruptCheckpoint, UnsafePickle
 
 
 # ---- stand-ins for foreign classes -------------------------------------------------------------
@@ -167,8 +168,15 @@ class _StorageType:
         self.dtype = dtype
 
 
-def _rebuild_tensor_v2(storage: StorageRef, offset: int, size: Any, stride: Any, requires_grad: bool = False,
-                       backward_hooks: Any = None, metadata: Any = None) -> TensorRef:  # fmt: skip
+def _rebuild_tensor_v2(
+    storage: StorageRef,
+    offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: bool = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> TensorRef:
     return TensorRef(storage, int(offset), tuple(size), tuple(stride), bool(requires_grad))
 
 
@@ -288,6 +296,8 @@ class SafeUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
             raise UnsafePickle(f"{self.source}: unexpected persistent id {pid!r:.80}", path=self.source)
         _, stype, key, _location, numel = pid[:5]
+        if not isinstance(key, str) or isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise UnsafePickle(f"{self.source}: malformed storage id {pid!r:.80}", path=self.source)
         if isinstance(stype, _StorageType):
             dtype = stype.dtype
         elif isinstance(stype, torch.dtype):
@@ -297,15 +307,109 @@ class SafeUnpickler(pickle.Unpickler):
         return StorageRef(str(key), dtype, int(numel))
 
 
-def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False) -> Any:
-    """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs)."""
+MAX_STACK = 10_000
+"""Deepest unpickler stack a pickle may build (real checkpoints stay under a few thousand: one batch of
+1000 dict items plus their nesting)."""
+MAX_DEPTH = 256
+"""Deepest nesting of containers in an unpickled object (real checkpoints: under 20)."""
+MAX_NODES_PER_BYTE = 8
+"""An unpickled structure, expanded as a tree (shared sub-objects counted at every use), may have at most
+this many nodes per byte of its file (plus a constant): shared-reference bombs are refused."""
+
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
+
+
+def _prescan(data: bytes, source: str) -> None:
+    """Walk the opcodes without building anything (``pickletools.genops``): every length prefix must fit
+    the data (no allocation from a lying length), memo indices must be the sequential ones a pickler writes
+    (no 2**28-slot memo), and the stack must stay shallow."""
+    memo = 0
+    depth = 0
+    marks: list[int] = []
     try:
-        return SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in _MEMO_PUTS:
+                if not isinstance(arg, int) or arg > memo:
+                    raise UnsafePickle(f"{source}: pickle memo index {arg} out of sequence", path=source)
+                memo = max(memo, arg + 1)
+            elif name == "MEMOIZE":
+                memo += 1
+            elif name in _MEMO_GETS and (not isinstance(arg, int) or arg >= memo):
+                raise UnsafePickle(f"{source}: pickle reads memo slot {arg} before writing it", path=source)
+            before, after = op.stack_before, op.stack_after
+            if pickletools.markobject in before:
+                if not marks:
+                    raise UnsafePickle(f"{source}: pickle pops a mark it never pushed", path=source)
+                depth = marks.pop()
+                before = [x for x in before if x not in (pickletools.markobject, pickletools.stackslice)]
+            depth = max(0, depth - len(before))
+            if pickletools.markobject in after:
+                marks.append(depth)
+            depth += len([x for x in after if x is not pickletools.markobject])
+            if depth + len(marks) > MAX_STACK:
+                raise UnsafePickle(f"{source}: pickle nests deeper than {MAX_STACK} levels", path=source)
     except UnsafePickle:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            OverflowError, RecursionError, MemoryError) as e:  # fmt: skip
-        from zckpt.errors import CorruptCheckpoint
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(
+            f"{source}: unreadable pickle ({type(e).__name__}: {str(e)[:120]})", path=source
+        ) from None
 
-        msg = f"{source}: unreadable pickle ({type(e).__name__}: {e})"
+
+def _children(o: Any) -> list[Any]:
+    if isinstance(o, dict):
+        return [*o.keys(), *o.values()]
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return list(o)
+    if isinstance(o, _Record):
+        return list(o.__dict__.values())
+    if isinstance(o, TensorRef) and o.attrs:
+        return list(o.attrs.values())
+    return []
+
+
+def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
+    """Refuse cycles, nesting deeper than ``MAX_DEPTH`` and structures that expand (shared sub-objects
+    counted at every use) to more than ``max_nodes``: every later walk over the object then terminates
+    quickly, recursive or not. Iterative, each distinct object visited once."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, int, bool]] = [(obj, 1, False)]
+    while stack:
+        o, level, done = stack.pop()
+        k = id(o)
+        if done:
+            on_path.discard(k)
+            size[k] = 1 + sum(size.get(id(c), 1) for c in _children(o))
+            if size[k] > max_nodes:
+                raise UnsafePickle(
+                    f"{source}: pickled structure expands to more than {max_nodes} objects", path=source
+                )
+            continue
+        kids = _children(o)
+        if not kids or k in size:
+            continue
+        if k in on_path:
+            raise UnsafePickle(f"{source}: pickled structure refers to itself", path=source)
+        if level > MAX_DEPTH:
+            raise UnsafePickle(f"{source}: pickled structure nests deeper than {MAX_DEPTH}", path=source)
+        on_path.add(k)
+        stack.append((o, level, True))
+        stack.extend((c, level + 1, False) for c in kids)
+
+
+def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False, max_bytes: int | None = None) -> Any:
+    """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs), bounded: see
+    ``_prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint``/``UnsafePickle``."""
+    _prescan(data, source)
+    try:
+        obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
+    except UnsafePickle:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle makes a constructor raise
+        msg = f"{source}: unreadable pickle ({type(e).__name__}: {str(e)[:120]})"
         raise CorruptCheckpoint(msg, path=source) from None
+    _check_graph(obj, source, MAX_NODES_PER_BYTE * max(len(data), max_bytes or 0) + 100_000)
+    return obj

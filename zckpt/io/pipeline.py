@@ -31,7 +31,7 @@ import torch
 from zckpt.io import storage
 
 if TYPE_CHECKING:
-    from zckpt.io.outputs import WriteItem
+    from zckpt.io.items import WriteItem
     from zckpt.model import Piece
 
 T = TypeVar("T")

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -27,15 +28,37 @@ _maps: dict[str, tuple[mmap.mmap, int]] = {}
 _fds: dict[str, tuple[int, int]] = {}
 
 
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}  # fmt: skip
+
+
+def open_fd(path: str) -> int:
+    """A read-only descriptor of the regular file ``path`` (a symlink to one is fine). FIFOs, devices,
+    sockets and folders are refused without blocking (``O_NONBLOCK``): a checkpoint is made of files."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path}: cannot open ({e.strerror})", path=path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise CorruptCheckpoint(f"{path}: is {kind}, not a checkpoint file", hint="give the real file",
+                                path=path)  # fmt: skip
+    return fd
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``open(path, "rb")`` for regular files only (see ``open_fd``)."""
+    return os.fdopen(open_fd(os.fspath(path)), "rb")
+
+
 def _map(path: str) -> tuple[mmap.mmap, int]:
     with _lock:
         hit = _maps.get(path)
         if hit is not None:
             return hit
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise CorruptCheckpoint(f"cannot open {path}: {e.strerror}", path=path) from None
+        fd = open_fd(path)
         try:
             size = os.fstat(fd).st_size
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else mmap.mmap(-1, 1)
@@ -61,10 +84,7 @@ def _fd(path: str) -> tuple[int, int]:
         hit = _fds.get(path)
         if hit is not None:
             return hit
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise CorruptCheckpoint(f"cannot open {path}: {e.strerror}", path=path) from None
+        fd = open_fd(path)
         size = os.fstat(fd).st_size
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

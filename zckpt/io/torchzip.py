@@ -11,9 +11,13 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-from typing import Any
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
 
-from zckpt.errors import CorruptCheckpoint, Unsupported
+from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
+from zckpt.io import storage
+from zckpt.io.integrity import Problem, VerifyContext, problem_from
 from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -21,73 +25,135 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
 def is_torch_zip(path: str) -> bool:
     try:
-        return zipfile.is_zipfile(path)
-    except OSError:
+        with storage.open_regular(path) as f:
+            return zipfile.is_zipfile(f)
+    except (OSError, ZckptError):
         return False
 
 
-def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]], zipfile.ZipFile]:
-    """(prefix, {record name: (data offset, size)}, open ZipFile) of a torch zip archive."""
-    try:
-        zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpoint(
-            f"{path}: not a readable torch zip archive ({e}); the file may be truncated",
-            hint="re-copy the file, or check the save finished",
-            path=path,
-        ) from None
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    OverflowError,
+    struct.error,
+    NotImplementedError,
+    UnicodeDecodeError,
+    zlib.error,
+    KeyError,
+)
+"""What ``zipfile`` raises on a damaged archive (a flipped bit in a name, a bad CRC, a short record)."""
+
+
+def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, tuple[int, int]], zipfile.ZipFile]:
+    zf = zipfile.ZipFile(f)
     infos = zf.infolist()
     pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-    if not pkl:
-        raise CorruptCheckpoint(f"{path}: zip archive has no data.pkl; not a torch.save file", path=path)
+    if len(pkl) != 1:
+        raise CorruptCheckpoint(
+            f"{path}: zip archive has {len(pkl)} data.pkl records; not a torch.save file", path=path
+        )
     prefix = pkl[0][: -len("data.pkl")]
     out: dict[str, tuple[int, int]] = {}
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise Unsupported(f"{path}: record {info.filename} is compressed; torch never writes that")
-            f.seek(info.header_offset)
-            head = f.read(_LOCAL_HEADER.size)
-            if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-                raise CorruptCheckpoint(f"{path}: broken zip record header for {info.filename}", path=path)
-            fields = _LOCAL_HEADER.unpack(head)
-            start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-            if start + info.file_size > size:
-                raise CorruptCheckpoint(
-                    f"{path}: record {info.filename} runs past the end of the file", path=path
-                )
-            out[info.filename] = (start, info.file_size)
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise Unsupported(
+                f"{path}: record {info.filename!r:.80} is compressed; torch never writes that", path=path
+            )
+        f.seek(info.header_offset)
+        head = f.read(_LOCAL_HEADER.size)
+        if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+            raise CorruptCheckpoint(f"{path}: broken zip record header for {info.filename!r:.80}", path=path)
+        fields = _LOCAL_HEADER.unpack(head)
+        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        if start + info.file_size > size:
+            raise CorruptCheckpoint(
+                f"{path}: record {info.filename!r:.80} runs past the end of the file", path=path
+            )
+        out[info.filename] = (start, info.file_size)
     return prefix, out, zf
+
+
+def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
+    """(prefix, {record name: (data offset, size)}) of a torch zip archive."""
+    with storage.open_regular(path) as f:
+        try:
+            prefix, out, zf = _records(path, f, os.fstat(f.fileno()).st_size)
+            zf.close()
+        except _ZIP_ERRORS as e:
+            raise _damaged(path, e) from None
+    return prefix, out
+
+
+def _damaged(path: str, e: BaseException) -> CorruptCheckpoint:
+    return CorruptCheckpoint(
+        f"{path}: damaged torch zip archive ({type(e).__name__}: {str(e)[:120]})",
+        hint="re-copy the file, or check the save finished",
+        path=path,
+    )
+
+
+def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
+    """(archive name, object) of a torch zip archive, with tensors as ``TensorRef`` (no tensor bytes read).
+    The archive name is what ``torch.save`` called the root folder: the stem of the file it saved to."""
+    with storage.open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CorruptCheckpoint(
+                f"{path}: empty file (0 bytes)", hint="the save or copy did not finish", path=path
+            )
+        if not zipfile.is_zipfile(f):
+            raise Unsupported(
+                f"{path}: not a zip-format torch file (a legacy torch<1.6 file, or damaged)",
+                hint="re-save it with a recent torch.save, or check the copy is complete",
+                path=path,
+            )
+        try:
+            prefix, records, zf = _records(path, f, size)
+            with zf:
+                info = zf.getinfo(prefix + "data.pkl")
+                if info.file_size > size:
+                    raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
+                data = zf.read(info)
+        except _ZIP_ERRORS as e:
+            raise _damaged(path, e) from None
+    obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size)
+    for ref in iter_refs(obj):
+        name = f"{prefix}data/{ref.storage.key}"
+        if name not in records:
+            raise CorruptCheckpoint(f"{path}: tensor storage record {name!r:.80} is missing", path=path)
+        start, nbytes = records[name]
+        _check_view(path, name, ref, nbytes)
+        ref.file = path
+        ref.byte_offset = start + ref.offset * ref.dtype.itemsize
+    return prefix.rstrip("/"), obj
+
+
+def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:
+    """The tensor's view (offset, shape, stride) must lie inside its storage, and the storage inside its
+    record: a view past the end would read another tensor's bytes."""
+    if ref.storage.numel < 0 or ref.storage.numel * ref.dtype.itemsize > nbytes:
+        raise CorruptCheckpoint(f"{path}: storage record {name!r:.80} is shorter than its tensor", path=path)
+    if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(s < 0 for s in ref.stride):
+        raise CorruptCheckpoint(
+            f"{path}: tensor in {name!r:.80} has a negative offset, size or stride", path=path
+        )
+    if ref.numel == 0:
+        return
+    last = ref.offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride, strict=False))
+    if len(ref.shape) != len(ref.stride) or last >= ref.storage.numel:
+        raise CorruptCheckpoint(
+            f"{path}: tensor in {name!r:.80} reaches past its storage "
+            f"(offset {ref.offset}, shape {list(ref.shape)}, stride {list(ref.stride)}, "
+            f"{ref.storage.numel} elements)",
+            path=path,
+        )
 
 
 def load_refs(path: str, *, trust_pickle: bool = False) -> Any:
     """Unpickle a torch zip archive's object with tensors as ``TensorRef`` (no tensor bytes read)."""
-    if not is_torch_zip(path):
-        if os.path.exists(path) and os.path.getsize(path) > 0:
-            raise Unsupported(
-                f"{path}: not a zip-format torch file (legacy torch<1.6 format or truncated)",
-                hint="re-save it with a recent torch.save, or check the copy is complete",
-                path=path,
-            )
-        raise CorruptCheckpoint(f"{path}: empty or missing file", path=path)
-    prefix, records, zf = record_offsets(path)
-    with zf:
-        try:
-            data = zf.read(prefix + "data.pkl")
-        except (zipfile.BadZipFile, OSError) as e:
-            raise CorruptCheckpoint(f"{path}: cannot read data.pkl ({e})", path=path) from None
-    obj = safe_loads(data, source=path, trust_pickle=trust_pickle)
-    for ref in iter_refs(obj):
-        name = f"{prefix}data/{ref.storage.key}"
-        if name not in records:
-            raise CorruptCheckpoint(f"{path}: tensor storage record {name} is missing", path=path)
-        start, nbytes = records[name]
-        if ref.storage.numel * ref.dtype.itemsize > nbytes:
-            raise CorruptCheckpoint(f"{path}: storage record {name} is shorter than its tensor", path=path)
-        ref.file = path
-        ref.byte_offset = start + ref.offset * ref.dtype.itemsize
-    return obj
+    return load_archive(path, trust_pickle=trust_pickle)[1]
 
 
 def iter_refs(obj: Any) -> Any:
@@ -106,3 +172,27 @@ def iter_refs(obj: Any) -> Any:
                 stack.extend(o)
         elif isinstance(o, _Record):
             stack.extend(o.__dict__.values())
+
+
+def check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
+    """Every record's CRC-32 recomputed and the pickle parsed through the safe unpickler (remembered in
+    ``ctx.pickles`` for cross-file checks), every storage record present and long enough."""
+    if not is_torch_zip(str(f)):
+        why = "not a readable zip archive (truncated, or a legacy pre-1.6 torch file)"
+        return [Problem(str(f), why, "truncated", "re-copy the file, or check the save finished")]
+    try:
+        with storage.open_regular(f) as fh, zipfile.ZipFile(fh) as zf:
+            bad = zf.testzip()
+    except ZckptError as e:
+        return [problem_from(e, f)]
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return [Problem(str(f), f"zip records unreadable ({e})", "truncated")]
+    except Exception as e:  # zlib.error and friends: a damaged record, not a bug of ours
+        return [Problem(str(f), f"zip records unreadable ({type(e).__name__}: {e})", "corrupt")]
+    if bad is not None:
+        return [Problem(str(f), f"zip record {bad} fails its CRC-32 check", "corrupt", "the file is damaged")]
+    try:
+        ctx.pickles[str(f)] = load_refs(str(f), trust_pickle=ctx.trust)
+    except ZckptError as e:
+        return [problem_from(e, f)]
+    return []

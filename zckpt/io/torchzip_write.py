@@ -33,8 +33,9 @@ import torch
 
 from zckpt.errors import Unsupported
 from zckpt.io import pipeline
-from zckpt.io.outputs import HashingSink, tensor_bytes
+from zckpt.io.items import tensor_bytes
 from zckpt.io.pickle_safe import FOREIGN_CLASSES
+from zckpt.io.sink import HashingSink
 
 ALIGNMENT = 64
 _OVERLAP_BYTES = 1 << 20

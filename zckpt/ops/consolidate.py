@@ -1,9 +1,9 @@
 """``consolidate``: turn any checkpoint zckpt reads into one loadable model (safetensors or torch .bin).
 
-Streams tensor by tensor: each tensor's pieces are read from the mmap'd rank files, cast in bounded
-chunks (``zckpt.io.outputs.CHUNK_BYTES``) and written straight to the output, so peak memory is one
-chunk plus the page cache, whatever the model size. Trainable params come from the checkpoint's
-PARAM entries, which readers point at the fp32 masters where the format keeps them.
+Streams tensor by tensor: each tensor's pieces are read from the rank files, cast in bounded chunks and
+written straight to the output, so peak memory is a few chunks, whatever the model size. Trainable params
+come from the checkpoint's PARAM entries, which readers point at the fp32 masters where the format keeps
+them.
 
 Output dtype (``dtype=``): ``fp32`` / ``bf16`` / ``fp16`` cast every floating tensor (a torch cast of
 the stored value, bit-exact with ``tensor.to(dtype)``); ``auto`` uses the checkpoint's training
@@ -12,29 +12,23 @@ fp32) and otherwise keeps each tensor's own dtype. ``keep_fp32`` globs (fnmatch,
 matching floating tensors fp32. Non-floating tensors (int64 step counters, masks) always keep their
 dtype.
 
-Layout: ``OUT`` ending in ``.safetensors`` -> one file (or ``OUT``-stem shards + index when
-``max_shard_size`` splits it); ``.bin``/``.pt``/``.pth`` -> a torch state dict; any other ``OUT`` is a
-folder in the HF layout (``model.safetensors`` or ``pytorch_model.bin``, sharded with an index), and
-receives the HF config/tokenizer files found beside the checkpoint so ``from_pretrained(OUT)``
-works. Tied aliases: safetensors stores the owner once and records ``{alias: owner}`` in its
-metadata and index (transformers re-ties from its config); ``.bin`` pickles both names on one storage.
+Layout: ``OUT`` with a model writer's suffix (``.safetensors``; ``.bin``/``.pt``/``.pth``) -> one file (or
+``OUT``-stem shards + index when ``max_shard_size`` splits it); any other ``OUT`` is a folder in the HF
+layout (``model.safetensors`` or ``pytorch_model.bin``, sharded with an index) that receives the HF
+config/tokenizer files found beside the checkpoint, ``config.json``'s dtype set to the written one, so
+``from_pretrained(OUT)`` loads what was written. Tied aliases: safetensors stores the owner once and records
+``{alias: owner}`` in its metadata and index (transformers re-ties from its config); ``.bin`` pickles both
+names on one storage.
 
-Distributed (``distributed=``, or the CLI under ``torchrun``): the ranks of a process group split the
-writing. Every rank opens the checkpoint (headers only) and computes the same shard plan; ranks check
-that their plans agree, rank 0 creates the staging folder, each rank writes shards ``rank::world`` (with
-their sidecars) into it, rank 0 the index and the HF config files, and after every rank reports
-success rank 0 moves the folder into place. The output is byte-identical to a single-process run
-with the same arguments. If any rank fails, every rank raises and nothing is published. ``OUT`` must
-be on a filesystem every rank sees (one host, or a shared mount). Work is split by output file, so
-pass a ``max_shard_size`` giving at least ``world`` shards; an output of one file (a ``.safetensors``
-or ``.bin`` OUT without sharding) is written by rank 0 alone while the others wait (a warning says so).
-Launch: ``torchrun --nproc_per_node N -m zckpt.cli.app consolidate CKPT OUT/ --max-shard-size 5GB``
-(several hosts: ``--nnodes``/``--rdzv-endpoint`` as usual; the CLI starts a gloo group from ``env://``).
+One code path for one process and for several (``zckpt.ops.group``): under ``torchrun`` every rank opens
+the checkpoint (headers only) and computes the same shard plan; the ranks check that their plans agree,
+rank 0 creates the staging folder, each rank writes shards ``rank::world`` (with their sidecars) into it,
+rank 0 the index and the HF files, and after every rank reports success rank 0 moves the folder into
+place. The output is byte-identical to a single-process run. ``OUT`` must be on a filesystem every rank
+sees; work is split by output file, so pass a ``max_shard_size`` giving at least ``world`` shards.
 
-Integrity: every tensor file ``F`` gets ``F.sha256`` (``sha256sum`` format, whole-file hash computed
-while streaming). Safety: an existing ``OUT`` is refused unless ``overwrite``; ``OUT`` may not lie
-inside the input (nor, when overwriting a folder, contain it); everything is written in a hidden
-temporary folder beside ``OUT`` and moved into place at the end, and removed on any failure.
+Safety: an existing ``OUT`` is refused unless ``overwrite``; ``OUT`` may not overlap the input
+(``zckpt.ops.paths``); everything is written in a hidden staging folder and published whole.
 """
 
 from __future__ import annotations
@@ -44,9 +38,8 @@ import fnmatch
 import hashlib
 import json
 import os
-import shutil
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,24 +47,18 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError, OutputExists
-from zckpt.formats import hf, open_checkpoint, torch_file
+from zckpt.errors import KeyMappingError
+from zckpt.formats import open_checkpoint, registry
+from zckpt.formats.base import ModelWriter
 from zckpt.io import pipeline
-from zckpt.io.outputs import Staging, WriteItem, parse_size, plan_shards, planned_names
-from zckpt.model import Role, dtype_name
-from zckpt.ops import group as dist
+from zckpt.io.items import WriteItem
+from zckpt.io.shards import parse_size, plan_shards, planned_names
+from zckpt.io.staging import Staging
+from zckpt.model import PRECISIONS, Role, dtype_name, parse_precision
+from zckpt.ops import group as zgroup
+from zckpt.ops import hf_files
+from zckpt.ops.paths import check_overlap
 from zckpt.ops.progress import bar as progress_bar
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
-               "float16": "fp16", "half": "fp16"}  # fmt: skip
-HF_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json",
-)  # fmt: skip
-FORMATS = ("safetensors", "bin")
 
 
 @dataclass(frozen=True)
@@ -90,40 +77,49 @@ class ConsolidateResult:
     """HF config/tokenizer files copied from beside the checkpoint."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"out": str(self.out), "format": self.format, "files": [str(f) for f in self.files],
-                "tensors": self.tensors, "bytes": self.bytes, "tied": dict(self.tied),
-                "dtypes": dict(self.dtypes), "copied": list(self.copied)}  # fmt: skip
+        return {
+            "out": str(self.out),
+            "format": self.format,
+            "files": [str(f) for f in self.files],
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "tied": dict(self.tied),
+            "dtypes": dict(self.dtypes),
+            "copied": list(self.copied),
+        }
 
 
-def _layout(out: Path, format: str | None) -> tuple[str, bool]:
-    """(format, out is a folder)."""
-    if format is not None and format not in FORMATS:
-        raise KeyMappingError(f"unknown output format {format!r}; choose one of {', '.join(FORMATS)}")
-    suffix = out.suffix
-    if suffix == ".safetensors":
-        fmt, is_dir = "safetensors", False
-    elif suffix in torch_file.SUFFIXES:
-        fmt, is_dir = "bin", False
-    elif suffix and not out.is_dir():
-        raise KeyMappingError(
-            f"{out}: cannot tell the output format from {suffix!r}",
-            hint="name it *.safetensors or *.bin, or give a folder for the HF layout",
-        )
-    else:
-        return format or "safetensors", True
-    if format is not None and format != fmt:
-        raise KeyMappingError(f"{out}: --format {format} does not match the file suffix {suffix!r}")
-    return fmt, is_dir
+def _writers() -> list[ModelWriter]:
+    return [f.model_writer for f in registry().values() if f.model_writer is not None]
+
+
+def _layout(out: Path, format: str | None) -> tuple[ModelWriter, bool]:
+    """(the writer, whether ``out`` is a folder)."""
+    writers = _writers()
+    kinds = {w.kind: w for w in writers}
+    if format is not None and format not in kinds:
+        raise KeyMappingError(f"unknown output format {format!r}; choose one of {', '.join(kinds)}")
+    by_suffix = next((w for w in writers if out.suffix in w.suffixes), None)
+    if by_suffix is None:
+        if out.suffix and not out.is_dir():
+            raise KeyMappingError(
+                f"{out}: cannot tell the output format from {out.suffix!r}",
+                hint="name it *.safetensors or *.bin, or give a folder for the HF layout",
+            )
+        return kinds[format or "safetensors"], True
+    if format is not None and format != by_suffix.kind:
+        raise KeyMappingError(f"{out}: --format {format} does not match the file suffix {out.suffix!r}")
+    return by_suffix, False
 
 
 def _target_dtype(dtype: str, ckpt: Checkpoint) -> torch.dtype | None:
     """The cast for floating tensors, or None to keep each tensor's dtype."""
-    if dtype in DTYPES:
-        return DTYPES[dtype]
+    if dtype in PRECISIONS:
+        return PRECISIONS[dtype]
     if dtype != "auto":
         raise KeyMappingError(f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or fp16")
-    prec = _PRECISIONS.get(str(ckpt.meta.precision).lower()) if ckpt.meta.precision else None
-    return DTYPES[prec] if prec else None
+    prec = parse_precision(ckpt.meta.precision) if ckpt.meta.precision else None
+    return PRECISIONS[prec] if prec else None
 
 
 def plan(
@@ -147,25 +143,23 @@ def plan(
     return items, tied
 
 
-def _check_paths(src: Path, out: Path, *, overwrite: bool) -> None:
-    src, res = src.resolve(), out.resolve()
-    if res == src or src in res.parents:
-        raise OutputExists(f"{out} is inside the input {src}", hint="write the output somewhere else",
-                           path=str(out))  # fmt: skip
-    if overwrite and res in src.parents:
-        raise OutputExists(f"{out} contains the input {src}; overwriting it would delete the input",
-                           path=str(out))  # fmt: skip
+@dataclass(frozen=True)
+class _Plan:
+    """The output every rank computes the same way (checked through ``digest``)."""
 
+    writer: ModelWriter
+    is_dir: bool
+    base: str
+    items: list[WriteItem]
+    tied: dict[str, str]
+    shard: int | None
+    extras: list[Path]
 
-def _hf_files(src: Path) -> list[Path]:
-    """HF config/tokenizer files beside the checkpoint (in its folder, or the parent of a tag folder)."""
-    folders = [src] if src.is_dir() else [src.parent]
-    if src.is_dir() and not (src / "config.json").is_file():
-        folders.append(src.parent)
-    for folder in folders:
-        if (folder / "config.json").is_file():
-            return [folder / n for n in HF_FILES if (folder / n).is_file()]
-    return []
+    @property
+    def digest(self) -> str:
+        tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in self.items]
+        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors]
+        return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
 def consolidate(
@@ -211,164 +205,102 @@ def consolidate(
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
     out = Path(out)
-    fmt, is_dir = _layout(out, format)
+    writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
-    g = dist.group(distributed)
-    if g is not None:
-        return _consolidate_group(
-            g, ckpt_or_path, out, fmt, is_dir, shard, dtype=dtype, keep_fp32=keep_fp32, tag=tag,
-            exclude_frozen=exclude_frozen, overwrite=overwrite, progress=progress,
-            trust_pickle=trust_pickle, workers=workers,
-        )  # fmt: skip
-    opened = not isinstance(ckpt_or_path, Checkpoint)
-    ckpt = (
-        open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
-        if not isinstance(ckpt_or_path, Checkpoint)
-        else ckpt_or_path
-    )
-    try:
-        src = Path(ckpt.meta.path)
-        _check_paths(src, out, overwrite=overwrite)
-        items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
-        total = sum(it.nbytes for it in items)
-        extras = _hf_files(src) if is_dir else []
-        base = _base(out, fmt, is_dir)
-        with (
-            Staging(out, is_dir=is_dir, overwrite=overwrite) as st,
-            progress_bar(total, "consolidate", enabled=progress) as bar,
-        ):
-            st.expect(planned_names(base, items, shard))
-            _write(st.dir, fmt, base, items, tied, shard, bar.update, workers)
-            for f in extras:
-                shutil.copy2(f, st.dir / f.name)
-            files = st.commit()
-    finally:
-        if opened:
-            ckpt.close()
-    return _result(out, fmt, files, items, total, tied, extras)
+    g = zgroup.group(distributed)
+    if g.world > 1 and workers is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        workers = max(1, pipeline.default_workers() // max(1, local))
+    with contextlib.ExitStack() as stack:
+        ckpt = g.step("consolidate: opening the checkpoint", lambda: _open(ckpt_or_path, tag, trust_pickle))
+        if not isinstance(ckpt_or_path, Checkpoint):
+            stack.callback(ckpt.close)
 
+        def make_plan() -> tuple[_Plan, Staging | None]:
+            check_overlap(ckpt.meta, out)
+            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
+            base = writer.base_name if is_dir else out.name
+            extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+            p = _Plan(writer, is_dir, base, items, tied, shard, extras)
+            st = (
+                stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite)) if g.rank == 0 else None
+            )
+            if st is not None:
+                st.expect(planned_names(base, items, shard))
+            return p, st
 
-def _result(out: Path, fmt: str, files: Sequence[Path], items: Sequence[WriteItem], total: int,
-            tied: dict[str, str], extras: Sequence[Path]) -> ConsolidateResult:  # fmt: skip
+        p, st = g.step("consolidate: planning the output", make_plan)
+        staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
+        g.step("consolidate: agreeing on the output plan", lambda: _same_plan(g, p.digest, digest0))
+        _warn_idle(g, out, p)
+        files = _write(g, p, Path(staging), st, progress, workers)
     counts: dict[str, int] = {}
-    for it in items:
+    for it in p.items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
-    return ConsolidateResult(out=out, format=fmt, files=tuple(files), tensors=len(items), bytes=total,
-                             tied=tied, dtypes=counts, copied=tuple(f.name for f in extras))  # fmt: skip
+    total = sum(it.nbytes for it in p.items)
+    return ConsolidateResult(
+        out=out,
+        format=writer.kind,
+        files=tuple(files),
+        tensors=len(p.items),
+        bytes=total,
+        tied=p.tied,
+        dtypes=counts,
+        copied=tuple(f.name for f in p.extras),
+    )
 
 
-def _base(out: Path, fmt: str, is_dir: bool) -> str:
-    if fmt == "safetensors":
-        return hf.SAFETENSORS if is_dir else out.name
-    return torch_file.BIN if is_dir else out.name
+def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:
+    if isinstance(ckpt_or_path, Checkpoint):
+        return ckpt_or_path
+    return open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
+
+
+def _same_plan(g: zgroup.Group, mine: str, rank0: str) -> None:
+    if mine != rank0:
+        raise KeyMappingError(
+            f"rank {g.rank}: the output plan differs from rank 0's (another checkpoint, tag or "
+            "options on this rank?)",
+            hint="give every rank the same checkpoint and options",
+        )
+
+
+def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
+    n = len(plan_shards(p.items, p.shard))
+    if g.world > 1 and g.rank == 0 and n < g.world:
+        warnings.warn(
+            f"{out}: {n} output file(s) for {g.world} ranks; {g.world - n} rank(s) idle (pass a smaller "
+            "--max-shard-size to split the work)",
+            stacklevel=3,
+        )
 
 
 def _write(
-    folder: Path,
-    fmt: str,
-    base: str,
-    items: Sequence[WriteItem],
-    tied: dict[str, str],
-    shard: int | None,
-    on_bytes: Callable[[int], None],
-    workers: int | None,
-    part: tuple[int, int] = (0, 1),
-) -> None:
-    if fmt == "safetensors":
-        hf.write_into(folder, base, items, tied=tied, max_shard_size=shard, on_bytes=on_bytes,
-                      workers=workers, part=part)  # fmt: skip
-    else:
-        torch_file.write_into(folder, base, items, tied=tied, max_shard_size=shard, on_bytes=on_bytes,
-                              part=part)  # fmt: skip
+    g: zgroup.Group, p: _Plan, staging: Path, st: Staging | None, progress: bool, workers: int | None
+) -> list[Path]:
+    """Every rank writes its shards (rank 0 also the index), then rank 0 adds the HF files and publishes."""
+    mine = sum(it.nbytes for s in plan_shards(p.items, p.shard)[g.rank :: g.world] for it in s)
 
+    def write() -> None:
+        with progress_bar(mine, "consolidate", enabled=progress and g.rank == 0) as bar:
+            p.writer.write_into(
+                staging,
+                p.base,
+                p.items,
+                tied=p.tied,
+                max_shard_size=p.shard,
+                on_bytes=bar.update,
+                workers=workers,
+                part=(g.rank, g.world),
+            )
 
-def _plan_digest(fmt: str, base: str, is_dir: bool, items: Sequence[WriteItem], tied: dict[str, str],
-                 shard: int | None) -> str:  # fmt: skip
-    """What every rank must agree on before writing: the exact files and tensors of the output."""
-    tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in items]
-    plan_ = [fmt, base, is_dir, shard, sorted(tied.items()), tensors]
-    return hashlib.sha256(json.dumps(plan_).encode()).hexdigest()
+    g.step("consolidate: writing shards", write)
 
+    def publish() -> list[str] | None:
+        if st is None:
+            return None
+        hf_files.copy(p.extras, st.dir, {it.dtype for it in p.items if it.role is not Role.BUFFER})
+        return [str(f) for f in st.commit()]
 
-def _consolidate_group(
-    g: dist.Group,
-    ckpt_or_path: Checkpoint | str | Path,
-    out: Path,
-    fmt: str,
-    is_dir: bool,
-    shard: int | None,
-    *,
-    dtype: str,
-    keep_fp32: Sequence[str],
-    tag: str | None,
-    exclude_frozen: bool,
-    overwrite: bool,
-    progress: bool,
-    trust_pickle: bool,
-    workers: int | None,
-) -> ConsolidateResult:
-    """``consolidate`` split over the ranks of ``g`` (module doc); every step ends in a collective vote."""
-    opened = not isinstance(ckpt_or_path, Checkpoint)
-    ckpt = ckpt_or_path if isinstance(ckpt_or_path, Checkpoint) else None
-    if workers is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        workers = max(1, pipeline.default_workers() // max(1, local))
-    with contextlib.ExitStack() as stack:  # rank 0's Staging: removed on any exit before commit
-        st: Staging | None = None
-        err: BaseException | None = None
-        try:  # 1. open and plan on every rank; rank 0 makes the staging folder
-            if not isinstance(ckpt_or_path, Checkpoint):
-                ckpt = open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
-            assert ckpt is not None
-            src = Path(ckpt.meta.path)
-            _check_paths(src, out, overwrite=overwrite)
-            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
-            base = _base(out, fmt, is_dir)
-            digest = _plan_digest(fmt, base, is_dir, items, tied, shard)
-            if g.rank == 0:
-                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite))
-                st.expect(planned_names(base, items, shard))
-        except BaseException as e:  # noqa: BLE001 - voted on, then re-raised on this rank
-            err = e
-        try:
-            g.agree(err, "consolidate: opening the checkpoint")
-            staging, digest0 = g.broadcast((str(st.dir), digest) if st is not None else None)
-            g.agree(None if digest == digest0 else KeyMappingError(
-                f"rank {g.rank}: the output plan differs from rank 0's (another checkpoint, tag or "
-                "options on this rank?)", hint="give every rank the same checkpoint and options"),
-                "consolidate: agreeing on the output plan")  # fmt: skip
-
-            shards = plan_shards(items, shard)
-            mine = shards[g.rank :: g.world]
-            if g.rank == 0 and len(shards) < g.world:
-                warnings.warn(
-                    f"{out}: {len(shards)} output file(s) for {g.world} ranks; {g.world - len(shards)} "
-                    "rank(s) idle (pass a smaller --max-shard-size to split the work)",
-                    stacklevel=2,
-                )
-            total = sum(it.nbytes for it in items)
-            mine_bytes = sum(it.nbytes for s in mine for it in s)
-            err = None
-            try:  # 2. every rank writes its shards (rank 0 also the index)
-                with progress_bar(mine_bytes, "consolidate", enabled=progress and g.rank == 0) as bar:
-                    _write(Path(staging), fmt, base, items, tied, shard, bar.update, workers,
-                           part=(g.rank, g.world))  # fmt: skip
-            except BaseException as e:  # noqa: BLE001
-                err = e
-            g.agree(err, "consolidate: writing shards")
-
-            extras = _hf_files(src) if is_dir else []
-            err, final = None, None
-            if st is not None:  # 3. rank 0 publishes
-                try:
-                    for f in extras:
-                        shutil.copy2(f, st.dir / f.name)
-                    final = [str(p) for p in st.commit()]
-                except BaseException as e:  # noqa: BLE001
-                    err = e
-            g.agree(err, "consolidate: publishing the output")
-            files = [Path(p) for p in g.broadcast(final)]
-        finally:
-            if opened and ckpt is not None:
-                ckpt.close()
-    return _result(out, fmt, files, items, total, tied, extras)
+    final = g.step("consolidate: publishing the output", publish)
+    return [Path(f) for f in g.broadcast(final)]

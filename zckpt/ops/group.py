@@ -1,8 +1,9 @@
-"""The process group a distributed conversion runs on, and how its ranks agree on success or failure.
+"""The group of processes an operation runs on, and how they agree on success or failure.
 
-A conversion split over ranks (``consolidate`` / ``reshard(..., distributed=...)``) needs three things from
-``torch.distributed`` and nothing else: each rank's place (``Group.rank`` / ``Group.world``), one value
-sent from rank 0 to all (``Group.broadcast``), and a vote after each step (``Group.agree``): every rank
+``consolidate`` and ``reshard`` run one code path whatever the number of processes: a single process is
+the ``SOLO`` group (rank 0 of 1, collectives are local). A conversion split over ranks needs three things
+from ``torch.distributed`` and nothing else: each rank's place (``Group.rank`` / ``Group.world``), one value
+sent from rank 0 to all (``Group.broadcast``), and a vote after each step (``Group.step``): every rank
 reports whether its part succeeded, and if any failed, every rank raises — the failing ones their own
 error, the others a ``WriteFailed`` naming the failed ranks — so no rank goes on to publish output that
 another rank did not finish. Collectives carry small Python objects only (paths, plan digests, error
@@ -17,10 +18,13 @@ backend (NCCL) gets a gloo sub-group for these CPU-side messages.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from zckpt.errors import KeyMappingError, WriteFailed
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class Group:
 
     def broadcast(self, obj: Any) -> Any:
         """``obj`` as given on rank 0, on every rank."""
+        if self.world == 1:
+            return obj
         import torch.distributed as dist
 
         box = [obj if self.rank == 0 else None]
@@ -42,6 +48,8 @@ class Group:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
@@ -51,6 +59,10 @@ class Group:
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective vote after a step: re-raise ``error`` on its rank, raise ``WriteFailed`` on the others
         when any rank failed; return on every rank when all succeeded."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return
         votes = self.gather(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(r, v) for r, v in enumerate(votes) if v is not None]
         if not failed:
@@ -64,6 +76,21 @@ class Group:
             hint=f"see rank {first_rank}'s error for the cause",
         )
 
+    def step(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this rank, then vote (``agree``): its result on every rank when all succeeded."""
+        err: BaseException | None = None
+        out: Any = None
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 - voted on, then re-raised on this rank
+            err = e
+        self.agree(err, what)
+        return out
+
+
+SOLO = Group(0, 1)
+"""A single process: every collective is local."""
+
 
 def env_world() -> int:
     """``WORLD_SIZE`` from the environment (1 when unset), as ``torchrun`` sets it."""
@@ -73,16 +100,16 @@ def env_world() -> int:
         return 1
 
 
-def group(distributed: bool | None) -> Group | None:
-    """The group to split work over, or None to run single-process (see module doc)."""
+def group(distributed: bool | None) -> Group:
+    """The group to split work over (``SOLO`` for a single process; see the module doc)."""
     if distributed is False:
-        return None
+        return SOLO
     import torch.distributed as dist
 
     if not dist.is_available():
         if distributed:
             raise KeyMappingError("distributed mode needs torch.distributed, which this torch build lacks")
-        return None
+        return SOLO
     if not dist.is_initialized():
         if not distributed or env_world() <= 1:
             if distributed:
@@ -90,10 +117,10 @@ def group(distributed: bool | None) -> Group | None:
                     "distributed mode: no process group is initialised and WORLD_SIZE is not > 1",
                     hint="launch with torchrun --nproc_per_node N (or init torch.distributed first)",
                 )
-            return None
+            return SOLO
         dist.init_process_group("gloo", init_method="env://")
     world = dist.get_world_size()
     if world <= 1:
-        return None
+        return SOLO
     pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return Group(dist.get_rank(), world, pg)

@@ -112,7 +112,7 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
         optimizer=opt.kind if opt else None,
         optimizer_states=list(opt.state_names) if opt else sorted({e.state for e in ckpt.entries.values()
                                                                     if e.state is not None}),
-        param_groups=len(opt.param_groups) if opt else 0,
+        param_groups=len(opt.groups) if opt else 0,
         dtypes=dtypes,
         stats=checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty()) if stats else None,
     )  # fmt: skip

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from zckpt.formats.deepspeed import _is_scalar, _jsonable, _ref, _scalar_piece, _whole
+from zckpt.formats._schema import Node
+from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
 from zckpt.io import storage
 from zckpt.io.pickle_safe import TensorRef
-from zckpt.model import Piece, Role, TensorEntry, dtype_name
-
-_LOW = {"bfloat16": "bf16", "float16": "fp16"}
+from zckpt.model import Piece, Role, TensorEntry, dtype_name, precision_of
+from zckpt.state import to_json
 
 
 @dataclass
@@ -95,8 +95,8 @@ def _match(
     head: list[torch.Tensor | None] = [None] * len(groups)
     got: dict[str, tuple[int, int]] = {}
     digest: dict[str, str] = {}
-    for name, ref in params.items():
-        low = _load(ref)
+    for name, r in params.items():
+        low = _load(r)
         digest[name] = f"{dtype_name(low.dtype)}{tuple(low.shape)}:{_digest(low)}"
         for g, grp in enumerate(groups):
             if ptr[g] >= len(grp) or tuple(grp[ptr[g]].shape) != tuple(low.shape):
@@ -177,19 +177,18 @@ def _states_by_slot(
     return out, None
 
 
-def read_zero0(
-    mfile: Path, m0: dict[str, Any], module: dict[str, Any], buffer_names: list[str], tied: dict[str, str]
-) -> Zero0:
+def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, str]) -> Zero0:
     z = Zero0()
+    mfile = Path(m0.file)
     params = {
-        n: _ref(mfile, f"module[{n!r}]", t)
+        n: ref(t)
         for n, t in module.items()
-        if isinstance(t, TensorRef) and n not in buffer_names and n not in tied
+        if isinstance(t.value, TensorRef) and n not in buffer_names and n not in tied
     }
-    for ref in params.values():
-        z.precision = _LOW.get(dtype_name(ref.dtype), "fp32")
+    for r in params.values():
+        z.precision = precision_of(r.dtype)
         break
-    opt = m0.get("optimizer")
+    opt = m0.value.get("optimizer")
     inner: dict[str, Any] = {}
     if isinstance(opt, dict):
         inner = opt.get("optimizer_state_dict", opt)
@@ -197,7 +196,7 @@ def read_zero0(
         for st in (inner.get("state") or {}).values():
             z.state_names += [k for k in st if k not in z.state_names]
         z.extra["zero0_optimizer"] = {
-            k: _jsonable(v)
+            k: to_json(v)
             for k, v in opt.items()
             if k not in ("optimizer_state_dict", "fp32_groups", "fp32_groups_flat", "state", "param_groups")
         }
@@ -219,26 +218,26 @@ def read_zero0(
             states, state_note = _states_by_slot(inner, masters)
             why = _tie_problem(params, masters, got, digest, states)
     if why is not None:
-        z.entries = [_whole(n, ref, Role.PARAM) for n, ref in params.items()]
+        z.entries = [whole(n, r, Role.PARAM) for n, r in params.items()]
         z.extra["zero0_note"] = (
             f"fp32 masters not mapped to names ({why}); PARAM entries are the module weights"
         )
         return z
-    for name, ref in params.items():
+    for name, r in params.items():
         if name in got:
             g, i = got[name]
-            z.entries.append(_whole(name, _ref(mfile, f"fp32_groups[{g}][{i}]", masters[g][i]), Role.PARAM))
+            master = ref(Node(masters[g][i], str(mfile), f"optimizer.fp32_groups[{g}][{i}]"))
+            z.entries.append(whole(name, master, Role.PARAM))
         else:
-            z.entries.append(_whole(name, ref, Role.FROZEN))
+            z.entries.append(whole(name, r, Role.FROZEN))
     for name, (g, i) in got.items():
         for s, v in states.get((g, i), {}).items():
             if isinstance(v, TensorRef) and tuple(v.shape) == tuple(params[name].shape):
-                ref = _ref(mfile, f"optimizer state {s!r} of {name}", v)
-                piece = Piece(ref.file, ref.byte_offset, ref.dtype, 0, ref.numel, 0)
+                st = ref(Node(v, str(mfile), f"optimizer state {s!r} of {name}"))
+                piece = Piece(st.file, st.byte_offset, st.dtype, 0, st.numel, 0)
                 z.entries.append(TensorEntry(name, tuple(v.shape), v.dtype, Role.OPTIM, (piece,), s))
-            elif _is_scalar(v):
-                p = _scalar_piece(v, 0)
-                z.entries.append(TensorEntry(name, (), p.dtype, Role.OPTIM, (p,), s))
+            elif is_scalar(v):
+                z.entries.append(scalar_entry(name, s, v, 0))
             else:
                 z.skipped.append(f"{s}: {name} is neither a tensor of the param's shape nor a scalar")
     by_slot = {gi: n for n, gi in got.items()}

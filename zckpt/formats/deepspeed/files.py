@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import ShardMismatch, UnknownFormat, Unsupported
+from zckpt.errors import CorruptCheckpoint, ShardMismatch, UnknownFormat, Unsupported
+from zckpt.formats._latest import read_latest, valid_tag
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(
@@ -46,18 +47,18 @@ def detect(path: Path) -> bool:
         return False
     if _has_model_states(p):
         return True
-    latest = p / "latest"
-    if latest.is_file() and latest.stat().st_size <= 4096:
+    if (p / "latest").exists():
         # a save dir whose `latest` names a missing tag, or a tag folder of DeepSpeed rank files without its
-        # model-states file, is still DeepSpeed's: resolve() then says what is wrong. (The native format,
-        # also with `latest`, is detected before this one.)
+        # model-states file, or a damaged `latest`, is still DeepSpeed's: resolve() then says what is wrong.
+        # (The native format, also with `latest`, is detected before this one.)
         try:
-            named = p / latest.read_text(encoding="utf-8").strip()
+            tag = read_latest(p)
+            named = p / str(tag)
             if not named.is_dir():
                 return True
             if any(_MODEL_RE.match(f.name) or _OPTIM_RE.match(f.name) for f in named.iterdir()):
                 return True
-        except (OSError, UnicodeDecodeError, ValueError):
+        except (OSError, CorruptCheckpoint):
             return True
     return bool(_tags(p))
 
@@ -71,6 +72,8 @@ def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
     if _has_model_states(path) and (tag is None or tag == path.name):
         return path.parent, path.name, path
     if tag is not None:
+        if not valid_tag(tag):
+            raise UnknownFormat(f"--tag {tag!r:.80} is not a folder name", path=str(path))
         td = path / tag
         if not _has_model_states(td):
             tags = _tags(path) if not _has_model_states(path) else []
@@ -81,8 +84,8 @@ def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
             )
         return path, tag, td
     latest = path / "latest"
-    if latest.is_file():
-        t = latest.read_text().strip()
+    t = read_latest(path)
+    if t is not None:
         td = path / t
         if not _has_model_states(td):
             raise ShardMismatch(
@@ -121,7 +124,7 @@ def scan(td: Path) -> tuple[dict[int, Path], dict[int, Path]]:
     model: dict[int, Path] = {}
     optim: dict[int, Path] = {}
     for f in sorted(td.iterdir(), key=lambda f: _natural(f.name)):
-        if f.is_dir() and f.name == "offloaded_tensors":
+        if f.name == "offloaded_tensors":
             raise Unsupported(
                 f"{f}: ZeRO-3 NVMe-offloaded optimizer state (swap files) is not supported yet",
                 hint="re-save with offload_optimizer.device=cpu or none",

@@ -1,0 +1,72 @@
+"""``latest``: the file in a save folder naming its newest complete tag (DeepSpeed and the native format).
+
+Its content is input like any other: it must name one tag folder *inside* the save folder — one path
+component of valid UTF-8, no NUL, not ``.``/``..``, no separator, not absolute, at most 255 bytes — or the
+checkpoint is refused (a ``latest`` holding ``../other_run`` must never lead to another run's weights).
+``write_latest`` moves it last, atomically (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from zckpt.errors import CorruptCheckpoint
+from zckpt.io import storage
+from zckpt.io.staging import fsync_path
+
+LATEST = "latest"
+MAX_BYTES = 4096
+
+
+def valid_tag(tag: str) -> bool:
+    """``tag`` can name a folder inside a save folder (and nothing else)."""
+    return (
+        0 < len(tag.encode("utf-8", "surrogatepass")) <= 255
+        and tag not in (".", "..")
+        and not any(c in tag for c in ("/", "\\", "\0"))
+        and tag.isprintable()
+    )
+
+
+def read_latest(save_dir: Path) -> str | None:
+    """The tag ``save_dir/latest`` names, checked; None when there is no ``latest`` file."""
+    path = save_dir / LATEST
+    if not path.exists() and not path.is_symlink():
+        return None
+    with storage.open_regular(path) as f:
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise CorruptCheckpoint(f"{path}: {len(raw)}+ bytes; a `latest` file names one tag", path=str(path))
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CorruptCheckpoint(
+            f"{path}: not UTF-8 text; a `latest` file names one tag",
+            path=str(path),
+            hint="pass --tag, or rewrite `latest`",
+        ) from None
+    if not valid_tag(tag):
+        raise CorruptCheckpoint(
+            f"{path}: names {tag!r:.80}, which is not a tag folder inside {save_dir}",
+            hint="pass --tag, or rewrite `latest` with the tag folder's name",
+            path=str(path),
+        )
+    return tag
+
+
+def write_latest(save_dir: Path, tag: str, *, staged: bool = False) -> None:
+    """Point ``save_dir/latest`` at ``tag``: written beside it, fsynced, renamed over it, folder fsynced. In a
+    ``staged`` folder (published whole later, everything in it fsynced first) it is simply written."""
+    if not valid_tag(tag):
+        raise ValueError(f"{tag!r} cannot name a tag folder")
+    if staged:
+        (save_dir / LATEST).write_text(tag, encoding="utf-8")
+        return
+    tmp = save_dir / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+    fsync_path(save_dir)

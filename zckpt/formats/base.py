@@ -1,0 +1,111 @@
+"""The contract every on-disk format implements, and the writer contracts the operations call.
+
+A format is one module (or package) under ``zckpt/formats/`` exposing ``FORMAT``, an instance of a
+``Format`` subclass: ``name``, ``detect`` (cheap: names and headers only), ``read`` (a lazy
+``Checkpoint``: metadata now, tensor bytes on demand) and ``verify`` (its own integrity checks beyond the
+file-level ones every file gets). A format that can be written adds a writer:
+
+- ``CheckpointWriter``: a training checkpoint for a given world size (``zckpt reshard --to NAME``):
+  ``plan`` decides the files, ``write_unit`` writes one independent part (processes of a distributed
+  reshard split the units), ``finish`` writes what names them all (manifest, shared files, ``latest``).
+- ``ModelWriter``: one loadable model (``zckpt consolidate``): a file, or HF-style shards and an index.
+
+Operations only ever talk to these classes, so a new format is one new module plus one registry line.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.io.integrity import Problem, VerifyContext
+from zckpt.io.items import WriteItem
+from zckpt.io.safetensors import FileRecord
+
+OnFile = Callable[[str, int], None]
+"""Called with (file name relative to the output, bytes) after each file a writer finishes."""
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What a ``CheckpointWriter`` will write: the same on every process of a distributed run."""
+
+    world: int
+    stage: int
+    tag: str
+    units: int
+    """Independent parts (rank files) to write; process ``i`` of ``n`` writes units ``i::n``."""
+    notes: tuple[str, ...] = ()
+    """What the conversion changed that the user should know (batch size, dropped states)."""
+    digest: tuple[object, ...] = field(default=(), compare=False)
+    """Anything else every process must agree on (checked before writing)."""
+
+
+class CheckpointWriter(abc.ABC):
+    """Writes a training checkpoint of any ``Checkpoint`` for another world size."""
+
+    @abc.abstractmethod
+    def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan: ...
+
+    @abc.abstractmethod
+    def write_unit(
+        self, ckpt: Checkpoint, plan: WritePlan, out: Path, unit: int, on_file: OnFile
+    ) -> list[FileRecord]:
+        """Write part ``unit`` of the plan under the output folder ``out``; the records of its files."""
+
+    @abc.abstractmethod
+    def finish(
+        self, ckpt: Checkpoint, plan: WritePlan, out: Path, records: Sequence[FileRecord], on_file: OnFile
+    ) -> None:
+        """Given every unit's records, write what completes the folder (run once, last; ``latest`` last)."""
+
+
+class ModelWriter(abc.ABC):
+    """Writes model tensors as one loadable model: a file, or shards plus an index in a folder."""
+
+    kind: ClassVar[str]
+    """What users call it (``--format``): ``safetensors``, ``bin``."""
+    suffixes: ClassVar[tuple[str, ...]]
+    """File suffixes that select this writer."""
+    base_name: ClassVar[str]
+    """The file name inside an HF folder (``model.safetensors``)."""
+
+    @abc.abstractmethod
+    def write_into(
+        self,
+        folder: Path,
+        base: str,
+        items: Sequence[WriteItem],
+        *,
+        tied: Mapping[str, str],
+        max_shard_size: int | None,
+        on_bytes: Callable[[int], None] | None,
+        workers: int | None,
+        part: tuple[int, int],
+    ) -> list[str]:
+        """Write ``base`` (or its shards and ``<base>.index.json``) into an existing folder: all of it, or
+        with ``part=(rank, world)`` this process's share; returns the names written."""
+
+
+class Format(abc.ABC):
+    """One on-disk format (see the module doc)."""
+
+    name: ClassVar[str]
+    training: ClassVar[bool] = False
+    """Its checkpoints are sharded training checkpoints (per-rank partitions, optimizer state)."""
+    writer: ClassVar[CheckpointWriter | None] = None
+    model_writer: ClassVar[ModelWriter | None] = None
+
+    @abc.abstractmethod
+    def detect(self, path: Path) -> bool: ...
+
+    @abc.abstractmethod
+    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint: ...
+
+    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+        """Format-specific integrity checks (the reader's own cross-checks already ran in ``read``)."""
+        return []

@@ -1,0 +1,232 @@
+"""What the DeepSpeed readers of every ZeRO layout share: loading a rank file (through the schema, with its
+archive name checked against its file name), tensor references, and the flat-partition ``Layout`` that
+places each trainable parameter in the per-rank flat fp32 vectors, with the entries built from it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zckpt.errors import ShardMismatch, Unsupported
+from zckpt.formats._schema import Node
+from zckpt.io.pickle_safe import TensorRef
+from zckpt.io.torchzip import load_archive
+from zckpt.model import Piece, Role, TensorEntry
+
+MAX_WORLD = 1 << 20
+"""Largest partition count a file may claim (a bound for hostile input)."""
+DS_KEYS = frozenset(
+    [
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "csr_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "ds_config",
+        "ds_version",
+        "ds_autoep_layers",
+        "autoep_layers",
+    ]
+)
+"""Model-states keys DeepSpeed writes itself; anything else at the top level is client_state."""
+_RANK_NAME = re.compile(r"^(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_?states$")
+
+
+def load(path: Path, trust: bool) -> Node:
+    """A rank file's top-level dict. ``torch.save`` names the archive after the file it saved to: an archive
+    named like another rank file means the file was renamed or swapped."""
+    name, obj = load_archive(str(path), trust_pickle=trust)
+    if _RANK_NAME.match(name) and name != path.stem:
+        raise ShardMismatch(
+            f"{path}: was saved as {name}.pt (renamed, or swapped with another rank's file)",
+            hint="put each rank's file back under its own name",
+            path=str(path),
+        )
+    node = Node(obj, str(path))
+    node.as_dict()
+    return node
+
+
+def ref(node: Node) -> TensorRef:
+    """The tensor at ``node`` (contiguous, as DeepSpeed stores every partition)."""
+    r: TensorRef = node.of_type(TensorRef, "a tensor")
+    if not r.is_contiguous:
+        raise Unsupported(f"{node.file}: {node.where} is stored non-contiguous", path=node.file)
+    return r
+
+
+def whole(name: str, r: TensorRef, role: Role, shape: tuple[int, ...] | None = None) -> TensorEntry:
+    """An entry of all of ``r``'s elements in ``shape`` (default: its own)."""
+    shape = tuple(r.shape) if shape is None else shape
+    n = 1
+    for d in shape:
+        n *= d
+    if n != r.numel:
+        raise ShardMismatch(
+            f"{r.file}: {name} holds {r.numel} elements but its recorded shape {list(shape)} needs {n}",
+            hint="files from different runs are mixed",
+            path=r.file,
+        )
+    return TensorEntry(name, shape, r.dtype, role, (Piece(r.file, r.byte_offset, r.dtype, 0, r.numel, 0),))
+
+
+def is_scalar(v: Any) -> bool:
+    if isinstance(v, TensorRef):
+        return len(v.shape) == 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def scalar_entry(name: str, state: str, v: Any, rank: int) -> TensorEntry:
+    """A 0-d optimizer state (``step``): a 0-d tensor in the file, or a Python number in the pickle."""
+    if isinstance(v, TensorRef):
+        p = Piece(v.file, v.byte_offset, v.dtype, 0, 1, rank)
+        return TensorEntry(name, (), v.dtype, Role.OPTIM, (p,), state)
+    t = torch.tensor(v)
+    p = Piece("", 0, t.dtype, 0, 1, rank, value=t)
+    return TensorEntry(name, (), t.dtype, Role.OPTIM, (p,), state, pytype=type(v).__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Part of a param in one rank's flat tensor ``slot``: ``numel`` elements at ``offset`` there, which are
+    the param's flattened elements ``[start, start + numel)``, followed by ``padding`` unused ones."""
+
+    rank: int
+    slot: int
+    offset: int
+    start: int
+    numel: int
+    padding: int = 0
+
+
+@dataclass
+class Layout:
+    """Where each trainable param lives in the per-rank flat vectors; ``slot`` is the flat tensor index
+    (ZeRO-1/2 param group or ZeRO-3 sub-group) in each rank's list."""
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def entries(
+        self, flats: list[list[TensorRef]], role: Role, state: str | None, names: list[str] | None = None
+    ) -> list[TensorEntry]:
+        """One entry per param (``names``: these only), its pieces pointing into ``flats[rank][slot]``."""
+        out = []
+        for name in self.shapes if names is None else names:
+            pieces = []
+            dtype = torch.float32
+            for run in self.runs[name]:
+                r = flats[run.rank][run.slot]
+                dtype = r.dtype
+                pieces.append(
+                    Piece(
+                        r.file,
+                        r.byte_offset + run.offset * r.dtype.itemsize,
+                        r.dtype,
+                        run.start,
+                        run.numel,
+                        run.rank,
+                        run.padding,
+                    )
+                )
+            out.append(TensorEntry(name, self.shapes[name], dtype, role, tuple(pieces), state))
+        return out
+
+
+def fp32_flats(osds: list[Node], key: str, groups: int, what: str) -> list[list[TensorRef]]:
+    """Each rank's list of flat fp32 tensors under ``key`` (one per group or sub-group), counts checked."""
+    flats: list[list[TensorRef]] = []
+    for osd in osds:
+        parts = list(osd[key])
+        if len(parts) != groups:
+            raise ShardMismatch(
+                f"{osd.file}: {len(parts)} flat fp32 tensors in {key} but the model file lists {groups} "
+                "groups (files from different runs?)",
+                path=osd.file,
+            )
+        flats.append([ref(t) for t in parts])
+        for g, t in enumerate(flats[-1]):
+            if t.dtype != torch.float32 or len(t.shape) != 1:
+                raise ShardMismatch(
+                    f"{osd.file}: {what} {g} is {list(t.shape)} {t.dtype}, expected flat fp32", path=osd.file
+                )
+    return flats
+
+
+def optim_entries(
+    lay: Layout, states: list[dict[int, Node]], sizes: list[list[int]], skipped: list[str]
+) -> tuple[list[TensorEntry], list[str]]:
+    """Per-param OPTIM entries from per-rank ``{slot: state node}``. A flat state (1-D, the rank's padded
+    slot length ``sizes[r][slot]``) is cut like the fp32 partition; a scalar (``step``: 0-d tensor or Python
+    number) becomes a shape-() entry per param pointing at it."""
+    names: list[str] = []
+    for per in states:
+        for st in per.values():
+            names += [k for k, _ in st.items() if k not in names]
+    out: list[TensorEntry] = []
+    for s in names:
+        flats: list[list[Any]] = [[None] * len(sz) for sz in sizes]
+        scalars: dict[tuple[int, int], Any] = {}
+        for r, per in enumerate(states):
+            for slot, st in per.items():
+                v = st.get(s)
+                if v is None:
+                    continue
+                val = v.value
+                if (
+                    isinstance(val, TensorRef)
+                    and len(val.shape) == 1
+                    and slot < len(sizes[r])
+                    and val.numel == sizes[r][slot]
+                ):
+                    flats[r][slot] = ref(v)
+                elif is_scalar(val):
+                    scalars[(r, slot)] = val
+                else:
+                    skipped.append(f"{s}: group {slot} on rank {r} is neither a flat partition nor a scalar")
+        for name in lay.shapes:
+            runs, slot = lay.runs[name], lay.slot_of[name]
+            r0 = runs[0].rank if runs else 0
+            if any(f[slot] is not None for f in flats) and all(
+                flats[run.rank][run.slot] is not None for run in runs
+            ):
+                out += lay.entries(flats, Role.OPTIM, s, [name])
+            elif (r0, slot) in scalars:
+                out.append(scalar_entry(name, s, scalars[(r0, slot)], r0))
+    return out, names
+
+
+def tied_from_module(module: Node, skip: set[str]) -> dict[str, str]:
+    """Old files / ZeRO-0 have no ``shared_params``: aliases share storage, offset, shape and stride."""
+    seen: dict[tuple[Any, ...], str] = {}
+    tied = {}
+    for name, t in module.items():
+        v = t.value
+        if not isinstance(v, TensorRef) or name in skip or v.numel == 0:
+            continue
+        k = (v.storage.key, v.offset, v.shape, v.stride)
+        if k in seen:
+            tied[name] = seen[k]
+        else:
+            seen[k] = name
+    return tied

@@ -1,0 +1,451 @@
+"""Reading a DeepSpeed checkpoint (``DeepSpeedEngine.save_checkpoint``): ZeRO-0/1/2/3, BF16_Optimizer.
+
+Finds the tag folder and its rank files (``files``), loads rank 0's model-states file and every
+optimizer file through the schema (``common.load``), cross-checks the files with each other (world size,
+partition counts, steps, versions, configs, archive names, partition sizes) and hands the layout to
+``zero0`` / ``zero12`` / ``zero3``. Trainable params point at the fp32 master partitions, optimizer states
+at the flat state partitions (same layout), frozen params and buffers at the 16-bit ``module`` /
+``frozen_param_fragments`` tensors. Only each file's ``data.pkl`` is read here; tensor bytes are read later,
+on demand. Everything that is not a tensor becomes the ``TrainingState``. ``deepspeed`` is never imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
+from zckpt.formats._schema import Node
+from zckpt.formats.deepspeed import zero0, zero3, zero12
+from zckpt.formats.deepspeed.common import (
+    DS_KEYS,
+    MAX_WORLD,
+    load,
+    optim_entries,
+    ref,
+    tied_from_module,
+    whole,
+)
+from zckpt.formats.deepspeed.files import check_ranks, resolve, scan
+from zckpt.io import storage
+from zckpt.io.pickle_safe import TensorRef
+from zckpt.model import Role, TensorEntry, precision_of
+from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState, to_json
+
+_REQUIRED_SINCE = (0, 10)
+"""DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``
+and ``shared_params``: a file without them was altered, and reading on would drop tensors silently."""
+_MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params")
+
+
+@dataclass
+class _Body:
+    """What a layout reader found: the entries and the optimizer's shape."""
+
+    stage: int
+    world: int
+    precision: str | None
+    entries: list[TensorEntry] = field(default_factory=list)
+    groups: list[Node] = field(default_factory=list)
+    """The inner optimizer's param groups (hyper-parameters; ``params`` as slot indices)."""
+    names_by_slot: dict[int, list[str]] = field(default_factory=dict)
+    state_names: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    optim0: Node | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _version(v: Any) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(v).split("+")[0].split(".")[:2])
+    except ValueError:
+        return (0,)
+
+
+def _model0(td: Path, model_files: dict[int, Path], trust: bool) -> Node:
+    if 0 not in model_files:
+        f0 = td / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        raise ShardMismatch(f"{f0}: missing model-states file of rank 0", path=str(f0))
+    m0 = load(model_files[0], trust)
+    mp = m0.get("mp_world_size")
+    if mp is not None and mp.as_int(lo=1) > 1:
+        raise Unsupported(
+            f"{m0.file}: mp_world_size {mp.value}; tensor/pipeline parallel checkpoints are not "
+            "supported yet",
+            path=m0.file,
+        )
+    if not isinstance(m0["module"].value, dict):
+        raise Unsupported(
+            f"{m0.file}: `module` is {type(m0['module'].value).__name__} (pipeline-parallel layer files?)",
+            path=m0.file,
+        )
+    if _version(m0.value.get("ds_version")) >= _REQUIRED_SINCE:
+        for k in _MODEL_KEYS:
+            if not m0.has(k):
+                raise CorruptCheckpoint(
+                    f"{m0.file}: {k} is missing (DeepSpeed {m0.value.get('ds_version')} always writes it)",
+                    hint="the file was altered; restore it",
+                    path=m0.file,
+                )
+    return m0
+
+
+def _names(node: Node | None) -> list[str]:
+    return [] if node is None else [n.as_str() for n in node]
+
+
+def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    save_dir, tag, td = resolve(Path(path), tag)
+    model_files, optim_files = scan(td)
+    m0 = _model0(td, model_files, trust_pickle)
+    buffer_names = _names(m0.get("buffer_names"))
+    module = m0["module"]
+    if not optim_files:
+        body = _zero0(td, model_files, m0, module, buffer_names)
+    else:
+        body = _partitioned(td, model_files, optim_files, m0, module, trust_pickle)
+    for name in buffer_names:
+        if name not in module.as_dict():
+            raise CorruptCheckpoint(
+                f"{m0.file}: buffer {name!r:.80} is listed but not in `module`", path=m0.file
+            )
+        body.entries.append(whole(name, ref(module[name]), Role.BUFFER))
+    _check_module_covered(m0, module, body)
+    state = _training_state(m0, body)
+    meta = CheckpointMeta(
+        format="deepspeed",
+        path=str(td),
+        world_size=body.world,
+        tag=tag,
+        save_dir=str(save_dir),
+        tied=body.tied,
+        files=tuple(str(f) for f in body.files),
+        state=state,
+        extra=body.extra,
+    )
+    return Checkpoint(meta, body.entries)
+
+
+def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
+    """Every tensor in ``module`` must be accounted for: a param, frozen param, buffer or tied alias. A
+    renamed ``buffer_names``/``frozen_param_shapes``/``shared_params`` leaves some unexplained."""
+    known = {e.name for e in body.entries} | set(body.tied)
+    for name, t in module.items():
+        if isinstance(t.value, TensorRef) and name not in known:
+            raise CorruptCheckpoint(
+                f"{m0.file}: module tensor {name!r:.80} is neither a trainable param, a "
+                "frozen param, a buffer nor a tied alias",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )
+
+
+def _zero0(td: Path, model_files: dict[int, Path], m0: Node, module: Node, buffers: list[str]) -> _Body:
+    if len(model_files) > 1:
+        raise ShardMismatch(f"{td}: ZeRO-3 model-state files without optimizer files", path=str(td))
+    sp = m0.get("shared_params")
+    tied = (
+        {a: o.as_str() for a, o in sp.items()} if sp is not None else tied_from_module(module, set(buffers))
+    )
+    z = zero0.read_zero0(m0, module, buffers, tied)
+    world = m0.get("dp_world_size")
+    body = _Body(
+        stage=0,
+        world=world.as_int(lo=1, hi=MAX_WORLD) if world is not None else 1,
+        precision=z.precision,
+        entries=z.entries,
+        tied=tied,
+        files=[model_files[0]],
+        state_names=z.state_names,
+        extra=dict(z.extra),
+    )
+    body.groups = [Node(g, m0.file, f"optimizer.param_groups[{i}]") for i, g in enumerate(z.opt_groups)]
+    body.names_by_slot = {i: list(g.get("params", [])) for i, g in enumerate(z.opt_groups)}
+    if z.skipped:
+        body.extra["skipped_states"] = z.skipped
+    return body
+
+
+def _partition_count(o: Node) -> int:
+    pc = o["partition_count"]
+    counts = (
+        {n.as_int(lo=1, hi=MAX_WORLD) for n in pc}
+        if isinstance(pc.value, list)
+        else {pc.as_int(lo=1, hi=MAX_WORLD)}
+    )
+    if len(counts) != 1:
+        raise Unsupported(
+            f"{o.file}: param groups with different partition counts {sorted(counts)} (MoE expert "
+            "groups) are not supported yet",
+            path=o.file,
+        )
+    return counts.pop()
+
+
+def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> list[Node]:
+    first = optim_files[min(optim_files)]
+    o_first = load(first, trust)["optimizer_state_dict"]
+    ws = _partition_count(o_first)
+    check_ranks(td, optim_files, ws, "optimizer-states", first, first.name)
+    osds = [
+        o_first if optim_files[r] == first else load(optim_files[r], trust)["optimizer_state_dict"]
+        for r in range(ws)
+    ]
+    for o in osds:
+        if o["partition_count"].value != o_first["partition_count"].value:
+            raise ShardMismatch(
+                f"{o.file}: partition_count {o['partition_count'].value!r:.40} but {first.name} "
+                f"has {o_first['partition_count'].value!r:.40}",
+                hint="the file is stale from another run; move it away",
+                path=o.file,
+            )
+    return osds
+
+
+def _partitioned(
+    td: Path, model_files: dict[int, Path], optim_files: dict[int, Path], m0: Node, module: Node, trust: bool
+) -> _Body:
+    osds = _optim_files(td, optim_files, trust)
+    ws = len(osds)
+    dp = m0.get("dp_world_size")
+    if dp is not None and dp.as_int(lo=1) != ws:
+        raise ShardMismatch(
+            f"{m0.file}: dp_world_size {dp.value} but the optimizer files were partitioned over {ws} ranks",
+            hint="files from two runs are mixed",
+            path=m0.file,
+        )
+    o0 = osds[0]
+    is3 = o0.has("fp32_flat_groups")
+    bf16_opt = not is3 and not o0.has("zero_stage")
+    stage = 3 if is3 else (1 if bf16_opt else o0["zero_stage"].as_int(lo=1, hi=2))
+    models = [m0]
+    if is3:
+        first = optim_files[min(optim_files)]
+        check_ranks(td, model_files, ws, "model-states", first, model_files[0].name)
+        models += [load(model_files[r], trust) for r in range(1, ws)]
+    elif len(model_files) != 1:
+        raise ShardMismatch(
+            f"{td}: ZeRO-{stage} checkpoint with per-rank model-state files",
+            hint="files from a ZeRO-3 run are mixed in",
+            path=str(td),
+        )
+    _cross_check(models, osds)
+    shapes_node = m0["param_shapes"]
+    param_shapes = [shapes_node] if isinstance(shapes_node.value, dict) else list(shapes_node)
+    part = zero3.zero3(osds, param_shapes, ws) if is3 else zero12.zero12(osds, param_shapes, ws, bf16_opt)
+    bases = [o["optimizer_state_dict"] if is3 else o["base_optimizer_state"] for o in osds]
+    body = _Body(
+        stage=stage,
+        world=ws,
+        precision=_precision(module, part),
+        optim0=o0,
+        files=[Path(m.file) for m in models] + [Path(o.file) for o in osds],
+    )
+    sp = m0.get("shared_params")
+    body.tied = {a: o.as_str() for a, o in sp.items()} if sp is not None else tied_from_module(module, set())
+    body.entries = part.layout.entries(part.flats, Role.PARAM, None)
+    skipped: list[str] = []
+    states = [dict((b.get("state") or Node({}, b.file)).int_items()) for b in bases]
+    opt_entries, body.state_names = optim_entries(part.layout, states, part.sizes, skipped)
+    body.entries += _frozen(models, module, part, body.tied, ws, is3)
+    body.entries += opt_entries
+    body.groups = list(bases[0].get("param_groups") or Node([], bases[0].file))
+    for name, slot in part.layout.slot_of.items():
+        body.names_by_slot.setdefault(slot, []).append(name)
+    body.extra = {"bf16_optimizer": bf16_opt, ("sub_groups" if is3 else "param_groups"): part.groups}
+    if skipped:
+        body.extra["skipped_states"] = skipped
+    return body
+
+
+def _precision(module: Node, part: zero12.Partitioned) -> str:
+    for name in part.layout.shapes:
+        t = module.value.get(name)
+        if isinstance(t, TensorRef):
+            return precision_of(t.dtype)
+    return "fp32"
+
+
+def _frozen(
+    models: list[Node], module: Node, part: zero12.Partitioned, tied: dict[str, str], ws: int, is3: bool
+) -> list[TensorEntry]:
+    """Frozen params: ZeRO-3 per-rank chunks; stage 2 whole fragments; stage 1 only in ``module``."""
+    if is3:
+        return zero3.frozen3(models, ws)
+    m0 = models[0]
+    shapes = m0.get("frozen_param_shapes")
+    if shapes is not None and shapes.as_dict():
+        frags = m0.get("frozen_param_fragments")
+        return [
+            whole(
+                name,
+                ref(frags[name] if frags is not None and frags.has(name) else module[name]),
+                Role.FROZEN,
+                shp.as_shape(),
+            )
+            for name, shp in shapes.items()
+        ]
+    buffers = set(_names(m0.get("buffer_names")))
+    return [
+        whole(name, ref(t), Role.FROZEN)
+        for name, t in module.items()
+        if name not in part.layout.shapes and name not in tied and name not in buffers
+    ]
+
+
+def _signature(o: Node) -> tuple[tuple[float, ...], Any]:
+    """(the inner optimizer's step values, the loss scale) of one optimizer file: the same on every rank of
+    one save."""
+    inner = (
+        o.value.get("optimizer_state_dict")
+        if o.has("fp32_flat_groups")
+        else o.value.get("base_optimizer_state")
+    )
+    steps: set[float] = set()
+    for per in (inner.get("state") or {}).values() if isinstance(inner, dict) else ():
+        v = per.get("step") if isinstance(per, dict) else None
+        if isinstance(v, TensorRef) and v.numel == 1:
+            one = torch.empty(1, dtype=v.dtype)
+            storage.read_into(v.file, v.byte_offset, one)  # 4 bytes: the one tensor value read at open
+            steps.add(float(one.item()))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            steps.add(float(v))
+    scale = getattr(o.value.get("loss_scaler"), "__dict__", {}).get("cur_scale")
+    return tuple(sorted(steps)), scale
+
+
+def _cross_check(models: list[Node], osds: list[Node]) -> None:
+    """Files of one save agree: same DeepSpeed version, config, step and loss scale everywhere."""
+    for key in ("ds_version", "global_steps"):
+        vals = {repr(m.value.get(key)) for m in models}
+        if len(vals) > 1:
+            raise ShardMismatch(
+                f"{models[-1].file}: {key} differs between rank files ({', '.join(sorted(vals))})",
+                hint="files of two saves are mixed",
+                path=models[-1].file,
+            )
+    sigs = [_signature(o) for o in osds]
+    for o, sig in zip(osds, sigs, strict=True):
+        if sig != sigs[0]:
+            raise ShardMismatch(
+                f"{o.file}: its optimizer step or loss scale {sig} differs from rank 0's {sigs[0]}",
+                hint="a rank file of another save is mixed in",
+                path=o.file,
+            )
+    files = models + osds
+    cfgs = {
+        repr(to_json(n.value.get("ds_config"))) for n in files if isinstance(n.value.get("ds_config"), dict)
+    }
+    if len(cfgs) > 1:
+        raise ShardMismatch(
+            f"{files[-1].file}: ds_config differs between rank files",
+            hint="files of two runs are mixed",
+            path=files[-1].file,
+        )
+
+
+_REPRESENTED = frozenset(
+    [
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+    ]
+)
+"""DeepSpeed's keys that the entries or the typed state already carry; the others travel verbatim."""
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _client(o: Any, path: str) -> Any:
+    """A client-state value with tensors as entries (nested dicts/lists walked; other values kept)."""
+    if isinstance(o, TensorRef):
+        return whole(f"client/{path}", o, Role.BUFFER)
+    if isinstance(o, dict):
+        return {k: _client(v, f"{path}.{k}") for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        out = [_client(v, f"{path}.{i}") for i, v in enumerate(o)]
+        return out if isinstance(o, list) else tuple(out)
+    return o
+
+
+def _optimizer(m0: Node, body: _Body) -> OptimizerState | None:
+    if not body.groups:
+        return None
+    groups = []
+    for g in body.groups:
+        params: list[str] = []
+        for p in g.get("params") or Node([], g.file):
+            v = p.value
+            params += [v] if isinstance(v, str) else body.names_by_slot.get(p.as_int(lo=0), [])
+        options = {
+            k: to_json(v) for k, v in g.as_dict().items() if k != "params" and not isinstance(v, TensorRef)
+        }
+        groups.append(ParamGroup(tuple(params), options))
+    cfg = m0.value.get("ds_config")
+    opt_cfg = cfg.get("optimizer") if isinstance(cfg, dict) else None
+    kind = opt_cfg.get("type") if isinstance(opt_cfg, dict) else None
+    if not isinstance(kind, str) or not kind:
+        names = set(body.state_names)
+        decoupled = any(g.options.get("decoupled_weight_decay") for g in groups)
+        kind = (
+            ("AdamW-like" if decoupled else "Adam-like")
+            if {"exp_avg", "exp_avg_sq"} <= names
+            else "SGD-like"
+            if "momentum_buffer" in names
+            else "torch"
+        )
+    return OptimizerState(kind, tuple(groups), tuple(body.state_names))
+
+
+def _training_state(m0: Node, body: _Body) -> TrainingState:
+    top = m0.as_dict()
+    cfg = top.get("ds_config") if isinstance(top.get("ds_config"), dict) else None
+    gas = (cfg or {}).get("gradient_accumulation_steps")
+    gas = gas if isinstance(gas, int) and gas > 0 else 1
+    steps = _int_or_none(top.get("global_steps"))
+    o0 = body.optim0.as_dict() if body.optim0 is not None else {}
+    scaler = o0.get("loss_scaler")
+    private = {
+        "module_order": list(m0["module"].as_dict()),
+        "top": {k: v for k, v in top.items() if k in DS_KEYS and k not in _REPRESENTED},
+        "ds_version": top.get("ds_version"),
+        "dynamic_loss_scale": o0.get("dynamic_loss_scale"),
+        "overflow": o0.get("overflow"),
+        "clip_grad": o0.get("clip_grad"),
+        "bf16_optimizer": bool(body.extra.get("bf16_optimizer")),
+    }
+    return TrainingState(
+        stage=body.stage,
+        precision=body.precision,
+        optimizer=_optimizer(m0, body),
+        scheduler=to_json(top.get("lr_scheduler")),
+        loss_scaler=to_json(scaler) if hasattr(scaler, "to_dict") else None,
+        counters=Counters(
+            steps,
+            _int_or_none(top.get("global_samples")),
+            _int_or_none(top.get("skipped_steps")),
+            steps * gas if steps is not None else None,
+        ),
+        client_state={k: _client(v, k) for k, v in top.items() if k not in DS_KEYS},
+        config=to_json(cfg) if cfg is not None else None,
+        framework={"deepspeed": private},
+    )

@@ -1,0 +1,77 @@
+"""The engine's native checkpoint format (spec: docs/native-format.md): ``<save_dir>/latest``,
+``<save_dir>/<tag>/manifest.json`` and one ``rank_{r:05d}.safetensors`` per rank; no pickle anywhere.
+
+``layout`` names files and keys and types the manifest; ``read`` opens a checkpoint (cross-checking the
+manifest against every rank file); ``write`` is the one writer, shared by the engine and reshard.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import ClassVar
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.errors import ZckptError
+from zckpt.formats.base import CheckpointWriter, Format
+from zckpt.formats.native import layout
+from zckpt.formats.native.read import detect, load_manifest, read, resolve
+from zckpt.formats.native.write import NativeWriter
+from zckpt.io.integrity import Problem, VerifyContext, compare_sha
+
+
+class NativeFormat(Format):
+    name = "native"
+    training = True
+    writer: ClassVar[CheckpointWriter] = NativeWriter()
+
+    def detect(self, path: Path) -> bool:
+        return detect(path)
+
+    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        return read(path, tag=tag)
+
+    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+        """Every file the manifest lists present, of the recorded size and sha256; no rank file the manifest
+        does not list; one rank file per rank of the recorded world size."""
+        try:
+            td = resolve(path, ctx.tag)[1]
+            man = load_manifest(td)
+        except ZckptError:
+            return []  # the reader already reported it
+        out: list[Problem] = []
+        for name, (sha, size) in sorted(man.files.items()):
+            f = td / name
+            if not f.is_file():
+                out.append(Problem(str(f), "missing (listed in manifest.json)", "missing"))
+            elif str(f) not in ctx.broken and f.stat().st_size != size:
+                kind = "truncated" if f.stat().st_size < size else "corrupt"
+                out.append(
+                    Problem(str(f), f"{f.stat().st_size} bytes but manifest.json records {size}", kind)
+                )
+            elif str(f) not in ctx.broken:
+                out += compare_sha(f, sha, layout.MANIFEST, ctx)
+        for f in sorted(td.glob("rank_*.safetensors")):
+            if f.name not in man.files:
+                out.append(
+                    Problem(
+                        str(f),
+                        "rank file not listed in manifest.json (stale from another save?)",
+                        "stale",
+                        "move it away",
+                    )
+                )
+        ranks = {n for n in man.files if re.fullmatch(r"rank_\d+\.safetensors", n)}
+        if len(ranks) != man.world_size:
+            out.append(
+                Problem(
+                    str(td / layout.MANIFEST),
+                    f"lists {len(ranks)} rank files for world size {man.world_size}",
+                    "inconsistent",
+                )
+            )
+        return out
+
+
+FORMAT = NativeFormat()
+__all__ = ["FORMAT", "NativeFormat", "layout", "load_manifest", "resolve"]

@@ -1,0 +1,231 @@
+"""The native format's names and its manifest, typed (spec: docs/native-format.md).
+
+``rank_file``/``*_key`` name the files and the tensors inside them; ``Manifest`` is ``manifest.json`` as a
+frozen dataclass: ``Manifest.to_json`` is the only encoder and ``Manifest.from_json`` the only decoder,
+which checks every field's type and range (a manifest is input: it may be damaged or hostile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zckpt.formats._schema import Node
+from zckpt.model import DTYPES, Role
+
+FORMAT_ID = "zckpt-native"
+VERSION = 1
+MANIFEST = "manifest.json"
+MAX_WORLD = 1 << 20
+"""Largest world size a manifest may claim (a bound for hostile input, far above any real run)."""
+CLIENT_REF = "__tensor__"
+"""``client_state`` JSON: ``{"__tensor__": "client/<path>"}`` stands for a tensor in rank 0's file."""
+RNG_KEYS = ("torch_cpu", "torch_cuda")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def tensor_key(role: Role, name: str) -> str:
+    """``param/<name>``, ``frozen/<name>``, ``buffer/<name>``: a model tensor in a rank file."""
+    return f"{role.value}/{name}"
+
+
+def optim_key(state: str, param: str) -> str:
+    return f"optim/{state}/{param}"
+
+
+def rng_key(kind: str) -> str:
+    return f"rng/{kind}"
+
+
+def client_key(path: str) -> str:
+    return f"client/{path}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A model tensor (owner names only): partitioned tensors are cut in ``partition_world`` chunks."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    partitioned: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "role": self.role.value,
+            "partitioned": self.partitioned,
+        }
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """One optimizer state of one parameter; ``python`` names the Python type of a number-valued state."""
+
+    param: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    partitioned: bool
+    python: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "param": self.param,
+            "state": self.state,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "partitioned": self.partitioned,
+            "python": self.python,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json``. JSON-valued fields (optimizer, scheduler, ...) are kept as saved."""
+
+    tag: str
+    world_size: int
+    partition_world: int
+    stage: int
+    precision: str
+    compute_dtype: str
+    tensors: tuple[TensorSpec, ...]
+    optim_states: tuple[OptimSpec, ...]
+    files: Mapping[str, tuple[str, int]]
+    """rank file name -> (sha256, bytes)."""
+    tied: Mapping[str, str] = field(default_factory=dict)
+    optimizer: Mapping[str, Any] | None = None
+    scheduler: Any = None
+    loss_scaler: Any = None
+    counters: Mapping[str, int | None] = field(default_factory=dict)
+    rng: tuple[Mapping[str, Any], ...] = ()
+    client_state: Any = None
+    config: Any = None
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_ID,
+            "version": self.version,
+            "tag": self.tag,
+            "world_size": self.world_size,
+            "partition_world": self.partition_world,
+            "stage": self.stage,
+            "precision": self.precision,
+            "compute_dtype": self.compute_dtype,
+            "tensors": [t.to_json() for t in self.tensors],
+            "optim_states": [o.to_json() for o in self.optim_states],
+            "tied": dict(self.tied),
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "loss_scaler": self.loss_scaler,
+            "counters": dict(self.counters),
+            "rng": list(self.rng),
+            "client_state": self.client_state,
+            "config": self.config,
+            "files": {n: {"sha256": s, "bytes": b} for n, (s, b) in sorted(self.files.items())},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, file: str) -> Manifest:
+        m = Node(raw, file)
+        if m["format"].value != FORMAT_ID:
+            raise m["format"].fail(repr(FORMAT_ID))
+        version = m["version"].as_int(lo=1)
+        if version > VERSION:
+            raise m["version"].fail(f"a version this reader knows (<= {VERSION})", hint="upgrade zckpt")
+        world = m["world_size"].as_int(lo=1, hi=MAX_WORLD)
+        pw = m["partition_world"].as_int(lo=1, hi=world)
+        if pw not in (1, world):
+            raise m["partition_world"].fail(f"1 or the world size {world}")
+        files = {}
+        for name, rec in m["files"].items():
+            files[name] = (rec["sha256"].as_str(max_len=64), rec["bytes"].as_int(lo=0))
+        return cls(
+            tag=m["tag"].as_str(),
+            world_size=world,
+            partition_world=pw,
+            stage=m["stage"].as_int(lo=0, hi=3),
+            precision=m["precision"].as_str(),
+            compute_dtype=_dtype(m.get("compute_dtype"), "float32"),
+            tensors=tuple(_tensor(n) for n in m["tensors"]),
+            optim_states=tuple(_optim(n) for n in m["optim_states"]),
+            files=files,
+            tied={a: o.as_str() for a, o in (m.get("tied") or Node({}, file)).items()},
+            optimizer=_opt(m.get("optimizer")),
+            scheduler=m.value.get("scheduler"),
+            loss_scaler=m.value.get("loss_scaler"),
+            counters=_counters(m.get("counters")),
+            rng=tuple(r.as_dict() for r in (m.get("rng") or Node([], file))),
+            client_state=m.value.get("client_state"),
+            config=m.value.get("config"),
+            version=version,
+        )
+
+
+def _dtype(n: Node | None, default: str) -> str:
+    if n is None:
+        return default
+    name = n.as_str()
+    if name not in DTYPES:
+        raise n.fail(f"a dtype name ({', '.join(DTYPES)})")
+    return name
+
+
+def _tensor(n: Node) -> TensorSpec:
+    role_n = n["role"]
+    role = role_n.as_str()
+    if role not in ("param", "frozen", "buffer"):
+        raise role_n.fail("param, frozen or buffer")
+    return TensorSpec(
+        n["name"].as_str(),
+        n["shape"].as_shape(),
+        _dtype(n["dtype"], ""),
+        Role(role),
+        n["partitioned"].as_bool(),
+    )
+
+
+def _optim(n: Node) -> OptimSpec:
+    py = n.get("python")
+    python = py.as_str() if py is not None else None
+    if python not in (None, "int", "float"):
+        raise n["python"].fail("int, float or null")
+    return OptimSpec(
+        n["param"].as_str(),
+        n["state"].as_str(),
+        n["shape"].as_shape(),
+        _dtype(n["dtype"], ""),
+        n["partitioned"].as_bool(),
+        python,
+    )
+
+
+def _opt(n: Node | None) -> Mapping[str, Any] | None:
+    if n is None:
+        return None
+    n["kind"].as_str()
+    for g in n["param_groups"]:
+        for p in g["params"]:
+            p.as_str()
+    for s in n.get("state_names") or Node([], n.file):
+        s.as_str()
+    return n.as_dict()
+
+
+def _counters(n: Node | None) -> Mapping[str, int | None]:
+    if n is None:
+        return {}
+    out: dict[str, int | None] = {}
+    for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+        v = n.get(k)
+        out[k] = v.as_int(lo=0) if v is not None else None
+    return out

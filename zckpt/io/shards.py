@@ -1,0 +1,97 @@
+"""Sharded outputs: HF-style shard planning and names (``model-00001-of-00003.safetensors``), the index
+file, and size parsing (``5GB``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from zckpt.errors import KeyMappingError
+from zckpt.io.items import WriteItem
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` -> 5e9 bytes (decimal units as in transformers; ``GiB`` for binary)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise KeyMappingError(f"cannot read size {size!r}", hint="write it like 5GB, 500MB or 2GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise KeyMappingError(f"size must be positive, got {size!r}")
+    return value
+
+
+def plan_shards(items: Sequence[WriteItem], max_shard_size: int | None) -> list[list[WriteItem]]:
+    """Greedy in-order split (as transformers does): a new shard starts when the next tensor would
+    overflow the current one; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_size is None:
+        return [list(items)]
+    shards: list[list[WriteItem]] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    return shards
+
+
+def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | None) -> list[str]:
+    """The tensor files (and index) a sharded write of ``items`` under ``base`` produces."""
+    n = len(plan_shards(items, max_shard_size))
+    return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
+
+
+def shard_names(base: str, n: int) -> list[str]:
+    """``model.safetensors`` -> ``model-00001-of-00003.safetensors`` ... (just ``base`` when n == 1)."""
+    if n == 1:
+        return [base]
+    stem, dot, suffix = base.partition(".")
+    return [f"{stem}-{k:05d}-of-{n:05d}{dot}{suffix}" for k in range(1, n + 1)]
+
+
+def write_sharded(
+    folder: Path,
+    base: str,
+    items: Sequence[WriteItem],
+    max_shard_size: int | None,
+    write_one: Callable[[Path, list[WriteItem]], object],
+    *,
+    index_metadata: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    part: tuple[int, int] = (0, 1),
+) -> list[str]:
+    """Write ``base`` into ``folder``: one file, or HF-style shards plus ``<base>.index.json``; returns names.
+
+    ``write_one(path, items)`` writes one file (format-specific); ``aliases`` are tied names listed in the
+    index's ``weight_map`` beside their owner (the ``.bin`` convention; safetensors keeps them in metadata).
+    ``part=(rank, world)`` writes only shards ``rank::world`` of the (deterministic) plan, and the index
+    only on rank 0: ``world`` processes given the same items write the same files between them.
+    """
+    rank, world = part
+    shards = plan_shards(items, max_shard_size)
+    names = shard_names(base, len(shards))
+    written = []
+    for k, (name, shard) in enumerate(zip(names, shards, strict=True)):
+        if k % world == rank:
+            write_one(folder / name, shard)
+            written.append(name)
+    if len(shards) > 1 and rank == 0:
+        where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
+        where.update({a: where[o] for a, o in (aliases or {}).items() if o in where})
+        meta = {"total_size": sum(it.nbytes for it in items), **(index_metadata or {})}
+        with open(folder / f"{base}.index.json", "x") as f:
+            json.dump({"metadata": meta, "weight_map": where}, f, indent=2, sort_keys=True)
+            f.write("\n")
+        written.append(f"{base}.index.json")
+    return written

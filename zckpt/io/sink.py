@@ -1,0 +1,144 @@
+"""``HashingSink``: the one way an output file is written.
+
+A write-only, non-seekable file wrapper that computes the sha256 of every byte written and makes the file
+durable: at ``close()`` (fsync), or, inside an active ``zckpt.io.staging.Staging`` folder of this process,
+at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed. Each
+tensor file ``F`` gets a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the
+whole file. The bytes go to the device with ``O_DIRECT`` where the filesystem allows
+(``zckpt.io.direct_io``), not through the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from zckpt.io import direct_io
+
+_TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
+"""Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
+
+
+_OVERLAP_BYTES = 1 << 20
+"""Writes at least this large hash on a helper thread concurrently with the file write (both release
+the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
+
+
+_active_staging: set[Path] = set()
+_staging_lock = threading.Lock()
+
+
+def defer_fsync(folder: Path) -> None:
+    """Files created under ``folder`` from now on are fsynced by whoever publishes it, not at close."""
+    with _staging_lock:
+        _active_staging.add(folder)
+
+
+def undefer_fsync(folder: Path) -> None:
+    with _staging_lock:
+        _active_staging.discard(folder)
+
+
+def _fsync_deferred(path: Path) -> bool:
+    """``path`` lies in a staging folder of this process whose ``commit()`` will fsync it."""
+    with _staging_lock:
+        return any(d in path.parents for d in _active_staging)
+
+
+class HashingSink(io.RawIOBase):
+    """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
+    folder's commit) and writes the sidecar."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
+        self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
+        self._direct: direct_io.DirectWriter | None = None
+        if direct_io.enabled():
+            try:
+                self._direct = direct_io.DirectWriter(str(path), self._f.fileno())
+            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
+                self._direct = None
+        self._sha = hashlib.sha256()
+        self._pos = 0
+        self._hasher: ThreadPoolExecutor | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, b: object) -> int:
+        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
+        if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
+            time.sleep(float(os.environ[_TEST_DELAY_ENV]))
+        if len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
+            done = self._hasher.submit(self._sha.update, mv)
+            try:
+                self._put(mv)
+            finally:
+                done.result()
+        else:
+            self._put(mv)
+            self._sha.update(mv)
+        self._pos += len(mv)
+        return len(mv)
+
+    def _put(self, mv: memoryview) -> None:
+        if self._direct is not None:
+            self._direct.write(mv)
+        else:
+            self._f.write(mv)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, *args: object) -> int:
+        raise io.UnsupportedOperation("HashingSink is write-only and sequential")
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        try:
+            if not self.closed and not self._f.closed:
+                try:
+                    if self._direct is not None:
+                        direct, self._direct = self._direct, None
+                        direct.close()
+                    self._f.flush()
+                    if self._durable_now:
+                        os.fsync(self._f.fileno())
+                finally:  # a failed flush (disk full) must still release the file
+                    self._f.close()
+                    if self._hasher is not None:
+                        self._hasher.shutdown()
+        finally:
+            super().close()
+
+    def write_sidecar(self) -> Path:
+        """Write ``<file>.sha256`` (``sha256sum`` format) next to the file; call after ``close()``."""
+        side = self.path.with_name(self.path.name + ".sha256")
+        with open(side, "x") as f:
+            f.write(f"{self.hexdigest()}  {self.path.name}\n")
+            f.flush()
+            if self._durable_now:
+                os.fsync(f.fileno())
+        return side
+
+
+def read_sidecar(path: Path) -> str | None:
+    """The sha256 recorded in ``<path>.sha256``, or None when there is no sidecar."""
+    side = path.with_name(path.name + ".sha256")
+    if not side.exists():
+        return None
+    return side.read_text().split()[0]

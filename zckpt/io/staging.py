@@ -1,0 +1,272 @@
+"""Publishing outputs whole or not at all.
+
+Files are written into a hidden staging folder beside the destination and moved into place by
+``Staging.commit()`` after one fsync of everything staged; any exception removes the staging folder. A
+folder is published with one rename that refuses to replace anything (``RENAME_NOREPLACE``), or, when
+overwriting, swaps old and new in one ``RENAME_EXCHANGE`` (``publish_folder``, also the engine's): of two
+writers racing for one output, one wins whole and the other fails. Staging folders are named
+``.<dest>.zckpt-tmp-<host>-<pid>-<random>``; a later run into the same folder removes those whose process
+is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import re
+import shutil
+import socket
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from zckpt.errors import OutputExists, WriteFailed
+from zckpt.io import sink
+
+_WRITE_HINTS = {
+    errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
+    errno.EDQUOT: "the disk quota is exhausted; free space or write elsewhere",
+    errno.EFBIG: "the file size limit was reached (ulimit -f, or the filesystem's maximum file size)",
+    errno.EROFS: "the output's filesystem is read-only; write elsewhere",
+}
+
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_TMP_MARK = ".zckpt-tmp-"
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """``renameat2(a, b, flags)`` (Linux); False where the kernel or filesystem does not offer it."""
+    libc_name = ctypes.util.find_library("c")
+    fn = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _taken(dest: Path) -> OutputExists:
+    return OutputExists(
+        f"{dest}: created by another process while this one was writing; nothing of this run was kept",
+        hint="pass --overwrite to replace it",
+        path=str(dest),
+    )
+
+
+def move(src: Path, dest: Path, *, replace: bool) -> None:
+    """Rename ``src`` (file or folder) to ``dest``; unless ``replace``, never over an existing ``dest``.
+    Replacing a folder swaps the two atomically and then removes the old one."""
+    if replace and dest.is_dir() and not dest.is_symlink():
+        if _renameat2(src, dest, _RENAME_EXCHANGE):
+            shutil.rmtree(src)  # now the old folder
+            return
+        old = dest.with_name(f".{dest.name}{_TMP_MARK}{_owner()}-old")
+        os.rename(dest, old)
+        os.rename(src, dest)
+        shutil.rmtree(old)
+        return
+    if replace:
+        os.replace(src, dest)
+        return
+    try:
+        if _renameat2(src, dest, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise _taken(dest) from None
+    if dest.exists():  # no renameat2 here: check, then rename (a narrow race remains)
+        raise _taken(dest)
+    os.rename(src, dest)
+
+
+def publish_folder(staged: Path, target: Path, *, overwrite: bool) -> None:
+    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably."""
+    move(staged, target, replace=overwrite)
+    _fsync_dir(target.parent)
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Staging folders in ``folder`` left by a killed zckpt process of this host; removed, and returned."""
+    host = re.escape(socket.gethostname())
+    rx = re.compile(rf"^\..+{re.escape(_TMP_MARK)}{host}-(\d+)-")
+    out: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return out
+    for d in entries:
+        m = rx.match(d.name)
+        if (
+            m
+            and int(m.group(1)) != os.getpid()
+            and _gone(int(m.group(1)))
+            and d.is_dir()
+            and not d.is_symlink()
+        ):
+            shutil.rmtree(d, ignore_errors=True)
+            out.append(d)
+    return out
+
+
+_SHARD = r"-\d{5}-of-\d{5}"
+
+
+def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
+    """Files of an earlier sharded output ``dest`` (``model-0000k-of-0000n.safetensors``, their sidecars,
+    ``dest``'s index) that a new output with files ``keep`` does not overwrite."""
+    stem, dot, suffix = dest.name.partition(".")
+    rx = re.compile(rf"^{re.escape(stem)}(?:{_SHARD})?{re.escape(dot + suffix)}(?:\.sha256|\.index\.json)?$")
+    try:
+        return [f for f in dest.parent.iterdir() if rx.match(f.name) and f.name not in keep and f.is_file()]
+    except OSError:
+        return []
+
+
+class Staging:
+    """A hidden temporary folder beside ``dest``; writers put files in ``.dir`` under their final names.
+
+    ``commit()`` moves them into place: a folder ``dest`` is swapped in whole (the old one, when
+    overwriting, is removed only after the new one is in place); for a file ``dest`` each staged file
+    replaces its namesake in ``dest``'s folder. Leaving the ``with`` block without ``commit()`` — an
+    error, KeyboardInterrupt — removes the temporary folder and everything in it.
+    """
+
+    def __init__(self, dest: Path, *, is_dir: bool, overwrite: bool = False) -> None:
+        self.dest = dest
+        self.is_dir = is_dir
+        self.overwrite = overwrite
+        check_dest(dest, is_dir=is_dir, overwrite=overwrite)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for d in remove_stale(dest.parent):
+            warnings.warn(f"removed {d}, the staging folder of a killed run", stacklevel=3)
+        self.dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_TMP_MARK}{_owner()}-", dir=dest.parent))
+        if is_dir:  # mkdtemp makes it 0700; the folder becomes the output, so give it the usual mode
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self.dir, 0o777 & ~umask)
+        self._done = False
+        self._key = Path(os.path.abspath(self.dir))
+        sink.defer_fsync(self._key)
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._done:
+            self.abort()
+        if isinstance(ev, OSError) and ev.errno in _WRITE_HINTS:
+            raise WriteFailed(
+                f"{self.dest}: writing failed ({ev.strerror}); nothing was written, temporary files removed",
+                hint=_WRITE_HINTS[ev.errno],
+                path=str(self.dest),
+            ) from ev
+
+    def expect(self, names: Sequence[str]) -> None:
+        """Fail now, before any work, if committing files ``names`` (file mode) would replace others."""
+        if not self.is_dir:
+            for n in names:
+                check_dest(self.dest.parent / n, is_dir=False, overwrite=self.overwrite)
+
+    def abort(self) -> None:
+        self._release()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._done = True
+
+    def _release(self) -> None:
+        sink.undefer_fsync(self._key)
+
+    def commit(self) -> list[Path]:
+        """Make every staged file durable (fsync, folders included), then move them into place;
+        returns their final paths."""
+        self._release()
+        _fsync_tree(self.dir)
+        names = sorted(p.name for p in self.dir.iterdir())
+        if self.is_dir:
+            move(self.dir, self.dest, replace=self.overwrite)
+            final = [self.dest / n for n in names]
+        else:
+            final = []
+            # shards of a file OUT have other names: check them too (a sidecar follows its file)
+            self.expect([n for n in names if not n.endswith(".sha256")])
+            stale = stale_shards(self.dest, set(names)) if self.overwrite else []
+            # an old sidecar must never sit beside a new file (a kill between the two renames below)
+            for n in names:
+                if n.endswith(".sha256"):
+                    (self.dest.parent / n).unlink(missing_ok=True)
+            for n in names:  # sorted: each file before its sidecar
+                move(self.dir / n, self.dest.parent / n, replace=self.overwrite)
+                final.append(self.dest.parent / n)
+            os.rmdir(self.dir)
+            for f in stale:  # the earlier output's other shards, index and sidecars
+                f.unlink(missing_ok=True)
+        _fsync_dir(self.dest.parent)
+        self._done = True
+        return final
+
+
+def check_dest(dest: Path, *, is_dir: bool, overwrite: bool) -> None:
+    """Refuse an existing output unless ``overwrite``; refuse replacing a folder by a file or back."""
+    if not dest.exists():
+        return
+    if not overwrite:
+        raise OutputExists(f"{dest} already exists", hint="pass --overwrite to replace it", path=str(dest))
+    if dest.is_dir() != is_dir:
+        kind = "a folder" if dest.is_dir() else "a file"
+        want = "a folder" if is_dir else "a file"
+        raise OutputExists(f"{dest} is {kind}; refusing to replace it by {want}",
+                           hint="remove it first or choose another output path", path=str(dest))  # fmt: skip
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync one file or folder by path (errors propagate)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (files first, then their folders, ``root`` last)."""
+    for d, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(d, name))
+        _fsync_dir(Path(d))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

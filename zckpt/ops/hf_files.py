@@ -1,0 +1,78 @@
+"""The Hugging Face side files (config, tokenizer, generation config) a consolidated HF folder needs, found
+beside the checkpoint and copied byte for byte — except ``config.json``, whose ``dtype``/``torch_dtype`` is
+set to the dtype the weights were written in, so ``from_pretrained`` loads them as written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from zckpt.errors import CorruptCheckpoint
+from zckpt.io import storage
+from zckpt.model import dtype_name
+
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+_DTYPE_KEYS = ("dtype", "torch_dtype")
+MAX_CONFIG = 16 << 20
+
+
+def beside(path: Path, save_dir: str | None) -> list[Path]:
+    """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``)."""
+    folders = [path] if path.is_dir() else [path.parent]
+    if save_dir is not None:
+        folders.append(Path(save_dir))
+    elif path.is_dir():
+        folders.append(path.parent)
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            return [folder / n for n in HF_FILES if (folder / n).is_file()]
+    return []
+
+
+def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
+    """Copy ``files`` into ``dest``; ``config.json`` gets the weights' (most common floating) dtype."""
+    floats = Counter(d for d in dtypes if d.is_floating_point)
+    for f in files:
+        if f.name == "config.json" and floats:
+            _write_config(f, dest / f.name, dtype_name(floats.most_common(1)[0][0]))
+        else:
+            shutil.copy2(f, dest / f.name)
+
+
+def _write_config(src: Path, dst: Path, dtype: str) -> None:
+    with storage.open_regular(src) as fh:
+        raw = fh.read(MAX_CONFIG + 1)
+    try:
+        cfg = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpoint(
+            f"{src}: not valid JSON", hint="fix or remove config.json", path=str(src)
+        ) from None
+    if not isinstance(cfg, dict) or len(raw) > MAX_CONFIG:
+        raise CorruptCheckpoint(f"{src}: not an HF config (a JSON object)", path=str(src))
+    present = [k for k in _DTYPE_KEYS if k in cfg] or ["dtype"]
+    for k in present:
+        cfg[k] = dtype
+    dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
