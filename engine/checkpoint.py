@@ -13,7 +13,7 @@ engine hands it its tensors, specs and ``TrainingState``.
 Load: the format is detected through zckpt's formats registry and opened as a lazy ``Checkpoint`` (the model
 every zckpt command uses). Each rank copies only the elements ``[start, start + valid)`` of *its* chunk of
 each fp32 master, frozen param and per-element optimizer state out of whichever source pieces hold them
-(``zckpt.io.flat.read_range`` reads just those bytes), so load-time resharding is the same code path as
+(``zckpt.io.spans.read_range`` reads just those bytes), so load-time resharding is the same code path as
 a same-size resume. Optimizer states are matched by name to the states the engine's optimizer keeps
 (Adam's ``step`` may come from a DeepSpeed param group). Everything that is not a tensor (optimizer groups,
 scheduler, loss scaler, step counters, client_state, RNG) comes from the checkpoint's ``TrainingState``,
@@ -44,8 +44,8 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
 from zckpt.io.items import WriteItem, entry_from_tensor
+from zckpt.io.spans import read_entry
 from zckpt.io.staging import fsync_path, publish_folder
-from zckpt.io.storage import read_entry
 from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
 

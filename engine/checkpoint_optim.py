@@ -2,7 +2,7 @@
 
 States are matched by name to the states the engine's optimizer keeps (its current state, or one
 zero-gradient step of the same class and group settings on a 2-element probe): per-element states are cut to
-this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.io.flat.read_range``), scalar states
+this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.io.spans.read_range``), scalar states
 (Adam's ``step``) are read whole and given the probe's type (a FusedAdam-style ``step`` kept in a DeepSpeed
 param group counts too).
 Param groups must hold the same params; their hyper-parameters are restored, implementation switches
@@ -19,7 +19,7 @@ import torch
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
-from zckpt.io import flat
+from zckpt.io import spans
 from zckpt.model import STATE_SEP, Role, TensorEntry
 
 if TYPE_CHECKING:
@@ -162,6 +162,6 @@ def _state_value(
 def read_into(entry: TensorEntry, lo: int, hi: int, out: torch.Tensor) -> None:
     """Elements ``[lo, hi)`` of ``entry`` into ``out`` (any device/dtype); file bytes land in host memory."""
     if out.device.type == "cpu" and out.is_contiguous():
-        flat.read_range(entry, lo, hi, out=out)
+        spans.read_range(entry, lo, hi, out=out)
     else:
-        out.copy_(flat.read_range(entry, lo, hi, dtype=out.dtype))
+        out.copy_(spans.read_range(entry, lo, hi, dtype=out.dtype))

@@ -256,7 +256,7 @@ def test_read_touches_no_tensor_bytes(tmp_path, fake_deepspeed, monkeypatch):
         return real_read(path, offset, out)
 
     with monkeypatch.context() as mp:
-        mp.setattr(storage, "piece_view", boom)
+        mp.setattr(storage, "view", boom)
         mp.setattr(storage, "_map", boom)
         mp.setattr(storage, "read_into", scalars_only)
         ck = ds.read(tmp_path)
@@ -270,27 +270,24 @@ def test_read_touches_no_tensor_bytes(tmp_path, fake_deepspeed, monkeypatch):
 def _weights_skip_optimizer_bytes(ck, monkeypatch) -> None:
     optim = [(p.file, p.byte_offset, p.byte_offset + p.nbytes) for k in ck.optim_keys()
              for p in ck.entries[k].pieces if p.file and p.numel]  # fmt: skip
-    seen = []
-    real = storage.piece_view
+    seen = []  # every byte range read: (file, first byte, end)
+    real, real_view = storage.read_into, storage.view
 
-    def spy(p):
-        seen.append(p)
-        return real(p)
+    def spy(path, offset, out):
+        seen.append((path, offset, offset + out.numel() * out.element_size()))
+        return real(path, offset, out)
 
-    real_copy = storage.copy_piece
+    def spy_view(path, offset, count, dtype):
+        seen.append((path, offset, offset + count * dtype.itemsize))
+        return real_view(path, offset, count, dtype)
 
-    def spy_copy(p, lo, hi, out):
-        seen.append(p)
-        return real_copy(p, lo, hi, out)
-
-    monkeypatch.setattr(storage, "piece_view", spy)
-    monkeypatch.setattr(storage, "copy_piece", spy_copy)
+    monkeypatch.setattr(storage, "read_into", spy)
+    monkeypatch.setattr(storage, "view", spy_view)
     for k in ck:
         ck[k]
     assert seen
-    for p in seen:
-        lo, hi = p.byte_offset, p.byte_offset + p.nbytes
-        assert not any(f == p.file and lo < b and a < hi for f, a, b in optim), p
+    for file, lo, hi in seen:
+        assert not any(f == file and lo < b and a < hi for f, a, b in optim), (file, lo, hi)
 
 
 # ---- error cases: one line, typed, naming the file -----------------------------------------------------

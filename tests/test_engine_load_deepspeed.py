@@ -217,12 +217,12 @@ def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[s
     """Load with the byte-reading entry points recorded: partitioned tensors are read only over this rank's
     chunk ``[start, start + valid)``; whole tensors only for what every rank needs (scalars, buffers, and
     frozen params when the engine does not shard them)."""
-    from zckpt.io import flat, storage
+    from zckpt.io import spans
     from zckpt.partition import chunk_range
 
     ranged: list[tuple[str, int, int, int]] = []
     whole: list[tuple[str, str, int]] = []
-    real_range, real_whole = flat.read_range, storage.read_entry
+    real_range, real_whole = spans.read_range, spans.read_entry
 
     def rec_range(
         entry: TensorEntry,
@@ -238,11 +238,11 @@ def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[s
         whole.append((e.key, e.role.value, e.numel))
         return real_whole(e, dtype)
 
-    flat.read_range, storage.read_entry = rec_range, rec_whole
+    spans.read_range, spans.read_entry = rec_range, rec_whole
     try:
         eng.load_checkpoint(str(FIX / case))
     finally:
-        flat.read_range, storage.read_entry = real_range, real_whole
+        spans.read_range, spans.read_entry = real_range, real_whole
     bad = []
     for key, n, lo, hi in ranged:
         start, valid = chunk_range(n, world, rank)

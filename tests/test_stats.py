@@ -9,7 +9,7 @@ import pytest
 import torch
 from _handmade import make_ckpt
 
-from zckpt.io import storage
+from zckpt.io import spans
 from zckpt.ops.stats import checkpoint_stats, iter_chunks, tensor_stats
 
 
@@ -107,7 +107,7 @@ def test_aligned_views_pair_the_same_elements_across_piece_layouts(tmp_path: Pat
     t = _tensors()
     ca, cb = make_ckpt(tmp_path / "a", t, world=3), make_ckpt(tmp_path / "b", t, world=2)
     for k, v in t.items():
-        pairs = list(storage.iter_aligned_views(ca.entry(k), cb.entry(k), chunk))
+        pairs = list(spans.aligned_views(ca.entry(k), cb.entry(k), chunk))
         assert all(xa.numel() == xb.numel() and 0 < xa.numel() <= chunk for xa, xb in pairs), k
         for side in (0, 1):
             got = torch.cat([p[side].clone() for p in pairs]) if pairs else torch.empty(0, dtype=v.dtype)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from zckpt.errors import CorruptCheckpoint, KeyMappingError
-from zckpt.io import storage
+from zckpt.io import spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
 
@@ -78,7 +78,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def read(self, key: str | TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one logical tensor (and nothing else) into memory, optionally cast."""
         e = key if isinstance(key, TensorEntry) else self.entry(key)
-        return storage.read_entry(e, dtype)
+        return spans.read_entry(e, dtype)
 
     def close(self) -> None:
         storage.close_files(self.meta.files)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +87,18 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True, eq=False)
 class Piece:
-    """A contiguous run of a logical tensor's flattened elements, stored in one file.
+    """Part of a logical tensor's flattened elements, stored contiguously in one file.
 
-    ``start``/``numel`` place the run in the flattened logical tensor; ``file``/``byte_offset``/
-    ``dtype`` say where its bytes are (``dtype`` is the stored dtype, which the reader casts to the
-    logical one when they differ). ``padding`` counts stored elements after the run that belong to no
-    tensor; they are never read. ``value`` holds a tensor that lives in no file (a Python number in a
-    pickle); then ``file`` is empty.
+    A plain piece is one run: elements ``[start, start + numel)`` of the flattened logical tensor.
+    ``file``/``byte_offset``/``dtype`` say where its bytes are (``dtype`` is the stored dtype, which the
+    reader casts to the logical one when they differ). ``padding`` counts stored elements after the run that
+    belong to no tensor; they are never read. ``value`` holds a tensor that lives in no file (a Python number
+    in a pickle); then ``file`` is empty.
+
+    A box piece (a chunk of a tensor cut along inner dimensions, as tensor parallelism does) has a
+    ``grid``: outer loops ``(count, stride)``, outermost first. It holds ``prod(counts)`` runs of
+    ``run = numel // prod(counts)`` elements stored one after another; the run at loop indices
+    ``(i_0, ..., i_k)`` is logical ``[start + sum(i_j * stride_j), ... + run)``. ``runs`` lists them.
     """
 
     file: str
@@ -103,10 +109,57 @@ class Piece:
     rank: int | None = None
     padding: int = 0
     value: torch.Tensor | None = None
+    grid: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def nruns(self) -> int:
+        return math.prod(c for c, _ in self.grid)
+
+    @property
+    def run(self) -> int:
+        """Elements per contiguous run."""
+        return self.numel // self.nruns if self.grid else self.numel
+
+    def _run_start(self, j: int) -> int:
+        at, rest = self.start, j
+        for count, stride in reversed(self.grid):
+            rest, i = divmod(rest, count)
+            at += i * stride
+        return at
+
+    def runs(self, lo: int = 0, hi: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """``(logical start, element offset in the piece's storage, length)`` of each run overlapping logical
+        ``[lo, hi)``, clipped to it, in logical order."""
+        hi = self.start + self._extent() if hi is None else hi
+        if not self.grid:
+            a, b = max(lo, self.start), min(hi, self.start + self.numel)
+            if b > a:
+                yield a, a - self.start, b - a
+            return
+        run, j, n = self.run, 0, self.nruns
+        top = n
+        while j < top:  # first run ending after lo (run starts grow with j)
+            mid = (j + top) // 2
+            if self._run_start(mid) + run <= lo:
+                j = mid + 1
+            else:
+                top = mid
+        while j < n:
+            at = self._run_start(j)
+            if at >= hi:
+                return
+            a, b = max(lo, at), min(hi, at + run)
+            if b > a:
+                yield a, j * run + (a - at), b - a
+            j += 1
+
+    def _extent(self) -> int:
+        """Logical span from ``start`` to the end of the last run."""
+        return self._run_start(self.nruns - 1) + self.run - self.start if self.grid else self.numel
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,6 +179,15 @@ class TensorEntry:
     def __post_init__(self) -> None:
         if (self.role is Role.OPTIM) != (self.state is not None):
             raise ValueError(f"{self.name}: optimizer entries need a state name and only they have one")
+        if any(p.grid for p in self.pieces):  # box pieces: their reader checked that the boxes tile
+            total = sum(p.numel for p in self.pieces)
+            if total != self.numel:
+                raise CorruptCheckpoint(
+                    f"{self.key}: pieces hold {total} elements but shape {list(self.shape)} "
+                    f"needs {self.numel}",
+                    hint="a file is missing or belongs to another run",
+                )
+            return
         covered = 0
         for p in sorted(self.pieces, key=lambda p: p.start):
             if p.start != covered:

@@ -1,5 +1,6 @@
-"""What writers write: ``WriteItem`` (one tensor: a source ``TensorEntry`` and the output dtype, its
-bytes produced in bounded chunks) and the helpers that build items from in-memory tensors."""
+"""What writers write: ``WriteItem`` (one tensor: a source ``TensorEntry`` — or a range of its flattened
+elements followed by zero padding, as partitions are written — and the output dtype, its bytes produced in
+bounded chunks) and the helpers that build items from in-memory tensors."""
 
 from __future__ import annotations
 
@@ -9,32 +10,37 @@ from typing import Any
 
 import torch
 
-from zckpt.io import storage
+from zckpt.io.spans import CHUNK_BYTES, iter_chunks, windows
 from zckpt.model import Piece, Role, TensorEntry
-
-CHUNK_BYTES = 64 << 20
-"""Largest piece of a tensor held in memory at once while writing (per cast chunk)."""
 
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One tensor to write: its output name, source entry and output dtype."""
+    """One tensor to write: its output name, source entry and output dtype. With ``span=(lo, hi)`` only the
+    entry's flattened elements ``[lo, hi)`` are written, followed by ``pad`` zeros, as a 1-D tensor."""
 
     name: str
     entry: TensorEntry
     dtype: torch.dtype
+    span: tuple[int, int] | None = None
+    pad: int = 0
+
+    @property
+    def range(self) -> tuple[int, int]:
+        return self.span if self.span is not None else (0, self.entry.numel)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.entry.shape
+        return self.entry.shape if self.span is None and not self.pad else (self.numel,)
 
     @property
     def numel(self) -> int:
-        return self.entry.numel
+        lo, hi = self.range
+        return hi - lo + self.pad
 
     @property
     def nbytes(self) -> int:
-        return self.entry.numel * self.dtype.itemsize
+        return self.numel * self.dtype.itemsize
 
     @property
     def role(self) -> Role:
@@ -42,7 +48,10 @@ class WriteItem:
 
     def chunks(self, max_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         """The tensor's bytes in order, as contiguous 1-D tensors of the output dtype."""
-        return storage.iter_chunks(self.entry, self.dtype, max_bytes)
+        lo, hi = self.range
+        yield from iter_chunks(self.entry, self.dtype, max_bytes, lo, hi)
+        for a, b in windows(0, self.pad, max(1, max_bytes // self.dtype.itemsize)):
+            yield torch.zeros(b - a, dtype=self.dtype)
 
 
 def entry_from_tensor(name: str, t: torch.Tensor, role: Role = Role.PARAM) -> TensorEntry:

@@ -135,13 +135,9 @@ class TensorRef:
     def load(self) -> torch.Tensor:
         """Read this tensor's bytes (a copy). Meant for small metadata tensors."""
         from zckpt.io import storage
-        from zckpt.model import Piece
 
-        if self.is_contiguous:
-            p = Piece(self.file, self.byte_offset, self.dtype, 0, self.numel)
-            return storage.piece_view(p).clone().view(self.shape)
         base = self.byte_offset - self.offset * self.dtype.itemsize
-        whole = storage.piece_view(Piece(self.file, base, self.dtype, 0, self.storage.numel))
+        whole = storage.view(self.file, base, self.storage.numel, self.dtype)
         return torch.as_strided(whole, self.shape, self.stride, self.offset).clone()
 
 

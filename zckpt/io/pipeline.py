@@ -29,15 +29,12 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from zckpt.io import storage
+from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
 
 if TYPE_CHECKING:
     from zckpt.io.items import WriteItem
-    from zckpt.model import Piece
 
 T = TypeVar("T")
-
-CHUNK_BYTES = 16 << 20
-"""Source bytes per chunk: large enough for sequential I/O, small enough that the ring stays small."""
 
 
 class Sink(Protocol):
@@ -57,18 +54,20 @@ def default_workers() -> int:
 
 @dataclass(frozen=True)
 class _Task:
-    piece: Piece
-    lo: int  # piece-relative element range [lo, lo + n)
+    span: Span | None  # None: ``n`` zeros (padding)
     n: int
     dtype: torch.dtype  # output dtype
 
 
 def item_tasks(it: WriteItem, chunk_bytes: int = CHUNK_BYTES) -> Iterator[_Task]:
-    """The chunks of one item, in output order (pieces tile the flattened tensor)."""
-    for p in sorted(it.entry.pieces, key=lambda p: p.start):
-        step = max(1, chunk_bytes // max(p.dtype.itemsize, it.dtype.itemsize))
-        for lo in range(0, p.numel, step):
-            yield _Task(p, lo, min(step, p.numel - lo), it.dtype)
+    """The chunks of one item, in output order: its spans, then its padding."""
+    lo, hi = it.range
+    src = max((p.dtype.itemsize for p in it.entry.pieces), default=1)
+    step = max(1, chunk_bytes // max(src, it.dtype.itemsize))
+    for s in spans(it.entry, lo, hi, step):
+        yield _Task(s, s.n, it.dtype)
+    for a, b in windows(0, it.pad, step):
+        yield _Task(None, b - a, it.dtype)
 
 
 def _tasks(items: Sequence[WriteItem], chunk_bytes: int) -> Iterator[_Task]:
@@ -84,16 +83,17 @@ class _Slot:
         self.cast: torch.Tensor | None = None
 
     def fill(self, t: _Task) -> memoryview:
-        p = t.piece
-        src_bytes = t.n * p.dtype.itemsize
-        if p.value is not None:
-            src = p.value.reshape(-1)[t.lo : t.lo + t.n]
+        s = t.span
+        if s is None:
+            src = torch.zeros(t.n, dtype=t.dtype)
+        elif s.piece.value is not None:
+            src = s.piece.value.reshape(-1)[s.offset : s.offset + s.n]
         else:
-            raw = self.raw[:src_bytes]
-            storage.read_into(p.file, p.byte_offset + t.lo * p.dtype.itemsize, raw)
-            src = raw.view(p.dtype)
-        if src.dtype == t.dtype and p.value is None:
-            return _bytes(src)
+            raw = self.raw[: t.n * s.piece.dtype.itemsize]
+            storage.read_into(s.piece.file, s.byte_offset, raw)
+            src = raw.view(s.piece.dtype)
+            if src.dtype == t.dtype:
+                return _bytes(src)
         out_bytes = t.n * t.dtype.itemsize
         if self.cast is None or self.cast.numel() < out_bytes:
             self.cast = torch.empty(max(out_bytes, self.raw.numel()), dtype=torch.uint8)

@@ -60,7 +60,7 @@ from tqdm import tqdm
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.io.storage import iter_aligned_views
+from zckpt.io.spans import aligned_views
 from zckpt.model import STATE_SEP, TensorEntry, dtype_name
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.stats import CHUNK, is_exact, iter_chunks
@@ -485,10 +485,10 @@ _Pair = tuple[str, str, TensorEntry, TensorEntry]
 
 def _chunk_stream(pairs: list[_Pair], chunk: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order: zero-copy views
-    of both files' page cache (see ``storage.iter_aligned_views``)."""
+    of both files' page cache (see ``zckpt.io.spans.aligned_views``)."""
     for i, (_, _, ea, eb) in enumerate(pairs):
         if ea.shape == eb.shape:
-            for xa, xb in iter_aligned_views(ea, eb, chunk):
+            for xa, xb in aligned_views(ea, eb, chunk):
                 yield i, xa, xb
 
 

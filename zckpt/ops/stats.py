@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.io import storage
+from zckpt.io.spans import read_range, windows
 from zckpt.model import TensorEntry, dtype_name
 
 CHUNK = 1 << 20
@@ -41,23 +41,8 @@ def iter_chunks(
     each chunk are touched; padding is never read."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    want = entry.dtype if dtype is None else dtype
-    pieces = sorted(entry.pieces, key=lambda p: p.start)
-    n = entry.numel
-    i = 0  # first piece that may overlap the current chunk
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        out = torch.empty(hi - lo, dtype=want)
-        while i < len(pieces) and pieces[i].start + pieces[i].numel <= lo:
-            i += 1
-        j = i
-        while j < len(pieces) and pieces[j].start < hi:
-            p = pieces[j]
-            s, e = max(lo, p.start), min(hi, p.start + p.numel)
-            if e > s:
-                storage.copy_piece(p, s - p.start, e - p.start, out[s - lo : e - lo])
-            j += 1
-        yield lo, out
+    for lo, hi in windows(0, entry.numel, chunk):
+        yield lo, read_range(entry, lo, hi, dtype)
 
 
 def is_exact(dtype: torch.dtype) -> bool:

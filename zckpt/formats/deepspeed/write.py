@@ -33,9 +33,10 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.deepspeed.archive import Archive
 from zckpt.formats.deepspeed.layout import Zero12Rank, adjust_batch, zero3_sub_groups, zero12_layout
-from zckpt.io.flat import Segment, chunk_of, read_range, source, whole
+from zckpt.io.flat import Segment, chunk_of, source, whole
 from zckpt.io.pickle_safe import DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address
 from zckpt.io.safetensors import FileRecord
+from zckpt.io.spans import read_range
 from zckpt.model import PRECISIONS, Role, TensorEntry, parse_dtype
 from zckpt.state import TrainingState
 

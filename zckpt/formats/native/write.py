@@ -32,7 +32,6 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors
-from zckpt.io.flat import slice_entry
 from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.io.safetensors import FileRecord
 from zckpt.model import PRECISIONS, Role, TensorEntry, dtype_name
@@ -44,16 +43,15 @@ _METADATA = {"format": "pt"}
 
 # ---- rank-file content ---------------------------------------------------------------------------
 def chunk_item(key: str, entry: TensorEntry, pw: int, rank: int, dtype: torch.dtype) -> WriteItem:
-    """Rank ``rank``'s padded chunk of ``entry`` partitioned over ``pw`` ranks, lazily sliced."""
+    """Rank ``rank``'s padded chunk of ``entry`` partitioned over ``pw`` ranks (read lazily)."""
     start, valid = chunk_range(entry.numel, pw, rank)
     pad = chunk_size(entry.numel, pw) - valid
-    return WriteItem(key, slice_entry(entry, start, start + valid, pad, name=key), dtype)
+    return WriteItem(key, entry, dtype, span=(start, start + valid), pad=pad)
 
 
 def whole_item(key: str, entry: TensorEntry, dtype: torch.dtype | None = None) -> WriteItem:
     """All of ``entry`` under ``key``, in its shape."""
-    e = TensorEntry(key, entry.shape, entry.dtype, Role.BUFFER, entry.pieces)
-    return WriteItem(key, e, entry.dtype if dtype is None else dtype)
+    return WriteItem(key, entry, entry.dtype if dtype is None else dtype)
 
 
 def tensor_item(key: str, t: torch.Tensor) -> WriteItem:
