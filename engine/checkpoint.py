@@ -46,7 +46,7 @@ from zckpt.model import TensorEntry
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.param import ParamState
+    from engine.zero.param import ParamState
 
 log = logging.getLogger(__name__)
 

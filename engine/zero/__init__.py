@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.param import ParamState
+from engine.zero.param import ParamState
 
 
 def _states(params: Any) -> list[tuple[ParamState, Any]]:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.shm import ShmPeers
-from engine.shm import usable as shm_usable
+from engine.zero.shm import ShmPeers
+from engine.zero.shm import usable as shm_usable
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -45,8 +45,8 @@ class Comm:
         """Smaller exchanges stay on gloo: below this a segment's barrier costs as much as the socket."""
 
     def shm(self, nbytes: int) -> ShmPeers | None:
-        """The shared-memory peers (``engine.shm``) for an exchange of ``nbytes`` per rank, when every rank
-        is on this host; set up by the first large collective (a collective call itself)."""
+        """The shared-memory peers (``engine.zero.shm``) for an exchange of ``nbytes`` per rank, when every
+        rank is on this host; set up by the first large collective (a collective call itself)."""
         if self._shm is False or nbytes < self.shm_min_bytes:
             return None
         if self._shm is None:

@@ -1,4 +1,5 @@
-"""The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions (``engine.param``).
+"""The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions
+(``engine.zero.param``).
 
 A client ``torch.optim.Optimizer`` is rebuilt with its class, defaults and per-group hyper-parameters over the
 masters of the params it held (frozen params are skipped); without one, the config's ``optimizer`` builds
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from engine.collectives import Comm
-from engine.loss_scaler import overflow_flag
-from engine.param import ParamState
+from engine.optim.loss_scaler import overflow_flag
+from engine.zero.collectives import Comm
+from engine.zero.param import ParamState
 
 
 class PartitionedOptimizer:

@@ -1,5 +1,5 @@
 """Gradient reduction: full gradients of several params bucketed into one collective, averaged over the
-ranks, and accumulated into each param's fp32 *grad shard* (``engine.param``).
+ranks, and accumulated into each param's fp32 *grad shard* (``engine.zero.param``).
 
 A post-accumulate-grad hook on every trainable parameter hands its ``.grad`` to ``GradReducer.add`` as soon as
 autograd has finished summing it (so a tied parameter arrives once, with both uses added), then drops
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.collectives import Comm, Reduction
-from engine.param import ParamState
+from engine.zero.collectives import Comm, Reduction
+from engine.zero.param import ParamState
 
 
 class GradReducer:

@@ -11,7 +11,7 @@ wires it into a model:
   multi-grad hook on the module's outputs so
   that, when the first gradient of an output arrives in backward, the params are gathered again (with the
   modules that ran before it prefetched, in reverse trace order);
-- after backward, params are released as their gradient is accumulated (``engine.grads``) and the engine
+- after backward, params are released as their gradient is accumulated (``engine.zero.grads``) and the engine
   releases whatever is left (frozen params, unused params).
 
 A param used by several modules (tied weights) is gathered once and stays gathered while any user runs.
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.collectives import Comm
-from engine.param import ParamState
+from engine.zero.collectives import Comm
+from engine.zero.param import ParamState
 
 
 class ParamFetcher:
