@@ -95,7 +95,7 @@ class Engine:
             self.comm, zc.reduce_bucket_size, self.partition_world, self.device, self.flat_grad, self.dtype
         )
         self.reducer.n_trainable = sum(1 for s in self.states if s.trainable)
-        release = self._release_one if self.sharded else None
+        release = self.fetcher.release_after_grad if self.fetcher is not None else None
         for s in self.states:
             if s.trainable:
                 self._hook_handles.append(
@@ -110,6 +110,7 @@ class Engine:
             model_parameters=model_parameters,
             partitioned=self.partition_world > 1,
             flat_grad=self.flat_grad,
+            sub_group=zc.sub_group_size,
         )
         if self.reducer.direct and self.reducer.to_host:
             self.optimizer.lazy_zero = self.reducer
@@ -140,7 +141,7 @@ class Engine:
             dtype=self.dtype,
             master_device=self.master_device,
             shard_device=self.shard_device,
-            grad_dtype=torch.float32,
+            grad_dtype=self._grad_dtype(),
             sharded=self.sharded,
             pin_opt=cuda and self.master_device.type == "cpu" and pinned(zc.offload_optimizer),
             pin_par=cuda and self.shard_device.type == "cpu" and pinned(zc.offload_param),
@@ -150,15 +151,30 @@ class Engine:
         attach(states, self)
         return states, tied
 
+    def _grad_dtype(self) -> torch.dtype:
+        """fp32 gradient partitions, or the compute dtype where that loses nothing and saves its memory: one
+        process (nothing to average), one micro-step per optimizer step (nothing to accumulate) and the
+        buffer on the device (with optimizer offload the host buffer is fp32 and a pinned 16-bit mirror
+        takes the copies). Then each slot holds exactly the gradient autograd produced, as DeepSpeed's
+        stage 3 keeps it; the optimizer widens it to fp32 one sub-group at a time."""
+        one = self.comm.world == 1 and self.config.gradient_accumulation_steps == 1
+        if one and self.dtype != torch.float32 and self.master_device == self.device:
+            return self.dtype
+        return torch.float32
+
     def _install_fetcher(self, model: nn.Module) -> None:
         """Stage 3, sharded: the fetcher and the module hooks that gather/release params around each use."""
         zc = self.config.zero_optimization
+        copies = self.device.type == "cuda" and self.shard_device.type == "cpu"
         self.fetcher = ParamFetcher(
             self.comm,
             self.device,
-            zc.allgather_bucket_size,
-            zc.stage3_prefetch_bucket_size,
-            zc.stage3_max_reuse_distance,
+            self.states,
+            bucket_numel=zc.allgather_bucket_size,
+            prefetch_numel=zc.stage3_prefetch_bucket_size,
+            max_reuse=zc.stage3_max_reuse_distance,
+            max_live=zc.stage3_max_live_parameters,
+            copy_stream=torch.cuda.Stream(self.device) if copies else None,
         )
         by_id = {id(s.param): s for s in self.states}
         for m in model.modules():
@@ -191,9 +207,6 @@ class Engine:
             collate_fn=collate_fn,
             drop_last=self.config.dataloader_drop_last,
         )
-
-    def _release_one(self, state: ParamState) -> None:
-        state.release()
 
     # -- training loop --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,6 +243,8 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             fp16 = self.config.fp16.enabled
             check = fp16 or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
+            if self.fetcher is not None:
+                self.fetcher.sync()  # no host-to-device copy still reads the shards this step rewrites
             applied = self.optimizer.step(
                 loss_scale=self.loss_scaler.loss_scale if fp16 else 1.0,
                 clip=self.config.gradient_clipping,
@@ -281,9 +296,6 @@ class Engine:
 
         Non-sharded frozen params are skipped: their full tensor is the only copy, already current."""
         states = [s for s in states if s.trainable or s.sharded]
-        local16: torch.Tensor | None = None
-        if any(s.trainable and not s.sharded for s in states):
-            local16 = self.flat_master.to(self.device, self.dtype)  # one cast for every master
         limit = max(1, self.config.zero_optimization.allgather_bucket_size)
         bucket: list[ParamState] = []
         size = 0
@@ -291,7 +303,7 @@ class Engine:
             bucket.append(s)
             size += s.numel
             if size >= limit or i == len(states) - 1:
-                locals_ = [self._local_chunk(b, local16) for b in bucket]
+                locals_ = [self._local_chunk(b) for b in bucket]
                 if self.partition_world == 1:
                     fulls = [c[: b.numel] for c, b in zip(locals_, bucket, strict=True)]
                 else:
@@ -301,12 +313,11 @@ class Engine:
                         b.param.data.copy_(full.view(b.shape))
                 bucket, size = [], 0
 
-    def _local_chunk(self, s: ParamState, local16: torch.Tensor | None) -> torch.Tensor:
-        if s.sharded:
-            assert s.shard is not None
-            return s.shard.to(self.device, self.dtype, non_blocking=True)
-        assert local16 is not None
-        return local16[s.flat_offset : s.flat_offset + s.chunk]
+    def _local_chunk(self, s: ParamState) -> torch.Tensor:
+        """This rank's chunk in the compute dtype on the device (a cast of one param: no model-size copy)."""
+        src = s.shard if s.sharded else s.master
+        assert src is not None
+        return src.to(self.device, self.dtype, non_blocking=True)
 
     # -- DeepSpeedEngine accessors ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:
@@ -391,6 +402,8 @@ class Engine:
     ) -> tuple[str | None, dict[str, Any] | None]:
         from engine import checkpoint
 
+        if self.fetcher is not None:
+            self.fetcher.sync()  # no host-to-device copy still reads the shards the load rewrites
         return checkpoint.load(
             self,
             load_dir,
