@@ -6,14 +6,16 @@ Algorithm (all stages share it; see ``engine.zero.param`` for the tensor vocabul
    params and floating buffers to the compute dtype (fp16/bf16/fp32) on the device, broadcast them from rank 0
    in buckets, and cut every param into per-rank chunks: an fp32 *master* chunk for each trainable param
    (stages 1-3: ``ceil(numel / world)`` elements; stage 0: the whole param). Stage 3 keeps only the *shard*
-   and releases the full tensor; modules gather it on demand (``engine.zero.hooks``) -- except at partition
-   world 1 without param offload, where the shard would be the whole param: it stays materialised, with no
-   hooks and no copies. Each rank's tensors live in flat buffers (``engine.zero.partition``): one fp32 master
-   buffer, one fp32 grad buffer, one compute-dtype shard (stage 3) or param (partition world 1) buffer, the
-   per-param tensors being views, so the optimizer-side work is a few ops over big tensors.
+   and releases the full tensor; modules gather it on demand (``engine.zero.fetcher``, driven by the hooks
+   of ``engine.zero.hooks``) -- except at partition world 1 without param offload, where the shard would be
+   the whole param: it stays materialised, with no hooks and no copies. Each rank's tensors live in flat
+   buffers (``engine.zero.partition``): one fp32 master buffer, one grad buffer (fp32, or the compute dtype
+   where that is exact: ``Engine._grad_dtype``), one compute-dtype shard (stage 3) or param (partition
+   world 1) buffer, the per-param tensors being views, so the optimizer-side work is a few ops over big
+   tensors.
 2. ``backward(loss)``: divide by the accumulation steps, multiply by the fp16 loss scale, run autograd. Each
    param's full gradient is handed to the bucketed reducer the moment it is final (``engine.zero.grads``) and
-   averaged into its fp32 *grad shard* (at world 1: added there at once; with optimizer offload: copied
+   averaged into its *grad shard* (at world 1: added there at once; with optimizer offload: copied
    asynchronously into a pinned host buffer).
 3. ``step()`` at an accumulation boundary: overflow check, global-norm clipping and the optimizer step on the
    masters (``engine.optim.optimizer``, fused kernel where torch has one), loss-scale update, LR schedule;
@@ -303,7 +305,7 @@ class Engine:
             bucket.append(s)
             size += s.numel
             if size >= limit or i == len(states) - 1:
-                locals_ = [self._local_chunk(b) for b in bucket]
+                locals_ = self._local_chunks(bucket)
                 if self.partition_world == 1:
                     fulls = [c[: b.numel] for c, b in zip(locals_, bucket, strict=True)]
                 else:
@@ -313,11 +315,23 @@ class Engine:
                         b.param.data.copy_(full.view(b.shape))
                 bucket, size = [], 0
 
-    def _local_chunk(self, s: ParamState) -> torch.Tensor:
-        """This rank's chunk in the compute dtype on the device (a cast of one param: no model-size copy)."""
-        src = s.shard if s.sharded else s.master
-        assert src is not None
-        return src.to(self.device, self.dtype, non_blocking=True)
+    def _local_chunks(self, bucket: list[ParamState]) -> list[torch.Tensor]:
+        """The bucket's chunks in the compute dtype on the device: one cast over masters that lie back to back
+        in the flat buffer (stages 1-2), else one per param; never a model-size copy."""
+        adjacent = all(not s.sharded and s.trainable for s in bucket) and all(
+            b.flat_offset == a.flat_offset + a.chunk for a, b in zip(bucket[:-1], bucket[1:], strict=True)
+        )
+        if adjacent:
+            lo = bucket[0].flat_offset
+            wide = self.flat_master[lo : bucket[-1].flat_offset + bucket[-1].chunk]
+            wide = wide.to(self.device, self.dtype, non_blocking=True)
+            return [wide[s.flat_offset - lo : s.flat_offset - lo + s.chunk] for s in bucket]
+        out = []
+        for s in bucket:
+            src = s.shard if s.sharded else s.master
+            assert src is not None
+            out.append(src.to(self.device, self.dtype, non_blocking=True))
+        return out
 
     # -- DeepSpeedEngine accessors ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

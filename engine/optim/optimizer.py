@@ -10,7 +10,9 @@ partition give exactly the slice of the full update, which is why the sharded st
 ``step`` does, in order (DeepSpeed ZeRO's ``step``): overflow check of the grad shards (flag all-reduced, MAX)
 and skip on overflow; the global gradient norm (squared norms all-reduced; padding is zero so it adds nothing;
 a tied param has one shard); unscale and clip in one multiply, ``1 / combined_scale`` with
-``combined_scale = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)``; the inner optimizer step.
+``combined_scale = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)``; the inner optimizer step. With a
+16-bit grad buffer the gradients are widened to fp32 one ``sub_group_size`` at a time, each sub-group stepped
+on its own (DeepSpeed's sub-groups; one sub-group for optimizers that are not elementwise).
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ class Comm:
         self.rank = dist.get_rank() if self.active else 0
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.pairwise = self.active and dist.get_backend() == "gloo"
-        """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange). Gloo's
-        own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are 2.5-3.5x slower for bucket-sized
-        tensors (measured: 93 MB at world 2 on one host, 122 / 152 ms against 41 ms); NCCL's are optimal."""
+        """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange): gloo's
+        own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are several times slower for bucket-sized
+        tensors (bench/RESULTS.md); NCCL's are optimal."""
         self._shm: ShmPeers | None | bool = None if self.pairwise and self.world > 1 else False
         self.shm_min_bytes = int(os.environ.get("ZCKPT_ENGINE_SHM_MIN_BYTES", 1 << 16))
         """Smaller exchanges stay on gloo: below this a segment's barrier costs as much as the socket."""

@@ -77,12 +77,14 @@ class ParamFetcher:
         self._suffix_of: tuple[int, list[int]] = (0, [])
         self._fwd_pos = 0
         self._bwd_pos = -1
+        self._ahead: _Lookahead | None = None
+        self._behind: _Lookahead | None = None
 
     # -- which params ---------------------------------------------------------------------------------
     def params_of(self, module: nn.Module) -> list[ParamState]:
         """The module's direct params, then its external params (``register_external_parameter``)."""
         own = self.module_params.get(module, [])
-        ext = getattr(module, "_external_params", None)
+        ext = module.__dict__.get("_external_params")  # (getattr on a module raises first: slow)
         if not ext:
             return own
         out = list(own)
@@ -169,37 +171,43 @@ class ParamFetcher:
         if self.comm.world == 1:
             # the shard is the whole param (stage 3 at world 1 only shards with param offload): its copy to
             # the device is the gathered tensor
-            fulls, event = self._to_device(bucket, whole=True)
-            for s, full in zip(bucket, fulls, strict=True):
+            fulls, events = self._to_device(bucket, whole=True)
+            for s, full, event in zip(bucket, fulls, events, strict=True):
                 s.set_gathered(full)
                 s.ready = event
             return
-        shards, event = self._to_device(bucket, whole=False)
-        if event is not None:
+        shards, events = self._to_device(bucket, whole=False)
+        if events[0] is not None:
             cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(event)
+            cur.wait_event(events[-1])
             for t in {sh.untyped_storage().data_ptr(): sh for sh in shards}.values():
                 t.record_stream(cur)
         fulls = self.comm.all_gather_params(shards, [s.numel for s in bucket])
         for s, full in zip(bucket, fulls, strict=True):
             s.set_gathered(full)
 
-    def _to_device(self, bucket: Sequence[ParamState], whole: bool) -> tuple[list[torch.Tensor], Any]:
+    def _to_device(self, bucket: Sequence[ParamState], whole: bool) -> tuple[list[torch.Tensor], list[Any]]:
         """The bucket's shards on the device (``whole``: each param's own full tensor, first ``numel``
-        elements) and the copy-stream event to wait on (None when nothing was copied there)."""
+        elements) and the copy-stream events to wait on, one per tensor (``whole``: each param's, so the first
+        param is usable while the next ones are still copied) or one for all (None: nothing copied there)."""
         shards = [s.shard for s in bucket if s.shard is not None]
+        none: list[Any] = [None] * len(shards)
         if shards[0].device == self.device:
             return (
                 [sh[: s.numel].clone() for sh, s in zip(shards, bucket, strict=True)] if whole else shards
-            ), None
+            ), none
         if self.copy_stream is None:
             moved = [sh.to(self.device, non_blocking=True) for sh in shards]
-            return ([m[: s.numel] for m, s in zip(moved, bucket, strict=True)] if whole else moved), None
+            return ([m[: s.numel] for m, s in zip(moved, bucket, strict=True)] if whole else moved), none
+        events: list[Any] = []
         with torch.cuda.stream(self.copy_stream):
             if whole:  # one buffer per param: each is freed on its own release
                 out = [torch.empty(s.numel, dtype=s.dtype, device=self.device) for s in bucket]
                 for o, sh in zip(out, shards, strict=True):
                     o.copy_(sh[: o.numel()], non_blocking=True)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self.copy_stream)
+                return out, events
             else:  # back to back in one buffer: the bucket's all-gather input, no concatenation
                 flat = torch.empty(
                     sum(sh.numel() for sh in shards), dtype=shards[0].dtype, device=self.device
@@ -209,9 +217,9 @@ class ParamFetcher:
                     out.append(flat[off : off + sh.numel()])
                     out[-1].copy_(sh, non_blocking=True)
                     off += sh.numel()
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return out, event
+                events.append(torch.cuda.Event())
+                events[-1].record(self.copy_stream)
+        return out, events
 
     def wait(self, s: ParamState) -> None:
         """Order the current stream after ``s``'s host-to-device copy (no-op when it has none pending)."""
@@ -250,20 +258,26 @@ class ParamFetcher:
         self._trace = []
         self._pos = {}
         self._fwd_pos = 0
+        self._ahead = (
+            _Lookahead(self._prev_trace, self) if self.prefetch_numel > 0 and self._prev_trace else None
+        )
 
     def pre_forward(self, module: nn.Module) -> None:
         states = self.params_of(module)
         self.stack.append((module, list(states)))
         self.claim(states)
         prev = self._prev_trace
+        ahead = self._ahead
         upcoming: list[ParamState] = []
-        if self._fwd_pos < len(prev) and prev[self._fwd_pos] is module:
-            upcoming = self._upcoming(prev[self._fwd_pos + 1 :])
+        if ahead is not None and self._fwd_pos < len(prev) and prev[self._fwd_pos] is module:
+            upcoming = ahead.next(self._fwd_pos, self.prefetch_numel)
         self._pos[module] = len(self._trace)
         self._trace.append(module)
         self._fwd_pos += 1
         if states or upcoming:
             self.gather(states, upcoming)
+            if ahead is not None:
+                ahead.settle()
 
     def post_forward(self, module: nn.Module, returned: Sequence[ParamState] = ()) -> None:
         """Unclaim the module's params; release them unless its backward reuses them soon (``max_reuse``).
@@ -308,23 +322,10 @@ class ParamFetcher:
         # backward of those same modules
         return 2 * self._suffix_of[1][i + 1] < self.max_reuse
 
-    def _upcoming(self, order: Sequence[nn.Module]) -> list[ParamState]:
-        out: list[ParamState] = []
-        size = 0
-        if self.prefetch_numel <= 0:
-            return out
-        for m in order:
-            for s in self.params_of(m):
-                if size >= self.prefetch_numel:
-                    return out
-                if not s.gathered:
-                    out.append(s)
-                    size += s.numel
-        return out
-
     # -- backward ---------------------------------------------------------------------------------------
     def start_backward(self) -> None:
         self._bwd_pos = len(self._trace) - 1
+        self._behind = _Lookahead(self._trace[::-1], self) if self.prefetch_numel > 0 else None
 
     def pre_backward(self, module: nn.Module) -> None:
         states = self.params_of(module)
@@ -335,13 +336,58 @@ class ParamFetcher:
         pos = self._bwd_pos
         while pos >= 0 and trace[pos] is not module:
             pos -= 1
+        behind = self._behind
         if pos >= 0:
             self._bwd_pos = pos - 1
-            upcoming = self._upcoming(trace[pos - 1 :: -1] if pos > 0 else [])
+            if behind is not None:
+                upcoming = behind.next(len(trace) - 1 - pos, self.prefetch_numel)
         self.gather(states, upcoming)
+        if behind is not None:
+            behind.settle()
 
     def post_backward(self, module: nn.Module) -> None:
         """The gradients of the module's inputs are computed: its frozen params are no longer needed."""
         for s in self.params_of(module):
             if not s.trainable and self._bwd.pop(id(s), None) is not None and not self.claims.get(id(s)):
                 s.release()
+
+
+class _Lookahead:
+    """The params of one pass in order of use (forward: the previous forward's trace; backward: this
+    forward's, reversed) and how far prefetching has got: each module's prefetch tops the window up to
+    ``prefetch`` elements past the module, so a pass scans every param once, not once per module."""
+
+    def __init__(self, modules: Sequence[nn.Module], fetcher: ParamFetcher) -> None:
+        self.states: list[ParamState] = []
+        self.starts: list[int] = []
+        for m in modules:
+            self.starts.append(len(self.states))
+            self.states.extend(fetcher.params_of(m))
+        self.starts.append(len(self.states))
+        self.cum = [0]
+        for s in self.states:
+            self.cum.append(self.cum[-1] + (s.numel if s.live is not None else 0))
+        self.frontier = 0
+        self._asked: list[tuple[int, ParamState]] = []
+
+    def next(self, pos: int, window: int) -> list[ParamState]:
+        """The not yet gathered params after the module at position ``pos``, until ``window`` elements lie
+        between its end and the frontier; ``settle`` after the gather moves the frontier."""
+        lo = self.starts[pos + 1]
+        j = max(self.frontier, lo)
+        asked: list[tuple[int, ParamState]] = []
+        while j < len(self.states) and self.cum[j] - self.cum[lo] < window:
+            if not self.states[j].gathered:
+                asked.append((j, self.states[j]))
+            j += 1
+        self._asked = asked
+        self.frontier = j
+        return [s for _, s in asked]
+
+    def settle(self) -> None:
+        """Move the frontier back to the first asked param the gather left out (the live budget)."""
+        for j, s in self._asked:
+            if not s.gathered:
+                self.frontier = j
+                break
+        self._asked = []
