@@ -34,6 +34,7 @@ SIZES = {
     "small": GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512),
     "355m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1792),
+    "1.5b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
 }
 PEAK_FLOPS = {"cuda": 989e12, "cpu": float("nan")}
 
@@ -43,6 +44,68 @@ def _count(cfg: GPTConfig) -> int:
     e, f = cfg.n_embd, 4 * cfg.n_embd
     block = 2 * 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (f * e + f) + (e * f + e)
     return cfg.vocab_size * e + cfg.block_size * e + cfg.n_layer * block + 2 * e
+
+
+def _no_mark(_phase: str) -> None:
+    pass
+
+
+def _site(frames: list) -> str:
+    """The first frame outside torch's own code (the model, the engine, DeepSpeed, this script)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "/torch/" not in name or "/deepspeed/" in name:
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    return "(torch internals)" if frames else "(no stack)"
+
+
+def mem_trace(train_step, x: torch.Tensor, y: torch.Tensor, impl: str) -> None:
+    """One more step with the CUDA allocator recorded: the peak of each phase, and what is live at the
+    step's peak beyond what was allocated before it (grouped by the line that allocated it)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    peaks: dict[str, float] = {}
+
+    def mark(phase: str) -> None:
+        torch.cuda.synchronize()
+        peaks[phase] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        torch.cuda.reset_peak_memory_stats()
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        train_step(x, y, mark)
+        mark("step")
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    cur = top = top_i = 0
+    held: set[int] = set()  # blocks allocated before the recording count from their free on
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            cur += e["size"]
+            held.add(e["addr"])
+        elif e["action"] in ("free_requested", "free_completed") and (
+            e["addr"] in held or e["action"] == "free_requested"
+        ):
+            held.discard(e["addr"])
+            cur -= e["size"]
+        if cur > top:
+            top, top_i = cur, i
+    live: dict[int, tuple[int, list]] = {}
+    for e in events[: top_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+        elif e["action"] in ("free_requested", "free_completed"):
+            live.pop(e["addr"], None)
+    sites: dict[str, int] = {}
+    for size, frames in live.values():
+        sites[_site(frames)] = sites.get(_site(frames), 0) + size
+    print(f"MEMPHASES {impl} " + json.dumps({"before_step_gib": round(base / 2**30, 3), **peaks,
+          "peak_above_before_gib": round(top / 2**30, 3)}), flush=True)  # fmt: skip
+    for site, size in sorted(sites.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"MEMSITE {impl} {size / 2**30:8.3f} GiB  {site}", flush=True)
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -81,6 +144,7 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="override the size's n_layer")
     ap.add_argument("--embd", type=int, default=None, help="override n_embd (n_head becomes embd // 128)")
+    ap.add_argument("--heads", type=int, default=None, help="override n_head")
     ap.add_argument(
         "--init",
         choices=["eager", "meta"],
@@ -93,6 +157,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print rank 0's profile of the timed steps")
+    ap.add_argument(
+        "--mem-trace",
+        action="store_true",
+        help="CUDA: record the allocator during one more step after the timed ones; print the peak of each "
+        "phase and the allocations live at the step's peak, by the line that made them",
+    )
     args = ap.parse_args()
 
     cfg = SIZES[args.size]
@@ -100,6 +170,8 @@ def main() -> None:
         embd = args.embd or cfg.n_embd
         layers = args.layers or cfg.n_layer
         cfg = dataclasses.replace(cfg, n_layer=layers, n_embd=embd, n_head=max(1, embd // 128))
+    if args.heads:
+        cfg = dataclasses.replace(cfg, n_head=args.heads)
     dev = torch.device(args.device)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
@@ -120,10 +192,12 @@ def main() -> None:
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
         scaler = torch.amp.GradScaler(enabled=args.dtype == "fp16")
 
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def train_step(x: torch.Tensor, y: torch.Tensor, mark=_no_mark) -> torch.Tensor:
             with torch.autocast(args.device, dtype=amp or torch.float32, enabled=amp is not None):
                 loss = model(x, y)
+            mark("forward")
             scaler.scale(loss).backward()
+            mark("backward")
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
@@ -147,9 +221,11 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         eng, _, _, _ = ds.initialize(model=model, optimizer=opt, config=ds_config(args))
 
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def train_step(x: torch.Tensor, y: torch.Tensor, mark=_no_mark) -> torch.Tensor:
             loss = eng(x, y)
+            mark("forward")
             eng.backward(loss)
+            mark("backward")
             eng.step()
             return loss
 
@@ -205,6 +281,12 @@ def main() -> None:
     }  # fmt: skip
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
+    if args.mem_trace and args.device == "cuda":
+        x = torch.randint(0, cfg.vocab_size, (args.micro, cfg.block_size), generator=g).to(dev)
+        try:
+            mem_trace(train_step, x, x.roll(1, 1), args.impl)
+        except Exception as e:  # a diagnostic: never lose the run for it
+            print(f"MEMTRACE failed: {type(e).__name__}: {e}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -7,11 +7,18 @@ A script written for DeepSpeed runs after ``import engine as deepspeed``::
     loss = model_engine(batch); model_engine.backward(loss); model_engine.step()
     model_engine.save_checkpoint("ckpt")
 
-Files: ``config`` (DeepSpeed JSON → dataclasses), ``param`` (per-param partition state and the tensor
-vocabulary), ``collectives`` (all torch.distributed traffic), ``hooks`` (stage-3 gather/release), ``grads``
-(bucketed gradient reduction), ``optimizer`` (partitioned optimizer, clipping, overflow skip),
-``loss_scaler``, ``scheduler``, ``engine`` (the Engine), ``checkpoint`` (native format, 16-bit export),
-``zero`` (``GatheredParameters``), ``dist`` (process-group start-up).
+Layout:
+
+- ``engine`` (the ``Engine``: start-up, backward, step, publish) and ``dist`` (process-group start-up);
+- ``config/``: the DeepSpeed JSON config → frozen dataclasses (``schema``, ``blocks``, ``parse``);
+- ``zero/``: the ZeRO machinery (``param``: per-param partition state; ``partition``: start-up layout;
+  ``collectives``/``shm``: all torch.distributed traffic; ``hooks``: stage-3 gather/release;
+  ``grads``: bucketed gradient reduction); ``engine.zero`` itself is DeepSpeed's ``deepspeed.zero``;
+- ``optim/``: the partitioned optimizer, fp16 loss scaling, DeepSpeed's LR schedules;
+- ``checkpoint`` (+ ``checkpoint_optim``, ``st_stream``, ``publish``): native save, native/DeepSpeed load;
+  ``export``: ``save_16bit_model``.
+
+``engine`` may import ``zckpt``; ``zckpt`` never imports ``engine``.
 """
 
 from __future__ import annotations
@@ -24,10 +31,10 @@ import torch
 from torch import nn
 
 from engine import zero
-from engine.collectives import Comm
 from engine.config import ConfigError, EngineConfig, parse_config
 from engine.dist import init_distributed
 from engine.engine import Engine
+from engine.zero.collectives import Comm
 
 DeepSpeedEngine = Engine
 __version__ = "0.1.0"

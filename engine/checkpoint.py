@@ -51,7 +51,7 @@ from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingS
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.param import ParamState
+    from engine.zero.param import ParamState
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from zckpt.model import STATE_SEP, Role, TensorEntry
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.param import ParamState
+    from engine.zero.param import ParamState
 
 log = logging.getLogger(__name__)
 

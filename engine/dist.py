@@ -2,7 +2,7 @@
 
 Reads the launcher's environment (torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``). Without a launcher it runs as world size 1 with no process group at all: every engine
-collective is then a local no-op (``engine.collectives``).
+collective is then a local no-op (``engine.zero.collectives``).
 """
 
 from __future__ import annotations

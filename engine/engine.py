@@ -1,30 +1,31 @@
 """The ``Engine``: DeepSpeed's ``DeepSpeedEngine`` surface over per-parameter ZeRO partitioning.
 
-Algorithm (all stages share it; see ``engine.param`` for the tensor vocabulary):
+Algorithm (all stages share it; see ``engine.zero.param`` for the tensor vocabulary):
 
 1. Start-up: materialise meta parameters (``to_empty`` + ``reset_parameters``, module by module), cast
    params and floating buffers to the compute dtype (fp16/bf16/fp32) on the device, broadcast them from rank 0
    in buckets, and cut every param into per-rank chunks: an fp32 *master* chunk for each trainable param
    (stages 1-3: ``ceil(numel / world)`` elements; stage 0: the whole param). Stage 3 keeps only the *shard*
-   and releases the full tensor; modules gather it on demand (``engine.hooks``) -- except at partition
-   world 1 without param offload, where the shard would be the whole param: it stays materialised, with no
-   hooks and no copies. Each rank's tensors live in flat buffers (``Engine._flatten``): one fp32 master
-   buffer, one fp32 grad buffer, one compute-dtype shard (stage 3) or param (partition world 1) buffer, the
-   per-param tensors being views, so the optimizer-side work is a few ops over big tensors.
+   and releases the full tensor; modules gather it on demand (``engine.zero.fetcher``, driven by the hooks
+   of ``engine.zero.hooks``) -- except at partition world 1 without param offload, where the shard would be
+   the whole param: it stays materialised, with no hooks and no copies. Each rank's tensors live in flat
+   buffers (``engine.zero.partition``): one fp32 master buffer, one grad buffer (fp32, or the compute dtype
+   where that is exact: ``Engine._grad_dtype``), one compute-dtype shard (stage 3) or param (partition
+   world 1) buffer, the per-param tensors being views, so the optimizer-side work is a few ops over big
+   tensors.
 2. ``backward(loss)``: divide by the accumulation steps, multiply by the fp16 loss scale, run autograd. Each
-   param's full gradient is handed to the bucketed reducer the moment it is final (``engine.grads``) and
-   averaged into its fp32 *grad shard* (at world 1: added there at once; with optimizer offload: copied
+   param's full gradient is handed to the bucketed reducer the moment it is final (``engine.zero.grads``) and
+   averaged into its *grad shard* (at world 1: added there at once; with optimizer offload: copied
    asynchronously into a pinned host buffer).
 3. ``step()`` at an accumulation boundary: overflow check, global-norm clipping and the optimizer step on the
-   masters (``engine.optimizer``, fused kernel where torch has one), loss-scale update, LR schedule; then
-   the new values go back to the model (partition world 1: one cast-copy of the flat buffer; stages 1-2:
+   masters (``engine.optim.optimizer``, fused kernel where torch has one), loss-scale update, LR schedule;
+   then the new values go back to the model (partition world 1: one cast-copy of the flat buffer; stages 1-2:
    all-gather into the full params; stage 3: one cast-copy into the shards, re-gather persistent params).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,14 +33,15 @@ import torch
 from torch import nn
 
 from engine import dist as _dist
-from engine.collectives import Comm
 from engine.config import EngineConfig
-from engine.grads import GradReducer, make_grad_hook
-from engine.hooks import ParamFetcher, install_hooks
-from engine.loss_scaler import build_loss_scaler
-from engine.optimizer import PartitionedOptimizer
-from engine.param import ParamState
-from engine.scheduler import build_scheduler
+from engine.optim.loss_scaler import build_loss_scaler
+from engine.optim.optimizer import PartitionedOptimizer
+from engine.optim.scheduler import build_scheduler
+from engine.zero.collectives import Comm
+from engine.zero.grads import GradReducer, make_grad_hook
+from engine.zero.hooks import ParamFetcher, install_hooks
+from engine.zero.param import ParamState
+from engine.zero.partition import attach, lay_out, partition_model, pinned
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +92,12 @@ class Engine:
         self.fetcher: ParamFetcher | None = None
         self._hook_handles: list[Any] = []
         if self.sharded:
-            self.fetcher = ParamFetcher(
-                self.comm,
-                self.device,
-                zc.allgather_bucket_size,
-                zc.stage3_prefetch_bucket_size,
-                zc.stage3_max_reuse_distance,
-            )
-            by_id = {id(s.param): s for s in self.states}
-            for m in model.modules():
-                direct = [by_id[id(p)] for p in m.parameters(recurse=False) if id(p) in by_id]
-                if direct:
-                    self.fetcher.module_params[m] = direct
-            self._hook_handles = install_hooks(model, self.fetcher)
+            self._install_fetcher(model)
         self.reducer = GradReducer(
             self.comm, zc.reduce_bucket_size, self.partition_world, self.device, self.flat_grad, self.dtype
         )
         self.reducer.n_trainable = sum(1 for s in self.states if s.trainable)
-        release = self._release_one if self.sharded else None
+        release = self.fetcher.release_after_grad if self.fetcher is not None else None
         for s in self.states:
             if s.trainable:
                 self._hook_handles.append(
@@ -122,6 +112,7 @@ class Engine:
             model_parameters=model_parameters,
             partitioned=self.partition_world > 1,
             flat_grad=self.flat_grad,
+            sub_group=zc.sub_group_size,
         )
         if self.reducer.direct and self.reducer.to_host:
             self.optimizer.lazy_zero = self.reducer
@@ -133,108 +124,66 @@ class Engine:
 
     # -- start-up -------------------------------------------------------------------------------
     def _partition(self, model: nn.Module, persistence: int) -> tuple[list[ParamState], dict[str, str]]:
-        _materialize(model, self.device)
-        for m in model.modules():
-            for key, buf in m._buffers.items():
-                if buf is not None:
-                    m._buffers[key] = buf.to(
-                        self.device, self.dtype if buf.is_floating_point() else buf.dtype
-                    )
-        owners: dict[int, ParamState] = {}
-        tied: dict[str, str] = {}
-        states: list[ParamState] = []
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in owners:
-                owner = owners[id(p)]
-                owner.aliases = (*owner.aliases, name)
-                tied[name] = owner.name
-                continue
-            p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
-            st = ParamState(
-                name=name,
-                param=p,
-                shape=tuple(p.shape),
-                numel=p.numel(),
-                partition_world=self.partition_world,
-                rank=self.comm.rank if self.partition_world > 1 else 0,
-                trainable=p.requires_grad,
-                sharded=self.sharded,
-                persistent=self.sharded and p.numel() <= persistence,
-            )
-            owners[id(p)] = st
-            states.append(st)
-        self._broadcast([s.param.data for s in states] + [b for b in model.buffers()])
-        self._flatten(states)
-        engine_ref = weakref.ref(self)
-        for s in states:
-            s.param._zstate = s  # type: ignore[attr-defined]
-            s.param._zengine = engine_ref  # type: ignore[attr-defined]
+        """Build the param states and lay them out in flat buffers (``engine.zero.partition``)."""
+        zc = self.config.zero_optimization
+        states, tied = partition_model(
+            model,
+            self.comm,
+            device=self.device,
+            dtype=self.dtype,
+            partition_world=self.partition_world,
+            sharded=self.sharded,
+            persistence=persistence,
+            bucket=zc.allgather_bucket_size,
+        )
+        cuda = torch.cuda.is_available()
+        flat = lay_out(
+            states,
+            device=self.device,
+            dtype=self.dtype,
+            master_device=self.master_device,
+            shard_device=self.shard_device,
+            grad_dtype=self._grad_dtype(),
+            sharded=self.sharded,
+            pin_opt=cuda and self.master_device.type == "cpu" and pinned(zc.offload_optimizer),
+            pin_par=cuda and self.shard_device.type == "cpu" and pinned(zc.offload_param),
+        )
+        self.flat_master, self.flat_grad = flat.master, flat.grad
+        self.flat_shard, self.flat_param = flat.shard, flat.param
+        attach(states, self)
         return states, tied
 
-    def _flatten(self, states: list[ParamState]) -> None:
-        """Lay this rank's tensors out in flat buffers, each param's tensor a view at ``flat_offset``.
+    def _grad_dtype(self) -> torch.dtype:
+        """fp32 gradient partitions, or the compute dtype where that loses nothing and saves its memory: one
+        process (nothing to average), one micro-step per optimizer step (nothing to accumulate) and the
+        buffer on the device (with optimizer offload the host buffer is fp32 and a pinned 16-bit mirror
+        takes the copies). Then each slot holds exactly the gradient autograd produced, as DeepSpeed's
+        stage 3 keeps it; the optimizer widens it to fp32 one sub-group at a time."""
+        one = self.comm.world == 1 and self.config.gradient_accumulation_steps == 1
+        if one and self.dtype != torch.float32 and self.master_device == self.device:
+            return self.dtype
+        return torch.float32
 
-        ``flat_master`` / ``flat_grad`` (fp32, master device): every trainable param's chunk, so the norm,
-        unscale/clip, overflow check and zeroing are one op each. Stage 3: ``flat_shard`` (compute dtype,
-        shard device; the masters themselves in fp32 on one device). Partition world 1 otherwise:
-        ``flat_param``, the trainable params themselves (``chunk == numel``, same offsets as the masters),
-        so publishing the step is one cast-copy.
-        """
-        trainable = [s for s in states if s.trainable]
-        total = sum(s.chunk for s in trainable)
+    def _install_fetcher(self, model: nn.Module) -> None:
+        """Stage 3, sharded: the fetcher and the module hooks that gather/release params around each use."""
         zc = self.config.zero_optimization
-        cuda = torch.cuda.is_available()
-        pin_opt = cuda and self.master_device.type == "cpu" and _pinned(zc.offload_optimizer)
-        pin_par = cuda and self.shard_device.type == "cpu" and _pinned(zc.offload_param)
-        self.flat_master = _zeros(total, torch.float32, self.master_device, pin_opt)
-        self.flat_grad = _zeros(total, torch.float32, self.master_device, pin_opt)
-        off = 0
-        for s in trainable:
-            s.flat_offset = off
-            s.master = self.flat_master[off : off + s.chunk]
-            s.grad_shard = self.flat_grad[off : off + s.chunk]
-            s.master[: s.valid].copy_(s.param.data.reshape(-1)[s.start : s.start + s.valid])
-            off += s.chunk
-        if self.sharded:
-            same = self.dtype == torch.float32 and self.master_device == self.shard_device
-            if same:
-                self.flat_shard = self.flat_master
-            else:
-                self.flat_shard = _zeros(total, self.dtype, self.shard_device, pin_par)
-                self.flat_shard.copy_(self.flat_master)
-            for s in trainable:
-                s.shard = s.master if same else self.flat_shard[s.flat_offset : s.flat_offset + s.chunk]
-            for s in states:
-                if not s.trainable:
-                    s.shard = s.slice_of(s.param.data).to(self.shard_device)
-                    if pin_par:
-                        s.shard = s.shard.pin_memory()
-                s.release()
-        elif self.partition_world == 1 and trainable:
-            self.flat_param = torch.empty(total, dtype=self.dtype, device=self.device)
-            for s in trainable:
-                view = self.flat_param[s.flat_offset : s.flat_offset + s.numel]
-                view.copy_(s.param.data.reshape(-1))
-                s.param.data = view.view(s.shape)
-
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's initial values everywhere (DeepSpeed broadcasts the model at start), in buckets."""
-        if not self.comm.distributed:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        limit = max(1, self.config.zero_optimization.allgather_bucket_size)
-        for group in by_dtype.values():
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for t in group:
-                bucket.append(t)
-                size += t.numel()
-                if size >= limit:
-                    self.comm.broadcast_flat_(bucket)
-                    bucket, size = [], 0
-            self.comm.broadcast_flat_(bucket)
+        copies = self.device.type == "cuda" and self.shard_device.type == "cpu"
+        self.fetcher = ParamFetcher(
+            self.comm,
+            self.device,
+            self.states,
+            bucket_numel=zc.allgather_bucket_size,
+            prefetch_numel=zc.stage3_prefetch_bucket_size,
+            max_reuse=zc.stage3_max_reuse_distance,
+            max_live=zc.stage3_max_live_parameters,
+            copy_stream=torch.cuda.Stream(self.device) if copies else None,
+        )
+        by_id = {id(s.param): s for s in self.states}
+        for m in model.modules():
+            direct = [by_id[id(p)] for p in m.parameters(recurse=False) if id(p) in by_id]
+            if direct:
+                self.fetcher.module_params[m] = direct
+        self._hook_handles = install_hooks(model, self.fetcher)
 
     def _build_scheduler(self, client: Any) -> Any:
         if client is None:
@@ -260,9 +209,6 @@ class Engine:
             collate_fn=collate_fn,
             drop_last=self.config.dataloader_drop_last,
         )
-
-    def _release_one(self, state: ParamState) -> None:
-        state.release()
 
     # -- training loop --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -299,6 +245,8 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             fp16 = self.config.fp16.enabled
             check = fp16 or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
+            if self.fetcher is not None:
+                self.fetcher.sync()  # no host-to-device copy still reads the shards this step rewrites
             applied = self.optimizer.step(
                 loss_scale=self.loss_scaler.loss_scale if fp16 else 1.0,
                 clip=self.config.gradient_clipping,
@@ -350,9 +298,6 @@ class Engine:
 
         Non-sharded frozen params are skipped: their full tensor is the only copy, already current."""
         states = [s for s in states if s.trainable or s.sharded]
-        local16: torch.Tensor | None = None
-        if any(s.trainable and not s.sharded for s in states):
-            local16 = self.flat_master.to(self.device, self.dtype)  # one cast for every master
         limit = max(1, self.config.zero_optimization.allgather_bucket_size)
         bucket: list[ParamState] = []
         size = 0
@@ -360,7 +305,7 @@ class Engine:
             bucket.append(s)
             size += s.numel
             if size >= limit or i == len(states) - 1:
-                locals_ = [self._local_chunk(b, local16) for b in bucket]
+                locals_ = self._local_chunks(bucket)
                 if self.partition_world == 1:
                     fulls = [c[: b.numel] for c, b in zip(locals_, bucket, strict=True)]
                 else:
@@ -370,12 +315,23 @@ class Engine:
                         b.param.data.copy_(full.view(b.shape))
                 bucket, size = [], 0
 
-    def _local_chunk(self, s: ParamState, local16: torch.Tensor | None) -> torch.Tensor:
-        if s.sharded:
-            assert s.shard is not None
-            return s.shard.to(self.device, self.dtype, non_blocking=True)
-        assert local16 is not None
-        return local16[s.flat_offset : s.flat_offset + s.chunk]
+    def _local_chunks(self, bucket: list[ParamState]) -> list[torch.Tensor]:
+        """The bucket's chunks in the compute dtype on the device: one cast over masters that lie back to back
+        in the flat buffer (stages 1-2), else one per param; never a model-size copy."""
+        adjacent = all(not s.sharded and s.trainable for s in bucket) and all(
+            b.flat_offset == a.flat_offset + a.chunk for a, b in zip(bucket[:-1], bucket[1:], strict=True)
+        )
+        if adjacent:
+            lo = bucket[0].flat_offset
+            wide = self.flat_master[lo : bucket[-1].flat_offset + bucket[-1].chunk]
+            wide = wide.to(self.device, self.dtype, non_blocking=True)
+            return [wide[s.flat_offset - lo : s.flat_offset - lo + s.chunk] for s in bucket]
+        out = []
+        for s in bucket:
+            src = s.shard if s.sharded else s.master
+            assert src is not None
+            out.append(src.to(self.device, self.dtype, non_blocking=True))
+        return out
 
     # -- DeepSpeedEngine accessors ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:
@@ -460,6 +416,8 @@ class Engine:
     ) -> tuple[str | None, dict[str, Any] | None]:
         from engine import checkpoint
 
+        if self.fetcher is not None:
+            self.fetcher.sync()  # no host-to-device copy still reads the shards the load rewrites
         return checkpoint.load(
             self,
             load_dir,
@@ -472,25 +430,3 @@ class Engine:
         from engine import export
 
         return export.save_16bit_model(self, save_dir, save_filename)
-
-
-def _pinned(off: Any) -> bool:
-    """Whether an offload block asks for page-locked host memory."""
-    return bool(off is not None and off.pin_memory)
-
-
-def _zeros(n: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    if pin:
-        return torch.zeros(n, dtype=dtype, pin_memory=True)
-    return torch.zeros(n, dtype=dtype, device=device)
-
-
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Give meta-device params/buffers real storage, module by module, and re-run their initialisers."""
-    for m in model.modules():
-        direct = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        if any(t.is_meta for t in direct):
-            m.to_empty(device=device, recurse=False)
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()

@@ -8,6 +8,7 @@ the embedding matrix), a frozen layer, and a float and an int buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,9 +96,9 @@ def config(stage: int, precision: str = "fp32", gas: int = 1, **zero: Any) -> di
     return cfg
 
 
-def reference(steps: int) -> dict[str, Any]:
+def reference(steps: int, make: Callable[[], nn.Module] = make_model) -> dict[str, Any]:
     """Single-process plain PyTorch over the global batch: AdamW, clip_grad_norm_, WarmupLR."""
-    model = make_model()
+    model = make()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=MAX_LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = []

@@ -1,5 +1,5 @@
-"""engine.collectives on 3 gloo ranks: the pairwise (all_to_all) all-gather and reduce-scatter used on gloo
-against gloo's own collectives and against hand-made tensors, on awkward sizes, with scratch reuse and a
+"""engine.zero.collectives on 3 gloo ranks: the pairwise (all_to_all) all-gather and reduce-scatter used on
+gloo against gloo's own collectives and against hand-made tensors, on awkward sizes, with scratch reuse and a
 reduction in flight while params are gathered."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from _dist import run
 
-from engine.collectives import Comm
+from engine.zero.collectives import Comm
 
 pytestmark = pytest.mark.dist
 

@@ -1,13 +1,16 @@
 """The engine on CUDA at world 1 (run on the lent GPU; skipped where there is none): parity with the
-single-process CPU reference in fp32, bf16/fp16 tracking, optimizer/param offload, save + load bit-exact."""
+single-process CPU reference in fp32, bf16/fp16 tracking, optimizer/param offload (host-to-device copies on
+the copy stream), external params and the live budget under param offload, save + load bit-exact."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import _engine_ref as R
 import pytest
+import test_engine_external as X
 import torch
 
 import engine
@@ -15,9 +18,11 @@ import engine
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _train(cfg: dict[str, Any], steps: int, *, first: int = 0, eng: Any = None) -> tuple[Any, list[float]]:
+def _train(
+    cfg: dict[str, Any], steps: int, *, first: int = 0, eng: Any = None, name: str = "tiny"
+) -> tuple[Any, list[float]]:
     if eng is None:
-        model = R.make_model()
+        model = X._make(name)
         opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=R.MAX_LR, betas=R.BETAS, eps=R.EPS,
             weight_decay=R.WD,
@@ -74,3 +79,21 @@ def test_cuda_save_load_continues_bit_exactly(tmp_path: Path) -> None:
     assert path is not None
     _, again = _train(cfg, 3, first=3, eng=eng2)
     assert again == rest
+
+
+@pytest.mark.parametrize("name", [*X.MODELS, "tiny"])
+def test_cuda_param_offload_external_params_and_live_budget(name: str) -> None:
+    ref = R.reference(6, make=partial(X._make, name))
+    zero: dict[str, Any] = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    if name == "tiny":
+        zero["stage3_max_live_parameters"] = X.BUDGET
+    eng, losses = _train(R.config(3, **zero), 6, name=name)
+    assert eng.fetcher is not None and eng.fetcher.copy_stream is not None
+    peak = eng.fetcher.live.peak
+    for a, b in zip(losses, ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, losses, ref["losses"])
+    full = R.full_params(eng)
+    for key, want in ref["params"].items():
+        assert R.rel_err(full[key], want) < 1e-5, (name, key)
+    if name == "tiny":
+        assert peak <= X.BUDGET

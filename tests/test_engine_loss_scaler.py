@@ -1,4 +1,4 @@
-"""engine.loss_scaler: DeepSpeed's dynamic loss scaling, static scaling, overflow detection.
+"""engine.optim.loss_scaler: DeepSpeed's dynamic loss scaling, static scaling, overflow detection.
 
 Oracles: (scale, hysteresis) sequences traced by hand from DeepSpeed's ``update_scale`` for fixed overflow
 patterns (window 3, hysteresis 2), and — when the dev venv exists — DeepSpeed's own ``DynamicLossScaler`` fed
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import parse_config
-from engine.loss_scaler import (
+from engine.optim.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimum,
     LossScaler,

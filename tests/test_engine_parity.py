@@ -189,7 +189,7 @@ def test_multi_rank_parity_checkpoint_and_reshard(
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         res2 = run(_dist_checks, 2, f"{tmp}/w2", None)
-        # world 3 moves every bucket through the shared-memory segments (engine.shm), world 2 over gloo
+        # world 3 moves every bucket through the shared-memory segments (engine.zero.shm), world 2 over gloo
         monkeypatch.setenv("ZCKPT_ENGINE_SHM_MIN_BYTES", "0")
         res3 = run(_dist_checks, 3, f"{tmp}/w3", f"{tmp}/w2")
         from zckpt.formats import open_checkpoint

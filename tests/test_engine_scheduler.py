@@ -1,4 +1,4 @@
-"""engine.scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR.
+"""engine.optim.scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR.
 
 Oracles: values worked out by hand from DeepSpeed's formulas (log10(2) for a log warm-up over 10 steps, etc.),
 and — when the dev venv with real DeepSpeed exists — DeepSpeed's own classes run in that venv, compared
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import parse_config
-from engine.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from engine.optim.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 DS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"
 

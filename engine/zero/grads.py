@@ -1,5 +1,5 @@
 """Gradient reduction: full gradients of several params bucketed into one collective, averaged over the
-ranks, and accumulated into each param's fp32 *grad shard* (``engine.param``).
+ranks, and accumulated into each param's *grad shard* (``engine.zero.param``).
 
 A post-accumulate-grad hook on every trainable parameter hands its ``.grad`` to ``GradReducer.add`` as soon as
 autograd has finished summing it (so a tied parameter arrives once, with both uses added), then drops
@@ -16,17 +16,18 @@ from collections.abc import Callable
 
 import torch
 
-from engine.collectives import Comm, Reduction
-from engine.param import ParamState
+from engine.zero.collectives import Comm, Reduction
+from engine.zero.param import ParamState
 
 
 class GradReducer:
     """Collects full gradients and reduces them bucket by bucket into grad shards.
 
-    World 1 has nothing to reduce: each gradient is added straight into its fp32 slot of the engine's flat
-    grad buffer (one mixed-dtype ``add_``), so no bucket is held. With the grad buffer on the host and the
-    gradients on an accelerator (optimizer offload), each gradient is copied asynchronously into a pinned
-    compute-dtype mirror of that buffer, and ``flush`` adds the mirror in one host op.
+    World 1 has nothing to reduce: each gradient is added straight into its slot of the engine's flat grad
+    buffer (one ``add_``, mixed-dtype into fp32 or exact into a compute-dtype buffer), so no bucket is held.
+    With the grad buffer on the host and the gradients on an accelerator (optimizer offload), each gradient
+    is copied asynchronously into a pinned compute-dtype mirror of that buffer, and ``flush`` adds the mirror
+    in one host op.
     """
 
     def __init__(

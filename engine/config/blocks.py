@@ -1,4 +1,4 @@
-"""Per-block rules of ``engine.config``: the tables of DeepSpeed keys the engine does not implement
+"""Per-block rules of the config parser: the tables of DeepSpeed keys the engine does not implement
 (refused when active, ignored when inert or performance-only), deprecated spellings and their mapping, and
 one ``parse_*`` function per JSON block (fp16, bf16/bfloat16, zero_optimization + offload, optimizer,
 scheduler). ``engine.config.parse_config`` drives them.
@@ -10,7 +10,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from engine._config_parse import (
+from engine.config.parse import (
     ConfigError,
     Foreign,
     build,
@@ -23,7 +23,14 @@ from engine._config_parse import (
     unknown_key,
     unknown_value,
 )
-from engine.config import BF16Config, FP16Config, OffloadConfig, OptimizerConfig, SchedulerConfig, ZeroConfig
+from engine.config.schema import (
+    BF16Config,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
 
 REMOVED = "removed from DeepSpeed itself"
 TOP_FOREIGN: dict[str, Foreign] = {

@@ -1,9 +1,14 @@
-"""``engine.zero``: DeepSpeed's ``deepspeed.zero`` helpers over the engine's partitioned params.
+"""``engine.zero``: DeepSpeed's ``deepspeed.zero`` namespace over the engine's partitioned params; the ZeRO
+machinery itself lives in the submodules (``param``, ``partition``, ``collectives``, ``shm``, ``fetcher``,
+``hooks``, ``external``, ``grads``).
 
 ``GatheredParameters(params, modifier_rank=None)`` makes stage-3 params full inside the block (one bucketed
-all-gather) and releases them on exit. With ``modifier_rank`` set, the values that rank holds at exit are
-broadcast and written back into every rank's partition (master, shard and, under stages 0-2, the full param),
-so edits made inside the block survive. Params that the engine does not manage pass through untouched.
+all-gather; they are not released under it) and releases them on exit. With ``modifier_rank`` set, the
+values that rank holds at exit are broadcast and written back into every rank's partition (master, shard
+and, under stages 0-2, the full param), so edits made inside the block survive. Params that the engine does
+not manage pass through untouched.
+
+``register_external_parameter`` / ``unregister_external_parameter``: see ``engine.zero.external``.
 
 ``Init`` is accepted for compatibility: build the model under it (or on the meta device) and the engine
 partitions it at ``initialize``; it does not partition at construction time.
@@ -17,7 +22,10 @@ from typing import Any
 
 import torch
 
-from engine.param import ParamState
+from engine.zero.external import register_external_parameter, unregister_external_parameter
+from engine.zero.param import ParamState
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]
 
 
 def _states(params: Any) -> list[tuple[ParamState, Any]]:
@@ -55,6 +63,7 @@ class GatheredParameters:
         self._was_gathered = [s.gathered for s, _ in self.items]
         for s, eng in self.items:
             if eng.fetcher is not None:
+                eng.fetcher.claim([s])
                 eng.fetcher.gather([s])
         return self
 
@@ -64,13 +73,17 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc[0] is None:
             with torch.no_grad():
                 for s, eng in self.items:
+                    if eng.fetcher is not None:
+                        eng.fetcher.sync()  # no copy still reads the host shard rewritten below
                     eng.comm.broadcast_(s.param.data, self.modifier_rank)
                     if s.master is not None:
                         s.master.copy_(s.slice_of(s.param.data))
                     if s.shard is not None and s.shard is not s.master:
                         s.shard.copy_(s.slice_of(s.param.data))
-        for (s, _), was in zip(self.items, self._was_gathered, strict=True):
-            if not was:
+        for (s, eng), was in zip(self.items, self._was_gathered, strict=True):
+            if eng.fetcher is not None:
+                eng.fetcher.unclaim([s])
+            if not was and (eng.fetcher is None or not eng.fetcher.claims.get(id(s))):
                 s.release()
 
 

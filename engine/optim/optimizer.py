@@ -1,4 +1,5 @@
-"""The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions (``engine.param``).
+"""The partitioned optimizer: a torch optimizer over this rank's fp32 *master* partitions
+(``engine.zero.param``).
 
 A client ``torch.optim.Optimizer`` is rebuilt with its class, defaults and per-group hyper-parameters over the
 masters of the params it held (frozen params are skipped); without one, the config's ``optimizer`` builds
@@ -9,7 +10,9 @@ partition give exactly the slice of the full update, which is why the sharded st
 ``step`` does, in order (DeepSpeed ZeRO's ``step``): overflow check of the grad shards (flag all-reduced, MAX)
 and skip on overflow; the global gradient norm (squared norms all-reduced; padding is zero so it adds nothing;
 a tied param has one shard); unscale and clip in one multiply, ``1 / combined_scale`` with
-``combined_scale = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)``; the inner optimizer step.
+``combined_scale = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)``; the inner optimizer step. With a
+16-bit grad buffer the gradients are widened to fp32 one ``sub_group_size`` at a time, each sub-group stepped
+on its own (DeepSpeed's sub-groups; one sub-group for optimizers that are not elementwise).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from typing import Any
 
 import torch
 
-from engine.collectives import Comm
-from engine.loss_scaler import overflow_flag
-from engine.param import ParamState
+from engine.optim.loss_scaler import overflow_flag
+from engine.zero.collectives import Comm
+from engine.zero.param import ParamState
 
 
 class PartitionedOptimizer:
@@ -39,6 +42,7 @@ class PartitionedOptimizer:
         model_parameters: Iterable[Any] | None = None,
         partitioned: bool = True,
         flat_grad: torch.Tensor | None = None,
+        sub_group: int = 1_000_000_000,
     ) -> None:
         self.comm = comm
         self.partitioned = partitioned
@@ -47,6 +51,8 @@ class PartitionedOptimizer:
         self.flat_grad = flat_grad
         """Every grad shard, contiguous (the engine's flat buffer): norm, clip, overflow and zeroing are one
         op each on it. None: work on the per-param grad shards."""
+        self.sub_group = sub_group
+        """``sub_group_size``: elements of a 16-bit grad buffer widened to fp32 at a time for the step."""
         self.lazy_zero: Any = None
         """The gradient reducer, when it can treat a zeroed buffer lazily (``GradReducer.fresh``)."""
         by_param = {id(s.param): s for s in self.states}
@@ -133,14 +139,44 @@ class PartitionedOptimizer:
         # a fused kernel takes the unscale/clip divisor itself (``grad_scale``, as under torch's GradScaler):
         # one pass over the states instead of an extra pass over the gradients first
         in_kernel = combined != 1.0 and bool(self.states) and _fused_scaling(self.optimizer)
-        if combined != 1.0 and not in_kernel:
-            torch._foreach_mul_(flat, 1.0 / combined)
+        if self.flat_grad is not None and self.flat_grad.dtype != torch.float32:
+            self._step_widened(combined, in_kernel)
+        else:
+            if combined != 1.0 and not in_kernel:
+                torch._foreach_mul_(flat, 1.0 / combined)
+            self._inner_step(self.states, [s.grad_shard for s in self.states], combined, in_kernel)
+        self.zero_grad()
+        return True
+
+    def _step_widened(self, combined: float, in_kernel: bool) -> None:
+        """The step over a 16-bit grad buffer: each sub-group's gradients widened to fp32 (and unscaled) into
+        a temporary, then the inner step on that sub-group's masters (one sub-group for optimizers that are
+        not elementwise, whose step must see every param at once)."""
+        assert self.flat_grad is not None
+        limit = self.sub_group if _elementwise(self.optimizer) else self.flat_grad.numel()
+        for group in _runs(self.states, max(1, limit)):
+            lo = group[0].flat_offset
+            wide = self.flat_grad[lo : group[-1].flat_offset + group[-1].chunk].float()
+            if combined != 1.0 and not in_kernel:
+                wide.mul_(1.0 / combined)
+            views = [wide[s.flat_offset - lo : s.flat_offset - lo + s.chunk] for s in group]
+            self._inner_step(group, views, combined, in_kernel)
+            del wide, views
+
+    def _inner_step(
+        self,
+        states: Sequence[ParamState],
+        grads: Sequence[torch.Tensor | None],
+        combined: float,
+        in_kernel: bool,
+    ) -> None:
+        """The inner optimizer's step over ``states``' masters with ``grads`` (params without one skip it)."""
         opt: Any = self.optimizer
-        for s in self.states:
+        for s, g in zip(states, grads, strict=True):
             assert s.master is not None
-            s.master.grad = s.grad_shard
+            s.master.grad = g
         if in_kernel:
-            dev = self.states[0].master.device  # type: ignore[union-attr]
+            dev = states[0].master.device  # type: ignore[union-attr]
             opt.grad_scale = torch.full((), combined, dtype=torch.float32, device=dev)
             opt.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
         try:
@@ -148,11 +184,9 @@ class PartitionedOptimizer:
         finally:
             if in_kernel:
                 del opt.grad_scale, opt.found_inf
-            for s in self.states:
+            for s in states:
                 assert s.master is not None
                 s.master.grad = None
-        self.zero_grad()
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -175,9 +209,47 @@ def _fused_scaling(opt: torch.optim.Optimizer) -> bool:
     )
 
 
+_WIDEN = 1 << 26
+"""Elements of a 16-bit gradient widened to fp32 at a time for its norm (a 256 MB temporary)."""
+_ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop"}
+
+
+def _elementwise(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s step updates each param from its own gradient and state only (torch's elementwise
+    optimizers), so stepping its params in several calls equals one step over all."""
+    cls = type(opt)
+    return cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENTWISE
+
+
+def _runs(states: Sequence[ParamState], limit: int) -> list[list[ParamState]]:
+    """Consecutive states (adjacent in the flat buffers) in runs of at most ``limit`` elements (at least one
+    state each)."""
+    out: list[list[ParamState]] = []
+    size = limit
+    for s in states:
+        if size + s.chunk > limit:
+            out.append([])
+            size = 0
+        out[-1].append(s)
+        size += s.chunk
+    return out
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``t`` in float64; 16-bit tensors are widened to fp32 piece by piece."""
+    if t.dtype == torch.float32 or t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t).double()
+    flat = t.reshape(-1)
+    parts = [
+        torch.linalg.vector_norm(flat[i : i + _WIDEN].float()).double()
+        for i in range(0, flat.numel(), _WIDEN)
+    ]
+    return torch.stack(parts).square().sum().sqrt()
+
+
 def _sum_sq(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of every element, float64 0-dim, without a full-size temporary."""
-    norms = [torch.linalg.vector_norm(t).double() for t in tensors if t.numel() > 0]
+    norms = [_norm(t) for t in tensors if t.numel() > 0]
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     dev = norms[0].device

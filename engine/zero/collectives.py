@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.shm import ShmPeers
-from engine.shm import usable as shm_usable
+from engine.zero.shm import ShmPeers
+from engine.zero.shm import usable as shm_usable
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -37,16 +37,16 @@ class Comm:
         self.rank = dist.get_rank() if self.active else 0
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.pairwise = self.active and dist.get_backend() == "gloo"
-        """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange). Gloo's
-        own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are 2.5-3.5x slower for bucket-sized
-        tensors (measured: 93 MB at world 2 on one host, 122 / 152 ms against 41 ms); NCCL's are optimal."""
+        """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange): gloo's
+        own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are several times slower for bucket-sized
+        tensors (bench/RESULTS.md); NCCL's are optimal."""
         self._shm: ShmPeers | None | bool = None if self.pairwise and self.world > 1 else False
         self.shm_min_bytes = int(os.environ.get("ZCKPT_ENGINE_SHM_MIN_BYTES", 1 << 16))
         """Smaller exchanges stay on gloo: below this a segment's barrier costs as much as the socket."""
 
     def shm(self, nbytes: int) -> ShmPeers | None:
-        """The shared-memory peers (``engine.shm``) for an exchange of ``nbytes`` per rank, when every rank
-        is on this host; set up by the first large collective (a collective call itself)."""
+        """The shared-memory peers (``engine.zero.shm``) for an exchange of ``nbytes`` per rank, when every
+        rank is on this host; set up by the first large collective (a collective call itself)."""
         if self._shm is False or nbytes < self.shm_min_bytes:
             return None
         if self._shm is None:

@@ -15,8 +15,10 @@ Every unique ``nn.Parameter`` of the model gets one ``ParamState``. The names be
 - **master**: the fp32 partition the optimizer updates (trainable params only), flat, ``chunk`` elements.
   With fp32 compute under stage 3 the shard *is* the master (one tensor). Lives on the CPU with
   ``offload_optimizer``.
-- **grad shard**: fp32 partition of the rank-averaged gradient (trainable params only), ``chunk`` elements,
-  accumulated over the micro-steps of one optimizer step. Its padding stays zero.
+- **grad shard**: partition of the rank-averaged gradient (trainable params only), ``chunk`` elements,
+  accumulated over the micro-steps of one optimizer step; its padding stays zero. fp32, except where a
+  compute-dtype buffer holds exactly what autograd produced (one process, one micro-step per optimizer
+  step, gradients on the device): then it has the compute dtype and the optimizer widens it chunk by chunk.
 
 Partitioning is per parameter in every stage: the flat parameter is split in ``partition_world`` chunks of
 ``chunk = ceil(numel / partition_world)`` elements; rank r owns ``[r * chunk, r * chunk + valid)``
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,26 @@ class ParamStatus(enum.Enum):
     """``param.data`` is the full tensor (always, under stages 0-2)."""
     RELEASED = "released"
     """``param.data`` is an empty tensor; the values live in the shard (stage 3)."""
+
+
+class LiveParams:
+    """The gathered, non-persistent stage-3 params of this rank, oldest first: DeepSpeed's *live parameters*
+    (``stage3_max_live_parameters`` bounds ``numel``); ``peak`` is the most seen at once."""
+
+    def __init__(self) -> None:
+        self.numel = 0
+        self.peak = 0
+        self.order: dict[int, ParamState] = {}
+
+    def add(self, s: ParamState) -> None:
+        if id(s) not in self.order:
+            self.order[id(s)] = s
+            self.numel += s.numel
+            self.peak = max(self.peak, self.numel)
+
+    def drop(self, s: ParamState) -> None:
+        if self.order.pop(id(s), None) is not None:
+            self.numel -= s.numel
 
 
 @dataclass(eq=False)
@@ -68,6 +91,11 @@ class ParamState:
     master: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
     status: ParamStatus = ParamStatus.GATHERED
+    live: LiveParams | None = None
+    """The fetcher's count of gathered params, for sharded non-persistent params (None otherwise)."""
+    ready: Any = None
+    """A CUDA event the gathered tensor's host-to-device copy records on the copy stream; a consumer's stream
+    waits on it before the first use (``engine.zero.fetcher``). None: ready on the current stream."""
 
     @property
     def chunk(self) -> int:
@@ -106,17 +134,18 @@ class ParamState:
         """Point the original at a full tensor (``numel`` elements, compute dtype)."""
         self.param.data = full_flat.view(self.shape)
         self.status = ParamStatus.GATHERED
+        self.ready = None
+        if self.live is not None:
+            self.live.add(self)
 
     def release(self) -> None:
         """Drop the gathered tensor (stage 3, non-persistent params only)."""
         if self.sharded and not self.persistent and self.gathered:
             self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
             self.status = ParamStatus.RELEASED
-
-    def add_grad(self, grad_chunk: torch.Tensor) -> None:
-        """Accumulate this rank's averaged gradient chunk into the fp32 grad shard."""
-        assert self.grad_shard is not None
-        self.grad_shard.add_(grad_chunk.to(self.grad_shard.device, torch.float32))
+            self.ready = None
+            if self.live is not None:
+                self.live.drop(self)
 
     def __repr__(self) -> str:
         return (
