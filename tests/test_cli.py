@@ -35,7 +35,7 @@ def test_help_snapshot() -> None:
         "--trust-pickle", "--progress", "--no-progress", "--json", "--workers", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
-        "--atol", "--rtol", "--ignore-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
+        "--atol", "--rtol", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
         "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--help",
     }  # fmt: skip
     assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--help"}

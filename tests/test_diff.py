@@ -104,17 +104,19 @@ def test_dropped_key_and_changed_dtype_reported_exactly(tmp_path: Path) -> None:
     assert r.dtype_mismatches == 1 and r.shape_mismatches == 0 and r.differing == 1
     td = _by_key(r)["fc.weight"]
     assert (td.dtype_a, td.dtype_b) == ("float32", "bfloat16")
-    assert td.reasons == ("dtype", "values")
+    assert td.reasons == ("values",)  # the rounding to bf16 changed values; the dtype alone would not count
     exp = _oracle(t["fc.weight"], t["fc.weight"].to(torch.bfloat16))
     assert td.max_abs_diff == pytest.approx(exp["max_abs_diff"], rel=1e-12)
     assert td.changed == exp["changed"]
-    # values compared in float64: an exact upcast compares equal, the dtype is still reported
+    assert diff(a, b, strict_dtype=True, progress=False).tensors[0].reasons == ("dtype", "values")
+    # values compared in float64 after exact upcasting: the same values in another dtype are equal,
+    # the dtype difference is reported, and counts only with strict_dtype
     up = make_ckpt(tmp_path / "c", {k: v.float() if v.is_floating_point() else v for k, v in t.items()})
     r2 = diff(a, up, progress=False)
-    assert not r2.equal and r2.dtype_mismatches == 1
-    assert _by_key(r2)["norm.weight"].reasons == ("dtype",) and _by_key(r2)["norm.weight"].changed == 0
-    r3 = diff(a, up, ignore_dtype=True, progress=False)
-    assert r3.equal and r3.dtype_mismatches == 1
+    assert r2.equal and r2.dtype_mismatches == 1 and "--strict-dtype" in r2.summary()
+    assert _by_key(r2)["norm.weight"].reasons == () and _by_key(r2)["norm.weight"].changed == 0
+    r3 = diff(a, up, strict_dtype=True, progress=False)
+    assert not r3.equal and r3.dtype_mismatches == 1 and _by_key(r3)["norm.weight"].reasons == ("dtype",)
     js = r.to_json()
     validate(js, SCHEMA)
     assert js["equal"] is False and js["only_in_a"] == ["fc.bias"]
@@ -207,19 +209,17 @@ DS = sorted(p.parent.parent for p in (ROOT / "fixtures" / "ds").glob("*/ref_zero
 
 @pytest.mark.parametrize("case", DS, ids=[p.name for p in DS])
 def test_deepspeed_fixture_matches_zero_to_fp32(case: Path) -> None:
-    reg = pytest.importorskip("zckpt.formats").registry()
-    if "deepspeed" not in reg or "torch" not in reg:
-        pytest.skip("deepspeed/torch_file readers not built yet")
     info = json.loads((case / "case.json").read_text())
     ref = case / "ref_zero_to_fp32"
     ref_path = next(iter(sorted(ref.iterdir()))) if len(list(ref.iterdir())) == 1 else ref
-    r = diff(case, ref_path, ignore_dtype=True, progress=False)
+    r = diff(case, ref_path, progress=False)
     # zero_to_fp32 drops frozen params of ZeRO-0/1 checkpoints (DeepSpeed saves frozen_param_shapes
     # only for stage >= 2, deepspeed-format.md §4.3); we read them from `module`.
     dropped = sorted(info.get("frozen", [])) if info["stage"] < 2 else []
     assert sorted(r.only_in_a) == dropped and r.only_in_b == (), r.to_text()
     assert r.differing == 0 and r.shape_mismatches == 0, r.to_text(top=10)
     assert r.equal == (not dropped)
+    assert (_cli(str(case), str(ref_path))[0] == 0) == (not dropped)  # the user's question: same model? yes
     k = _by_key(r)
     for name in info["param_shapes"]:
         if name in info.get("frozen", []):
@@ -355,10 +355,12 @@ def test_cli_deepspeed_vs_nudged_zero_to_fp32_copy(tmp_path: Path) -> None:
     validate(js, SCHEMA)
     assert code == 1 and js["only_in_a"] == [drop] and js["only_in_b"] == []
     by = {t["key"]: t for t in js["tensors"]}
-    assert by[recast]["reasons"] == ["dtype"] and by[recast]["changed"] == 0
+    assert by[recast]["reasons"] == [] and by[recast]["changed"] == 0 and not by[recast]["differs"]
+    strict = json.loads(_cli(str(case), str(tmp_path / "nudged.bin"), "--json", "--strict-dtype", *keys)[1])
+    assert {t["key"]: t for t in strict["tensors"]}[recast]["reasons"] == ["dtype"]
     assert by[nudge]["reasons"] == ["values"] and by[nudge]["changed"] == 1
     exp = _oracle(orig, sd[nudge])
     for k in ("max_abs_diff", "max_rel_diff", "rel_l2", "cosine"):
         assert by[nudge][k] == pytest.approx(exp[k], rel=1e-12), k
     assert [t["key"] for t in js["tensors"] if t["differs"]][0] == nudge  # most changed first
-    assert _cli(str(case), str(case / "ref_zero_to_fp32"), "--ignore-dtype", *keys)[0] == 0
+    assert _cli(str(case), str(case / "ref_zero_to_fp32"), *keys)[0] == 0

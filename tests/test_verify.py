@@ -204,7 +204,7 @@ def test_consolidated_output_verifies_and_diffs_clean(tmp_path: Path) -> None:
     r = verify(out)
     shards = sorted(out.glob("*.safetensors"))
     assert r.ok and r.checksums == len(shards) >= 2, r.to_text()
-    d = diff(ck, out, ignore_dtype=True, progress=False)  # 16-bit frozen params upcast to fp32
+    d = diff(ck, out, progress=False)  # 16-bit frozen params upcast to fp32
     assert d.equal and d.differing == 0, d.to_text()
     _flip(shards[-1], shards[-1].stat().st_size - 3)
     r = verify(out)

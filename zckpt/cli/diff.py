@@ -41,9 +41,14 @@ TopOpt = Annotated[
         "--top", min=0, help="Show the K most-changed tensors (default: the differing ones, max 20)."
     ),
 ]
+StrictDtypeOpt = Annotated[
+    bool,
+    typer.Option("--strict-dtype", help="Count dtype-only differences (same values stored in another dtype, "
+                 "e.g. bf16 vs fp32) as differences; by default they are reported but values decide."),
+]  # fmt: skip
 IgnoreDtypeOpt = Annotated[
     bool,
-    typer.Option("--ignore-dtype", help="Report dtype mismatches but judge equality on values only."),
+    typer.Option("--ignore-dtype", hidden=True, help="The default now (kept for old scripts); no effect."),
 ]
 TagAOpt = Annotated[str | None, typer.Option("--tag-a", help="Tag of checkpoint A (instead of `latest`).")]
 TagBOpt = Annotated[str | None, typer.Option("--tag-b", help="Tag of checkpoint B (instead of `latest`).")]
@@ -58,6 +63,7 @@ def command(
     keys: KeysOpt = None,
     map: MapOpt = None,
     top: TopOpt = None,
+    strict_dtype: StrictDtypeOpt = False,
     ignore_dtype: IgnoreDtypeOpt = False,
     tag_a: TagAOpt = None,
     tag_b: TagBOpt = None,
@@ -69,7 +75,8 @@ def command(
 
     Reports keys only in A or B, shape and dtype mismatches, and per tensor max abs / max rel
     difference, relative L2, cosine similarity, fraction changed and NaN/Inf counts, compared in
-    float64 (integers exactly). Exit status: 0 equal within tolerance, 1 different, 2 error.
+    float64 after exact upcasting (integers exactly), so the same values stored in bf16 and in fp32 are
+    equal unless --strict-dtype. Exit status: 0 equal within tolerance, 1 different, 2 error.
     """
     from zckpt.ops.diff import diff
 
@@ -82,7 +89,7 @@ def command(
         keys=keys or None,
         map=tuple(map or ()),
         top=top if json else None,
-        ignore_dtype=ignore_dtype,
+        strict_dtype=strict_dtype and not ignore_dtype,
         tag_a=tag_a,
         tag_b=tag_b,
         progress=progress and not json,

@@ -15,21 +15,9 @@ Key mapping
     ``key_b`` is B's key when it differs.
 
 Precision
-    Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype),
-    then upcast to **float64**, which represents every value of every float dtype up to 32 bits (and
-    of every integer up to 2**53) exactly; all metrics and tolerance tests are computed there, and
-    all accumulations are in float64. Integer/bool tensors on both sides are compared exactly
-    (``a != b`` in int64; tolerances do not apply). Work is done in chunks of ``zckpt.ops.stats.CHUNK``
-    elements, so memory stays bounded for any tensor size; padding is never read.
-
-    Fast path (same results): a chunk pair with the same float dtype and the same bits (compared
-    as integers) moves no difference metric, so no float64 pass is made over it; one dot product
-    in its own dtype (or isnan/isinf when that is not finite or is zero) gives its NaN/Inf counts
-    and whether it is nonzero. A tensor bit-identical in every chunk gets ``cosine = 1`` (``None``
-    when no finite element is nonzero) without summing norms; when a later chunk differs, the
-    earlier identical chunks are re-read and their float64 sums of squares added. Differing chunks
-    take the float64 path above; a finite float64 sum of squares of each side stands in for the
-    per-element finiteness test. The next chunk pair is read on a worker thread meanwhile.
+    Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype), then
+    compared in float64 (``zckpt.ops.diff_values``), chunk by chunk, so memory stays bounded for any
+    tensor size; padding is never read.
 
 Metrics (per tensor, over the elements finite on both sides unless stated)
     ``max_abs_diff = max|a-b|``; ``max_rel_diff = max |a-b|/|b|`` (0/0 counts as 0, x/0 as +inf);
@@ -40,30 +28,28 @@ Metrics (per tensor, over the elements finite on both sides unless stated)
     ``nan_a/nan_b/inf_a/inf_b``: counts on each side.
 
 Equality
-    The result is equal when no key is only on one side, no shapes differ, no dtypes differ (unless
-    ``ignore_dtype``, which still reports them) and no compared element changed.
+    The result is equal when no key is only on one side, no shapes differ and no compared element
+    changed. A dtype-only difference (a tensor stored in bf16 on one side and fp32 on the other, with the
+    same values after exact upcasting, as DeepSpeed's frozen params against zero_to_fp32's output) is
+    reported (``dtype_mismatches``) but is not a difference unless ``strict_dtype``.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
-
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.io.spans import aligned_views
-from zckpt.model import STATE_SEP, TensorEntry, dtype_name
+from zckpt.model import STATE_SEP
+from zckpt.ops.diff_values import Pair, Pending, TensorDiff, Work, chunk_stream, compare
 from zckpt.ops.progress import bar as progress_bar
-from zckpt.ops.stats import CHUNK, is_exact, iter_chunks
+from zckpt.ops.stats import CHUNK
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"
@@ -83,70 +69,6 @@ class Side:
 
 
 @dataclass(frozen=True)
-class TensorDiff:
-    """The comparison of one tensor pair. Value metrics are ``None`` when the shapes differ."""
-
-    key: str
-    key_b: str | None
-    role: str
-    shape_a: tuple[int, ...]
-    shape_b: tuple[int, ...]
-    dtype_a: str
-    dtype_b: str
-    numel: int
-    max_abs_diff: float | None
-    max_rel_diff: float | None
-    rel_l2: float | None
-    cosine: float | None
-    changed: int | None
-    nan_a: int | None
-    nan_b: int | None
-    inf_a: int | None
-    inf_b: int | None
-    differs: bool
-    reasons: tuple[str, ...]
-    """Subset of ``("shape", "dtype", "values")``."""
-
-    @property
-    def fraction_changed(self) -> float | None:
-        if self.changed is None:
-            return None
-        return self.changed / self.numel if self.numel else 0.0
-
-    def sort_key(self) -> tuple[int, float, float, str]:
-        """Most changed first: differing before equal, then rel L2, then fraction changed."""
-        if "shape" in self.reasons:
-            score = math.inf
-        else:
-            score = self.rel_l2 if self.rel_l2 is not None and not math.isnan(self.rel_l2) else math.inf
-        return (0 if self.differs else 1, -score, -(self.fraction_changed or 0.0), self.key)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "key_b": self.key_b,
-            "role": self.role,
-            "shape_a": list(self.shape_a),
-            "shape_b": list(self.shape_b),
-            "dtype_a": self.dtype_a,
-            "dtype_b": self.dtype_b,
-            "numel": self.numel,
-            "max_abs_diff": _real(self.max_abs_diff),
-            "max_rel_diff": _real(self.max_rel_diff),
-            "rel_l2": _real(self.rel_l2),
-            "cosine": _real(self.cosine),
-            "changed": self.changed,
-            "fraction_changed": _real(self.fraction_changed),
-            "nan_a": self.nan_a,
-            "nan_b": self.nan_b,
-            "inf_a": self.inf_a,
-            "inf_b": self.inf_b,
-            "differs": self.differs,
-            "reasons": list(self.reasons),
-        }
-
-
-@dataclass(frozen=True)
 class DiffResult:
     """Everything ``diff`` found. ``tensors`` is sorted most-changed first (and cut to ``top``)."""
 
@@ -154,7 +76,7 @@ class DiffResult:
     b: Side
     atol: float
     rtol: float
-    ignore_dtype: bool
+    strict_dtype: bool
     include_optimizer: bool
     optimizer_compared: bool
     only_in_a: tuple[str, ...]
@@ -178,7 +100,7 @@ class DiffResult:
         if self.shape_mismatches:
             parts.append(f"{self.shape_mismatches} shape mismatches")
         if self.dtype_mismatches:
-            ign = " (ignored)" if self.ignore_dtype else ""
+            ign = "" if self.strict_dtype else " (same values: not a difference without --strict-dtype)"
             parts.append(f"{self.dtype_mismatches} dtype mismatches{ign}")
         parts.append(f"{len(self.only_in_a)} only in A, {len(self.only_in_b)} only in B")
         tol = f"atol={self.atol:g}, rtol={self.rtol:g}"
@@ -193,7 +115,8 @@ class DiffResult:
             "options": {
                 "atol": self.atol,
                 "rtol": self.rtol,
-                "ignore_dtype": self.ignore_dtype,
+                "strict_dtype": self.strict_dtype,
+                "ignore_dtype": not self.strict_dtype,
                 "include_optimizer": self.include_optimizer,
                 "map": [f"{o}={n}" for o, n in self.maps],
                 "top": self.top,
@@ -242,7 +165,7 @@ def diff(
     keys: Sequence[str] | None = None,
     map: Sequence[str | tuple[str, str]] = (),
     top: int | None = None,
-    ignore_dtype: bool = False,
+    strict_dtype: bool = False,
     tag_a: str | None = None,
     tag_b: str | None = None,
     progress: bool = True,
@@ -257,7 +180,7 @@ def diff(
         keys: fnmatch globs; only matching keys are compared or listed.
         map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys.
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
-        ignore_dtype: dtype mismatches are still reported but do not make the result different.
+        strict_dtype: count dtype-only differences (same values in another dtype) as differences.
         progress: tqdm bar on stderr (only when stderr is a terminal).
 
     Returns:
@@ -273,7 +196,7 @@ def diff(
         cb, close_b = _open(b, tag_b, trust_pickle)
         try:
             return _diff(
-                ca, cb, atol, rtol, include_optimizer, keys, maps, top, ignore_dtype, progress, chunk
+                ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress, chunk
             )
         finally:
             if close_b:
@@ -328,7 +251,7 @@ def _diff(
     globs: Sequence[str] | None,
     maps: tuple[tuple[str, str], ...],
     top: int | None,
-    ignore_dtype: bool,
+    strict_dtype: bool,
     progress: bool,
     chunk: int,
 ) -> DiffResult:
@@ -345,7 +268,7 @@ def _diff(
     b_set = set(b_keys)
     only_a = tuple(a_of[m] for m in a_of if m not in b_set and _selected(m, globs))
     only_b = tuple(k for k in b_keys if k not in a_of)
-    pairs: list[_Pair] = []
+    pairs: list[Pair] = []
     seen: set[tuple[str, str]] = set()
     tied_skipped = 0
     for kb in b_keys:
@@ -361,20 +284,20 @@ def _diff(
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
     results: list[TensorDiff] = []
-    work = _Work()
+    work = Work()
     with bar:
-        stream = _chunk_stream(pairs, chunk)
-        pending = _Pending(stream)
+        stream = chunk_stream(pairs, chunk)
+        pending = Pending(stream)
         for i, (ka, kb, ea, eb) in enumerate(pairs):
             chunks = pending.of(i)
-            results.append(_compare(ka, kb, ea, eb, atol, rtol, ignore_dtype, chunks, chunk, work, bar))
+            results.append(compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, work, bar))
     results.sort(key=TensorDiff.sort_key)
     return DiffResult(
         a=_side(ca),
         b=_side(cb),
         atol=atol,
         rtol=rtol,
-        ignore_dtype=ignore_dtype,
+        strict_dtype=strict_dtype,
         include_optimizer=include_optimizer,
         optimizer_compared=with_optim,
         only_in_a=only_a,
@@ -392,260 +315,6 @@ def _diff(
 
 def _side(c: Checkpoint) -> Side:
     return Side(path=c.meta.path, format=c.meta.format, tag=c.meta.tag, step=c.meta.step)
-
-
-class _Acc:
-    """float64 accumulators of one tensor pair."""
-
-    __slots__ = ("max_abs", "max_rel", "d2", "a2", "b2", "ab", "changed", "nan_a", "nan_b", "inf_a", "inf_b")
-
-    def __init__(self) -> None:
-        self.max_abs = self.max_rel = 0.0
-        self.d2 = self.a2 = self.b2 = self.ab = 0.0
-        self.changed = self.nan_a = self.nan_b = self.inf_a = self.inf_b = 0
-
-
-def _compare(
-    ka: str,
-    kb: str,
-    ea: TensorEntry,
-    eb: TensorEntry,
-    atol: float,
-    rtol: float,
-    ignore_dtype: bool,
-    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    chunk: int,
-    work: _Work,
-    bar: tqdm,
-) -> TensorDiff:
-    """Compare one pair; ``chunks`` yields its aligned chunk pairs (nothing when the shapes differ)."""
-    reasons: list[str] = []
-    dtype_differs = ea.dtype != eb.dtype
-    if dtype_differs and not ignore_dtype:
-        reasons.append("dtype")
-    common: dict[str, Any] = dict(
-        key=ka,
-        key_b=kb if kb != ka else None,
-        role=ea.role.value,
-        shape_a=ea.shape,
-        shape_b=eb.shape,
-        dtype_a=dtype_name(ea.dtype),
-        dtype_b=dtype_name(eb.dtype),
-        numel=ea.numel,
-    )
-    if ea.shape != eb.shape:
-        reasons.insert(0, "shape")
-        return TensorDiff(
-            **common, max_abs_diff=None, max_rel_diff=None, rel_l2=None, cosine=None, changed=None,
-            nan_a=None, nan_b=None, inf_a=None, inf_b=None, differs=True, reasons=tuple(reasons),
-        )  # fmt: skip
-    exact = is_exact(ea.dtype) and is_exact(eb.dtype)
-    acc = _Acc()
-    owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
-    nonzero = False  # some finite element of those chunks is nonzero
-    for xa, xb in chunks:
-        if not exact and owed >= 0 and _bits_equal(xa, xb):
-            nonzero |= _scan_same(xa, acc)
-            owed += 1
-        else:
-            if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's chunks)
-                for _, x in itertools.islice(iter_chunks(ea, chunk), owed):
-                    _fold_same(x, acc, work, count=False)
-            owed = -1
-            _fold(xa, xb, exact, atol, rtol, acc, work)
-        bar.update(xa.numel())
-    if acc.changed:
-        reasons.append("values")
-    na, nb = math.sqrt(acc.a2), math.sqrt(acc.b2)
-    nd = math.sqrt(acc.d2)
-    rel_l2 = (nd / nb) if nb > 0 else (0.0 if nd == 0 else math.inf)
-    cosine = acc.ab / (na * nb) if na > 0 and nb > 0 else None
-    if owed > 0:  # every chunk bit-identical: <a,b> = ||a|| ||b|| without summing anything
-        cosine = 1.0 if nonzero else None
-    if cosine is not None:
-        cosine = max(-1.0, min(1.0, cosine))
-    return TensorDiff(
-        **common,
-        max_abs_diff=acc.max_abs,
-        max_rel_diff=acc.max_rel,
-        rel_l2=rel_l2,
-        cosine=cosine,
-        changed=acc.changed,
-        nan_a=acc.nan_a,
-        nan_b=acc.nan_b,
-        inf_a=acc.inf_a,
-        inf_b=acc.inf_b,
-        differs=bool(reasons),
-        reasons=tuple(reasons),
-    )
-
-
-_Pair = tuple[str, str, TensorEntry, TensorEntry]
-
-
-def _chunk_stream(pairs: list[_Pair], chunk: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order: zero-copy views
-    of both files' page cache (see ``zckpt.io.spans.aligned_views``)."""
-    for i, (_, _, ea, eb) in enumerate(pairs):
-        if ea.shape == eb.shape:
-            for xa, xb in aligned_views(ea, eb, chunk):
-                yield i, xa, xb
-
-
-class _Pending:
-    """Chunk pairs of one tensor pair, drawn from the shared prefetched stream."""
-
-    def __init__(self, stream: Iterator[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        self._stream = stream
-        self._head: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def of(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            if self._head is None:
-                self._head = next(self._stream, None)
-                if self._head is None:
-                    return
-            i, xa, xb = self._head
-            if i != index:
-                return
-            self._head = None
-            yield xa, xb
-
-
-class _Work:
-    """Reusable float64 working buffers (fresh multi-MiB allocations cost a page fault per page)."""
-
-    def __init__(self) -> None:
-        self._a = torch.empty(0, dtype=torch.float64)
-        self._b = torch.empty(0, dtype=torch.float64)
-
-    def f64(self, xa: torch.Tensor, xb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = xa.numel()
-        if self._a.numel() < n:
-            self._a = torch.empty(n, dtype=torch.float64)
-            self._b = torch.empty(n, dtype=torch.float64)
-        a = self._a[:n].copy_(xa)
-        b = self._b[:n] if xb is None else self._b[:n].copy_(xb)
-        return a, b
-
-
-def _bits_equal(xa: torch.Tensor, xb: torch.Tensor) -> bool:
-    """Both chunks hold the same bit patterns (same dtype): NaN payloads and signed zeros included."""
-    if xa.dtype != xb.dtype:
-        return False
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(xa.element_size())
-    if as_int is None or xa.is_complex():
-        return torch.equal(xa, xb)  # NaN-free equality is enough for the fast path
-    return torch.equal(xa.view(as_int), xb.view(as_int))
-
-
-def _fold(
-    xa: torch.Tensor, xb: torch.Tensor, exact: bool, atol: float, rtol: float, acc: _Acc, work: _Work
-) -> None:
-    """Fold one chunk pair (same length, logical dtypes) into ``acc``."""
-    if exact:
-        ia, ib = xa.to(torch.int64), xb.to(torch.int64)
-        acc.changed += int((ia != ib).sum())
-        a, b = xa.to(torch.float64), xb.to(torch.float64)
-        if a.numel():
-            _fold_finite(a, b, True, atol, rtol, acc)
-        return
-    if _bits_equal(xa, xb):
-        _fold_same(xa, acc, work)
-        return
-    a, b = work.f64(xa, xb)
-    a2, b2 = float(torch.dot(a, a)), float(torch.dot(b, b))
-    if math.isfinite(a2) and math.isfinite(b2):  # then every element is finite (no float64 overflow)
-        _fold_finite(a, b, False, atol, rtol, acc, a2, b2)
-        return
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    both = fa & fb
-    if not bool(both.all()):
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        acc.nan_a += int(nan_a.sum())
-        acc.nan_b += int(nan_b.sum())
-        acc.inf_a += int(torch.isinf(a).sum())
-        acc.inf_b += int(torch.isinf(b).sum())
-        odd = ~both
-        same = (a[odd] == b[odd]) | (nan_a[odd] & nan_b[odd])
-        acc.changed += int((~same).sum())
-        a, b = a[both], b[both]
-    if a.numel():
-        _fold_finite(a, b, False, atol, rtol, acc)
-
-
-def _scan_same(x: torch.Tensor, acc: _Acc) -> bool:
-    """Count the non-finite values of a chunk that is bit-identical on both sides, without float64
-    work; return whether some finite element is nonzero. One float-dtype dot of ``x`` with itself
-    answers both when it is finite and nonzero (a finite sum of squares has no NaN/Inf term)."""
-    s = float(torch.dot(x, x)) if x.dtype in _DOT_DTYPES else math.nan
-    if math.isfinite(s) and s > 0:
-        return True
-    nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-    acc.nan_a += nan
-    acc.nan_b += nan
-    acc.inf_a += inf
-    acc.inf_b += inf
-    return bool((x[torch.isfinite(x)] if nan or inf else x).any())
-
-
-_DOT_DTYPES = (torch.float32, torch.float64)
-
-
-def _fold_same(x: torch.Tensor, acc: _Acc, work: _Work, count: bool = True) -> None:
-    """A chunk whose two sides are bit-identical: no difference metric moves, only the norms and the
-    non-finite counts (the same on both sides) need the values."""
-    a, _ = work.f64(x)
-    s = float(torch.dot(a, a))
-    if not math.isfinite(s):
-        nan, inf = int(torch.isnan(a).sum()), int(torch.isinf(a).sum())
-        if count:  # else ``_scan_same`` counted them already
-            acc.nan_a += nan
-            acc.nan_b += nan
-            acc.inf_a += inf
-            acc.inf_b += inf
-        if nan or inf:
-            a = a[torch.isfinite(a)]
-            s = float(torch.dot(a, a))
-    acc.a2 += s
-    acc.b2 += s
-    acc.ab += s
-
-
-def _fold_finite(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    exact: bool,
-    atol: float,
-    rtol: float,
-    acc: _Acc,
-    a2: float | None = None,
-    b2: float | None = None,
-) -> None:
-    """Fold float64 chunks of finite values in; ``a`` and ``b`` are scratch (overwritten)."""
-    acc.a2 += float(torch.dot(a, a)) if a2 is None else a2
-    acc.b2 += float(torch.dot(b, b)) if b2 is None else b2
-    acc.ab += float(torch.dot(a, b))
-    d = a.sub_(b)
-    acc.d2 += float(torch.dot(d, d))
-    d.abs_()
-    acc.max_abs = max(acc.max_abs, float(d.max()))
-    bab = b.abs_()
-    if not exact:
-        if atol == 0 and rtol == 0:
-            acc.changed += int(torch.count_nonzero(d))
-        else:
-            tol = bab.mul(rtol).add_(atol) if rtol else atol
-            acc.changed += int((d > tol).sum())
-    rel = d.div_(bab).nan_to_num_(nan=0.0, posinf=math.inf)  # 0/0 -> 0, x/0 -> inf
-    acc.max_rel = max(acc.max_rel, float(rel.max()))
-
-
-def _real(x: float | None) -> float | str | None:
-    """JSON has no NaN/Infinity: non-finite numbers become the strings "inf", "-inf", "nan"."""
-    if x is None or math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
 def _fmt(x: float | None, pct: bool = False) -> str:
