@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Every test, and the layer contracts (pyproject [tool.importlinter]): what CI runs.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q tests
 
+# The quick loop (< 60 s on 2 cores): no multi-rank spawns, nothing marked slow.
 test-fast: setup
-	$(VPY) -m pytest -q -m "not dist" tests
+	$(VENV)/bin/lint-imports
+	$(VPY) -m pytest -q -m "not dist and not slow" tests
 
 test-dist: setup
 	$(VPY) -m pytest -q -m dist tests

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _fixtures import fixture
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,18 +70,9 @@ def leftovers(folder: Path) -> list[str]:
     return out
 
 
-def pick_case(*names: str) -> str:
-    """The first of ``names`` that is a complete fixture (fixtures may be being regenerated meanwhile)."""
-    for n in names:
-        d = FIXTURES / n
-        if all((d / f).is_file() for f in ("case.json", "latest", "ref_fp32.safetensors")):
-            return n
-    return names[0]
-
-
 # a ZeRO-1/2 world-2 case (mp_rank_00_model_states.pt + two optim files) and a ZeRO-3 world-2 case
-DS2 = pick_case("s2_fp16_w2", "s1_bf16_w2", "s2_fp32_w2_g2")
-DS3 = pick_case("s3_fp32_w2", "s3_bf16_w2_g2")
+DS2 = fixture("ds", "s2_fp16_w2").name
+DS3 = fixture("ds", "s3_fp32_w2").name
 
 
 def copy_case(case: str, dest: Path) -> Path:

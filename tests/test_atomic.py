@@ -37,11 +37,9 @@ from _kill import (
     verify_ok,
     wait,
 )
-from _safety import DS3, FIXTURES, cli, copy_case
+from _safety import DS3, cli, copy_case
 
 from zckpt.io import staging
-
-pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
 
 DELAY = {DELAY_ENV: "0.01"}
 RESHARD_DELAY = {DELAY_ENV: "0.002"}
@@ -484,12 +482,6 @@ def test_engine_resave_same_tag_killed_between_renames(engine_refs: dict[str, An
         wait(fork(_die_at_rename(k, lambda sd=sd: _save(e3, sd, "a", None))), 120)
         assert (sd / "latest").read_text().strip() == "a"
         assert verify_ok(sd), f"killed after rename {k}: latest names a checkpoint that does not verify"
-
-
-def test_kill_trial_count() -> None:
-    """Bookkeeping for the issue: seeded random SIGKILL trials in this file (>= 20 required)."""
-    per = {"consolidate": 3 * 4, "reshard": 4, "engine": 3 + 2}
-    assert sum(per.values()) >= 20
 
 
 def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Path, monkeypatch: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import fixture
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -117,12 +118,10 @@ def test_bad_option_value_is_usage_error(model: Path, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "fp8" in res.output
 
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s2_fp16_w2"
+FIXTURE = fixture("ds", "s2_fp16_w2")
 
 
-@pytest.mark.skipif(not (FIXTURE / "case.json").is_file(), reason="DeepSpeed fixture not present")
 def test_inspect_deepspeed_fixture() -> None:
-    pytest.importorskip("zckpt.formats.deepspeed")
     info = json.loads((FIXTURE / "case.json").read_text())
     res = runner.invoke(app, ["inspect", str(FIXTURE), "--json"])
     assert res.exit_code == 0, res.output

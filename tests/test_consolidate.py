@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import ds_cases
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -256,7 +257,8 @@ def test_truncated_input_fails_cleanly(tmp_path: Path) -> None:
 
 # ---- interop ---------------------------------------------------------------------------------------
 def test_transformers_gpt2_from_pretrained_identical_logits(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     cfg = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=24, n_layer=2, n_head=2,
                                   tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(1)
@@ -279,14 +281,8 @@ def test_transformers_gpt2_from_pretrained_identical_logits(tmp_path: Path) -> N
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ds"
 
 
-def _cases() -> list[str]:
-    return sorted(p.parent.name for p in FIXTURES.glob("*/case.json")) if FIXTURES.is_dir() else []
-
-
-@pytest.mark.skipif(not _cases(), reason="no DeepSpeed fixtures in fixtures/ds")
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", ds_cases())
 def test_consolidate_deepspeed_fixture(tmp_path: Path, case: str) -> None:
-    pytest.importorskip("zckpt.formats.deepspeed")
     info = json.loads((FIXTURES / case / "case.json").read_text())
     ref = {k: v for k, v in load_file(FIXTURES / case / "ref_fp32.safetensors").items() if ":" not in k}
     train = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(info["dtype"])

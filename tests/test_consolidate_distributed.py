@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 from _dist import outcome, run
+from _fixtures import fixture
 
 import zckpt
 from zckpt.ops.consolidate import consolidate
 
 pytestmark = pytest.mark.dist
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures/ds/s3_fp32_w3_offall_sub_g2"
+FIXTURE = fixture("ds", "s3_fp32_w3_offall_sub_g2")
 SHARD = 300  # bytes: 6 shards for this fixture
 
 
@@ -106,8 +107,6 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Path) -> None:
-    if not FIXTURE.is_dir():
-        pytest.skip("fixture missing")
     ref_root = tmp_path / "ref"
     for rel, kw in _cases(ref_root).values():
         consolidate(FIXTURE, ref_root / rel, progress=False, distributed=False, **kw)
@@ -160,8 +159,6 @@ def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Pa
 
 def test_single_process_when_not_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``distributed=None`` without an initialised group (even with WORLD_SIZE set) runs alone."""
-    if not FIXTURE.is_dir():
-        pytest.skip("fixture missing")
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "4")
     res = consolidate(FIXTURE, tmp_path / "o", max_shard_size=SHARD, progress=False)
     assert len([f for f in res.files if f.suffix == ".safetensors"]) == 6

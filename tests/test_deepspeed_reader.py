@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import ds_cases
 
 from zckpt.errors import ShardMismatch, UnknownFormat, ZckptError
 from zckpt.formats import deepspeed as ds
@@ -364,10 +365,9 @@ def test_tags(tmp_path, fake_deepspeed):
 
 
 # ---- real DeepSpeed fixtures ------------------------------------------------------------------------
-CASES = sorted(p.parent.name for p in FIXTURES.glob("*/case.json")) if FIXTURES.is_dir() else []
+CASES = ds_cases()
 
 
-@pytest.mark.skipif(not CASES, reason="no real DeepSpeed fixtures in fixtures/ds/")
 @pytest.mark.parametrize("case", CASES)
 def test_real_fixture(case, monkeypatch):
     from safetensors.torch import load_file

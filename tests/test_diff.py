@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import fixture
 from _handmade import make_ckpt
 
 import zckpt
@@ -204,7 +205,8 @@ def test_lazy_entry_point(tmp_path: Path) -> None:
 
 # -- real DeepSpeed: our reader vs DeepSpeed's own zero_to_fp32 ------------------------------------
 
-DS = sorted(p.parent.parent for p in (ROOT / "fixtures" / "ds").glob("*/ref_zero_to_fp32/*") if p.is_file())
+DS = sorted(p.parent.parent for p in fixture("ds").glob("*/ref_zero_to_fp32/*") if p.is_file())
+assert DS, "no DeepSpeed fixture with a zero_to_fp32 reference: restore fixtures/ds"
 
 
 @pytest.mark.parametrize("case", DS, ids=[p.name for p in DS])
@@ -335,8 +337,7 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
 def test_cli_deepspeed_vs_nudged_zero_to_fp32_copy(tmp_path: Path) -> None:
     """Done-when of issue 5: a nudged copy of DeepSpeed's own output exits 1 naming the tensor in --json."""
     cases = [c for c in DS if (c / "ref_zero_to_fp32" / "pytorch_model.bin").is_file()]
-    if not cases:
-        pytest.skip("no DeepSpeed fixture with a zero_to_fp32 pytorch_model.bin")
+    assert cases, "no DeepSpeed fixture with a zero_to_fp32 pytorch_model.bin: restore fixtures/ds"
     case = cases[0]
     ref = torch.load(case / "ref_zero_to_fp32" / "pytorch_model.bin", weights_only=True)
     info = json.loads((case / "case.json").read_text())

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import fixture
 from safetensors.torch import load_file
 
 from zckpt.model import TensorEntry
@@ -38,9 +39,8 @@ CASES = [
     ("s3_fp32_w3_offall_sub_g2", 2, 3, "fp32"),
     ("s3_bf16_w3_sub_g2", 3, 3, "bf16"),
 ]
-pytestmark = pytest.mark.skipif(
-    not all((FIX / c / "case.json").is_file() for c, *_ in CASES), reason="no DeepSpeed fixtures"
-)
+for _c, *_ in CASES:
+    fixture("ds", _c, "case.json")
 
 
 def _mf() -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import ds_cases
 from safetensors.torch import load_file
 
 import zckpt
@@ -31,18 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "fixtures" / "ds"
 
 
-def _cases(bf16_optimizer: bool = False) -> list[str]:
-    out = []
-    for d in sorted(FIX.glob("*/case.json")):
-        c = json.loads(d.read_text())
-        if c["stage"] in (1, 2, 3) and bool(c.get("bf16_optimizer")) == bf16_optimizer:
-            out.append(d.parent.name)
-    return out
-
-
-CASES = _cases()
-BF16_OPT_CASES = _cases(bf16_optimizer=True)
-needs_fixtures = pytest.mark.skipif(not CASES, reason="no DeepSpeed fixtures under fixtures/ds")
+CASES = ds_cases(stages=(1, 2, 3), bf16_optimizer=False)
+BF16_OPT_CASES = ds_cases(stages=(1, 2, 3), bf16_optimizer=True)
 
 
 def _same_state(a: zckpt.Checkpoint, b: zckpt.Checkpoint) -> None:
@@ -85,7 +76,6 @@ def _other_world(w: int) -> int:
     return {1: 3, 2: 3, 3: 2}.get(w, 2)
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_roundtrip_every_fixture(case: str, tmp_path: Path) -> None:
     """DS -> DS at another world size and back: every entry (params, frozen, buffers, every optimizer
@@ -133,7 +123,6 @@ def test_bf16_optimizer_to_native_and_refused_as_deepspeed(case: str, tmp_path: 
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.startswith(("s1_fp16_w3", "s2_bf16_w3", "s3_fp16_w3"))]
 )
@@ -173,7 +162,6 @@ def _strip(o: object) -> object:
     return o
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", [c for c in CASES if "_w1" not in c])
 def test_identity_reshard_reproduces_deepspeed_files(case: str, tmp_path: Path) -> None:
     """Same world size: every file we write has DeepSpeed's structure, metadata and tensor shapes, and the
@@ -241,7 +229,6 @@ def test_read_partition_any_layout(tmp_path: Path) -> None:
     assert torch.equal(read_range(e, 5, 17, torch.float64), t[5:17].double())
 
 
-@needs_fixtures
 def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
     case = next(c for c in CASES if c.startswith("s3_"))
     import shutil
@@ -340,7 +327,6 @@ def test_engine_world2_reshard_offline_to_3_resumes_like_uninterrupted(tmp_path:
             assert abs(x - y) <= 1e-5 * abs(y), (stage, got["rest"], want)
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "case", [c for c in ("s3_fp32_w2", "s2_fp32_w3_offopt", "s1_fp32_w3_offopt") if c in CASES]
 )

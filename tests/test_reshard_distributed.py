@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 from _dist import outcome, run
+from _fixtures import fixture
 
 from zckpt.ops.reshard import reshard
 
 pytestmark = pytest.mark.dist
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures/ds/s3_fp32_w3_offall_sub_g2"
+FIXTURE = fixture("ds", "s3_fp32_w3_offall_sub_g2")
 CASES: dict[str, dict[str, Any]] = {
     "native": {"to": "native"},
     "ds3": {"to": "deepspeed"},
@@ -77,8 +78,6 @@ def _procs(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def test_distributed_reshard_matches_single_process(tmp_path: Path) -> None:
-    if not FIXTURE.is_dir():
-        pytest.skip("fixture missing")
     ref = tmp_path / "ref"
     want = {}
     for name, kw in CASES.items():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import fixture
 from _safety import (
     DS2,
     DS3,
@@ -38,8 +39,6 @@ from safetensors.torch import load_file, save_file
 
 from zckpt.errors import CorruptCheckpoint, ZckptError
 from zckpt.formats import open_checkpoint
-
-pytestmark = pytest.mark.skipif(not (FIXTURES / DS2).is_dir(), reason="DeepSpeed fixtures not built")
 
 TIME_LIMIT_S = 20.0  # generous: the test machine is shared; a hang or a huge allocation takes far longer
 
@@ -264,9 +263,7 @@ def test_stale_rank_file_from_another_run(tmp_path: Path) -> None:
     """Rank 1's optimizer file replaced by rank 1's file of another run with the same stage and world size
     but other settings: the files disagree, and the message names the stale file."""
     ck, td = _ds(tmp_path, DS2)
-    other = FIXTURES / "s2_fp32_w2_g2" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    if not other.is_file() or DS2 == "s2_fp32_w2_g2":
-        pytest.skip("fixture s2_fp32_w2_g2 not available")
+    other = fixture("ds", "s2_fp32_w2_g2", "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     shutil.copy(other, td / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     run_all(ck, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 

@@ -45,8 +45,6 @@ from _safety import (
 from zckpt.errors import UnsafePickle
 from zckpt.io.pickle_safe import SafeUnpickler
 
-pytestmark = pytest.mark.skipif(not (FIXTURES / DS3).is_dir(), reason="DeepSpeed fixtures not built")
-
 EVIL_MODULE = "zckpt_evil_on_import"
 
 

@@ -234,13 +234,17 @@ def consolidate(
         g.step("consolidate: agreeing on the output plan", lambda: _same_plan(g, p.digest, digest0))
         _warn_idle(g, out, p)
         files = _write(g, p, Path(staging), st, progress, workers)
+    return _result(out, p, files)
+
+
+def _result(out: Path, p: _Plan, files: list[Path]) -> ConsolidateResult:
     counts: dict[str, int] = {}
     for it in p.items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
     total = sum(it.nbytes for it in p.items)
     return ConsolidateResult(
         out=out,
-        format=writer.kind,
+        format=p.writer.kind,
         files=tuple(files),
         tensors=len(p.items),
         bytes=total,

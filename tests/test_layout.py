@@ -1,17 +1,22 @@
-"""The engine's folder keeps its shape (issue #14): every module has a docstring, none is over 500 lines, no
-function over 80 lines, no import cycle between engine modules, and ``zckpt`` never imports ``engine``.
+"""The code keeps its shape (issue #14): every module of ``zckpt`` and ``engine`` has a docstring, none is
+over 500 lines, no function over 80 lines, no module-level import cycle in either package, ``zckpt`` never
+imports ``engine``, and ``import zckpt.partition`` (the pure math the engine needs) loads at most 4 zckpt
+modules. The layer contracts themselves are ``lint-imports``' (pyproject ``[tool.importlinter]``).
 
-Static (``ast`` only, nothing is imported). Imports under ``if TYPE_CHECKING:`` are not edges; imports inside
-functions are (a deferred import still ties the two modules together).
+Static (``ast`` only, nothing is imported) except the import-cost check. Imports under ``if TYPE_CHECKING:``
+are not edges; imports inside functions are (a deferred import still ties the two modules together).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
+PACKAGES = (ROOT / "zckpt", ENGINE)
 
 
 def _name(path: Path) -> str:
@@ -28,7 +33,7 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The engine modules ``path`` imports (``from engine.x import y`` names ``engine.x.y`` if a module)."""
+    """The ``modules`` that ``path`` imports (``from a.x import y`` names ``a.x.y`` if that is a module)."""
     tree = ast.parse(path.read_text())
     skip = _type_checking_nodes(tree)
     here = _name(path)
@@ -72,8 +77,12 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_engine_modules_have_docstrings_and_stay_small() -> None:
-    for path in sorted(ENGINE.rglob("*.py")):
+def _sources() -> list[Path]:
+    return [p for pkg in PACKAGES for p in sorted(pkg.rglob("*.py"))]
+
+
+def test_modules_have_docstrings_and_stay_small() -> None:
+    for path in _sources():
         text = path.read_text()
         tree = ast.parse(text)
         assert ast.get_docstring(tree), f"{path.relative_to(ROOT)} has no module docstring"
@@ -84,12 +93,20 @@ def test_engine_modules_have_docstrings_and_stay_small() -> None:
                 assert n <= 80, f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {n} lines"
 
 
-def test_no_import_cycle_between_engine_modules() -> None:
-    paths = sorted(ENGINE.rglob("*.py"))
+def test_no_import_cycle_between_modules() -> None:
+    paths = _sources()
     modules = {_name(p) for p in paths}
     graph = {_name(p): _imports(p, modules) for p in paths}
-    assert graph["engine.engine"], "the import scan found nothing: the checker is broken"
+    assert graph["engine.engine"] and graph["zckpt.ops.consolidate"], "the import scan found nothing"
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_import_partition_stays_light() -> None:
+    """The engine imports ``zckpt.partition`` for its math: that must not pull in readers, I/O or the CLI."""
+    code = "import sys, zckpt.partition; print(sorted(m for m in sys.modules if m.startswith('zckpt')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    loaded = ast.literal_eval(out.stdout.strip())
+    assert len(loaded) <= 4, loaded
 
 
 def test_zckpt_never_imports_engine() -> None:
