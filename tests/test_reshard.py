@@ -207,7 +207,11 @@ def test_zero3_sub_groups_rule() -> None:
 
 def test_adjust_batch_policy() -> None:
     cfg, note = adjust_batch({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 2, 3)
-    assert cfg["train_micro_batch_size_per_gpu"] == 2 and note is None  # global 12 kept
+    assert cfg["train_micro_batch_size_per_gpu"] == 2  # global 12 kept; the change is a note
+    assert note == (
+        "ds_config: train_micro_batch_size_per_gpu 3 -> 2 keeps the global batch 12 "
+        "(2 x gradient_accumulation_steps 2 x world 3)"
+    )
     cfg, note = adjust_batch({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 6}, 2, 5)
     assert cfg == {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 6} and note
     cfg, note = adjust_batch({"train_batch_size": 24}, 4, 8)

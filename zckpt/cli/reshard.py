@@ -29,7 +29,8 @@ class Target(str, enum.Enum):
 SrcArg = Annotated[
     Path,
     typer.Argument(
-        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3."
+        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3; an HF "
+        "Trainer checkpoint-N folder comes out complete (side files copied, RNG files mapped)."
     ),
 ]
 DstArg = Annotated[
@@ -66,6 +67,8 @@ def command(
     The output is a complete folder (`latest` + tag) the trainer loads at the new world size as is:
     native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
     universal conversion). Streamed tensor by tensor; written to a temporary folder, renamed at the end.
+    An HF Trainer checkpoint-N folder keeps every other file (RNG files mapped to the new ranks); the
+    notes say what changed, e.g. the per-device batch to resume with.
     """
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard

@@ -9,6 +9,11 @@ optimizer state whatever its name, frozen params, buffers, tied aliases, and the
 writers for the RNG rule). Tensors are streamed: each destination file is written one storage at a time,
 each storage read in bounded chunks from only the source bytes it needs (``zckpt.io.flat``).
 
+An HF Trainer ``checkpoint-N`` folder (``trainer_state.json`` beside ``latest``) comes out as a complete
+``checkpoint-N`` for the new world: ``zckpt.ops.trainer_files`` plans its other files (copied byte for byte,
+RNG files mapped to the new ranks, the per-device batch in ``trainer_state.json``) and rank 0 copies them
+into the staging folder before ``finish``.
+
 Output goes to a hidden staging folder beside DST (rank files first, what names them all and ``latest``
 last) that is published whole at the end; the source is never written to. One code path for one process
 and for several (``zckpt.ops.group``): under ``torchrun`` process ``i`` writes units ``i::n`` of the plan
@@ -32,6 +37,7 @@ from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
 from zckpt.ops import group as zgroup
+from zckpt.ops import trainer_files
 from zckpt.ops.paths import check_overlap, input_root
 from zckpt.ops.progress import bar as progress_bar
 
@@ -69,6 +75,8 @@ class _Job:
     plan: WritePlan
     dst: Path
     result: ReshardResult
+    side: trainer_files.TrainerFiles | None = None
+    """Files beside the state (an HF Trainer folder's), copied by rank 0 before ``finish``."""
 
     @property
     def digest(self) -> str:
@@ -85,6 +93,7 @@ class _Job:
             p.units,
             list(p.digest),
             sorted((k, list(e.shape), str(e.dtype)) for k, e in self.ckpt.entries.items()),
+            self.side.digest if self.side is not None else None,
         ]
         return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()
 
@@ -115,6 +124,7 @@ def _job(
         check_overlap(ckpt.meta, out)
         out_tag = ckpt.meta.tag or "reshard"
         plan = target.writer.plan(ckpt, world=world, stage=stage, tag=out_tag)
+        side = trainer_files.plan(ckpt.meta, world)
     except BaseException:
         ckpt.close()
         raise
@@ -128,9 +138,9 @@ def _job(
         ckpt.meta.stage,
         plan.stage,
         out_tag,
-        notes=list(plan.notes),
+        notes=list(plan.notes) + list(side.notes if side is not None else ()),
     )
-    return _Job(ckpt, target.writer, plan, out, res)
+    return _Job(ckpt, target.writer, plan, out, res, side)
 
 
 def reshard(
@@ -182,6 +192,8 @@ def reshard(
 
         def publish() -> None:
             if st is not None:
+                if job.side is not None:
+                    job.side.write(st.dir, lambda n, b: last.append((n, b)))
                 job.writer.finish(job.ckpt, job.plan, st.dir, records, lambda n, b: last.append((n, b)))
                 st.commit()
 

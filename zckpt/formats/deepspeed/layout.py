@@ -58,7 +58,7 @@ def zero3_sub_groups(numels: list[int], world: int, sub_group_size: int | None) 
 def adjust_batch(cfg: dict[str, Any], old_world: int, new_world: int) -> tuple[dict[str, Any], str | None]:
     """``ds_config`` for the new world: keep the global batch (``train_batch_size``) and
     ``gradient_accumulation_steps``, recompute the micro batch when it divides; otherwise keep the micro
-    batch and let the global batch change (returned note says so)."""
+    batch and let the global batch change. The returned note says what changed (None: nothing)."""
     cfg = copy.deepcopy(cfg)
     micro = cfg.get("train_micro_batch_size_per_gpu")
     gas = int(cfg.get("gradient_accumulation_steps") or 1)
@@ -70,6 +70,11 @@ def adjust_batch(cfg: dict[str, Any], old_world: int, new_world: int) -> tuple[d
     note = None
     if int(tbs) % (gas * new_world) == 0:
         new_micro = int(tbs) // (gas * new_world)
+        if micro is not None and not (isinstance(micro, (int, float)) and micro == new_micro):
+            note = (
+                f"ds_config: train_micro_batch_size_per_gpu {micro} -> {new_micro} keeps the global batch "
+                f"{tbs} ({new_micro} x gradient_accumulation_steps {gas} x world {new_world})"
+            )
     else:
         new_micro = int(micro) if micro is not None else max(1, int(tbs) // (gas * old_world))
         new_tbs = new_micro * gas * new_world

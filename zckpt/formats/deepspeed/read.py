@@ -416,6 +416,21 @@ def _optimizer(m0: Node, body: _Body) -> OptimizerState | None:
     return OptimizerState(kind, tuple(groups), tuple(body.state_names))
 
 
+def _exact_options(body: _Body) -> list[dict[str, Any]]:
+    """Per param group, the hyper-parameters that JSON values would change (tuples such as Adafactor's
+    ``eps``, tensors, numpy scalars), verbatim with tensors as entries: a DeepSpeed writer gives them back
+    in their own types."""
+    out = []
+    for i, g in enumerate(body.groups):
+        exact = {}
+        for k, v in g.as_dict().items():
+            j = None if isinstance(v, TensorRef) else to_json(v)
+            if k != "params" and (isinstance(v, TensorRef) or type(j) is not type(v) or j != v):
+                exact[k] = _client(v, f"param_groups.{i}.{k}")
+        out.append(exact)
+    return out
+
+
 def _training_state(m0: Node, body: _Body) -> TrainingState:
     top = m0.as_dict()
     cfg = top.get("ds_config") if isinstance(top.get("ds_config"), dict) else None
@@ -432,6 +447,7 @@ def _training_state(m0: Node, body: _Body) -> TrainingState:
         "overflow": o0.get("overflow"),
         "clip_grad": o0.get("clip_grad"),
         "bf16_optimizer": bool(body.extra.get("bf16_optimizer")),
+        "group_exact": _exact_options(body),
     }
     return TrainingState(
         stage=body.stage,

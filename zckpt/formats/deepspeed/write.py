@@ -110,6 +110,7 @@ def template(ckpt: Checkpoint) -> Template:
     for k, v in st.client_state.items():
         top.setdefault(k, v)
     sd = dict(st.loss_scaler or {})
+    exact = ds.get("group_exact") or []  # hyper-parameters in their saved Python types (DeepSpeed sources)
     zc = cfg.get("zero_optimization") or {}
     sgs = zc.get("sub_group_size") if isinstance(zc, dict) else None
     return Template(
@@ -120,7 +121,8 @@ def template(ckpt: Checkpoint) -> Template:
         group_params=[list(g.params) for g in st.optimizer.groups],
         group_hparams=[
             {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.options.items()}
-            for g in st.optimizer.groups
+            | (exact[i] if len(exact) == len(st.optimizer.groups) else {})
+            for i, g in enumerate(st.optimizer.groups)
         ],
         top=top,
         loss_scaler=_loss_scaler(sd, precision),
@@ -301,7 +303,7 @@ class _RankWriter:
             maps.append(
                 OrderedDict((g[k], fragment_address(numel=ln, start=off)) for (k, _, off, ln) in lay.runs)
             )
-        pgs = [{**copy.deepcopy(h), "params": [gi]} for gi, h in enumerate(t.group_hparams)]
+        pgs = f.convert([{**h, "params": [gi]} for gi, h in enumerate(t.group_hparams)])
         osd = {
             "loss_scaler": t.loss_scaler,
             "dynamic_loss_scale": t.dynamic_loss_scale,
@@ -331,10 +333,12 @@ class _RankWriter:
             total = sum(partition.chunk_size(ents[n].numel, p.world) for n in names)
             flats.append(f.tensor(source(torch.float32, segs), requires_grad=True))
             states[si] = self._state(names, runs_of, total, f)
-        pgs = [
-            {**copy.deepcopy(h), "params": [si for si, (g2, _) in enumerate(p.subs) if g2 == gi]}
-            for gi, h in enumerate(t.group_hparams)
-        ]
+        pgs = f.convert(
+            [
+                {**h, "params": [si for si, (g2, _) in enumerate(p.subs) if g2 == gi]}
+                for gi, h in enumerate(t.group_hparams)
+            ]
+        )
         osd = {
             "zero_stage": ZeroStageEnum.weights,
             "loss_scaler": t.loss_scaler,
