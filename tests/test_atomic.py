@@ -71,6 +71,7 @@ def _old_output(src: Path, out: Path) -> None:
     assert r.code == 0, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model.safetensors", "hf", "model.bin"])
 def test_consolidate_sigkill_random(name: str, src: Path, tmp_path: Path) -> None:
     """4 seeded kills per output layout; every second trial overwrites an older (bf16) output."""
@@ -161,6 +162,7 @@ def _count_renames(body: Callable[[], Any], log: Path) -> int:
     return int(log.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model.safetensors", "hf"])
 def test_consolidate_killed_after_each_rename(name: str, src: Path, tmp_path: Path) -> None:
     """Deterministic: a SIGKILL right after each rename of the commit, overwriting an older output."""
@@ -227,6 +229,7 @@ def test_output_folder_mode_is_not_private(src: Path, tmp_path: Path) -> None:
 
 
 # ---- reshard -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_reshard_sigkill_random(src: Path, tmp_path: Path) -> None:
     ref_dir = tmp_path / "ref"
     r = cli("reshard", src, ref_dir, "--world", "3")
@@ -420,6 +423,7 @@ def _load_child(save_dir: Path, want_steps: int) -> int:
     return 0 if path is not None and eng.global_steps == want_steps else 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_engine_save_sigkill_random(world: int, engine_refs: dict[str, Any], tmp_path: Path) -> None:
     """Save tag b into a folder whose latest names a; SIGKILL a rank at a random moment (world 2: rank 1;

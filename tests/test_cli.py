@@ -141,6 +141,7 @@ def _zckpt(*args: str, fast: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_fast_exit_keeps_exit_codes_and_flushes_all_output(model: Path, tmp_path: Path) -> None:
     """The console script ends with os._exit: same status and the same complete stdout as a normal exit."""
     other = tmp_path / "other.safetensors"
@@ -157,6 +158,7 @@ def test_fast_exit_keeps_exit_codes_and_flushes_all_output(model: Path, tmp_path
     assert json.loads(_zckpt("inspect", str(model), "--json").stdout)["format"]
 
 
+@pytest.mark.slow
 def test_closed_pipe_exits_quietly(model: Path) -> None:
     """`zckpt inspect ... | head -1`: no 'Broken pipe' error line, status 141 as for `cat`."""
     proc = subprocess.Popen(

@@ -256,6 +256,7 @@ def test_truncated_input_fails_cleanly(tmp_path: Path) -> None:
 
 
 # ---- interop ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_transformers_gpt2_from_pretrained_identical_logits(tmp_path: Path) -> None:
     import transformers
 

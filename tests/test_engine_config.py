@@ -484,6 +484,7 @@ print(json.dumps(dict(batches=batches, zeros=zeros, fp16=fp16, clip=get_gradient
 """
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 def test_matches_real_deepspeed_config() -> None:

@@ -176,6 +176,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 @pytest.mark.parametrize("consecutive", [False, True])

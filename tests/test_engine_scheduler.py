@@ -198,6 +198,7 @@ _CASES: list[dict[str, Any]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 def test_matches_real_deepspeed_exactly() -> None:

@@ -233,6 +233,7 @@ def test_read_partition_any_layout(tmp_path: Path) -> None:
     assert torch.equal(read_range(e, 5, 17, torch.float64), t[5:17].double())
 
 
+@pytest.mark.slow
 def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
     case = next(c for c in CASES if c.startswith("s3_"))
     import shutil

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = REPO / ".venv-ds" / "bin" / "torchrun"
 pytestmark = [
     pytest.mark.deepspeed,
+    pytest.mark.slow,
     pytest.mark.skipif(not TORCHRUN.exists(), reason="no dev venv with real DeepSpeed (.venv-ds)"),
 ]
 STEPS, SAVE_AT = 6, 3

@@ -147,6 +147,7 @@ def test_unpickler_refuses_before_resolving(name: str, evil_path: Path) -> None:
     _assert_nothing_ran(evil_path, before)
 
 
+@pytest.mark.slow
 def test_torch_lazy_attributes_are_not_resolved(tmp_path: Path) -> None:
     """``torch.<name>`` is resolved from a fixed dtype table, never via torch's module ``__getattr__``
     (which imports ``torch._dynamo``/``torch.onnx`` or calls deprecated factories). In a fresh interpreter."""
@@ -207,6 +208,7 @@ def _where(name: str) -> Callable[[bytes, bytes], bytes]:
     return lambda pkl, ops: prepend(pkl, ops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_cli_refuses_every_payload(kind: str, tmp_path: Path, evil_path: Path) -> None:
     """Every payload, planted into a copy of a real file of this kind: inspect and consolidate both refuse."""
@@ -268,6 +270,7 @@ def test_trust_pickle_loads_benign_foreign_class(tmp_path: Path) -> None:
     assert torch.equal(load_file(out)["w"], torch.arange(4.0))
 
 
+@pytest.mark.slow
 def test_trust_pickle_on_real_deepspeed_file_with_foreign_class(tmp_path: Path) -> None:
     """A real DeepSpeed checkpoint whose model-states file carries a benign foreign class (a Fraction in its
     client state): refused by default, read with --trust-pickle; the CLI prints the warning on stderr."""
