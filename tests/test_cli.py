@@ -33,16 +33,18 @@ def test_help_snapshot() -> None:
     assert _options(["inspect"]) == {"--tag", "--json", "--trust-pickle", "--stats", "--all", "--help"}
     assert _options(["consolidate"]) == {
         "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",
-        "--trust-pickle", "--progress", "--no-progress", "--json", "--workers", "--help",
+        "--trust-pickle", "--progress", "--no-progress", "--json", "--workers", "--verify-data",
+        "--no-verify-data", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
         "--atol", "--rtol", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
-        "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--help",
+        "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
+        "--no-verify-data", "--help",
     }  # fmt: skip
     assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--help"}
     assert _options(["reshard"]) == {
         "--world", "--tag", "--to", "--stage", "--overwrite", "--json", "--trust-pickle", "--progress",
-        "--no-progress", "--help",
+        "--no-progress", "--verify-data", "--no-verify-data", "--help",
     }  # fmt: skip
 
 

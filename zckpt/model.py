@@ -85,6 +85,18 @@ class Role(str, enum.Enum):
         return self is not Role.OPTIM
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A stored byte range whose checksum its file records: ``size`` bytes at ``start`` of ``file``, CRC-32
+    ``crc32`` (a zip record: ``what`` names it). Pieces inside it carry it so reads can verify it."""
+
+    file: str
+    start: int
+    size: int
+    crc32: int
+    what: str
+
+
 @dataclass(frozen=True, eq=False)
 class Piece:
     """Part of a logical tensor's flattened elements, stored contiguously in one file.
@@ -110,6 +122,8 @@ class Piece:
     padding: int = 0
     value: torch.Tensor | None = None
     grid: tuple[tuple[int, int], ...] = ()
+    check: Checked | None = None
+    """The checksummed record holding the piece's bytes, when the format records one."""
 
     @property
     def nbytes(self) -> int:

@@ -39,3 +39,11 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the out
 ProgressOpt = Annotated[
     bool, typer.Option("--progress/--no-progress", help="Show a progress bar (only on a terminal).")
 ]
+VerifyDataOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-data/--no-verify-data",
+        help="Check the checksums the input records over the bytes read (zip CRC-32s); damaged data is an "
+        "error, nothing is written.",
+    ),
+]

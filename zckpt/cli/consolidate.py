@@ -12,7 +12,16 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, OutArg, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import (
+    CkptArg,
+    JsonOpt,
+    OutArg,
+    OverwriteOpt,
+    ProgressOpt,
+    TagOpt,
+    TrustPickleOpt,
+    VerifyDataOpt,
+)
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "consolidate"
@@ -70,6 +79,7 @@ def command(
     overwrite: OverwriteOpt = False,
     trust_pickle: TrustPickleOpt = False,
     progress: ProgressOpt = True,
+    verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
     workers: WorkersOpt = None,
 ) -> None:
@@ -95,6 +105,7 @@ def command(
         progress=progress and not json,
         trust_pickle=trust_pickle,
         workers=workers,
+        verify_data=verify_data,
         distributed=distributed or None,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, ProgressOpt, TrustPickleOpt
+from zckpt.cli._options import JsonOpt, ProgressOpt, TrustPickleOpt, VerifyDataOpt
 from zckpt.cli._output import Output
 
 NAME = "diff"
@@ -70,6 +70,7 @@ def command(
     json: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     progress: ProgressOpt = True,
+    verify_data: VerifyDataOpt = True,
 ) -> None:
     """Compare two checkpoints of any formats, tensor by tensor (streamed, bounded memory).
 
@@ -94,6 +95,7 @@ def command(
         tag_b=tag_b,
         progress=progress and not json,
         trust_pickle=trust_pickle,
+        verify_data=verify_data,
     )
     out = Output(json=json)
     out.result(r.to_json())

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import JsonOpt, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt, VerifyDataOpt
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "reshard"
@@ -59,6 +59,7 @@ def command(
     overwrite: OverwriteOpt = False,
     trust_pickle: TrustPickleOpt = False,
     progress: ProgressOpt = True,
+    verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
 ) -> None:
     """Rewrite a sharded checkpoint for WORLD ranks: masters, every optimizer state, frozen params,
@@ -85,6 +86,7 @@ def command(
         progress=progress and not json,
         trust_pickle=trust_pickle,
         distributed=distributed or None,
+        verify_data=verify_data,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return

@@ -143,7 +143,9 @@ def file_entries(
         base = ref.byte_offset - ref.offset * ref.dtype.itemsize
         pieces, start = [], 0
         for o, n in _runs(ref, path, name):
-            pieces.append(Piece(str(path), base + o * ref.dtype.itemsize, ref.dtype, start, n))
+            pieces.append(
+                Piece(str(path), base + o * ref.dtype.itemsize, ref.dtype, start, n, check=ref.check)
+            )
             start += n
         role = _flat.role_of(name, ref.dtype, roles, path)
         entries.append(_flat.entry_of(name, ref.shape, ref.dtype, role, tuple(pieces), path))

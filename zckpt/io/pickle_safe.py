@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
+from zckpt.model import Checked
 
 
 # ---- stand-ins for foreign classes -------------------------------------------------------------
@@ -111,6 +112,8 @@ class TensorRef:
     file: str = ""
     byte_offset: int = -1
     attrs: dict[str, Any] | None = None
+    check: Checked | None = None
+    """The zip record holding the storage, with its CRC-32 (``zckpt.io.checks``)."""
 
     @property
     def dtype(self) -> torch.dtype:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from zckpt.io import storage
+from zckpt.io import checks, storage
 from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class _Slot:
         else:
             raw = self.raw[: t.n * s.piece.dtype.itemsize]
             storage.read_into(s.piece.file, s.byte_offset, raw)
+            checks.consumed(s.piece.check, s.byte_offset, raw)
             src = raw.view(s.piece.dtype)
             if src.dtype == t.dtype:
                 return _bytes(src)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zckpt.io import storage
+from zckpt.io import checks, storage
 from zckpt.model import Piece, TensorEntry
 
 CHUNK_BYTES = 16 << 20
@@ -70,9 +70,11 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
         out.copy_(p.value.reshape(-1)[s.offset : s.offset + s.n])
     elif out.dtype == p.dtype and out.is_contiguous():
         storage.read_into(p.file, s.byte_offset, out)
+        checks.consumed(p.check, s.byte_offset, out)
     else:
         tmp = torch.empty(s.n, dtype=p.dtype)
         storage.read_into(p.file, s.byte_offset, tmp)
+        checks.consumed(p.check, s.byte_offset, tmp)
         out.copy_(tmp)
 
 
@@ -150,5 +152,7 @@ def _view(s: Span, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
     if p.value is not None:
         v = p.value.reshape(-1)[skip : skip + hi - lo]
     else:
-        v = storage.view(p.file, p.byte_offset + skip * p.dtype.itemsize, hi - lo, p.dtype)
+        at = p.byte_offset + skip * p.dtype.itemsize
+        v = storage.view(p.file, at, hi - lo, p.dtype)
+        checks.consumed(p.check, at, v)
     return v if v.dtype == dtype else v.to(dtype)

@@ -19,6 +19,7 @@ from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.io import storage
 from zckpt.io.integrity import Problem, VerifyContext, problem_from
 from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
+from zckpt.model import Checked
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
@@ -46,7 +47,7 @@ _ZIP_ERRORS = (
 """What ``zipfile`` raises on a damaged archive (a flipped bit in a name, a bad CRC, a short record)."""
 
 
-def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, tuple[int, int]], zipfile.ZipFile]:
+def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked], zipfile.ZipFile]:
     zf = zipfile.ZipFile(f)
     infos = zf.infolist()
     pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
@@ -55,7 +56,7 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, tuple[in
             f"{path}: zip archive has {len(pkl)} data.pkl records; not a torch.save file", path=path
         )
     prefix = pkl[0][: -len("data.pkl")]
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, Checked] = {}
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
             raise Unsupported(
@@ -71,7 +72,7 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, tuple[in
             raise CorruptCheckpoint(
                 f"{path}: record {info.filename!r:.80} runs past the end of the file", path=path
             )
-        out[info.filename] = (start, info.file_size)
+        out[info.filename] = Checked(path, start, info.file_size, info.CRC, f"zip record {info.filename}")
     return prefix, out, zf
 
 
@@ -79,8 +80,9 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
     """(prefix, {record name: (data offset, size)}) of a torch zip archive."""
     with storage.open_regular(path) as f:
         try:
-            prefix, out, zf = _records(path, f, os.fstat(f.fileno()).st_size)
+            prefix, recs, zf = _records(path, f, os.fstat(f.fileno()).st_size)
             zf.close()
+            out = {name: (c.start, c.size) for name, c in recs.items()}
         except _ZIP_ERRORS as e:
             raise _damaged(path, e) from None
     return prefix, out
@@ -123,10 +125,11 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
         name = f"{prefix}data/{ref.storage.key}"
         if name not in records:
             raise CorruptCheckpoint(f"{path}: tensor storage record {name!r:.80} is missing", path=path)
-        start, nbytes = records[name]
-        _check_view(path, name, ref, nbytes)
+        rec = records[name]
+        _check_view(path, name, ref, rec.size)
         ref.file = path
-        ref.byte_offset = start + ref.offset * ref.dtype.itemsize
+        ref.byte_offset = rec.start + ref.offset * ref.dtype.itemsize
+        ref.check = rec
     return prefix.rstrip("/"), obj
 
 

@@ -23,7 +23,6 @@ import io
 import pickle
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 
 from zckpt.errors import Unsupported
 from zckpt.io import pipeline
+from zckpt.io.checks import crc32
 from zckpt.io.items import tensor_bytes
 from zckpt.io.pickle_safe import FOREIGN_CLASSES
 from zckpt.io.sink import HashingSink
@@ -179,7 +179,7 @@ class TorchZipWriter:
             for c in stream:
                 data = tensor_bytes(c) if isinstance(c, torch.Tensor) else c
                 if overlap:  # the record's CRC on a helper thread while the chunk is written and hashed
-                    crc = self._crc_pool().submit(zlib.crc32, data, w._crc)  # type: ignore[attr-defined]
+                    crc = self._crc_pool().submit(crc32, data, w._crc)  # type: ignore[attr-defined]
                     self.sink.write(memoryview(data))
                     w._crc = crc.result()  # type: ignore[attr-defined]
                     w._file_size += len(data)  # type: ignore[attr-defined]

@@ -50,7 +50,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriter
-from zckpt.io import pipeline
+from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.shards import parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
@@ -177,6 +177,7 @@ def consolidate(
     trust_pickle: bool = False,
     workers: int | None = None,
     distributed: bool | None = None,
+    verify_data: bool = True,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model.
 
@@ -197,6 +198,8 @@ def consolidate(
         distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
             group (module doc). ``None``: when a group of world > 1 is initialised; ``True``: also start
             one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.
+        verify_data: compare the checksums the input records over the bytes read (zip CRCs: DeepSpeed,
+            ``.bin``), and refuse to publish damaged data (``zckpt.io.checks``).
 
     Returns:
         A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
@@ -233,7 +236,7 @@ def consolidate(
         staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
         g.step("consolidate: agreeing on the output plan", lambda: _same_plan(g, p.digest, digest0))
         _warn_idle(g, out, p)
-        files = _write(g, p, Path(staging), st, progress, workers)
+        files = _write(g, p, Path(staging), st, progress, workers, verify_data)
     return _result(out, p, files)
 
 
@@ -280,13 +283,20 @@ def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
 
 
 def _write(
-    g: zgroup.Group, p: _Plan, staging: Path, st: Staging | None, progress: bool, workers: int | None
+    g: zgroup.Group,
+    p: _Plan,
+    staging: Path,
+    st: Staging | None,
+    progress: bool,
+    workers: int | None,
+    verify_data: bool,
 ) -> list[Path]:
     """Every rank writes its shards (rank 0 also the index), then rank 0 adds the HF files and publishes."""
     mine = sum(it.nbytes for s in plan_shards(p.items, p.shard)[g.rank :: g.world] for it in s)
 
     def write() -> None:
-        with progress_bar(mine, "consolidate", enabled=progress and g.rank == 0) as bar:
+        bar_on = progress and g.rank == 0
+        with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
             p.writer.write_into(
                 staging,
                 p.base,

@@ -46,6 +46,7 @@ from typing import Any
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
+from zckpt.io import checks
 from zckpt.model import STATE_SEP
 from zckpt.ops.diff_values import Pair, Pending, TensorDiff, Work, chunk_stream, compare
 from zckpt.ops.progress import bar as progress_bar
@@ -171,6 +172,7 @@ def diff(
     progress: bool = True,
     trust_pickle: bool = False,
     chunk: int = CHUNK,
+    verify_data: bool = True,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (paths or opened ``Checkpoint`` objects) tensor by tensor.
 
@@ -182,6 +184,8 @@ def diff(
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
         strict_dtype: count dtype-only differences (same values in another dtype) as differences.
         progress: tqdm bar on stderr (only when stderr is a terminal).
+        verify_data: compare the checksums the inputs record over the bytes read (a damaged file is an
+            error, not a difference).
 
     Returns:
         A ``DiffResult``; ``result.equal`` says whether the checkpoints match within tolerance.
@@ -195,9 +199,10 @@ def diff(
     try:
         cb, close_b = _open(b, tag_b, trust_pickle)
         try:
-            return _diff(
-                ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress, chunk
-            )
+            with checks.verifying(verify_data):
+                return _diff(
+                    ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress, chunk
+                )
         finally:
             if close_b:
                 cb.close()

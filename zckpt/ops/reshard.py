@@ -34,6 +34,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
+from zckpt.io import checks
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
 from zckpt.ops import group as zgroup
@@ -155,13 +156,16 @@ def reshard(
     progress: bool = True,
     trust_pickle: bool = False,
     distributed: bool | None = None,
+    verify_data: bool = True,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
     ``to``: ``"native"`` or ``"deepspeed"`` (default: the source's format). ``stage``: ZeRO stage of the
     output (default: the source's; native sources default to 3). ``distributed``: split the rank files over
     the processes of a ``torch.distributed`` group, as ``consolidate`` does (``None``: when a group of
-    world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``)."""
+    world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``).
+    ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
+    fails."""
     if world < 1:
         raise Unsupported(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
@@ -184,7 +188,9 @@ def reshard(
         st = g.step("reshard: staging the output", make_staging)
         staging, digest0 = g.broadcast((str(st.dir), job.digest) if st is not None else None)
         g.step("reshard: agreeing on the output plan", lambda: _same_plan(g, job.digest, digest0))
-        mine = g.step("reshard: writing rank files", lambda: _write_units(g, job, Path(staging), progress))
+        mine = g.step(
+            "reshard: writing rank files", lambda: _write_units(g, job, Path(staging), progress, verify_data)
+        )
         shares: list[Any] = g.gather(mine)
         records = [r for recs, _ in shares for r in recs]
 
@@ -194,7 +200,8 @@ def reshard(
             if st is not None:
                 if job.side is not None:
                     job.side.write(st.dir, lambda n, b: last.append((n, b)))
-                job.writer.finish(job.ckpt, job.plan, st.dir, records, lambda n, b: last.append((n, b)))
+                with checks.verifying(verify_data):
+                    job.writer.finish(job.ckpt, job.plan, st.dir, records, lambda n, b: last.append((n, b)))
                 st.commit()
 
         g.step("reshard: publishing the output", publish)
@@ -216,7 +223,7 @@ def _same_plan(g: zgroup.Group, mine: str, rank0: str) -> None:
 
 
 def _write_units(
-    g: zgroup.Group, job: _Job, staging: Path, progress: bool
+    g: zgroup.Group, job: _Job, staging: Path, progress: bool, verify_data: bool
 ) -> tuple[list[FileRecord], list[tuple[str, int]]]:
     """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written)."""
     units = range(g.rank, job.plan.units, g.world)
@@ -231,6 +238,7 @@ def _write_units(
             written.append((name, nbytes))
             bar.update(nbytes)
 
-        for u in units:
-            records += job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file)
+        with checks.verifying(verify_data):
+            for u in units:
+                records += job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file)
     return records, written

@@ -86,7 +86,9 @@ def whole(name: str, r: TensorRef, role: Role, shape: tuple[int, ...] | None = N
             hint="files from different runs are mixed",
             path=r.file,
         )
-    return TensorEntry(name, shape, r.dtype, role, (Piece(r.file, r.byte_offset, r.dtype, 0, r.numel, 0),))
+    return TensorEntry(
+        name, shape, r.dtype, role, (Piece(r.file, r.byte_offset, r.dtype, 0, r.numel, 0, check=r.check),)
+    )
 
 
 def is_scalar(v: Any) -> bool:
@@ -98,7 +100,7 @@ def is_scalar(v: Any) -> bool:
 def scalar_entry(name: str, state: str, v: Any, rank: int) -> TensorEntry:
     """A 0-d optimizer state (``step``): a 0-d tensor in the file, or a Python number in the pickle."""
     if isinstance(v, TensorRef):
-        p = Piece(v.file, v.byte_offset, v.dtype, 0, 1, rank)
+        p = Piece(v.file, v.byte_offset, v.dtype, 0, 1, rank, check=v.check)
         return TensorEntry(name, (), v.dtype, Role.OPTIM, (p,), state)
     t = torch.tensor(v)
     p = Piece("", 0, t.dtype, 0, 1, rank, value=t)
@@ -147,6 +149,7 @@ class Layout:
                         run.numel,
                         run.rank,
                         run.padding,
+                        check=r.check,
                     )
                 )
             out.append(TensorEntry(name, self.shapes[name], dtype, role, tuple(pieces), state))

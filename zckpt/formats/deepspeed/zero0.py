@@ -234,7 +234,7 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
         for s, v in states.get((g, i), {}).items():
             if isinstance(v, TensorRef) and tuple(v.shape) == tuple(params[name].shape):
                 st = ref(Node(v, str(mfile), f"optimizer state {s!r} of {name}"))
-                piece = Piece(st.file, st.byte_offset, st.dtype, 0, st.numel, 0)
+                piece = Piece(st.file, st.byte_offset, st.dtype, 0, st.numel, 0, check=st.check)
                 z.entries.append(TensorEntry(name, tuple(v.shape), v.dtype, Role.OPTIM, (piece,), s))
             elif is_scalar(v):
                 z.entries.append(scalar_entry(name, s, v, 0))

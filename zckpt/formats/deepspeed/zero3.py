@@ -75,7 +75,11 @@ def frozen3(models: list[Node], ws: int) -> list[TensorEntry]:
                 )
             start, valid = partition.chunk_range(n, ws, r)
             if valid:
-                pieces.append(Piece(frag.file, frag.byte_offset, frag.dtype, start, valid, r, c - valid))
+                pieces.append(
+                    Piece(
+                        frag.file, frag.byte_offset, frag.dtype, start, valid, r, c - valid, check=frag.check
+                    )
+                )
         dtype = pieces[0].dtype if pieces else torch.float16
         out.append(TensorEntry(name, shape, dtype, Role.FROZEN, tuple(pieces)))
     return out

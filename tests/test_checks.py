@@ -1,0 +1,106 @@
+"""Checksums verified while reading (zckpt.io.checks): a bit flipped in a tensor's bytes of a real DeepSpeed
+rank file or a torch .bin is refused by consolidate, reshard and diff (nothing written), and passes with
+--no-verify-data (the flipped value then shows); the CRC bookkeeping is exact for any read order."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from _fixtures import fixture
+from typer.testing import CliRunner
+
+import zckpt
+from zckpt.cli.app import app
+from zckpt.errors import CorruptCheckpoint
+from zckpt.io import checks
+from zckpt.io.torchzip import load_refs, record_offsets
+from zckpt.model import Checked
+
+runner = CliRunner()
+
+
+def test_crc32_combine_matches_zlib() -> None:
+    rng = random.Random(0)
+    for _ in range(20):
+        a, b = os.urandom(rng.randrange(0, 3000)), os.urandom(rng.randrange(0, 3000))
+        assert checks.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_session_any_read_order_and_gaps(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    f = tmp_path / "blob"
+    f.write_bytes(b"x" * 17 + data)
+    good = Checked(str(f), 17, len(data), zlib.crc32(data), "record r")
+    order = [
+        (3000, 4000),
+        (0, 1000),
+        (9000, 10_000),
+        (4000, 5000),
+        (1500, 2600),
+        (3500, 4500),
+    ]  # gaps, overlap
+    with checks.session() as s:
+        assert s is not None
+        for lo, hi in order:
+            checks.consumed(good, 17 + lo, memoryview(data[lo:hi]))
+        s.finish()  # reads the gaps, then the CRC of the whole record matches
+    bad = Checked(str(f), 17, len(data), zlib.crc32(data) ^ 1, "record r")
+    with checks.session() as s, pytest.raises(CorruptCheckpoint, match="record r fails its CRC-32"):
+        assert s is not None
+        checks.consumed(bad, 17, memoryview(data[:5000]))
+        s.finish()
+
+
+def _flip_tensor_byte(path: Path, record: str) -> None:
+    """Flip one byte in the middle of ``record``'s data (a tensor storage of a torch zip archive)."""
+    _, recs = record_offsets(str(path))
+    start, size = next(v for k, v in recs.items() if k.endswith(record))
+    with open(path, "r+b") as fh:
+        fh.seek(start + size // 2)
+        b = fh.read(1)
+        fh.seek(start + size // 2)
+        fh.write(bytes([b[0] ^ 0x40]))
+
+
+def _cli(*args: object) -> tuple[int, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_deepspeed_flip_refused_everywhere(tmp_path: Path) -> None:
+    src = fixture("ds", "s2_fp32_w2_g2")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck, ignore=shutil.ignore_patterns("ref_*", "case.json"))
+    # the first flat fp32 master partition of rank 1 (read by every command)
+    optim = ck / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    master = load_refs(str(optim))["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    _flip_tensor_byte(optim, f"data/{master.storage.key}")
+    jobs = [["consolidate", ck, tmp_path / "o.safetensors"], ["reshard", ck, tmp_path / "r", "--world", "3"],
+            ["diff", ck, src]]  # fmt: skip
+    for args in jobs:
+        code, out = _cli(*args, "--no-progress")
+        assert code == 2 and "fails its CRC-32 check" in out and "zero_pp_rank_1" in out, (args, out)
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "r").exists()
+    assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]
+    # without the check, the damaged value goes through: diff sees it, consolidate writes it
+    code, out = _cli("diff", ck, src, "--no-verify-data", "--no-progress")
+    assert code == 1, out
+    code, out = _cli("consolidate", ck, tmp_path / "o.safetensors", "--no-verify-data", "--no-progress")
+    assert code == 0, out
+
+
+def test_bin_flip_refused(tmp_path: Path) -> None:
+    sd = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3)}
+    torch.save(sd, tmp_path / "m.bin")
+    assert zckpt.diff(tmp_path / "m.bin", tmp_path / "m.bin", progress=False).equal
+    _flip_tensor_byte(tmp_path / "m.bin", "data/0")
+    with pytest.raises(CorruptCheckpoint, match="fails its CRC-32 check"):
+        zckpt.consolidate(tmp_path / "m.bin", tmp_path / "o.safetensors", progress=False)
+    assert not (tmp_path / "o.safetensors").exists()
+    zckpt.consolidate(tmp_path / "m.bin", tmp_path / "o.safetensors", progress=False, verify_data=False)
