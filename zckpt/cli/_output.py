@@ -12,6 +12,15 @@ from typing import Any
 import typer
 
 
+MAX_LINE = 300
+
+
+def one_line(text: str, limit: int = MAX_LINE) -> str:
+    """``text`` on one line (control characters shown escaped), at most ``limit`` characters."""
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def human_bytes(n: int) -> str:
     """``1536`` -> ``1.5 KiB``."""
     size = float(n)
@@ -64,10 +73,12 @@ class Output:
 
     @staticmethod
     def error(message: str, hint: str | None = None) -> None:
-        typer.echo(f"error: {message}", err=True)
+        """``error: ...`` on one line (and ``hint: ...``), each cut to ``MAX_LINE`` characters: a message that
+        quotes damaged input must not echo a megabyte of it."""
+        typer.echo(f"error: {one_line(message)}", err=True)
         if hint:
-            typer.echo(f"hint: {hint}", err=True)
+            typer.echo(f"hint: {one_line(hint)}", err=True)
 
     @staticmethod
     def warning(message: str) -> None:
-        typer.echo(f"warning: {message}", err=True)
+        typer.echo(f"warning: {one_line(message)}", err=True)

@@ -71,12 +71,19 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as e:
             if debug:
                 traceback.print_exc()
-            where = f": {e.filename}" if e.filename else ""
-            Output.error(f"{e.strerror or e}{where}")
+            where = f"{e.filename}: " if e.filename else ""
+            Output.error(f"{where}{e.strerror or e}")
             raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
             Output.error("interrupted; no partial output was left behind")
             raise typer.Exit(EXIT_INTERRUPTED) from None
+        except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
+            if debug:
+                traceback.print_exc()
+            Output.error(f"unexpected {type(e).__name__}: {e}",
+                         "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
+                         "traceback to report")  # fmt: skip
+            raise typer.Exit(EXIT_ERROR) from None
 
     return run
 
@@ -98,6 +105,9 @@ def main() -> None:
         code: object = 0
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt:  # before or between commands (argument parsing, start-up)
+        Output.error("interrupted; nothing was written")
+        code = EXIT_INTERRUPTED
     if os.environ.get("ZCKPT_FAST_EXIT", "1") == "0":
         raise SystemExit(code)
     _fast_exit(code)
