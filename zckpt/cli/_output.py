@@ -11,7 +11,6 @@ from typing import Any
 
 import typer
 
-
 MAX_LINE = 300
 
 

@@ -18,6 +18,14 @@ _MODULES = (
     "zckpt.formats.hf",
     "zckpt.formats.torch_file",
 )
+_TELLTALES = (
+    "manifest.json",
+    "latest",
+    ".metadata",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+"""Files that name a folder as a checkpoint of some format: when one is there but nothing reads it, say so."""
 _HINT = "give the folder that holds `latest` (or a tag folder), a .safetensors/.bin/.pt file or an HF folder"
 
 
@@ -58,6 +66,10 @@ def detect(path: str | Path) -> Format:
                 hint=f"give one of them, e.g. {inner[-1]}",
                 path=str(p),
             )
+        known = [c.name for c in children if c.name in _TELLTALES][:3]
+        if known:  # a checkpoint's files are there, but none of them reads as one: say which
+            raise UnknownFormat(f"{p}: holds {', '.join(known)} but no format reads it as a checkpoint "
+                                "(a damaged or foreign file?)", hint=_HINT, path=str(p))  # fmt: skip
     raise UnknownFormat(f"{p}: not a checkpoint zckpt recognises", hint=_HINT, path=str(p))
 
 
