@@ -64,6 +64,18 @@ class CheckpointWriter(abc.ABC):
         """Given every unit's records, write what completes the folder (run once, last; ``latest`` last)."""
 
 
+@dataclass(frozen=True)
+class ModelWriteOptions:
+    """How a ``ModelWriter`` writes: tied aliases (``{alias: owner}``), shard size, progress callback, reader
+    threads, and ``part=(rank, world)``: only this process's share of the shards (rank 0 also the index)."""
+
+    tied: Mapping[str, str] = field(default_factory=dict)
+    max_shard_size: int | None = None
+    on_bytes: Callable[[int], None] | None = None
+    workers: int | None = None
+    part: tuple[int, int] = (0, 1)
+
+
 class ModelWriter(abc.ABC):
     """Writes model tensors as one loadable model: a file, or shards plus an index in a folder."""
 
@@ -76,19 +88,9 @@ class ModelWriter(abc.ABC):
 
     @abc.abstractmethod
     def write_into(
-        self,
-        folder: Path,
-        base: str,
-        items: Sequence[WriteItem],
-        *,
-        tied: Mapping[str, str],
-        max_shard_size: int | None,
-        on_bytes: Callable[[int], None] | None,
-        workers: int | None,
-        part: tuple[int, int],
+        self, folder: Path, base: str, items: Sequence[WriteItem], opts: ModelWriteOptions
     ) -> list[str]:
-        """Write ``base`` (or its shards and ``<base>.index.json``) into an existing folder: all of it, or
-        with ``part=(rank, world)`` this process's share; returns the names written."""
+        """Write ``base`` (or its shards and ``<base>.index.json``) into an existing folder; names written."""
 
 
 class Format(abc.ABC):

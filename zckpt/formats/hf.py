@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats import _flat, torch_file
-from zckpt.formats.base import Format, ModelWriter
+from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import safetensors, storage
 from zckpt.io.integrity import Problem, VerifyContext
 from zckpt.io.items import WriteItem
@@ -175,24 +175,16 @@ class SafetensorsWriter(ModelWriter):
     base_name = SAFETENSORS
 
     def write_into(
-        self,
-        folder: Path,
-        base: str,
-        items: Sequence[WriteItem],
-        *,
-        tied: Mapping[str, str],
-        max_shard_size: int | None,
-        on_bytes: Callable[[int], None] | None,
-        workers: int | None,
-        part: tuple[int, int],
+        self, folder: Path, base: str, items: Sequence[WriteItem], opts: ModelWriteOptions
     ) -> list[str]:
         def one(p: Path, shard: list[WriteItem]) -> object:
-            return safetensors.write_file(
-                p, shard, metadata=_file_metadata(shard, tied), on_bytes=on_bytes, workers=workers
-            )
+            md = _file_metadata(shard, opts.tied)
+            return safetensors.write_file(p, shard, metadata=md, on_bytes=opts.on_bytes, workers=opts.workers)
 
-        index_md = {_flat.TIED_KEY: dict(tied)} if tied else None
-        return write_sharded(folder, base, items, max_shard_size, one, index_metadata=index_md, part=part)
+        index_md = {_flat.TIED_KEY: dict(opts.tied)} if opts.tied else None
+        return write_sharded(
+            folder, base, items, opts.max_shard_size, one, index_metadata=index_md, part=opts.part
+        )
 
 
 def write_safetensors(
@@ -221,16 +213,8 @@ def write_safetensors(
     base = SAFETENSORS if is_dir else out.name
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
         st.expect(planned_names(base, items, max_shard_size))
-        SafetensorsWriter().write_into(
-            st.dir,
-            base,
-            items,
-            tied=dict(tied or {}),
-            max_shard_size=max_shard_size,
-            on_bytes=on_bytes,
-            workers=workers,
-            part=(0, 1),
-        )
+        opts = ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes, workers)
+        SafetensorsWriter().write_into(st.dir, base, items, opts)
         return st.commit()
 
 

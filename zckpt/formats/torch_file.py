@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
-from zckpt.formats.base import Format, ModelWriter
+from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import storage, torchzip
 from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
@@ -203,23 +203,14 @@ class BinWriter(ModelWriter):
     base_name = BIN
 
     def write_into(
-        self,
-        folder: Path,
-        base: str,
-        items: Sequence[WriteItem],
-        *,
-        tied: Mapping[str, str],
-        max_shard_size: int | None,
-        on_bytes: Callable[[int], None] | None,
-        workers: int | None,
-        part: tuple[int, int],
+        self, folder: Path, base: str, items: Sequence[WriteItem], opts: ModelWriteOptions
     ) -> list[str]:
         """Aliases are listed in the index beside their owner (the ``.bin`` convention)."""
 
         def one(p: Path, shard: list[WriteItem]) -> str:
-            return write_file(p, shard, tied=tied, on_bytes=on_bytes)
+            return write_file(p, shard, tied=opts.tied, on_bytes=opts.on_bytes)
 
-        return write_sharded(folder, base, items, max_shard_size, one, aliases=tied, part=part)
+        return write_sharded(folder, base, items, opts.max_shard_size, one, aliases=opts.tied, part=opts.part)
 
 
 def write_torch(
@@ -242,14 +233,7 @@ def write_torch(
     with Staging(out, is_dir=is_dir, overwrite=overwrite) as st:
         st.expect(planned_names(base, items, max_shard_size))
         BinWriter().write_into(
-            st.dir,
-            base,
-            items,
-            tied=dict(tied or {}),
-            max_shard_size=max_shard_size,
-            on_bytes=on_bytes,
-            workers=None,
-            part=(0, 1),
+            st.dir, base, items, ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes)
         )
         return st.commit()
 

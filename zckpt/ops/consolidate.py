@@ -49,7 +49,7 @@ import torch
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint, registry
-from zckpt.formats.base import ModelWriter
+from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.shards import parse_size, plan_shards, planned_names
@@ -297,16 +297,8 @@ def _write(
     def write() -> None:
         bar_on = progress and g.rank == 0
         with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
-            p.writer.write_into(
-                staging,
-                p.base,
-                p.items,
-                tied=p.tied,
-                max_shard_size=p.shard,
-                on_bytes=bar.update,
-                workers=workers,
-                part=(g.rank, g.world),
-            )
+            opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
+            p.writer.write_into(staging, p.base, p.items, opts)
 
     g.step("consolidate: writing shards", write)
 
