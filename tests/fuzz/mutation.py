@@ -37,7 +37,12 @@ TENSOR_SUFFIXES = (".pt", ".bin", ".safetensors")
 
 @dataclass(frozen=True)
 class Touch:
-    """One place a mutation changed: a file (relative to the case root) and what in it."""
+    """One place a mutation changed: a file (relative to the case root) and what in it.
+
+    ``checksummed``: a checksum the format keeps would reveal the change (zip CRC-32 of a record whose bytes
+    changed, a native manifest sha256 or ``.sha256`` sidecar of a file whose bytes changed). A record
+    rewritten with a fresh CRC (re-pickled ``data.pkl``) or an unchecked file (``manifest.json``, an index,
+    ``latest``) is not."""
 
     file: str
     what: str
@@ -65,6 +70,8 @@ class Mutation:
     must_refuse: bool = False
     related: tuple[str, ...] = ()
     """File names (basenames) an error may name besides the touched files."""
+    misleading: tuple[str, ...] = ()
+    """Phrases an error about this damage must not use (they describe another problem)."""
     commands: tuple[str, ...] | None = None
     """Standard commands that make sense (None: every one the base supports)."""
     scenario: str | None = None

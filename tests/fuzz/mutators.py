@@ -188,10 +188,17 @@ def _special_target(base: Base, root: Path, rng: random.Random) -> Path:
     return rng.choice(tensor_files(base, root))
 
 
-def _special(op: str) -> Mutator:
+SPECIAL_OPS = ("fifo", "dev-zero", "folder", "chmod-000", "dangling-symlink", "symlink-loop", "sparse-64GiB")
+# What an error about a file that cannot be read as a file must not claim.
+_MISLEADING = ("legacy", "truncated", "not a checkpoint zckpt recognises", "holds no")
+
+
+def _special(op: str, *, the_input: bool = False) -> Mutator:
+    """``the_input``: damage the CLI input itself (file or folder) rather than a file inside it."""
+
     def mutate(case_dir: Path, rng: random.Random) -> Mutation:
         base, root = fresh_copy(case_dir)
-        path = _special_target(base, root, rng)
+        path = root / base.input if the_input else _special_target(base, root, rng)
         no_dac = False
         if op == "fifo":
             path.unlink()
@@ -214,9 +221,11 @@ def _special(op: str) -> Mutator:
             path.symlink_to(path.name)
         elif op == "sparse-64GiB":
             os.truncate(path, 64 << 30)
-        return new("special", op, f"{op} in place of {rel(root, path)}", base, root,
-                   touches=[Touch(rel(root, path), op)], inconsistent=True,
-                   no_dac_override=no_dac)  # fmt: skip
+        name = f"{op}-input" if the_input else op
+        misleading = _MISLEADING if op in ("fifo", "dev-zero", "folder", "chmod-000") else ()
+        return new("special", name, f"{op} in place of {rel(root, path)}", base, root,
+                   touches=[Touch(rel(root, path), op)], inconsistent=True, no_dac_override=no_dac,
+                   misleading=misleading)  # fmt: skip
 
     return mutate
 
@@ -343,21 +352,10 @@ FAMILIES: dict[str, list[Op]] = {
             "non-utf8",
         )
     ],  # fmt: skip
-    "special": ops(
-        ALL,
-        **{
-            op: _special(op)
-            for op in (
-                "fifo",
-                "dev-zero",
-                "folder",
-                "chmod-000",
-                "dangling-symlink",
-                "symlink-loop",
-                "sparse-64GiB",
-            )
-        },
-    ),
+    "special": [
+        *ops(ALL, **{op: _special(op) for op in SPECIAL_OPS}),
+        Op("chmod-000-input", _special("chmod-000", the_input=True)),
+    ],
     "ranks": [
         Op("swap", _ranks_swap, SHARDED),
         Op("other-step-or-run", _ranks_donor, SHARDED, needs_donor=True),

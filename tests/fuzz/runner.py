@@ -179,8 +179,11 @@ def _last_line(text: str) -> str:
     return lines[-1][:240] if lines else ""
 
 
-def error_problems(p: proc.Proc, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """A refusal's stderr: one ``error:`` line (+ one ``hint:``), short, naming one of ``names``."""
+def error_problems(
+    p: proc.Proc, names: tuple[str, ...], misleading: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    """A refusal's stderr: one ``error:`` line (+ one ``hint:``), short, naming one of ``names``, using none
+    of the ``misleading`` phrases."""
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("warning: ")]
     if (
         not lines
@@ -196,6 +199,9 @@ def error_problems(p: proc.Proc, names: tuple[str, ...]) -> list[tuple[str, str]
         out.append(("unclear", f"{max(len(ln) for ln in lines)}-char error/hint line: {err[:160]}..."))
     if names and not any(n in err for n in names):
         out.append(("unclear", f"error does not name {' or '.join(names[:3])}: {err[:200]}"))
+    wrong = [ph for ph in misleading if ph in err]
+    if wrong:
+        out.append(("unclear", f"misleading ({wrong[0]!r}): {err[:200]}"))
     return out
 
 
@@ -245,7 +251,9 @@ def classify(p: proc.Proc, m: Mutation, cmd: str, ref: Ref | None, *, timeout: f
     if debris:
         found.append(("leftover", f"staging debris: {debris[:3]}"))
     if not p.timed_out and not p.over_memory:
-        found += _verdicts(p, m, cmd, ref, expect_empty_out)
+        verdicts = _verdicts(p, m, cmd, ref, expect_empty_out)
+        crashed = any(k == "traceback" for k, _ in found)  # its stderr is the traceback: not judged again
+        found += [(k, w) for k, w in verdicts if not (crashed and k == "unclear")]
     return worst(found or [("ok-refused", "")])
 
 
@@ -260,7 +268,7 @@ def _verdicts(
     if p.rc == 1 and cmd in ("verify", "diff"):  # diff's report names tensors, verify's names files
         return report_problems(p, m.names if cmd == "verify" else ()) or [("ok-refused", "")]
     killed = p.signalled is not None and p.rc == -p.signalled  # died of our signal: nothing to print
-    found = [] if killed else error_problems(p, m.names)
+    found = [] if killed else error_problems(p, m.names, m.misleading)
     left = [n for n in compare.files_under(out_dir) if not compare.is_debris(n)] if expect_empty_out else []
     if left:
         found.append(("leftover", f"refused but left output: {left[:3]}"))

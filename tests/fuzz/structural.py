@@ -626,12 +626,15 @@ def _index_edit(op: str) -> Mutator:
         wm: dict[str, Any] = doc["weight_map"]
         shards = sorted(set(wm.values()))
         name = rng.choice(sorted(wm))
+        before = {p.name for p in idx.parent.iterdir()}
         detail = _apply_index_op(op, doc, wm, shards, name, rng, root, idx)
         if op != "delete-index":
             idx.write_text(json.dumps(doc, indent=2))
-        touch = Touch(rel(root, idx), f"index {detail[:80]}")
+        added = sorted({p.name for p in idx.parent.iterdir()} - before)
+        touches = [Touch(rel(root, idx), f"index {detail[:80]}")]
+        touches += [Touch(rel(root, idx.parent / n), "added") for n in added]
         return new(
-            "hf-index", op, detail, base, root, touches=[touch], related=tuple(shards), inconsistent=True
+            "hf-index", op, detail, base, root, touches=touches, related=tuple(shards), inconsistent=True
         )
 
     return mutate

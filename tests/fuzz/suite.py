@@ -33,7 +33,7 @@ from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import NotApplicable, Op
 from tests.fuzz.mutators import FAMILIES
 
-FAST_SEED, FAST_CASES = 0, 80
+FAST_SEED, FAST_CASES = 0, 60
 TRIES = 8
 
 
@@ -162,6 +162,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--all-cases", action="store_true", help="the report lists passing cases too")
     ap.add_argument("--strict", action="store_true", help="exit 1 when any case failed")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per case")
+    ap.add_argument("--list", action="store_true", help="list the families and their mutators, then exit")
     a = ap.parse_args(argv)
     a.seed = (FAST_SEED if a.fast else 1) if a.seed is None else a.seed
     a.cases = (FAST_CASES if a.fast else 400) if a.cases is None else a.cases
@@ -171,6 +172,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.list:
+        for fam, family_ops in FAMILIES.items():
+            print(f"{fam}: " + ", ".join(f"{o.name} [{'/'.join(o.kinds)}]" for o in family_ops))
+        return 0
     t0 = time.monotonic()
     bases = corpus.build(args.cache)
     refs = runner.Refs(args.cache, {b.name: b for b in bases})
