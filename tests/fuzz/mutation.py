@@ -191,9 +191,9 @@ def covered(base: Base, path: Path) -> bool:
     return native_rank or path.with_name(path.name + ".sha256").is_file()
 
 
-def region_touch(root: Path, path: Path, r: Region, offset: int, length: int, whole: bool) -> Touch:
-    what = f"{r.kind} {r.name}".strip()
-    return Touch(rel(root, path), what, offset, length, r.checksummed or whole)
+def region_touch(root: Path, path: Path, r: Region, offset: int, length: int) -> Touch:
+    """A ``Touch`` of bytes inside region ``r`` of ``path`` (checksummed when the region is)."""
+    return Touch(rel(root, path), f"{r.kind} {r.name}".strip(), offset, length, r.checksummed)
 
 
 def pick_weighted(rng: random.Random, items: Sequence[Any], weights: Sequence[float]) -> Any:

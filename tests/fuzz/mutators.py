@@ -66,32 +66,37 @@ def _pick_region(path: Path, base: Base, rng: random.Random) -> layout.Region:
     return rng.choice([r for r in regs if r.kind == kind])
 
 
-def _byte_op(op: str, edit: str) -> Mutator:
+def _edit(data: bytearray, edit: str, at: int, n: int, rng: random.Random) -> int:
+    """Apply ``edit`` at byte ``at`` (``n`` bytes where it takes a length); returns the bytes touched."""
+    if edit == "flip":
+        for _ in range(rng.randint(1, 3)):
+            data[at] ^= 1 << rng.randrange(8)
+        return 1
+    if edit == "overwrite":
+        data[at : at + n] = bytes(rng.choice((0x00, 0xFF, rng.randrange(256))) for _ in range(n))
+    elif edit == "truncate":
+        n = len(data) - at
+        del data[at:]
+    elif edit == "insert":
+        data[at:at] = rng.randbytes(n)
+    else:
+        del data[at : at + n]
+    return n
+
+
+def _byte_op(edit: str) -> Mutator:
     def mutate(case_dir: Path, rng: random.Random) -> Mutation:
         base, root = fresh_copy(case_dir)
         path = _pick_file(base, root, rng)
         r = _pick_region(path, base, rng)
         data = bytearray(path.read_bytes())
         at = rng.randrange(r.start, r.end)
-        n = min(r.end - at, rng.randint(1, 16))
-        if edit == "flip":
-            for _ in range(rng.randint(1, 3)):
-                data[at] ^= 1 << rng.randrange(8)
-            n = 1
-        elif edit == "overwrite":
-            data[at : at + n] = bytes(rng.choice((0x00, 0xFF, rng.randrange(256))) for _ in range(n))
-        elif edit == "truncate":
-            n = len(data) - at
-            del data[at:]
-        elif edit == "insert":
-            data[at:at] = rng.randbytes(n)
-        else:
-            del data[at : at + n]
+        n = _edit(data, edit, at, min(r.end - at, rng.randint(1, 16)), rng)
         path.write_bytes(bytes(data))
-        text = r.kind == "text"
+        text = r.kind == "text"  # an unchecked text value: any result may be a legitimate one
         sized = edit in ("flip", "overwrite")
-        return new("bytes", op, f"{op} {n} byte(s) at {at} of {path.name} ({r.kind} {r.name})".strip(),
-                   base, root, touches=[region_touch(root, path, r, at, n, False)],
+        return new("bytes", edit, f"{edit} {n} byte(s) at {at} of {path.name} ({r.kind} {r.name})".strip(),
+                   base, root, touches=[region_touch(root, path, r, at, n)],
                    value_only=text or (sized and r.value), inconsistent=not sized and not text)  # fmt: skip
 
     return mutate
@@ -118,7 +123,7 @@ def _zip_flip(op: str, kinds: tuple[str, ...], *, storage: bool | None = None) -
         data[at] ^= 1 << bit
         path.write_bytes(bytes(data))
         return new("zip", op, f"flip bit {bit} of byte {at} of {path.name} ({r.kind} {r.name})", base, root,
-                   touches=[region_touch(root, path, r, at, 1, False)], value_only=r.value,
+                   touches=[region_touch(root, path, r, at, 1)], value_only=r.value,
                    inconsistent=not r.value)  # fmt: skip
 
     return mutate
@@ -137,7 +142,7 @@ def _zip_field(op: str, field_offset: int, width: int) -> Mutator:
         data[at] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
         return new("zip", op, f"{op} of {r.name} in {path.name} (byte {at})", base, root,
-                   touches=[region_touch(root, path, r, at, 1, False)], inconsistent=True)  # fmt: skip
+                   touches=[region_touch(root, path, r, at, 1)], inconsistent=True)  # fmt: skip
 
     return mutate
 
@@ -324,9 +329,7 @@ def _ranks_alone(case_dir: Path, rng: random.Random) -> Mutation:
 
 # ---- registry ------------------------------------------------------------------------------------------
 FAMILIES: dict[str, list[Op]] = {
-    "bytes": ops(
-        ALL, **{op: _byte_op(op, op) for op in ("flip", "overwrite", "truncate", "insert", "delete")}
-    ),
+    "bytes": ops(ALL, **{op: _byte_op(op) for op in ("flip", "overwrite", "truncate", "insert", "delete")}),
     "zip": [
         Op("storage-flip", _zip_flip("storage-flip", ("zip-record",), storage=True), ZIPPED),
         Op("pickle-flip", _zip_flip("pickle-flip", ("zip-record",), storage=False), ZIPPED),

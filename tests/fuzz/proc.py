@@ -131,10 +131,11 @@ def finish(p: subprocess.Popen[bytes], t0: float, timeout: float, args: list[str
         if on_tick is not None:
             on_tick(elapsed, p.pid)
         if peak_kb > RSS_LIMIT_MB * 1024 or elapsed > timeout:
-            over, timed_out = peak_kb > RSS_LIMIT_MB * 1024, elapsed > timeout
             _kill_group(p.pid)
             _, status, ru = os.wait4(p.pid, 0)
             ru_kb = ru.ru_maxrss
+            ours = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL  # not an exit just before
+            over, timed_out = ours and peak_kb > RSS_LIMIT_MB * 1024, ours and elapsed > timeout
             break
         time.sleep(POLL_S)
     _kill_group(p.pid)  # anything it left running

@@ -22,7 +22,7 @@ from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import Mutation, NotApplicable
 from tests.fuzz.runner import CaseResult, Ref, Refs, classify, fill, worst
 
-SLOW_WRITES = {"ZCKPT_TEST_WRITE_DELAY": "0.05"}
+SLOW_WRITES = {"ZCKPT_TEST_WRITE_DELAY": "0.02"}
 
 
 def run(m: Mutation, base: Base, refs: Refs, *, timeout: float) -> CaseResult:

@@ -43,14 +43,15 @@ from tests.fuzz.mutation import (
     tensor_files,
 )
 
-# Keys whose damage changes which tensors a DeepSpeed checkpoint holds, or where their bytes are.
+# Keys whose damage (anywhere below them) changes which tensors a DeepSpeed checkpoint holds, or where
+# their bytes are; CONTAINERS matter only as a whole (their other contents are hyperparameters, counters).
 LAYOUT_KEYS = frozenset((
     "module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "dp_world_size", "mp_world_size", "partition_count", "fp32_flat_groups",
-    "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_slice_mappings",
-    "base_optimizer_state", "state", "params", "param_alignment_paddings", "optimizer_state_dict", "exp_avg",
-    "exp_avg_sq",
+    "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_slice_mappings", "params",
+    "param_alignment_paddings", "exp_avg", "exp_avg_sq",
 ))  # fmt: skip
+CONTAINERS = frozenset(("optimizer", "optimizer_state_dict", "base_optimizer_state", "state"))
 OTHER_KEYS = frozenset((
     "global_steps", "global_samples", "ds_config", "ds_version", "lr_scheduler", "loss_scaler",
     "param_groups", "skipped_steps", "dynamic_loss_scale", "clip_grad", "step",
@@ -76,13 +77,21 @@ def _keys_on(path: pickles.NodePath) -> set[Any]:
     return {k for kind, k in path if kind in ("key", "state")}
 
 
+def _layout(path: pickles.NodePath, old: Any) -> bool:
+    """Whether damaging the node at ``path`` (holding ``old``) changes the checkpoint's tensors or layout."""
+    keys = [k for kind, k in path if kind in ("key", "state") and isinstance(k, str)]
+    if pickles.is_tensor(old) or (keys and keys[-1] in CONTAINERS):
+        return True
+    return any(k in LAYOUT_KEYS for k in keys)
+
+
 def _pick_node(
     obj: Any, rng: random.Random, want: Callable[[pickles.NodePath, Any], bool]
 ) -> pickles.NodePath:
     nodes = [(p, v) for p, v in pickles.walk(obj, 7) if want(p, v)]
     if not nodes:
         raise LookupError("no node fits")
-    hot = [n for n in nodes if _keys_on(n[0]) & (LAYOUT_KEYS | OTHER_KEYS)]
+    hot = [n for n in nodes if _keys_on(n[0]) & (LAYOUT_KEYS | CONTAINERS | OTHER_KEYS)]
     return rng.choice(hot if hot and rng.random() < 0.8 else nodes)[0]
 
 
@@ -119,18 +128,16 @@ def _edit_pickle(op: str, edit: Callable[[Any, random.Random], tuple[Any, str, b
 
 def _remove(obj: Any, rng: random.Random) -> tuple[Any, str, bool]:
     path = _pick_node(obj, rng, _is_dict_key)
-    return (
-        pickles.delete_at(obj, path),
-        f"remove {pickles.describe(path)}",
-        bool(_keys_on(path) & LAYOUT_KEYS),
-    )
+    is_layout = _layout(path, pickles.get_at(obj, path))
+    return pickles.delete_at(obj, path), f"remove {pickles.describe(path)}", is_layout
 
 
 def _rename(obj: Any, rng: random.Random) -> tuple[Any, str, bool]:
     path = _pick_node(obj, rng, lambda p, v: p[-1][0] == "key" and isinstance(p[-1][1], str))
     new_key = path[-1][1] + "_renamed"
     detail = f"rename {pickles.describe(path)} -> {new_key}"
-    return pickles.rename_at(obj, path, new_key), detail, bool(_keys_on(path) & LAYOUT_KEYS)
+    is_layout = _layout(path, pickles.get_at(obj, path))
+    return pickles.rename_at(obj, path, new_key), detail, is_layout
 
 
 def _replace(kind: str) -> Callable[[Any, random.Random], tuple[Any, str, bool]]:
@@ -138,7 +145,7 @@ def _replace(kind: str) -> Callable[[Any, random.Random], tuple[Any, str, bool]]
         path = _pick_node(obj, rng, _not_inside_tensor)
         old, value = pickles.get_at(obj, path), _value(kind, rng)
         detail = f"{pickles.describe(path)}: {_short(old)} -> {value!r:.40}"
-        return pickles.set_at(obj, path, value), detail, bool(_keys_on(path) & LAYOUT_KEYS)
+        return pickles.set_at(obj, path, value), detail, _layout(path, old)
 
     return edit
 
@@ -223,11 +230,12 @@ def _bomb(name: str) -> Mutator:
         raw = pickles.read_pickle(path)
         top = pickles.load_opaque(raw)
         keys = [k for k in top if isinstance(k, str)] if isinstance(top, dict) else []
-        hot = [k for k in keys if k in LAYOUT_KEYS or k in OTHER_KEYS or base.kind != "deepspeed"]
+        hot = [k for k in keys if k in LAYOUT_KEYS | CONTAINERS | OTHER_KEYS or base.kind != "deepspeed"]
         key = rng.choice(hot) if hot and rng.random() < 0.5 else "fuzz_client_value"
         planted = pickles.with_item(raw, key, pickles.BOMBS[name]())
         pickles.rewrite_records(path, {"data.pkl": planted})
-        is_layout = key in LAYOUT_KEYS or (key != "fuzz_client_value" and base.kind != "deepspeed")
+        # a .bin entry replaced by a non-tensor is another (odd) state dict, not broken layout
+        is_layout = base.kind == "deepspeed" and key in LAYOUT_KEYS | CONTAINERS
         return new("pickle-bomb", name, f"{path.name}: [{key!r}] := {name}", base, root,
                    touches=[Touch(rel(root, path), f"data.pkl [{key!r}]")], inconsistent=is_layout,
                    value_only=not is_layout)  # fmt: skip

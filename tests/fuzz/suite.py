@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -170,8 +171,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _default_sigint() -> None:
+    """A background shell job starts with SIGINT ignored, and ignored signals stay ignored across exec:
+    give this process a handler (reset to the default in children) so the ``signals`` family can work."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    _default_sigint()
     if args.list:
         for fam, family_ops in FAMILIES.items():
             print(f"{fam}: " + ", ".join(f"{o.name} [{'/'.join(o.kinds)}]" for o in family_ops))
