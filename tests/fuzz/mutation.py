@@ -69,7 +69,8 @@ class Mutation:
     inconsistent: bool = False
     must_refuse: bool = False
     related: tuple[str, ...] = ()
-    """File names (basenames) an error may name besides the touched files."""
+    """File names (basenames, or name prefixes such as ``rank_0``) an error may name besides the touched
+    files."""
     misleading: tuple[str, ...] = ()
     """Phrases an error about this damage must not use (they describe another problem)."""
     commands: tuple[str, ...] | None = None

@@ -300,7 +300,7 @@ def _manifest_edit(op: str, edit: Callable[[dict[str, Any], random.Random, Base,
             raise NotApplicable(root, str(e)) from None
         path.write_text(json.dumps(man, indent=1))
         core = re.match(r"[a-z_]*", detail).group(0) in MANIFEST_CORE  # type: ignore[union-attr]
-        ranks = tuple(p.name for p in sorted(path.parent.glob("rank_*.safetensors")))
+        ranks = (*(p.name for p in sorted(path.parent.glob("rank_*.safetensors"))), "rank_0")
         return new("manifest", op, f"manifest.json {detail}", base, root,
                    touches=[Touch(rel(root, path), f"manifest {detail[:80]}")], related=ranks,
                    inconsistent=core, value_only=not core)  # fmt: skip
