@@ -48,7 +48,7 @@ from tests.fuzz.mutation import (
 LAYOUT_KEYS = frozenset((
     "module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "dp_world_size", "mp_world_size", "partition_count", "fp32_flat_groups",
-    "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_slice_mappings", "params",
+    "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_slice_mappings",
     "param_alignment_paddings", "exp_avg", "exp_avg_sq",
 ))  # fmt: skip
 CONTAINERS = frozenset(("optimizer", "optimizer_state_dict", "base_optimizer_state", "state"))
@@ -82,7 +82,8 @@ def _layout(path: pickles.NodePath, old: Any) -> bool:
     keys = [k for kind, k in path if kind in ("key", "state") and isinstance(k, str)]
     if pickles.is_tensor(old) or (keys and keys[-1] in CONTAINERS):
         return True
-    return any(k in LAYOUT_KEYS for k in keys)
+    group_params = any(a == "param_groups" and b == "params" for a, b in zip(keys, keys[1:], strict=False))
+    return group_params or any(k in LAYOUT_KEYS for k in keys)  # (a scheduler's "params" is not layout)
 
 
 def _pick_node(
