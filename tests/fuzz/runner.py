@@ -160,7 +160,7 @@ def worst(found: list[tuple[str, str]]) -> Outcome:
 def process_problems(p: proc.Proc, timeout: float) -> list[tuple[str, str]]:
     """hang / memory / traceback, whatever the command."""
     out: list[tuple[str, str]] = []
-    if p.timed_out:
+    if stuck(p):
         out.append(("hang", f"still running after {timeout:g}s (killed)"))
     if p.over_memory or p.peak_rss_mb > proc.RSS_LIMIT_MB:
         out.append(("memory", f"peak RSS {p.peak_rss_mb:.0f} MB"))
@@ -172,6 +172,13 @@ def process_problems(p: proc.Proc, timeout: float) -> list[tuple[str, str]]:
     elif p.rc is not None and p.rc < 0 and not p.timed_out and not p.over_memory and p.signalled != -p.rc:
         out.append(("traceback", f"killed by signal {signal.Signals(-p.rc).name}"))
     return out
+
+
+def stuck(p: proc.Proc) -> bool:
+    """Killed at the timeout before printing anything final. (Killed after its error or traceback was out is
+    a slow exit on a loaded machine, judged like an exit.)"""
+    leaving = "Traceback (most recent call last)" in p.stderr or p.stderr.lstrip().startswith("error: ")
+    return p.timed_out and not leaving
 
 
 def _last_line(text: str) -> str:
@@ -250,7 +257,7 @@ def classify(p: proc.Proc, m: Mutation, cmd: str, ref: Ref | None, *, timeout: f
     debris = proc.leftovers(root)
     if debris:
         found.append(("leftover", f"staging debris: {debris[:3]}"))
-    if not p.timed_out and not p.over_memory:
+    if not stuck(p) and not p.over_memory:
         verdicts = _verdicts(p, m, cmd, ref, expect_empty_out)
         crashed = any(k == "traceback" for k, _ in found)  # its stderr is the traceback: not judged again
         found += [(k, w) for k, w in verdicts if not (crashed and k == "unclear")]

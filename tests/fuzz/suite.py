@@ -3,6 +3,7 @@
     python -m tests.fuzz.suite --seed 1 --cases 400 --report fuzz.json     # long mode
     python -m tests.fuzz.suite --fast                                      # ~80 cases, for `make test` later
     python -m tests.fuzz.suite --families latest ranks --cases 40 -v
+    python -m tests.fuzz.suite --ops concurrent-consolidates shape-bool --cases 10 -v   # chosen mutators
 
 Case ``i`` of seed ``S`` is fully determined by ``(S, i)``: its family (round-robin over the selected
 families, so each gets its share), mutator and base (``random.Random(f"{S}:{i}")``), the damage, and the
@@ -42,14 +43,17 @@ TRIES = 8
 class Planned:
     index: int
     family: str
+    ops: frozenset[str] = frozenset()
+    """Only these mutators (empty: all of the family's)."""
 
 
-def plan(n: int, families: list[str]) -> list[Planned]:
-    return [Planned(i, families[i % len(families)]) for i in range(n)]
+def plan(n: int, families: list[str], ops: frozenset[str] = frozenset()) -> list[Planned]:
+    return [Planned(i, families[i % len(families)], ops) for i in range(n)]
 
 
-def _choose(rng: random.Random, family: str, bases: list[Base]) -> tuple[Op, Base]:
-    op = rng.choice([o for o in FAMILIES[family] if any(o.applies(b) for b in bases)])
+def _choose(rng: random.Random, case: Planned, bases: list[Base]) -> tuple[Op, Base]:
+    usable = [o for o in FAMILIES[case.family] if any(o.applies(b) for b in bases)]
+    op = rng.choice([o for o in usable if o.name in case.ops] if case.ops else usable)
     return op, rng.choice([b for b in bases if op.applies(b)])
 
 
@@ -78,7 +82,7 @@ def _run_one(seed: int, case: Planned, bases: list[Base], refs: runner.Refs, tim
              keep: bool) -> runner.CaseResult | None:  # fmt: skip
     rng = random.Random(f"{seed}:{case.index}")
     for _ in range(TRIES):
-        op, base = _choose(rng, case.family, bases)
+        op, base = _choose(rng, case, bases)
         try:
             m = op.fn(corpus.base_dir(base, refs.cache), rng)
         except NotApplicable as e:
@@ -152,6 +156,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--cases", type=int, default=None)
     ap.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES))
+    ap.add_argument("--ops", nargs="+", default=None, metavar="MUTATOR",
+                    help="only these mutators (see --list), e.g. concurrent-consolidates")  # fmt: skip
     ap.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     ap.add_argument(
         "--fast", action="store_true", help=f"the fixed selection: seed {FAST_SEED}, {FAST_CASES} cases"
@@ -167,7 +173,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.seed = (FAST_SEED if a.fast else 1) if a.seed is None else a.seed
     a.cases = (FAST_CASES if a.fast else 400) if a.cases is None else a.cases
-    a.families = a.families or sorted(FAMILIES)
+    names = {o.name for ops in FAMILIES.values() for o in ops}
+    if a.ops and set(a.ops) - names:
+        ap.error(f"unknown mutators {sorted(set(a.ops) - names)}; --list shows them")
+    holding = sorted(f for f, ops in FAMILIES.items() if a.ops and {o.name for o in ops} & set(a.ops))
+    a.families = a.families or holding or sorted(FAMILIES)
+    if a.ops:
+        a.families = [f for f in a.families if {o.name for o in FAMILIES[f]} & set(a.ops)]
     return a
 
 
@@ -193,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_one, args.seed, c, bases, refs, args.timeout, args.keep)
-                       for c in plan(args.cases, args.families)]  # fmt: skip
+                       for c in plan(args.cases, args.families, frozenset(args.ops or ()))]  # fmt: skip
             for i, f in enumerate(futures):
                 r = f.result()
                 if r is None:
