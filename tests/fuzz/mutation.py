@@ -98,7 +98,7 @@ class Mutation:
     def to_json(self) -> dict[str, Any]:
         return {
             "family": self.family, "op": self.op, "detail": self.detail, "base": self.base,
-            "input": self.input, "touches": [t.to_json() for t in self.touches],
+            "root": str(self.root), "input": self.input, "touches": [t.to_json() for t in self.touches],
             "checksummed": self.checksummed, "value_only": self.value_only,
             "inconsistent": self.inconsistent, "must_refuse": self.must_refuse,
             "scenario": self.scenario, "argv": self.argv, "cwd": self.cwd, "setup": self.setup,

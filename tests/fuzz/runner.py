@@ -308,11 +308,14 @@ class CaseResult:
     argv: list[str]
     outcome: Outcome
     procs: list[proc.Proc]
+    index: int | None = None
+    """The case number in its suite run (``--index`` replays it)."""
 
     def to_json(self) -> dict[str, Any]:
         p = self.procs[-1] if self.procs else None
         return {
-            "command": self.command, "argv": self.argv, "outcome": self.outcome.kind, "why": self.outcome.why,
+            "index": self.index, "command": self.command, "argv": self.argv, "outcome": self.outcome.kind,
+            "why": self.outcome.why,
             "mutation": self.mutation.to_json(),
             "rc": p.rc if p else None, "seconds": round(p.seconds, 2) if p else None,
             "peak_rss_mb": round(p.peak_rss_mb) if p else None,

@@ -4,6 +4,7 @@
     python -m tests.fuzz.suite --fast                                      # ~80 cases, for `make test` later
     python -m tests.fuzz.suite --families latest ranks --cases 40 -v
     python -m tests.fuzz.suite --ops concurrent-consolidates shape-bool --cases 10 -v   # chosen mutators
+    python -m tests.fuzz.suite --seed 1 --index 77 113 --keep -v      # replay cases of a report, keep copies
 
 Case ``i`` of seed ``S`` is fully determined by ``(S, i)``: its family (round-robin over the selected
 families, so each gets its share), mutator and base (``random.Random(f"{S}:{i}")``), the damage, and the
@@ -47,8 +48,10 @@ class Planned:
     """Only these mutators (empty: all of the family's)."""
 
 
-def plan(n: int, families: list[str], ops: frozenset[str] = frozenset()) -> list[Planned]:
-    return [Planned(i, families[i % len(families)], ops) for i in range(n)]
+def plan(n: int, families: list[str], ops: frozenset[str] = frozenset(), only: list[int] | None = None
+         ) -> list[Planned]:  # fmt: skip
+    """Cases ``0..n-1`` (or just the indices ``only``: case i is the same case whatever else runs)."""
+    return [Planned(i, families[i % len(families)], ops) for i in (only if only is not None else range(n))]
 
 
 def _choose(rng: random.Random, case: Planned, bases: list[Base]) -> tuple[Op, Base]:
@@ -158,6 +161,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES))
     ap.add_argument("--ops", nargs="+", default=None, metavar="MUTATOR",
                     help="only these mutators (see --list), e.g. concurrent-consolidates")  # fmt: skip
+    ap.add_argument(
+        "--index",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="run only these case indices (as numbered in a report of the same seed/families)",
+    )
     ap.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     ap.add_argument(
         "--fast", action="store_true", help=f"the fixed selection: seed {FAST_SEED}, {FAST_CASES} cases"
@@ -165,7 +176,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=2, help="cases in flight (zckpt processes are capped at 2)")
     ap.add_argument("--timeout", type=float, default=runner.TIMEOUT)
     ap.add_argument("--cache", type=Path, default=corpus.DEFAULT_CACHE)
-    ap.add_argument("--keep", action="store_true", help="keep every mutated copy (printed paths)")
+    ap.add_argument("--keep", action="store_true", help="keep every mutated copy (its path is in the report)")
     ap.add_argument("--all-cases", action="store_true", help="the report lists passing cases too")
     ap.add_argument("--strict", action="store_true", help="exit 1 when any case failed")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per case")
@@ -204,12 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     results: list[runner.CaseResult] = []
     try:
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(run_one, args.seed, c, bases, refs, args.timeout, args.keep)
-                       for c in plan(args.cases, args.families, frozenset(args.ops or ()))]  # fmt: skip
-            for i, f in enumerate(futures):
+            cases = plan(args.cases, args.families, frozenset(args.ops or ()), args.index)
+            futures = [
+                pool.submit(run_one, args.seed, c, bases, refs, args.timeout, args.keep) for c in cases
+            ]
+            for i, f in zip(args.index or range(args.cases), futures, strict=True):
                 r = f.result()
                 if r is None:
                     continue
+                r.index = i
                 results.append(r)
                 if args.verbose or r.outcome.failed:
                     print(_line(i, r), flush=True)
