@@ -10,6 +10,7 @@ import typer
 CkptArg = Annotated[
     Path,
     typer.Argument(
+        readable=False,
         help="Checkpoint: a DeepSpeed folder (holding `latest`) or tag folder, a .safetensors/.bin/.pt "
         "file, or an HF model folder.",
         show_default=False,
@@ -18,6 +19,7 @@ CkptArg = Annotated[
 OutArg = Annotated[
     Path,
     typer.Argument(
+        readable=False,
         help="Output: NAME.safetensors, NAME.bin, or a folder (HF layout, with the model's config files).",
         show_default=False,
     ),

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib
 import os
+import signal
 import traceback
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from zckpt.cli._output import Output
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
 
 COMMANDS = (
@@ -74,9 +76,10 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             where = f"{e.filename}: " if e.filename else ""
             Output.error(f"{where}{e.strerror or e}")
             raise typer.Exit(EXIT_ERROR) from None
-        except KeyboardInterrupt:
-            Output.error("interrupted; no partial output was left behind")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt as e:
+            stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
+            Output.error(f"{stopped}; no partial output was left behind")
+            raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
         except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
             if debug:
                 traceback.print_exc()
@@ -100,6 +103,7 @@ def main() -> None:
     0.5 s per invocation, and nothing is left to clean up by then (outputs are fsynced and renamed,
     temporary files removed, the process group destroyed here). ``ZCKPT_FAST_EXIT=0`` keeps the normal
     interpreter exit (for embedding or debugging)."""
+    signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
     try:
         app()
         code: object = 0
@@ -111,6 +115,14 @@ def main() -> None:
     if os.environ.get("ZCKPT_FAST_EXIT", "1") == "0":
         raise SystemExit(code)
     _fast_exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is so that it unwinds like Ctrl-C (staging folders removed)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def _fast_exit(code: object) -> None:

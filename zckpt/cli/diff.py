@@ -15,7 +15,9 @@ EXIT_DIFFERENT = 1
 
 SideArg = Annotated[
     Path,
-    typer.Argument(help="A checkpoint of any supported format (folder or file).", show_default=False),
+    typer.Argument(
+        readable=False, help="A checkpoint of any supported format (folder or file).", show_default=False
+    ),
 ]
 AtolOpt = Annotated[
     float, typer.Option("--atol", min=0.0, help="Absolute tolerance: |a-b| <= atol + rtol*|b|.")

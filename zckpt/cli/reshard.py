@@ -29,14 +29,16 @@ class Target(str, enum.Enum):
 SrcArg = Annotated[
     Path,
     typer.Argument(
+        readable=False,
         help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3; an HF "
-        "Trainer checkpoint-N folder comes out complete (side files copied, RNG files mapped)."
+        "Trainer checkpoint-N folder comes out complete (side files copied, RNG files mapped).",
     ),
 ]
 DstArg = Annotated[
     Path | None,
     typer.Argument(
-        help="Output checkpoint folder (must not be inside SRC). Default: sibling <SRC>-world<N>."
+        readable=False,
+        help="Output checkpoint folder (must not be inside SRC). Default: sibling <SRC>-world<N>.",
     ),
 ]
 WorldOpt = Annotated[int, typer.Option("--world", "-w", min=1, help="New data-parallel world size.")]

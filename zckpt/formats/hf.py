@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import CorruptCheckpoint, ShardMismatch
+from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import safetensors, storage
@@ -58,9 +58,19 @@ def _folder_layout(folder: Path) -> tuple[str, Path] | None:
     return None
 
 
+_NATIVE_RANK = re.compile(r"^rank_\d{5}\.safetensors$")
+_NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
+
+
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
     """(entries, tied aliases, raw metadata) of one safetensors file."""
     h = safetensors.read_header(path)
+    if _NATIVE_RANK.match(path.name) and any(k.startswith(_NATIVE_KEYS) for k in h.tensors):
+        raise KeyMappingError(
+            f"{path}: one rank file of a zckpt-native checkpoint; alone it holds partitions, not the model",
+            hint=f"give the tag folder that holds it ({path.parent}) or the folder holding `latest`",
+            path=str(path),
+        )
     roles = _flat.json_map(h.metadata.get(_flat.ROLES_KEY), _flat.ROLES_KEY, path)
     entries = []
     for name, e in h.tensors.items():

@@ -177,7 +177,7 @@ def fp32_flats(osds: list[Node], key: str, groups: int, what: str) -> list[list[
 
 
 def optim_entries(
-    lay: Layout, states: list[dict[int, Node]], sizes: list[list[int]], skipped: list[str]
+    lay: Layout, states: list[dict[int, Node]], sizes: list[list[int]]
 ) -> tuple[list[TensorEntry], list[str]]:
     """Per-param OPTIM entries from per-rank ``{slot: state node}``. A flat state (1-D, the rank's padded
     slot length ``sizes[r][slot]``) is cut like the fp32 partition; a scalar (``step``: 0-d tensor or Python
@@ -206,7 +206,12 @@ def optim_entries(
                 elif is_scalar(val):
                     scalars[(r, slot)] = val
                 else:
-                    skipped.append(f"{s}: group {slot} on rank {r} is neither a flat partition nor a scalar")
+                    raise ShardMismatch(
+                        f"{v.file}: {v.where} is neither a flat partition of group {slot} "
+                        f"({sizes[r][slot] if slot < len(sizes[r]) else '?'} elements) nor a scalar",
+                        hint="model and optimizer files come from different runs, or the file was altered",
+                        path=v.file,
+                    )
         for name in lay.shapes:
             runs, slot = lay.runs[name], lay.slot_of[name]
             r0 = runs[0].rank if runs else 0

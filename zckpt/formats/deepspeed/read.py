@@ -249,17 +249,14 @@ def _partitioned(
     sp = m0.get("shared_params")
     body.tied = {a: o.as_str() for a, o in sp.items()} if sp is not None else tied_from_module(module, set())
     body.entries = part.layout.entries(part.flats, Role.PARAM, None)
-    skipped: list[str] = []
     states = [dict((b.get("state") or Node({}, b.file)).int_items()) for b in bases]
-    opt_entries, body.state_names = optim_entries(part.layout, states, part.sizes, skipped)
+    opt_entries, body.state_names = optim_entries(part.layout, states, part.sizes)
     body.entries += _frozen(models, module, part, body.tied, ws, is3)
     body.entries += opt_entries
     body.groups = list(bases[0].get("param_groups") or Node([], bases[0].file))
     for name, slot in part.layout.slot_of.items():
         body.names_by_slot.setdefault(slot, []).append(name)
     body.extra = {"bf16_optimizer": bf16_opt, ("sub_groups" if is3 else "param_groups"): part.groups}
-    if skipped:
-        body.extra["skipped_states"] = skipped
     return body
 
 
