@@ -62,6 +62,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if not debug:  # library warnings as one `warning: ...` line, not file:line + source
                     warnings.showwarning = _one_line_warning
                 return fn(*args, **kwargs)
+        except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
+            raise
         except ZckptError as e:
             if debug:
                 traceback.print_exc()
