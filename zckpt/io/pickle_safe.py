@@ -226,7 +226,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "list"): list,
     ("builtins", "dict"): dict,
     ("builtins", "tuple"): tuple,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): None,  # filled below: never bytearray(n), which allocates n bytes
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
     ("_codecs", "encode"): None,  # filled below: protocol-2 pickles spell bytes with it
@@ -249,6 +249,18 @@ def _codecs_encode(obj: str, encoding: str = "utf-8") -> bytes:
 
 
 _ALLOWED[("_codecs", "encode")] = _codecs_encode
+
+
+def _bytearray(source: bytes | str = b"", encoding: str = "latin1") -> bytearray:
+    """``bytearray`` for what pickles spell it with (bytes, or a str and an encoding), never from a size."""
+    if isinstance(source, str):
+        return bytearray(_codecs_encode(source, encoding))
+    if not isinstance(source, (bytes, bytearray)):
+        raise UnsafePickle(f"refusing bytearray({type(source).__name__}): a pickle may not size an allocation")
+    return bytearray(source)
+
+
+_ALLOWED[("builtins", "bytearray")] = _bytearray
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 # torch dtypes by attribute name (``torch.float16``), looked up in a fixed table: ``getattr(torch, name)``
 # would run torch's module ``__getattr__``, which imports submodules (``torch._dynamo``) and calls
