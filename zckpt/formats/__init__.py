@@ -6,6 +6,7 @@ elif. Order matters: more specific layouts are detected first.
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
@@ -18,6 +19,7 @@ _MODULES = (
     "zckpt.formats.hf",
     "zckpt.formats.torch_file",
 )
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 _TELLTALES = (
     "manifest.json",
     "latest",
@@ -52,6 +54,12 @@ def detect(path: str | Path) -> Format:
         if fmt.detect(p):
             return fmt
     if p.is_dir():
+        if p.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+            raise UnknownFormat(
+                f"{p}: a folder, not a {p.suffix} file, and no checkpoint zckpt recognises",
+                hint="give the file itself, or the folder holding `latest`",
+                path=str(p),
+            )
         try:
             children = sorted(p.iterdir())
         except OSError as e:
@@ -64,6 +72,15 @@ def detect(path: str | Path) -> Format:
             raise UnknownFormat(
                 f"{p}: not a checkpoint, but holds {len(inner)} ({names})",
                 hint=f"give one of them, e.g. {inner[-1]}",
+                path=str(p),
+            )
+        shards = sorted(c.name for c in children if _SHARD.search(c.name))
+        if shards:  # HF weight shards whose index is missing
+            index = _SHARD.sub(r".\1.index.json", shards[0])
+            raise UnknownFormat(
+                f"{p}: holds weight shards ({', '.join(shards[:2])}{', ...' if len(shards) > 2 else ''}) "
+                f"but not their index {index}",
+                hint="restore the index file, or give one shard file to read it alone",
                 path=str(p),
             )
         known = [c.name for c in children if c.name in _TELLTALES][:3]

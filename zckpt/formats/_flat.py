@@ -33,6 +33,18 @@ def json_map(raw: str | None, key: str, path: Path) -> dict[str, str]:
     return dict(val)
 
 
+def tied_map(val: object, key: str, path: Path | str) -> dict[str, str]:
+    """``{alias: owner}`` as recorded under ``key``: names to names, no alias its own owner."""
+    if not isinstance(val, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in val.items()
+    ):
+        raise CorruptCheckpoint(f"{path}: {key!r} must map names to names", path=str(path))
+    for alias, owner in val.items():
+        if alias == owner:
+            raise CorruptCheckpoint(f"{path}: {key!r}: alias {alias!r:.80} is tied to itself", path=str(path))
+    return dict(val)
+
+
 def role_of(name: str, dtype: torch.dtype, roles: Mapping[str, str], path: Path) -> Role:
     """The role recorded for ``name``, else by dtype: floating tensors are params, the others buffers."""
     default = Role.PARAM if (dtype.is_floating_point or dtype.is_complex) else Role.BUFFER

@@ -80,7 +80,8 @@ def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[st
                 name, e.shape, e.dtype, role, (Piece(str(path), e.begin, e.dtype, 0, e.numel),), path
             )
         )
-    return entries, _flat.json_map(h.metadata.get(_flat.TIED_KEY), _flat.TIED_KEY, path), h.metadata
+    tied = _flat.json_map(h.metadata.get(_flat.TIED_KEY), _flat.TIED_KEY, path)
+    return entries, _flat.tied_map(tied, _flat.TIED_KEY, path), h.metadata
 
 
 def _read_json(path: Path) -> Any:
@@ -101,13 +102,7 @@ def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         raise CorruptCheckpoint(f"{path}: index has no valid weight_map", path=str(path))
     md = idx.get("metadata") or {}
     tied = md.get(_flat.TIED_KEY) or {} if isinstance(md, dict) else None
-    if not isinstance(tied, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in tied.items()
-    ):
-        raise CorruptCheckpoint(
-            f"{path}: metadata[{_flat.TIED_KEY!r}] must map names to names", path=str(path)
-        )
-    return dict(wm), dict(tied)
+    return dict(wm), _flat.tied_map(tied, f"metadata.{_flat.TIED_KEY}", path)
 
 
 def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:

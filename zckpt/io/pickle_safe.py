@@ -256,7 +256,9 @@ def _bytearray(source: bytes | str = b"", encoding: str = "latin1") -> bytearray
     if isinstance(source, str):
         return bytearray(_codecs_encode(source, encoding))
     if not isinstance(source, (bytes, bytearray)):
-        raise UnsafePickle(f"refusing bytearray({type(source).__name__}): a pickle may not size an allocation")
+        raise UnsafePickle(
+            f"refusing bytearray({type(source).__name__}): a pickle may not size an allocation"
+        )
     return bytearray(source)
 
 
@@ -417,7 +419,9 @@ def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False, max_byte
     _prescan(data, source)
     try:
         obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
-    except UnsafePickle:
+    except UnsafePickle as e:
+        if e.path is None:  # raised by an allowlisted constructor, which does not know the file
+            raise UnsafePickle(f"{source}: {e}", hint=e.hint, path=source) from None
         raise
     except Exception as e:  # noqa: BLE001 - whatever a damaged pickle makes a constructor raise
         msg = f"{source}: unreadable pickle ({type(e).__name__}: {str(e)[:120]})"

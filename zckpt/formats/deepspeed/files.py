@@ -6,6 +6,7 @@ checkpoint from these files.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ def detect(path: Path) -> bool:
 
 def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
     """(save dir, tag, tag folder)."""
+    path = Path(os.path.abspath(path))  # "." names its folder: a tag's save dir is its real parent
     if not path.is_dir():
         raise UnknownFormat(
             f"{path}: not a folder; a DeepSpeed checkpoint is a folder", hint=_TAG_HINT, path=str(path)

@@ -11,7 +11,10 @@ on demand. Everything that is not a tensor becomes the ``TrainingState``. ``deep
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -316,33 +319,51 @@ def _signature(o: Node) -> tuple[tuple[float, ...], Any]:
     return tuple(sorted(steps)), scale
 
 
+def _odd_one(files: list[Node], value: Callable[[Node], str]) -> tuple[Node, Node] | None:
+    """(a file whose ``value`` is not the majority's, a file that holds the majority's), or None when all
+    agree: the message then names the file that is likely mixed in, not whichever came last."""
+    vals = [value(n) for n in files]
+    if len(set(vals)) <= 1:
+        return None
+    common = Counter(vals).most_common(1)[0][0]
+    odd = next(n for n, v in zip(files, vals, strict=True) if v != common)
+    return odd, files[vals.index(common)]
+
+
+def _value_repr(n: Node, key: str) -> str:
+    return repr(n.value.get(key))
+
+
 def _cross_check(models: list[Node], osds: list[Node]) -> None:
     """Files of one save agree: same DeepSpeed version, config, step and loss scale everywhere."""
     for key in ("ds_version", "global_steps"):
-        vals = {repr(m.value.get(key)) for m in models}
-        if len(vals) > 1:
+        pair = _odd_one(models, partial(_value_repr, key=key))
+        if pair:
+            odd, ref = pair
             raise ShardMismatch(
-                f"{models[-1].file}: {key} differs between rank files ({', '.join(sorted(vals))})",
+                f"{odd.file}: {key} {odd.value.get(key)!r:.40} differs from {Path(ref.file).name}'s "
+                f"{ref.value.get(key)!r:.40}",
                 hint="files of two saves are mixed",
-                path=models[-1].file,
+                path=odd.file,
             )
-    sigs = [_signature(o) for o in osds]
-    for o, sig in zip(osds, sigs, strict=True):
-        if sig != sigs[0]:
-            raise ShardMismatch(
-                f"{o.file}: its optimizer step or loss scale {sig} differs from rank 0's {sigs[0]}",
-                hint="a rank file of another save is mixed in",
-                path=o.file,
-            )
-    files = models + osds
-    cfgs = {
-        repr(to_json(n.value.get("ds_config"))) for n in files if isinstance(n.value.get("ds_config"), dict)
-    }
-    if len(cfgs) > 1:
+    sigs = {id(o): _signature(o) for o in osds}
+    pair = _odd_one(osds, lambda o: repr(sigs[id(o)]))
+    if pair:
+        odd, ref = pair
         raise ShardMismatch(
-            f"{files[-1].file}: ds_config differs between rank files",
+            f"{odd.file}: its optimizer step or loss scale {sigs[id(odd)]} differs from "
+            f"{Path(ref.file).name}'s {sigs[id(ref)]}",
+            hint="a rank file of another save is mixed in",
+            path=odd.file,
+        )
+    with_cfg = [n for n in models + osds if isinstance(n.value.get("ds_config"), dict)]
+    pair = _odd_one(with_cfg, lambda n: repr(to_json(n.value.get("ds_config"))))
+    if pair:
+        odd, ref = pair
+        raise ShardMismatch(
+            f"{odd.file}: ds_config differs from {Path(ref.file).name}'s",
             hint="files of two runs are mixed",
-            path=files[-1].file,
+            path=odd.file,
         )
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zckpt.errors import CorruptCheckpoint
+from zckpt.formats._flat import tied_map
 from zckpt.formats._schema import Node
 from zckpt.model import DTYPES, Role
 
@@ -87,6 +89,15 @@ class OptimSpec:
         }
 
 
+def _unique(tensors: tuple[TensorSpec, ...], file: str) -> tuple[TensorSpec, ...]:
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise CorruptCheckpoint(f"{file}: tensors lists {t.name!r:.80} twice", path=file)
+        seen.add(t.name)
+    return tensors
+
+
 @dataclass(frozen=True)
 class Manifest:
     """``manifest.json``. JSON-valued fields (optimizer, scheduler, ...) are kept as saved."""
@@ -156,10 +167,10 @@ class Manifest:
             stage=m["stage"].as_int(lo=0, hi=3),
             precision=m["precision"].as_str(),
             compute_dtype=_dtype(m.get("compute_dtype"), "float32"),
-            tensors=tuple(_tensor(n) for n in m["tensors"]),
+            tensors=_unique(tuple(_tensor(n) for n in m["tensors"]), file),
             optim_states=tuple(_optim(n) for n in m["optim_states"]),
             files=files,
-            tied={a: o.as_str() for a, o in (m.get("tied") or Node({}, file)).items()},
+            tied=tied_map(m.value.get("tied") or {}, "tied", file),
             optimizer=_opt(m.get("optimizer")),
             scheduler=m.value.get("scheduler"),
             loss_scaler=m.value.get("loss_scaler"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,15 @@ MAX_MANIFEST = 256 << 20
 
 
 def is_tag_dir(p: Path) -> bool:
+    """A folder with our ``manifest.json``: its format field says so, or rank 0's file lies beside it (a
+    manifest with a damaged format field is then reported by ``read``, not taken for a foreign folder)."""
     m = p / L.MANIFEST
     try:
         with storage.open_regular(m) as f:
             head = f.read(4096)
     except (OSError, CorruptCheckpoint):
         return False
-    return f'"format": "{L.FORMAT_ID}"'.encode() in head
+    return f'"format": "{L.FORMAT_ID}"'.encode() in head or (p / L.rank_file(0)).is_file()
 
 
 def detect(path: Path) -> bool:
@@ -54,6 +57,7 @@ def detect(path: Path) -> bool:
 
 def resolve(path: Path, tag: str | None = None) -> tuple[Path | None, Path]:
     """(save folder or None, tag folder) for ``path`` (a save folder with ``latest``, or a tag folder)."""
+    path = Path(os.path.abspath(path))  # "." names its folder: a tag's save dir is its real parent
     if tag is not None:
         if not valid_tag(tag):
             raise CorruptCheckpoint(f"--tag {tag!r:.80} is not a folder name", path=str(path))
