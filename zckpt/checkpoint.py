@@ -7,6 +7,7 @@ for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly th
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,10 @@ from zckpt.errors import CorruptCheckpoint, KeyMappingError
 from zckpt.io import spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
+
+
+def _file_of(e: TensorEntry, default: str) -> str:
+    return e.pieces[0].file if e.pieces else default
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
@@ -28,18 +33,24 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         self.entries: dict[str, TensorEntry] = {}
         for e in entries:
             if e.key in self.entries:
-                raise CorruptCheckpoint(f"{meta.path}: tensor {e.key!r} appears twice")
+                first, again = _file_of(self.entries[e.key], meta.path), _file_of(e, meta.path)
+                also = f" (also in {Path(first).name})" if first != again else ""
+                raise CorruptCheckpoint(f"{again}: tensor {e.key!r:.80} appears twice{also}", path=again)
             self.entries[e.key] = e
         for alias, owner in meta.tied.items():
+            where = meta.tie_file(alias)
             if owner not in self.entries:
+                what = "another alias" if owner in meta.tied else "missing owner"
                 raise CorruptCheckpoint(
-                    f"{meta.path}: tied alias {alias!r:.80} names missing owner {owner!r:.80}", path=meta.path
+                    f"{where}: tied alias {alias!r:.80} names {what} {owner!r:.80}",
+                    hint="the tie metadata is damaged",
+                    path=where,
                 )
             if alias in self.entries:
                 raise CorruptCheckpoint(
-                    f"{meta.path}: tied alias {alias!r:.80} is also a tensor of its own",
+                    f"{where}: tied alias {alias!r:.80} is also a tensor of its own",
                     hint="the tie metadata is damaged",
-                    path=meta.path,
+                    path=where,
                 )
         self._model_keys = [k for k, e in self.entries.items() if e.role.is_model]
         self._model_keys += [a for a in meta.tied if a not in self.entries]

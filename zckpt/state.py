@@ -113,6 +113,8 @@ class CheckpointMeta:
     """The folder holding ``latest`` and the other tags, for formats that have one."""
     tied: Mapping[str, str] = field(default_factory=dict)
     """``{alias: owner}`` of tied parameters; only owners have entries."""
+    tied_files: Mapping[str, str] = field(default_factory=dict)
+    """``{alias: file}``: the file that records each tie, named when the tie is bad (default ``path``)."""
     files: tuple[str, ...] = ()
     state: TrainingState = field(default_factory=TrainingState)
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -124,9 +126,12 @@ class CheckpointMeta:
             raise CorruptCheckpoint(f"{self.path}: world size {self.world_size}", path=self.path)
         for alias, owner in self.tied.items():
             if alias == owner:
-                raise CorruptCheckpoint(
-                    f"{self.path}: tied alias {alias!r:.80} points at itself", path=self.path
-                )
+                where = self.tie_file(alias)
+                raise CorruptCheckpoint(f"{where}: tied alias {alias!r:.80} points at itself", path=where)
+
+    def tie_file(self, alias: str) -> str:
+        """The file that records ``alias``'s tie."""
+        return self.tied_files.get(alias, self.path)
 
     @property
     def stage(self) -> int | None:

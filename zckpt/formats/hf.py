@@ -123,6 +123,7 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
             raise ShardMismatch(
                 f"{file}: shard files listed in the index are missing: {', '.join(missing)}", path=str(file)
             )
+    tied_files = dict.fromkeys(tied, str(file))
     entries: list[TensorEntry] = []
     for f in files:
         if f.suffix == ".safetensors":
@@ -131,12 +132,18 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
             es, t, _ = torch_file.file_entries(f, trust_pickle=trust_pickle)
         entries += es
         tied.update(t)
+        tied_files.update(dict.fromkeys(t, str(f)))
     extra: dict[str, Any] = {}
     if weight_map is not None:
         _check_index(file, weight_map, entries, tied)
         extra["index"] = str(file)
     meta = CheckpointMeta(
-        format=NAME, path=str(path), tied=tied, files=tuple(str(f) for f in files), extra=extra
+        format=NAME,
+        path=str(path),
+        tied=tied,
+        tied_files=tied_files,
+        files=tuple(str(f) for f in files),
+        extra=extra,
     )
     return Checkpoint(meta, entries)
 
@@ -276,7 +283,12 @@ class HfFormat(Format):
         entries, tied, md = file_entries(path)
         return Checkpoint(
             CheckpointMeta(
-                format=NAME, path=str(path), tied=tied, files=(str(path),), extra={"metadata": md}
+                format=NAME,
+                path=str(path),
+                tied=tied,
+                tied_files=dict.fromkeys(tied, str(path)),
+                files=(str(path),),
+                extra={"metadata": md},
             ),
             entries,
         )

@@ -251,7 +251,13 @@ class TorchFileFormat(Format):
         entries, tied, extra = file_entries(path, trust_pickle=trust_pickle)
         state = TrainingState(counters=Counters(global_steps=extra.pop("step", None)))
         meta = CheckpointMeta(
-            format=NAME, path=str(path), tied=tied, files=(str(path),), state=state, extra=extra
+            format=NAME,
+            path=str(path),
+            tied=tied,
+            tied_files=dict.fromkeys(tied, str(path)),
+            files=(str(path),),
+            state=state,
+            extra=extra,
         )
         return Checkpoint(meta, entries)
 

@@ -32,14 +32,16 @@ MAX_MANIFEST = 256 << 20
 
 def is_tag_dir(p: Path) -> bool:
     """A folder with our ``manifest.json``: its format field says so, or rank 0's file lies beside it (a
-    manifest with a damaged format field is then reported by ``read``, not taken for a foreign folder)."""
+    damaged or unreadable manifest is then reported by ``read``, not taken for a foreign folder)."""
     m = p / L.MANIFEST
+    if os.path.lexists(m) and (p / L.rank_file(0)).is_file():
+        return True
     try:
         with storage.open_regular(m) as f:
             head = f.read(4096)
     except (OSError, CorruptCheckpoint):
         return False
-    return f'"format": "{L.FORMAT_ID}"'.encode() in head or (p / L.rank_file(0)).is_file()
+    return f'"format": "{L.FORMAT_ID}"'.encode() in head
 
 
 def detect(path: Path) -> bool:
@@ -260,7 +262,7 @@ def _state(files: _Files) -> TrainingState:
 
 def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
     save_dir, td = resolve(Path(path), tag)
-    if not (td / L.MANIFEST).is_file():
+    if not os.path.lexists(td / L.MANIFEST):
         raise CorruptCheckpoint(
             f"{td}: no {L.MANIFEST} (an unfinished save, or not a tag folder)", path=str(td)
         )
@@ -276,6 +278,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         tag=man.tag,
         save_dir=str(save_dir) if save_dir is not None else None,
         tied=dict(man.tied),
+        tied_files=dict.fromkeys(man.tied, str(td / L.MANIFEST)),
         files=tuple(str(td / L.rank_file(r)) for r in range(man.world_size)),
         state=state,
         extra={"version": man.version, "partition_world": man.partition_world},

@@ -1,0 +1,21 @@
+"""The hostile-input suite's fixed selection (``tests/fuzz``, seed 0, 60 cases) as one test: each damaged
+checkpoint is refused with one line naming the file at fault, or read to the same answer as the intact
+one; nothing is left half-written and the input is never changed. Longer runs, other seeds:
+``python -m tests.fuzz.suite --seed S --cases N --report fuzz.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fuzz import suite
+
+pytestmark = pytest.mark.slow
+
+
+def test_fast_selection_has_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = suite.main(["--fast", "--strict", "--report", str(tmp_path / "fuzz.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-6000:]
+    assert "60 cases" in out, out[-2000:]
