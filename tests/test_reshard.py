@@ -259,6 +259,20 @@ def test_cli_bare_form_writes_sibling(tmp_path: Path) -> None:
         reshard(run_dir, run_dir / "inside", world=2, progress=False)
     with pytest.raises(OutputExists):
         reshard(run_dir, out, world=2, progress=False)
+    # from inside a tag folder: the output is the save folder's sibling, keeping the tag; nothing lands
+    # in the save folder beside the other tags
+    tag = (run_dir / "latest").read_text().strip()
+    p = subprocess.run(
+        [sys.executable, "-c", code, "reshard", "--world", "3", "--no-progress"],
+        cwd=run_dir / tag,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    out3 = tmp_path / "ckpt-world3"
+    assert (out3 / "latest").read_text().strip() == tag and zckpt.open(out3).meta.world_size == 3
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
 
 
 # ---- the engine: native checkpoints --------------------------------------------------------------

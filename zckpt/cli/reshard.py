@@ -1,7 +1,8 @@
 """``zckpt reshard [SRC [DST]] --world N``: rewrite a sharded checkpoint for another world size.
 
 Run bare inside a run's checkpoint folder (``zckpt reshard --world 8``): SRC is ``.`` and DST the
-sibling folder ``<folder>-world8``; the source is never written to. Under ``torchrun`` (``WORLD_SIZE`` > 1)
+sibling folder ``<folder>-world8`` (from inside a tag folder, the save folder's sibling); the source and
+its save folder are never written to. Under ``torchrun`` (``WORLD_SIZE`` > 1)
 the processes split the rank files between them (see ``zckpt.ops.reshard``); only rank 0 prints the result.
 """
 

@@ -64,7 +64,7 @@ class ReshardResult:
 
 def default_dst(src: Path, world: int) -> Path:
     """Bare ``zckpt reshard --world N`` inside a run's checkpoint folder writes a *sibling* folder
-    ``<src>-world<N>`` (never inside the source)."""
+    ``<src>-world<N>`` (never inside the source); ``src`` is the save folder when there is one."""
     s = src.resolve()
     return s.with_name(f"{s.name}-world{world}")
 
