@@ -234,7 +234,7 @@ def consolidate(
 
         p, st = g.step("consolidate: planning the output", make_plan)
         staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
-        g.step("consolidate: agreeing on the output plan", lambda: _same_plan(g, p.digest, digest0))
+        g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
         files = _write(g, p, Path(staging), st, progress, workers, verify_data)
     return _result(out, p, files)
@@ -261,15 +261,6 @@ def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: 
     if isinstance(ckpt_or_path, Checkpoint):
         return ckpt_or_path
     return open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
-
-
-def _same_plan(g: zgroup.Group, mine: str, rank0: str) -> None:
-    if mine != rank0:
-        raise KeyMappingError(
-            f"rank {g.rank}: the output plan differs from rank 0's (another checkpoint, tag or "
-            "options on this rank?)",
-            hint="give every rank the same checkpoint and options",
-        )
 
 
 def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:

@@ -76,6 +76,19 @@ class Group:
             hint=f"see rank {first_rank}'s error for the cause",
         )
 
+    def check_same(self, what: str, mine: str, rank0: str) -> None:
+        """Vote that this rank's ``mine`` (a plan digest) equals rank 0's ``rank0``."""
+
+        def same() -> None:
+            if mine != rank0:
+                raise KeyMappingError(
+                    f"rank {self.rank}: {what} differs from rank 0's (another checkpoint, tag or options on "
+                    "this rank?)",
+                    hint="give every rank the same checkpoint and options",
+                )
+
+        self.step(f"agreeing on {what}", same)
+
     def step(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on this rank, then vote (``agree``): its result on every rank when all succeeded."""
         err: BaseException | None = None

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError, Unsupported
+from zckpt.errors import Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.io import checks
@@ -187,7 +187,7 @@ def reshard(
 
         st = g.step("reshard: staging the output", make_staging)
         staging, digest0 = g.broadcast((str(st.dir), job.digest) if st is not None else None)
-        g.step("reshard: agreeing on the output plan", lambda: _same_plan(g, job.digest, digest0))
+        g.check_same("the reshard plan", job.digest, digest0)
         mine = g.step(
             "reshard: writing rank files", lambda: _write_units(g, job, Path(staging), progress, verify_data)
         )
@@ -211,15 +211,6 @@ def reshard(
     res.bytes_written = sum(n for _, n in written)
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def _same_plan(g: zgroup.Group, mine: str, rank0: str) -> None:
-    if mine != rank0:
-        raise KeyMappingError(
-            f"rank {g.rank}: the reshard plan differs from rank 0's (another checkpoint, tag or "
-            "options on this rank?)",
-            hint="give every rank the same checkpoint and options",
-        )
 
 
 def _write_units(

@@ -367,25 +367,19 @@ def _cross_check(models: list[Node], osds: list[Node]) -> None:
         )
 
 
-_REPRESENTED = frozenset(
+_VERBATIM = frozenset(
     [
-        "module",
-        "buffer_names",
-        "optimizer",
-        "param_shapes",
-        "frozen_param_shapes",
-        "shared_params",
-        "frozen_param_fragments",
-        "lr_scheduler",
-        "skipped_steps",
-        "global_steps",
-        "global_samples",
-        "dp_world_size",
-        "mp_world_size",
-        "ds_config",
-        "ds_version",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "csr_tensor_module_names",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "ds_autoep_layers",
+        "autoep_layers",
     ]
 )
+_REPRESENTED = DS_KEYS - _VERBATIM
 """DeepSpeed's keys that the entries or the typed state already carry; the others travel verbatim."""
 
 
