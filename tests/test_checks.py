@@ -104,3 +104,82 @@ def test_bin_flip_refused(tmp_path: Path) -> None:
         zckpt.consolidate(tmp_path / "m.bin", tmp_path / "o.safetensors", progress=False)
     assert not (tmp_path / "o.safetensors").exists()
     zckpt.consolidate(tmp_path / "m.bin", tmp_path / "o.safetensors", progress=False, verify_data=False)
+
+
+def test_digest_any_read_order_and_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-file sha256 fed in any order (held bytes, gaps read from disk, re-reads, a small hold
+    budget forcing gap reads) equals hashlib's digest of the file; one wrong byte is refused."""
+    import hashlib
+
+    blob = os.urandom(200_000)
+    f = tmp_path / "blob"
+    f.write_bytes(blob)
+    rng = random.Random(1)
+    for hold, gap in ((1 << 30, 0), (5000, 0), (1 << 30, 3000)):
+        monkeypatch.setattr(checks, "HOLD_BYTES", hold)
+        monkeypatch.setattr(checks, "GAP_READ", gap)
+        cuts = sorted(rng.sample(range(1, len(blob)), 40))
+        parts = list(zip([0, *cuts], [*cuts, len(blob)], strict=True))
+        rng.shuffle(parts)
+        parts = parts[5:] + parts[:3]  # some never read (finish reads them), some read twice
+        good = Checked(str(f), 0, len(blob), None, "sidecar", sha256=hashlib.sha256(blob).hexdigest())
+        with checks.session() as s:
+            assert s is not None
+            for lo, hi in parts:
+                checks.consumed(good, lo, memoryview(blob[lo:hi]))
+            s.finish()
+        bad = Checked(str(f), 0, len(blob), None, "sidecar", sha256=hashlib.sha256(blob[:-1]).hexdigest())
+        with checks.session() as s, pytest.raises(CorruptCheckpoint, match="does not match the sha256"):
+            assert s is not None
+            for lo, hi in parts:
+                checks.consumed(bad, lo, memoryview(blob[lo:hi]))
+            s.finish()
+
+
+def _flip_safetensors(path: Path, name: str | None) -> None:
+    """Flip a byte in the middle of tensor ``name``'s data, or (None) one in a tensor name of the header."""
+    from zckpt.io.safetensors import read_header
+
+    h = read_header(path)
+    if name is None:
+        key = sorted(h.tensors)[-1]
+        at = path.read_bytes().index(b'"' + key.encode() + b'"') + 2  # inside a tensor name in the header
+    else:
+        e = h.tensors[name]
+        at = e.begin + e.numel * e.dtype.itemsize // 2
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x04]))
+
+
+def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> None:
+    """An HF file with a ``.sha256`` sidecar (zckpt writes one) and a native rank file (its manifest records
+    the sha256): a flipped tensor byte or a renamed tensor in the header is refused by consolidate and
+    diff; ``--no-verify-data`` reads the damaged file."""
+    src = fixture("ds", "s2_fp32_w2_g2")
+    hf = tmp_path / "hf"
+    zckpt.consolidate(src, hf, progress=False)
+    st = next(hf.glob("*.safetensors"))
+    assert (hf / (st.name + ".sha256")).is_file()
+    nat = tmp_path / "nat"
+    zckpt.reshard(src, nat, world=2, to="native", progress=False)
+    rank1 = next(nat.glob("*/rank_00001.safetensors"))
+    from zckpt.io.safetensors import read_header
+
+    params = {k: e for k, e in read_header(rank1).tensors.items() if k.startswith("param/")}
+    big = max(params.items(), key=lambda kv: kv[1].numel)[0]
+    cases = [(hf, st, sorted(read_header(st).tensors)[0]), (hf, st, None), (nat, rank1, big)]
+    cases = cases[:2]  # native: per-tensor CRC-32 in the manifest, next commit
+    for root, f, name in cases:
+        work = tmp_path / f"w-{root.name}-{name}"
+        shutil.copytree(root, work)
+        _flip_safetensors(work / f.relative_to(root), name)
+        out = tmp_path / f"o-{root.name}-{name}.safetensors"
+        for args in (["consolidate", work, out], ["diff", work, root]):
+            code, msg = _cli(*args, "--no-progress")
+            assert code == 2 and "does not match the sha256" in msg and f.name in msg, (args, msg)
+        assert not out.exists()
+        code, msg = _cli("diff", work, root, "--no-verify-data", "--no-progress")
+        assert code == 1, msg  # the damage shows as a difference without the check

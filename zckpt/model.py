@@ -87,14 +87,16 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Checked:
-    """A stored byte range whose checksum its file records: ``size`` bytes at ``start`` of ``file``, CRC-32
-    ``crc32`` (a zip record: ``what`` names it). Pieces inside it carry it so reads can verify it."""
+    """A stored byte range whose checksum is recorded: ``size`` bytes at ``start`` of ``file`` with CRC-32
+    ``crc32`` (a zip record), or a whole file with its ``sha256`` (a ``.sha256`` sidecar, a native
+    manifest's digest); ``what`` names it. Pieces inside it carry it so reads can verify it."""
 
     file: str
     start: int
     size: int
-    crc32: int
+    crc32: int | None
     what: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -19,6 +19,7 @@ zckpt's own metadata (``zckpt.formats._flat``), written here and read back:
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,12 +29,12 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
-from zckpt.io import safetensors, storage
+from zckpt.io import integrity, safetensors, storage
 from zckpt.io.integrity import Problem, VerifyContext
 from zckpt.io.items import WriteItem
 from zckpt.io.shards import planned_names, write_sharded
 from zckpt.io.staging import Staging
-from zckpt.model import Piece, TensorEntry
+from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 
 NAME = "hf"
@@ -62,6 +63,18 @@ _NATIVE_RANK = re.compile(r"^rank_\d{5}\.safetensors$")
 _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
+def _sidecar_check(path: Path) -> Checked | None:
+    """The whole-file sha256 of ``<path>.sha256``, verified as the file's tensors are read."""
+    digest = integrity.sidecar_digest(path)
+    if isinstance(digest, Problem):
+        raise CorruptCheckpoint(
+            str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
+        )
+    if digest is None:
+        return None
+    return Checked(str(path), 0, os.stat(path).st_size, None, "checksum sidecar", sha256=digest)
+
+
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
     """(entries, tied aliases, raw metadata) of one safetensors file."""
     h = safetensors.read_header(path)
@@ -72,14 +85,12 @@ def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[st
             path=str(path),
         )
     roles = _flat.json_map(h.metadata.get(_flat.ROLES_KEY), _flat.ROLES_KEY, path)
+    check = _sidecar_check(path)
     entries = []
     for name, e in h.tensors.items():
         role = _flat.role_of(name, e.dtype, roles, path)
-        entries.append(
-            _flat.entry_of(
-                name, e.shape, e.dtype, role, (Piece(str(path), e.begin, e.dtype, 0, e.numel),), path
-            )
-        )
+        piece = Piece(str(path), e.begin, e.dtype, 0, e.numel, check=check)
+        entries.append(_flat.entry_of(name, e.shape, e.dtype, role, (piece,), path))
     tied = _flat.json_map(h.metadata.get(_flat.TIED_KEY), _flat.TIED_KEY, path)
     return entries, _flat.tied_map(tied, _flat.TIED_KEY, path), h.metadata
 

@@ -1,18 +1,23 @@
 """Checksums verified while tensor bytes stream through: a flipped bit in a checkpoint becomes an error, not a
 wrong weight in the output.
 
-Formats that record a checksum over stored bytes attach it to their pieces (``Piece.check``: a zip record's
-CRC-32 for DeepSpeed rank files, torch ``.bin``/``.pt`` files and DCP chunk archives). Inside a ``session``
-every read of such bytes (``zckpt.io.spans``, ``zckpt.io.pipeline``) reports them here: each record's CRC
-is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
-out-of-order pieces combined (``crc32_combine``), and ``Session.finish`` reads the parts of each touched
-record the operation did not need (padding), then compares. Records no read touched are not checked
-(``verify`` checks every byte of every file). Operations call ``finish`` before they publish anything.
+Formats that record a checksum over stored bytes attach it to their pieces (``Piece.check``): a zip
+record's CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives) or a whole file's
+sha256 (a ``<file>.sha256`` sidecar, a native manifest's digest of a rank file). Inside a ``session`` every
+read of such bytes (``zckpt.io.spans``, ``zckpt.io.pipeline``) reports them here. A record's CRC is
+computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
+out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that arrive
+ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so
+a file read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads
+what the operation did not need of each touched record or file (padding, headers, the tail), then
+compares. Records no read touched are not checked (``verify`` checks every byte of every file).
+Operations call ``finish`` before they publish anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +34,10 @@ from zckpt.io import storage
 from zckpt.model import Checked
 
 _BUF = 8 << 20
+HOLD_BYTES = 64 << 20
+"""Bytes of one file held while they wait for the sha256 to reach them; beyond, the gap is read."""
+GAP_READ = 4 << 20
+"""A gap this small (a safetensors header, padding) is read from disk at once rather than waited for."""
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
@@ -88,17 +97,84 @@ class _Record:
         self.segments[lo] = (hi, crc)
 
 
+class _Digest:
+    """A whole file's sha256, fed in order (see the module doc)."""
+
+    def __init__(self, check: Checked) -> None:
+        self.check = check
+        self.sha = hashlib.sha256()
+        self.at = 0
+        self.held: dict[int, bytes] = {}
+        self.held_bytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, lo: int, data: memoryview) -> None:
+        with self.lock:
+            hi = lo + len(data)
+            if hi <= self.at:
+                return  # read twice: already hashed
+            if lo > self.at:
+                gap = lo - self.at
+                if gap > GAP_READ and self.held_bytes + len(data) <= HOLD_BYTES:
+                    if lo not in self.held or len(self.held[lo]) < len(data):
+                        self.held_bytes += len(data) - len(self.held.get(lo, b""))
+                        self.held[lo] = bytes(data)
+                    return
+                self._advance(lo)
+            self.sha.update(data[self.at - lo :])
+            self.at = hi
+            self._advance(None)
+
+    def _advance(self, to: int | None) -> None:
+        """Hash held bytes that now continue the hash, then (``to`` given) read from disk up to ``to``."""
+        while True:
+            for start in sorted(self.held):
+                if start > self.at:
+                    break
+                blob = self.held.pop(start)
+                self.held_bytes -= len(blob)
+                if start + len(blob) > self.at:
+                    self.sha.update(memoryview(blob)[self.at - start :])
+                    self.at = start + len(blob)
+            if to is None or self.at >= to:
+                return
+            nxt = min([s for s in self.held if s > self.at] + [to])
+            step = min(_BUF, nxt - self.at)
+            buf = torch.empty(step, dtype=torch.uint8)
+            storage.read_into(self.check.file, self.check.start + self.at, buf)
+            self.sha.update(buf.numpy())  # type: ignore[arg-type]
+            self.at += step
+
+    def finish(self) -> None:
+        with self.lock:
+            self._advance(self.check.size)
+            got = self.sha.hexdigest()
+        if got != self.check.sha256:
+            raise CorruptCheckpoint(
+                f"{self.check.file}: does not match the sha256 in its {self.check.what} (recorded "
+                f"{str(self.check.sha256)[:12]}..., read {got[:12]}...); the file changed after the save",
+                hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
+                path=self.check.file,
+            )
+
+
 class Session:
     """The checksums of one operation's reads (see the module doc)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[Checked, _Record] = {}
+        self._digests: dict[Checked, _Digest] = {}
 
     def consumed(self, check: Checked, byte_offset: int, data: memoryview) -> None:
         """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record)."""
         lo = byte_offset - check.start
         if lo < 0 or lo + len(data) > check.size or not len(data):
+            return
+        if check.sha256 is not None:
+            with self._lock:
+                d = self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
+            d.add(lo, data)
             return
         crc = crc32(data)
         with self._lock:
@@ -108,6 +184,9 @@ class Session:
         """Read what no read covered of each touched record, then compare every record's CRC-32."""
         with self._lock:
             todo = list(self._records.items())
+            digests = list(self._digests.values())
+        for d in digests:
+            d.finish()
         for check, rec in todo:
             for lo, hi in _gaps(rec, check.size):
                 for a in range(lo, hi, _BUF):

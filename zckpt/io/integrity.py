@@ -94,20 +94,30 @@ def compare_sha(f: Path, want: str, where: str, ctx: VerifyContext) -> list[Prob
     return []
 
 
-def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
-    """``f`` against its ``<f>.sha256`` sidecar, when it has one."""
+def sidecar_digest(f: Path) -> str | Problem | None:
+    """The sha256 that ``<f>.sha256`` records for ``f``; None when there is no sidecar; a ``Problem``
+    naming the sidecar when it is not one ``<hex digest>  <name>`` line for ``f``."""
     side = f.with_name(f.name + SIDECAR)
     if not side.is_file():
-        return []
+        return None
     try:
-        fields = side.read_text().split()
-    except (OSError, UnicodeDecodeError) as e:
-        return [Problem(str(side), f"unreadable checksum sidecar ({e})", "corrupt")]
-    if not fields or not re.fullmatch(r"[0-9a-f]{64}", fields[0]):
-        return [Problem(str(side), "checksum sidecar does not start with a sha256 hex digest", "corrupt")]
+        with storage.open_regular(side) as fh:
+            fields = fh.read(4096).decode().split()
+    except (OSError, UnicodeDecodeError, CorruptCheckpoint) as e:
+        return Problem(str(side), f"unreadable checksum sidecar ({e})", "corrupt")
+    if not fields or not re.fullmatch(r"[0-9a-fA-F]{64}", fields[0]):
+        return Problem(str(side), "checksum sidecar does not start with a sha256 hex digest", "corrupt")
     if len(fields) > 1 and fields[1].lstrip("*") != f.name:
-        return [Problem(str(side), f"checksum sidecar names {fields[1]!r}, not {f.name!r}", "inconsistent")]
-    return compare_sha(f, fields[0], side.name, ctx)
+        return Problem(str(side), f"checksum sidecar names {fields[1]!r:.80}, not {f.name!r}", "inconsistent")
+    return fields[0].lower()
+
+
+def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
+    """``f`` against its ``<f>.sha256`` sidecar, when it has one."""
+    want = sidecar_digest(f)
+    if want is None or isinstance(want, Problem):
+        return [want] if want else []
+    return compare_sha(f, want, f.name + SIDECAR, ctx)
 
 
 def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
