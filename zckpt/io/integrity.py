@@ -136,8 +136,10 @@ def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
 
 
 def kind_of(e: ZckptError) -> str:
-    """The ``Problem.kind`` of a reader's error."""
+    """The ``Problem.kind`` of a reader's error (from its message, not the path it names)."""
     msg = str(e)
+    if e.path and msg.startswith(f"{e.path}: "):
+        msg = msg[len(e.path) + 2 :]
     if isinstance(e, UnsafePickle):
         return "unsafe"
     if isinstance(e, Unsupported):

@@ -126,6 +126,14 @@ def read_header(path: str | Path) -> Header:
     for (_, e1, n1), (b2, e2, n2) in zip(spans, spans[1:], strict=False):
         if b2 < e1 and e2 > b2:
             raise CorruptCheckpoint(f"{p}: tensors {n1!r} and {n2!r} overlap in the data section", path=p)
+    end = max((e.end for e in tensors.values()), default=start)
+    if end != size:  # the safetensors library refuses this too (MetadataIncompleteBuffer)
+        raise CorruptCheckpoint(
+            f"{p}: {size - end} trailing bytes after the last tensor (the header covers {end - start} of "
+            f"{size - start}); the file was appended to or extended after the save",
+            hint="re-create the file, or restore it from a good copy",
+            path=p,
+        )
     ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
     return Header(ordered, meta, start, size)
 
@@ -264,8 +272,8 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor | None:
 
 
 def check_file(f: Path) -> list[Problem]:
-    """The header parses strictly and, as the spec requires, the data section is exactly covered: no
-    holes, no trailing bytes."""
+    """The header parses strictly (``read_header`` refuses trailing bytes) and, as the spec requires, the
+    data section is exactly covered: no holes."""
     try:
         h = read_header(f)
     except ZckptError as e:
@@ -277,14 +285,4 @@ def check_file(f: Path) -> list[Problem]:
                 Problem(str(f), f"{t.begin - end}-byte hole in the data section before {name!r}", "corrupt")
             ]
         end = max(end, t.end)
-    if h.size > end:
-        return [
-            Problem(
-                str(f),
-                f"{h.size - end} trailing bytes after the last tensor (the header covers "
-                f"{end - h.data_start} of {h.size - h.data_start})",
-                "corrupt",
-                "the file was appended to or its header rewritten; re-create it",
-            )
-        ]
     return []

@@ -256,7 +256,15 @@ def _partitioned(
     opt_entries, body.state_names = optim_entries(part.layout, states, part.sizes)
     body.entries += _frozen(models, module, part, body.tied, ws, is3)
     body.entries += opt_entries
-    body.groups = list(bases[0].get("param_groups") or Node([], bases[0].file))
+    per_rank = [list(b["param_groups"]) for b in bases]  # every rank's optimizer records its groups
+    for b, groups in zip(bases, per_rank, strict=True):
+        if len(groups) != len(per_rank[0]) or not groups:
+            raise ShardMismatch(
+                f"{b.file}: {len(groups)} optimizer param_groups, rank 0's file has {len(per_rank[0])}",
+                hint="a rank file is damaged or from another run",
+                path=b.file,
+            )
+    body.groups = per_rank[0]
     for name, slot in part.layout.slot_of.items():
         body.names_by_slot.setdefault(slot, []).append(name)
     body.extra = {"bf16_optimizer": bf16_opt, ("sub_groups" if is3 else "param_groups"): part.groups}

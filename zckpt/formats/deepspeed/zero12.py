@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zckpt import partition
@@ -87,7 +88,7 @@ def zero12(osds: list[Node], param_shapes: list[Node], ws: int, padded: bool) ->
         for r in range(ws):
             sizes[r][g] = part
             _check_runs(osds[r], g, lay, names, r, lens[r])
-            _check_slices(osds[r], g, lay, names, r)
+            _check_slices(osds[r], g, lay, names, r, param_shapes[g].file)
         groups.append(
             {
                 "params": names,
@@ -121,7 +122,7 @@ def _check_runs(osd: Node, g: int, lay: Layout, names: list[str], r: int, held: 
                 )
 
 
-def _check_slices(osd: Node, g: int, lay: Layout, names: list[str], r: int) -> None:
+def _check_slices(osd: Node, g: int, lay: Layout, names: list[str], r: int, shapes_file: str) -> None:
     """Cross-check our math against DeepSpeed's own ``param_slice_mappings`` of rank ``r``, group ``g``:
     they are different on every rank, so a file in another rank's place is caught here too."""
     maps = osd.get("param_slice_mappings")
@@ -138,7 +139,8 @@ def _check_slices(osd: Node, g: int, lay: Layout, names: list[str], r: int) -> N
     if ours != theirs:
         bad = sorted(set(ours.items()) ^ set(theirs.items()))[:2]
         raise ShardMismatch(
-            f"{osd.file}: group {g}: param_slice_mappings disagree with param_shapes ({bad}) for rank {r}",
+            f"{osd.file}: group {g}: param_slice_mappings disagree with param_shapes of "
+            f"{Path(shapes_file).name} ({bad}) for rank {r}",
             hint="model and optimizer files come from different runs, or rank files were swapped",
             path=osd.file,
         )
