@@ -135,6 +135,7 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
                 f"{file}: shard files listed in the index are missing: {', '.join(missing)}", path=str(file)
             )
     tied_files = dict.fromkeys(tied, str(file))
+    stored_aliases: dict[str, str] = {}
     entries: list[TensorEntry] = []
     for f in files:
         if f.suffix == ".safetensors":
@@ -144,9 +145,11 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
         entries += es
         tied.update(t)
         tied_files.update(dict.fromkeys(t, str(f)))
+        if f.suffix != ".safetensors":  # a .bin's aliases are keys of the file (shared storage)
+            stored_aliases.update(dict.fromkeys(t, f.name))
     extra: dict[str, Any] = {}
     if weight_map is not None:
-        _check_index(file, weight_map, entries, tied)
+        _check_index(file, weight_map, entries, tied, stored_aliases)
         extra["index"] = str(file)
     meta = CheckpointMeta(
         format=NAME,
@@ -160,9 +163,16 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
 
 
 def _check_index(
-    file: Path, weight_map: dict[str, str], entries: list[TensorEntry], tied: Mapping[str, str]
+    file: Path,
+    weight_map: dict[str, str],
+    entries: list[TensorEntry],
+    tied: Mapping[str, str],
+    stored_aliases: Mapping[str, str],
 ) -> None:
-    where = {e.key: Path(e.pieces[0].file).name for e in entries}
+    """The index and the shards agree both ways: every listed tensor is in its shard, every tensor a shard
+    stores (a ``.bin``'s tied aliases included) is listed."""
+    where = {e.key: Path(e.pieces[0].file).name if e.pieces else weight_map.get(e.key, "") for e in entries}
+    where.update({k: f for k, f in stored_aliases.items() if k not in where})
     bad = [k for k, f in weight_map.items() if where.get(k) != f and k not in tied]
     if bad:
         raise ShardMismatch(

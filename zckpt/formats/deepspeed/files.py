@@ -33,7 +33,7 @@ def _natural(s: str) -> list[Any]:
 
 def _has_model_states(d: Path) -> bool:
     try:
-        return any(_MODEL_RE.match(f.name) for f in d.iterdir() if f.is_file())
+        return any(_MODEL_RE.match(f.name) for f in d.iterdir())  # any kind: the reader says what is wrong
     except OSError:
         return False
 

@@ -315,7 +315,8 @@ def _signature(o: Node) -> tuple[tuple[float, ...], Any]:
         else o.value.get("base_optimizer_state")
     )
     steps: set[float] = set()
-    for per in (inner.get("state") or {}).values() if isinstance(inner, dict) else ():
+    state = inner.get("state") if isinstance(inner, dict) else None
+    for per in state.values() if isinstance(state, dict) else ():
         v = per.get("step") if isinstance(per, dict) else None
         if isinstance(v, TensorRef) and v.numel == 1:
             one = torch.empty(1, dtype=v.dtype)
