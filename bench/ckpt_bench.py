@@ -37,8 +37,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import SIZES, ds_config  # noqa: E402
-from engine_bench import GPT  # noqa: E402
+from engine_bench import (  # noqa: E402
+    GPT,  # noqa: E402
+    SIZES,
+    ds_config,
+)
 
 OUT: dict[str, Any] = {}
 ARGS = argparse.Namespace(drop_caches=False)
@@ -139,7 +142,8 @@ def engine_async(eng: Any, step: Callable[[], float], d: Path, tag: str, base: f
     gb = w["bytes"] / 1e9
     return dict(blocked_s=blocked, total_s=st["total_s"], write_s=w["wall_s"], gb=gb,
                 write_gbs=gb / max(w["wall_s"], 1e-9), hash_s=w["hash_s"], device_write_s=w["device_write_s"],
-                fsync_s=w["fsync_s"], direct=w["direct"], steps_during=len(during),
+                fsync_s=w["fsync_s"], direct=w["direct"], copied_gb=w["copied_bytes"] / 1e9,
+                steps_during=len(during),
                 step_after_s=during[0] if during else None,
                 step_during_median_s=statistics.median(during) if during else None,
                 step_after_over_base=(during[0] / base) if during else None, wait_after_steps_s=t_wait,
@@ -158,7 +162,8 @@ def run_engine(args: argparse.Namespace) -> None:
     eng.checkpointer = saver
     w = eng.checkpoint_stats["write"]
     emit("engine sync save", s=t_sync, gb=du(d / "sync") / 1e9, write_gbs=w["bytes"] / 1e9 / t_sync,
-         hash_s=w["hash_s"], device_write_s=w["device_write_s"], fsync_s=w["fsync_s"], direct=w["direct"])  # fmt: skip
+         hash_s=w["hash_s"], device_write_s=w["device_write_s"], fsync_s=w["fsync_s"],
+         direct=w["direct"])  # fmt: skip
     emit("engine async save (first)", **engine_async(eng, step, d, "async", base))
     ms, ma = (json.loads((d / t / "manifest.json").read_text()) for t in ("sync", "async"))
     emit("engine async vs sync", identical_files=ms["files"] == ma["files"],
@@ -224,7 +229,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["engine", "deepspeed"], required=True)
     ap.add_argument("--size", choices=list(SIZES), default="tiny")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--offload", action="store_true")

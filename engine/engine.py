@@ -127,7 +127,7 @@ class Engine:
         self.checkpointer: AsyncSaver | None = (
             AsyncSaver(self) if config.checkpoint.writer.decoupled else None
         )
-        """The background writer of ``checkpoint.writer.decoupled`` saves (``engine.checkpoint.async_save``)."""
+        """Background writer of ``checkpoint.writer.decoupled`` saves (``engine.checkpoint.async_save``)."""
 
     # -- start-up -------------------------------------------------------------------------------
     def _partition(self, model: nn.Module, persistence: int) -> tuple[list[ParamState], dict[str, str]]:

@@ -126,10 +126,12 @@ class AsyncSaver:
         except BaseException as e:  # noqa: BLE001 - kept for the next wait(), never dropped
             self._error = e
         done = {"tag": job.tag, "mode": "async", "blocked_s": blocked, "total_s": time.perf_counter() - t0,
-                "write": stats, "staging_bytes": self.staging.nbytes, "staging_alloc_s": self.staging.alloc_s}  # fmt: skip
+                "write": stats, "staging_bytes": self.staging.nbytes,
+                "staging_alloc_s": self.staging.alloc_s}  # fmt: skip
         try:
-            self.eng.checkpoint_stats = done
-            report(self.eng, done)  # type: ignore[arg-type]
+            eng: Engine = self.eng  # type: ignore[assignment]
+            eng.checkpoint_stats = done
+            report(eng, done)
         except ReferenceError:  # the engine is gone; the files are written all the same
             pass
 
@@ -151,8 +153,8 @@ class AsyncSaver:
                                       path=str(where)) from err  # fmt: skip
 
     def wait_for(self, folder: str | os.PathLike[str]) -> None:
-        """Wait when the save in flight (or a failed one not yet reported) writes into ``folder``, or ``folder``
-        is its tag folder."""
+        """Wait when the save in flight (or a failed one not yet reported) writes into ``folder`` or
+        ``folder`` is its tag folder."""
         job = self._job
         if job is None or (self._thread is None and self._error is None):
             return

@@ -81,7 +81,9 @@ class RankSave:
         return self.stage_dir / L.rank_file(self.rank)
 
 
-def capture(eng: Engine, root: Path, tag: str, client_state: Mapping[str, Any], save_latest: bool) -> RankSave:
+def capture(
+    eng: Engine, root: Path, tag: str, client_state: Mapping[str, Any], save_latest: bool
+) -> RankSave:
     """This rank's part of a save of ``eng`` as it is now (see the module doc)."""
     rank = eng.comm.rank
     client = _client(dict(client_state), "")

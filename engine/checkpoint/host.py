@@ -59,8 +59,11 @@ class HostStaging:
                 self._maps.append(m)
                 self._blocks.append(torch.frombuffer(m, dtype=torch.uint8))
         self.alloc_s += time.perf_counter() - t0
-        log.info("checkpoint snapshot buffer: %.2f GiB of %s host memory (%.1f s to allocate)",
-                 self.nbytes / 2**30, "pinned" if self.pinned else "pageable", time.perf_counter() - t0)  # fmt: skip
+        kind = "pinned" if self.pinned else "pageable"
+        took = time.perf_counter() - t0
+        log.info(
+            "checkpoint snapshot buffer: %.2f GiB of %s host memory (%.1f s)", self.nbytes / 2**30, kind, took
+        )
 
     def put_bytes(self, offset: int, data: bytes) -> None:
         """Copy ``data`` to byte ``offset``."""

@@ -192,7 +192,7 @@ def _finish_model(eng: Engine, ckpt: Checkpoint) -> None:
             if s.name not in ckpt:
                 continue
             if s.trainable:
-                if s.shard is not None and s.shard is not s.master:
+                if s.shard is not None and s.master is not None and s.shard is not s.master:
                     s.shard.copy_(s.master)
             elif not s.sharded:
                 s.param.data.copy_(ckpt.read(ckpt.entry(s.name), s.param.dtype).view(s.shape))

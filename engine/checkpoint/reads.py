@@ -74,12 +74,15 @@ class ReadPlan:
 
     def run(self) -> None:
         """Perform every recorded read."""
-        if self._segs:
-            cuda = any(s.dst.device.type == "cuda" for segs in self._segs.values() for s in segs)
-            bufs = [_buffer(CHUNK, cuda) for _ in range(DEPTH + 1)]
+        files = {path: sorted(segs, key=lambda s: s.off) for path, segs in self._segs.items()}
+        chunks = {path: _chunks(segs) for path, segs in files.items()}
+        size = max((b - a for cs in chunks.values() for a, b in cs), default=0)
+        if size:
+            cuda = any(s.dst.device.type == "cuda" for segs in files.values() for s in segs)
+            bufs = [_buffer(size, cuda) for _ in range(DEPTH + 1)]
             with ThreadPoolExecutor(DEPTH, thread_name_prefix="engine-read") as pool:
-                for path, segs in self._segs.items():
-                    _read_file(path, sorted(segs, key=lambda s: s.off), bufs, pool)
+                for path, segs in files.items():
+                    _read_file(path, segs, chunks[path], bufs, pool)
         for dst, tmp in self._casts:
             dst.copy_(tmp)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -93,7 +96,7 @@ def _buffer(n: int, pinned: bool) -> torch.Tensor:
         t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         if t.data_ptr() % ALIGN == 0:
             return t
-    return torch.frombuffer(direct_io.aligned_buffer(n), dtype=torch.uint8)
+    return torch.frombuffer(direct_io.aligned_buffer(n, populate=False), dtype=torch.uint8)
 
 
 def _chunks(segs: list[_Seg]) -> list[tuple[int, int]]:
@@ -138,7 +141,14 @@ class _Events:
             ev.synchronize()
 
 
-def _read_file(path: str, segs: list[_Seg], bufs: list[torch.Tensor], pool: ThreadPoolExecutor) -> None:
+def _read_file(
+    path: str,
+    segs: list[_Seg],
+    chunks: list[tuple[int, int]],
+    bufs: list[torch.Tensor],
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Read ``chunks`` of ``path`` (``DEPTH`` in flight, into ``bufs`` in turn), scatter into ``segs``."""
     fd = storage.open_fd(path)
     dfd = direct_io.open_direct(path)
     events = _Events(len(bufs))
@@ -152,7 +162,7 @@ def _read_file(path: str, segs: list[_Seg], bufs: list[torch.Tensor], pool: Thre
         events.record(i)
 
     try:
-        for k, (a, b) in enumerate(_chunks(segs)):
+        for k, (a, b) in enumerate(chunks):
             i = k % len(bufs)
             if len(pending) == len(bufs) - 1:
                 drain()
@@ -169,7 +179,9 @@ def _read_file(path: str, segs: list[_Seg], bufs: list[torch.Tensor], pool: Thre
             os.close(dfd)
 
 
-def _scatter(path: str, segs: list[_Seg], cursor: list[int], a: int, b: int, got: int, buf: torch.Tensor) -> None:
+def _scatter(
+    path: str, segs: list[_Seg], cursor: list[int], a: int, b: int, got: int, buf: torch.Tensor
+) -> None:
     """Copy the file bytes ``[a, a + got)`` held in ``buf`` into every segment overlapping ``[a, b)``."""
     while cursor[0] < len(segs) and segs[cursor[0]].end <= a:
         cursor[0] += 1
@@ -178,8 +190,10 @@ def _scatter(path: str, segs: list[_Seg], cursor: list[int], a: int, b: int, got
         s = segs[j]
         x, y = max(s.off, a), min(s.end, b)
         if y > a + got:
-            raise CorruptCheckpoint(f"{path}: needs bytes up to {y} but the file ends at {a + got} (truncated?)",
-                                    path=path)  # fmt: skip
+            end = a + got
+            raise CorruptCheckpoint(
+                f"{path}: needs bytes up to {y} but ends at {end} (truncated?)", path=path
+            )
         if y > x:
             dst = s.dst.view(torch.uint8) if s.dst.dtype != torch.uint8 else s.dst
             dst[x - s.off : y - s.off].copy_(buf[x - a : y - a], non_blocking=dst.device.type == "cuda")

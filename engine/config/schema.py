@@ -168,7 +168,8 @@ class WriterConfig:
     type: Literal["fast", "python"] = "fast"
     """``fast``: ``O_DIRECT`` writes from page-aligned buffers, several in flight (DeepSpeed's ``fast``
     writer uses libaio to the same end); ``python``: plain buffered writes, fsynced. ``mock`` (write
-    nothing) is refused: a checkpoint that is not written cannot become ``latest``. Any case. Default: fast."""
+    nothing) is refused: a checkpoint that is not written cannot become ``latest``. Any case.
+    Default: fast."""
     decoupled: bool = False
     """Asynchronous save: ``save_checkpoint`` returns once this rank's state is snapshotted into reusable
     host buffers, and a background thread writes the same files while training goes on (see README,
@@ -178,7 +179,7 @@ class WriterConfig:
     io_buffer_double: bool = True
     """Fill one I/O buffer while another is written; false writes synchronously. DeepSpeed default: true."""
     show_statistics: bool = False
-    """Log each rank file's write statistics (bytes, seconds, GB/s, hashing and fsync time). Default: false."""
+    """Print each rank file's write statistics (bytes, seconds, GB/s, hashing, fsync). Default: false."""
     data_parallel: Literal["replica"] | None = None
     """Which data-parallel ranks write: every rank writes its own partition in the engine's format,
     which is DeepSpeed's ``replica`` unit; null or ``replica`` (any case) are accepted, ``socket`` and

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -79,9 +80,10 @@ def address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0])
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of page-aligned anonymous memory (an ``mmap``), faulted in up front where Linux allows."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+def aligned_buffer(nbytes: int, populate: bool = True) -> mmap.mmap:
+    """``nbytes`` of page-aligned anonymous memory (an ``mmap``); with ``populate`` faulted in up front where
+    Linux allows (``MAP_POPULATE``), so a later copy into it runs at memory speed."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(-1, max(nbytes, 1), flags=flags)
 
 
@@ -102,6 +104,8 @@ class DirectWriter:
         self._stats_lock = threading.Lock()
         self.busy_s = 0.0
         """Seconds the device writes took, summed over writer threads (statistics)."""
+        self.copied = 0
+        """Bytes that went through the buffers (the rest was written from the caller's memory)."""
 
     # -- copied writes -----------------------------------------------------------------------------
     def write(self, mv: memoryview, stable: bool = False) -> None:
@@ -111,6 +115,7 @@ class DirectWriter:
             mv = self._write_in_place(mv)
         pos, n = 0, len(mv)
         size = self.opts.buf_bytes
+        self.copied += n
         while pos < n:
             if not self._bufs:
                 self._bufs = [mmap.mmap(-1, size) for _ in range(self.opts.buffers)]
@@ -124,9 +129,8 @@ class DirectWriter:
 
     def _hand_over(self) -> None:
         """Send the full current buffer to a writer thread and move to the next free one."""
-        i, n, off = self._cur, self._fill, self._off
-        self._submit(lambda: self._write_buffer(i, n, off), self.opts.buffers - 1)
-        self._off += n
+        self._submit(partial(self._write_buffer, self._cur, self._fill, self._off), self.opts.buffers - 1)
+        self._off += self._fill
         self._cur = (self._cur + 1) % len(self._bufs)
         self._fill = 0
 
@@ -151,8 +155,9 @@ class DirectWriter:
         aligned = len(mv) - len(mv) % ALIGN
         step = self.opts.buf_bytes
         for a in range(0, aligned, step):
-            part, off = mv[a : min(aligned, a + step)], self._off + a
-            self._submit(lambda part=part, off=off: self._pwrite(part, off), self.opts.in_flight)
+            self._submit(
+                partial(self._pwrite, mv[a : min(aligned, a + step)], self._off + a), self.opts.in_flight
+            )
         self._off += aligned
         return mv[aligned:]
 

@@ -137,6 +137,7 @@ class HashingSink(io.RawIOBase):
             "device_write_s": round(self._direct.busy_s, 4) if self._direct is not None else None,
             "fsync_s": round(self._fsync_s, 4),
             "direct": self._direct is not None and self._direct._direct,
+            "copied_bytes": self._direct.copied if self._direct is not None else self._pos,
         }
 
     def tell(self) -> int:

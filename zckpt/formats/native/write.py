@@ -34,8 +34,8 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors
-from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.io.direct_io import WriteOptions
+from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.io.safetensors import FilePlan, FileRecord
 from zckpt.model import PRECISIONS, Piece, Role, TensorEntry, dtype_name
 from zckpt.partition import chunk_range, chunk_size
