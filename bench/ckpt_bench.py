@@ -164,6 +164,9 @@ def run_engine(args: argparse.Namespace) -> None:
     emit("engine sync save", s=t_sync, gb=du(d / "sync") / 1e9, write_gbs=w["bytes"] / 1e9 / t_sync,
          hash_s=w["hash_s"], device_write_s=w["device_write_s"], fsync_s=w["fsync_s"],
          direct=w["direct"])  # fmt: skip
+    if args.sync_only:
+        engine_load(eng, step, d, "sync")
+        return
     emit("engine async save (first)", **engine_async(eng, step, d, "async", base))
     ms, ma = (json.loads((d / t / "manifest.json").read_text()) for t in ("sync", "async"))
     emit("engine async vs sync", identical_files=ms["files"] == ma["files"],
@@ -178,9 +181,13 @@ def run_engine(args: argparse.Namespace) -> None:
         step()
     emit("engine async save (steady)", **engine_async(eng, step, d, "async2", base))
     shutil.rmtree(d / "async")
+    engine_load(eng, step, d, "async2")
+
+
+def engine_load(eng: Any, step: Callable[[], float], d: Path, tag: str) -> None:
     dropped = drop_caches()
-    t_load, _ = timed(lambda: eng.load_checkpoint(str(d), tag="async2"))
-    gb = du(d / "async2") / 1e9
+    t_load, _ = timed(lambda: eng.load_checkpoint(str(d), tag=tag))
+    gb = du(d / tag) / 1e9
     emit("engine load", s=t_load, gb=gb, read_gbs=gb / t_load, caches_dropped=dropped, step_after_s=step())
     eng.destroy()
     shutil.rmtree(d, ignore_errors=True)
@@ -241,6 +248,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dir", required=True, help="checkpoint folder (on the disk under test; deleted)")
     ap.add_argument("--verify", action="store_true", help="zckpt verify the asynchronous checkpoint")
+    ap.add_argument("--sync-only", action="store_true", help="engine: a synchronous save and its load only")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (root)")
     args = ap.parse_args()
     ARGS.drop_caches = args.drop_caches

@@ -3,8 +3,8 @@
 # O_DIRECT write/read bandwidth (dd, 4 GiB, and a Python probe with random data, 1 and 2 writes in flight),
 # sha256 speed of one core, then `bench/ckpt_bench.py` for the engine (sync save, async save, load) and
 # DeepSpeed (sync save, load, decoupled save) at 1.5B and 355M, the engine's CUDA tests and the 355M step
-# time with params and optimizer offloaded. PARTS picks what runs (default: all, in this order):
-#   disk e15 e355 off355 tests d15 d355
+# time with params and optimizer offloaded. PARTS picks what runs (default: all but e15s, in this order):
+#   disk e15s e15 e355 off355 tests d15 d355      (e15s: the engine's sync save and load only, at 1.5B)
 # Checkpoints go to CKPT_DIR (default ./ckpt-bench, on the disk under test) and are deleted as measured.
 # Wheels for what the GPU image lacks (DeepSpeed 0.19.8 built with DS_BUILD_OPS=0, pydantic...) in .whl/.
 set -uo pipefail
@@ -80,6 +80,7 @@ bench() {  # seconds, label, args...
     | grep -E '^(CKPT|CKPTSUM|\[engine checkpoint\])|Error|error|Traceback|GB written|created checkpoint' | tee -a "$LOG"
   rm -rf "$CK/run"
 }
+has e15s && bench "${T_E15S:-110}" "engine $BIG, sync save + load only" --impl engine --size "$BIG" --micro 4 --sync-only
 has e15 && bench "${T_E15:-330}" "engine $BIG" --impl engine --size "$BIG" --micro 4 --verify
 has e355 && bench "${T_E355:-150}" "engine $MID" --impl engine --size "$MID" --micro 8 --verify
 if has off355; then

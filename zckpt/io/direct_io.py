@@ -17,7 +17,10 @@ from the caller's memory, ``max(1, buffers - 1)`` slices of ``buf_bytes`` in fli
 partial block through the ordinary descriptor (``O_DIRECT`` needs block-sized lengths). Durability is
 unchanged: the caller still fsyncs the file (which now has almost nothing dirty to flush). Where
 ``O_DIRECT`` is refused (tmpfs, some network filesystems) -- at open, or on a write with ``EINVAL`` -- it
-falls back to plain writes. ``ZCKPT_DIRECT_IO=0`` turns it off.
+falls back to plain writes. ``ZCKPT_DIRECT_IO=0`` turns it off. ``hash_fn`` (the sink's sha256, queued on
+its hash thread) sees every byte in stream order: a full buffer as it is handed to a writer thread (the
+buffer is refilled once both are done), memory written in place as it is queued; the caller's ``write``
+only copies, so hashing and device writes run back to back on their own threads.
 
 ``read_direct(fd, offset, buf)`` fills an aligned buffer from an aligned file offset with one ``O_DIRECT``
 ``pread`` loop (short at the end of the file), falling back to a plain ``pread`` where it is refused.
@@ -44,6 +47,10 @@ BUF_BYTES = 16 << 20
 """Default bytes per ``O_DIRECT`` write (two such buffers per open file)."""
 ALIGN = 4096
 """Offset, length and address alignment for ``O_DIRECT`` (the logical block size is at most this)."""
+
+
+HashFn = Callable[[memoryview], "Future[None]"]
+"""Queue hashing of a byte range (in stream order); the future completes once it is hashed."""
 
 
 def enabled() -> bool:
@@ -90,8 +97,13 @@ def aligned_buffer(nbytes: int, populate: bool = True) -> mmap.mmap:
 class DirectWriter:
     """Appends bytes to the file behind ``fd`` (opened for writing, empty), bypassing the page cache."""
 
-    def __init__(self, path: str, fd: int, opts: WriteOptions | None = None) -> None:
+    def __init__(
+        self, path: str, fd: int, opts: WriteOptions | None = None, hash_fn: HashFn | None = None
+    ) -> None:
         self.opts = opts or WriteOptions()
+        self._hash_fn = hash_fn
+        self._hashes: list[Future[None] | None] = []  # per buffer: the hash reading it
+        self._loose: list[Future[None]] = []  # hashes of memory written in place
         self._fd = fd
         self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)  # OSError: the caller writes plainly
         self._bufs: list[mmap.mmap] = []  # allocated on the first copied byte
@@ -119,6 +131,7 @@ class DirectWriter:
         while pos < n:
             if not self._bufs:
                 self._bufs = [mmap.mmap(-1, size) for _ in range(self.opts.buffers)]
+                self._hashes = [None] * len(self._bufs)
             buf = self._bufs[self._cur]
             take = min(n - pos, size - self._fill)
             buf[self._fill : self._fill + take] = mv[pos : pos + take]
@@ -128,11 +141,27 @@ class DirectWriter:
                 self._hand_over()
 
     def _hand_over(self) -> None:
-        """Send the full current buffer to a writer thread and move to the next free one."""
+        """Send the full current buffer to the hash and a writer thread; move to the next, once free."""
+        self._hashes[self._cur] = self._hash(memoryview(self._bufs[self._cur])[: self._fill])
         self._submit(partial(self._write_buffer, self._cur, self._fill, self._off), self.opts.buffers - 1)
         self._off += self._fill
         self._cur = (self._cur + 1) % len(self._bufs)
         self._fill = 0
+        self._wait_hash(self._cur)
+
+    def _hash(self, view: memoryview) -> Future[None] | None:
+        return self._hash_fn(view) if self._hash_fn is not None and len(view) else None
+
+    def _wait_hash(self, i: int) -> None:
+        h, self._hashes[i] = self._hashes[i], None
+        if h is not None:
+            h.result()
+
+    def _wait_hashes(self) -> None:
+        for i in range(len(self._hashes)):
+            self._wait_hash(i)
+        while self._loose:
+            self._loose.pop(0).result()
 
     def _submit(self, job: Callable[[], None], limit: int) -> None:
         """Queue ``job``, then wait until at most ``limit`` queued jobs are unfinished (oldest first)."""
@@ -154,6 +183,9 @@ class DirectWriter:
         it lies; returns the unaligned tail, which the caller copies."""
         aligned = len(mv) - len(mv) % ALIGN
         step = self.opts.buf_bytes
+        h = self._hash(mv[:aligned])
+        if h is not None:
+            self._loose.append(h)
         for a in range(0, aligned, step):
             self._submit(
                 partial(self._pwrite, mv[a : min(aligned, a + step)], self._off + a), self.opts.in_flight
@@ -187,12 +219,14 @@ class DirectWriter:
         try:
             self._wait()
             self._write_rest()
+            self._wait_hashes()
         finally:
             self.abort()
 
     def _write_rest(self) -> None:
         if not self._fill:
             return
+        self._hashes[self._cur] = self._hash(memoryview(self._bufs[self._cur])[: self._fill])
         aligned = self._fill - self._fill % ALIGN
         with memoryview(self._bufs[self._cur]) as whole:
             if aligned:
@@ -208,6 +242,8 @@ class DirectWriter:
         try:
             with contextlib.suppress(OSError):
                 self._wait()
+            with contextlib.suppress(Exception):
+                self._wait_hashes()  # nothing may still read the buffers
         finally:
             self._pending.clear()
             self._pool.shutdown()

@@ -66,15 +66,15 @@ class HashingSink(io.RawIOBase):
         self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._direct: direct_io.DirectWriter | None = None
-        opts = opts or direct_io.WriteOptions()
-        if opts.direct and direct_io.enabled():
-            try:
-                self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts)
-            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
-                self._direct = None
         self._sha = hashlib.sha256()
         self._pos = 0
         self._hasher: ThreadPoolExecutor | None = None
+        opts = opts or direct_io.WriteOptions()
+        if opts.direct and direct_io.enabled():
+            try:
+                self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._queue_hash)
+            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
+                self._direct = None
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
         self._t_open = time.perf_counter()
         self._hash_s = 0.0
@@ -92,24 +92,30 @@ class HashingSink(io.RawIOBase):
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
         if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
             time.sleep(float(os.environ[_TEST_DELAY_ENV]))
-        if len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
-            done = self._hasher.submit(self._update, mv)
+        if self._direct is not None:  # it hands every byte to the hash thread itself (``_queue_hash``)
+            self._direct.write(mv, stable)
+        elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
+            done = self._queue_hash(mv)
             if stable:  # the hash thread runs on through the queue; close() waits for it
                 self._hashing.append(done)
-                self._put(mv, True)
+                self._put(mv)
             else:
                 try:
-                    self._put(mv, False)
+                    self._put(mv)
                 finally:
                     done.result()
         else:
             self._flush_hashes()
-            self._put(mv, False)
+            self._put(mv)
             self._update(mv)
         self._pos += len(mv)
         return len(mv)
+
+    def _queue_hash(self, mv: memoryview) -> Future[None]:
+        """Hash ``mv`` on the hash thread (one thread: in the order queued)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
+        return self._hasher.submit(self._update, mv)
 
     def _update(self, mv: memoryview) -> None:
         t0 = time.perf_counter()
@@ -121,11 +127,8 @@ class HashingSink(io.RawIOBase):
         while self._hashing:
             self._hashing.pop(0).result()
 
-    def _put(self, mv: memoryview, stable: bool) -> None:
-        if self._direct is not None:
-            self._direct.write(mv, stable)
-        else:
-            self._f.write(mv)
+    def _put(self, mv: memoryview) -> None:
+        self._f.write(mv)
 
     def stats(self) -> dict[str, Any]:
         """Where the time of this file went (valid after ``close()``): bytes, wall seconds from open to
