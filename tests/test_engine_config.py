@@ -547,3 +547,37 @@ def test_matches_real_deepspeed_config() -> None:
         ).gradient_clipping
         == want["clip"]
     )
+
+
+def test_checkpoint_writer_block() -> None:
+    """DeepSpeed 0.19's ``checkpoint.writer`` keys: parsed with its defaults and spellings, mapped onto the
+    file writer's options; ``mock`` and ``socket``/``machine`` refused with the reason; typos named."""
+    from engine.checkpoint.save import write_options
+
+    cfg = _parse({})
+    assert not cfg.checkpoint.writer.decoupled
+    opts = write_options(cfg.checkpoint.writer)
+    assert (opts.direct, opts.buf_bytes, opts.buffers, opts.in_flight) == (True, 64 << 20, 2, 1)
+    w = _parse(
+        {
+            "checkpoint": {
+                "tag_validation": "Fail",
+                "use_node_local_storage": False,
+                "writer": {"type": "PYTHON", "decoupled": True, "io_buffer_size": 1e6,
+                           "io_buffer_double": False, "show_statistics": True, "data_parallel": "Replica",
+                           "io_multiplier": 3},
+            }
+        }
+    ).checkpoint.writer  # fmt: skip
+    assert (w.type, w.decoupled, w.io_buffer_size, w.data_parallel, w.io_multiplier) == (
+        "python", True, 1_000_000, "replica", 3)  # fmt: skip
+    opts = write_options(w)
+    assert not opts.direct and opts.buf_bytes == 245 * 4096 and opts.buffers == 3
+    for writer, match in [
+        ({"type": "mock"}, "a checkpoint that is not written"),
+        ({"data_parallel": "socket"}, "its own partition file"),
+        ({"decoupeld": True}, "did you mean decoupled"),
+        ({"io_multiplier": 0}, "must be >= 1"),
+    ]:
+        _err({"train_batch_size": 1, "checkpoint": {"writer": writer}}, match)
+    _err({"train_batch_size": 1, "checkpoint": {"writter": {}}}, "checkpoint.writter")

@@ -17,8 +17,9 @@ Rules:
   rank to issue a group's collectives in one order; the training loop issues its own concurrently);
 - a failure in the background (on any rank) is raised by the next ``save_checkpoint``, by
   ``Engine.wait_for_checkpoint()``, ``Engine.destroy()`` and ``load_checkpoint`` of the same folder; at
-  interpreter exit the writer thread is finished first (it is not a daemon) and a failure not yet raised is
-  printed to stderr and the process exits with status 1;
+  interpreter exit the save in flight is finished first -- by a hook that runs when the main thread ends,
+  before ``concurrent.futures`` stops taking work (the writer's hash and I/O threads need it) -- and a
+  failure not yet raised is printed to stderr and the process exits with status 1;
 - host memory: ``HostStaging`` holds one rank file (rounded up to 256 MiB blocks), allocated at start-up
   from a size estimate and grown by a save that needs more, reused by every save, freed by ``destroy()``.
 """
@@ -26,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook first, so ours runs before it
 import os
 import sys
 import threading
@@ -180,10 +182,9 @@ def _flat(it: WriteItem) -> torch.Tensor:
     return v.reshape(-1)
 
 
-@atexit.register
 def _flush_at_exit() -> None:
-    """Interpreter exit: a background save that failed and was never reported is printed, and the process
-    exits with status 1 (the writer threads themselves were joined before atexit handlers run)."""
+    """Interpreter exit: finish the saves in flight; one that failed and was never reported is printed, and
+    the process exits with status 1."""
     failed = False
     for s in list(_LIVE):
         try:
@@ -194,3 +195,13 @@ def _flush_at_exit() -> None:
     if failed:
         sys.stdout.flush()
         os._exit(1)
+
+
+# ``threading._register_atexit`` hooks run (last registered first) when the main thread ends, before
+# non-daemon threads are joined and before ``atexit``; ``concurrent.futures`` refuses new work from its own
+# such hook on, which a writer still running would need.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_flush_at_exit)
+else:  # pragma: no cover - every supported Python has it
+    atexit.register(_flush_at_exit)
