@@ -269,12 +269,32 @@ def _world2(rank: int, world: int, out: str) -> dict[str, Any]:
         except CheckpointSaveError as e:
             failure = "own" if isinstance(e.__cause__, OSError) else f"peer: {e}"
         W.write_rank_views = real  # type: ignore[assignment]
+        res[f"snapshot{stage}"] = _snapshot_failure(eng, rank, d / "async")
         eng.save_checkpoint(str(d / "async"), tag="good")
         eng.wait_for_checkpoint()
         latest = (d / "async" / "latest").read_text()
         eng.destroy()
         res[f"s{stage}"] = {"same": same, "failure": failure, "latest": latest}
     return res
+
+
+def _snapshot_failure(eng: Any, rank: int, d: Path) -> str:
+    """Rank 1's snapshot fails: it raises at once; rank 0's save fails in the background, naming rank 1."""
+    from engine.checkpoint.host import HostStaging
+
+    real = HostStaging.put
+    if rank == 1:
+        HostStaging.put = _boom  # type: ignore[method-assign]
+    try:
+        eng.save_checkpoint(str(d), tag="snap")
+        eng.wait_for_checkpoint()
+        return "none"
+    except OSError:
+        return "own, at once"
+    except CheckpointSaveError as e:
+        return f"peer: {e}"
+    finally:
+        HostStaging.put = real  # type: ignore[method-assign]
 
 
 @pytest.mark.dist
@@ -286,8 +306,11 @@ def test_world2_side_group_same_files_and_shared_failure(tmp_path: Path) -> None
         r0, r1 = results[0][f"s{stage}"], results[1][f"s{stage}"]
         assert r0["same"] and r1["same"]
         assert r1["failure"] == "own" and r0["failure"].startswith("peer") and "rank 1" in r0["failure"]
+        s0, s1 = results[0][f"snapshot{stage}"], results[1][f"snapshot{stage}"]
+        assert s1 == "own, at once" and s0.startswith("peer") and "rank 1" in s0, (s0, s1)
         assert r0["latest"] == r1["latest"] == "good"
         assert not (tmp_path / f"s{stage}" / "async" / "bad").exists()
+        assert not (tmp_path / f"s{stage}" / "async" / "snap").exists()
         assert verify(tmp_path / f"s{stage}" / "async").ok and verify(tmp_path / f"s{stage}" / "sync").ok
 
 

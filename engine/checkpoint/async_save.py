@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook first, so ours runs before it
+import contextlib
 import os
 import sys
 import threading
@@ -46,6 +47,7 @@ from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
 from zckpt.formats.native import write as W
 from zckpt.io.items import WriteItem
+from zckpt.io.safetensors import FileRecord
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -106,25 +108,47 @@ class AsyncSaver:
         _LIVE.add(self)
 
     def submit(self, job: RankSave, t0: float) -> None:
-        """Snapshot ``job``'s items (blocking), then write and publish them on a background thread."""
-        items = job.items
+        """Snapshot ``job``'s items (blocking), then write and publish them on a background thread. A
+        failed snapshot is raised here, once the other ranks know of it (their save fails too)."""
+        try:
+            size = self._snapshot(job.items)
+        except Exception as e:
+            self._start(replace(job, items=[]), None, e, t0)
+            with contextlib.suppress(CheckpointSaveError):
+                self.wait()  # the peers learn of it; the snapshot's own error is raised below
+            raise
+        self._start(replace(job, items=[]), size, None, t0)  # the live tensors are free to change now
+
+    def _snapshot(self, items: list[WriteItem]) -> int:
+        """The rank file of ``items`` laid out in ``staging``; its size."""
         plan = W.rank_plan([(it.name, it.dtype, it.shape) for it in items])
         self.staging.reserve(plan.size)
         self.staging.put_bytes(0, plan.header)
         for off, it in zip(plan.offsets, items, strict=True):
             self.staging.put(off, _flat(it))
         self.staging.settle()
+        return plan.size
+
+    def _start(self, job: RankSave, size: int | None, failed: Exception | None, t0: float) -> None:
+        self._job = job
         blocked = time.perf_counter() - t0
-        self._job = job = replace(job, items=[])  # the live tensors are free to change from here on
-        self._thread = threading.Thread(target=self._run, args=(job, plan.size, t0, blocked),
+        self._thread = threading.Thread(target=self._run, args=(job, size, failed, t0, blocked),
                                         name=f"engine-ckpt-{job.tag}", daemon=False)  # fmt: skip
         self._thread.start()
 
-    def _run(self, job: RankSave, size: int, t0: float, blocked: float) -> None:
+    def _run(
+        self, job: RankSave, size: int | None, failed: Exception | None, t0: float, blocked: float
+    ) -> None:
         stats: dict[str, Any] = {}
+
+        def write() -> FileRecord:
+            if failed is not None or size is None:
+                raise failed or RuntimeError("no snapshot")
+            return W.write_rank_views(job.rank_path, self.staging.views(size), opts=self.opts,
+                                      on_stats=stats.update)  # fmt: skip
+
         try:
-            write_and_publish(job, self.group, lambda: W.write_rank_views(
-                job.rank_path, self.staging.views(size), opts=self.opts, on_stats=stats.update))  # fmt: skip
+            write_and_publish(job, self.group, write)
         except BaseException as e:  # noqa: BLE001 - kept for the next wait(), never dropped
             self._error = e
         done = {"tag": job.tag, "mode": "async", "blocked_s": blocked, "total_s": time.perf_counter() - t0,
