@@ -613,7 +613,7 @@ def test_checkpoint_writer_matches_real_deepspeed() -> None:
                 "show_statistics": True,
                 "data_parallel": "replica",
             }
-        },  # fmt: skip
+        },
         {"writer": {"type": "FAST", "decoupled": True}},
         {"writer": {"type": "bogus"}},
         {"writer": {"data_parallel": "bogus"}},
