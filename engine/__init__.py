@@ -15,7 +15,8 @@ Layout:
   ``collectives``/``shm``: all torch.distributed traffic; ``hooks``: stage-3 gather/release;
   ``grads``: bucketed gradient reduction); ``engine.zero`` itself is DeepSpeed's ``deepspeed.zero``;
 - ``optim/``: the partitioned optimizer, fp16 loss scaling, DeepSpeed's LR schedules;
-- ``checkpoint`` (+ ``checkpoint_optim``, ``st_stream``, ``publish``): native save, native/DeepSpeed load;
+- ``checkpoint/``: native save (synchronous, or asynchronous with ``checkpoint.writer.decoupled``),
+  native/DeepSpeed load at disk speed (+ ``checkpoint_optim``: the optimizer half of a load);
   ``export``: ``save_16bit_model``.
 
 ``engine`` may import ``zckpt``; ``zckpt`` never imports ``engine``.

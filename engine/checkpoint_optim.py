@@ -12,7 +12,7 @@ Param groups must hold the same params; their hyper-parameters are restored, imp
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,9 +38,16 @@ _OPT_HINT = "build the optimizer with the checkpoint's param groups, or load wit
 _IMPL_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
-def load_optimizer(eng: Engine, ckpt: Checkpoint) -> None:
+Reader = Callable[[TensorEntry, int, int, torch.Tensor], None]
+"""``read(entry, lo, hi, out)``: elements ``[lo, hi)`` of ``entry`` into ``out`` (now or by a later
+``ReadPlan.run()``)."""
+
+
+def load_optimizer(eng: Engine, ckpt: Checkpoint, read: Reader | None = None) -> None:
     """Per-param states matched by name to the states the engine's optimizer keeps; per-element states cut
-    to this rank's chunk, scalar states (``step``) whole; then the groups' hyper-parameters."""
+    to this rank's chunk (through ``read``, default ``read_into``), scalar states (``step``) whole; then
+    the groups' hyper-parameters."""
+    read = read or read_into
     inner = eng.optimizer.optimizer
     opt = ckpt.meta.state.optimizer
     saved = list(opt.groups) if opt is not None else []
@@ -69,12 +76,12 @@ def load_optimizer(eng: Engine, ckpt: Checkpoint) -> None:
         for s in sts:
             assert s.master is not None
             owner = tied.get(s.name, s.name)
-            want = _state_layout(inner, g, s.master)
+            want = state_layout(inner, g, s.master)
             if want is None:  # optimizer not re-instantiable: take the checkpoint's states as they are
                 want = {k: None for k in owner_states.get(owner, [])}
             new: dict[str, Any] = {}
             for k, like in want.items():
-                new[k] = _state_value(ckpt, owner, k, like, s, sg.options)
+                new[k] = _state_value(ckpt, owner, k, like, s, sg.options, read)
             extra = sorted(set(owner_states.get(owner, [])) - set(want))
             if extra:
                 log.warning("%s: optimizer states %s of %s are not kept by %s; ignored",
@@ -85,7 +92,7 @@ def load_optimizer(eng: Engine, ckpt: Checkpoint) -> None:
                 g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
 
 
-def _state_layout(
+def state_layout(
     inner: torch.optim.Optimizer, group: dict[str, Any], master: torch.Tensor
 ) -> dict[str, Any] | None:
     """The states ``inner`` keeps for ``master``, name -> example: a tensor shaped like the chunk for a
@@ -116,7 +123,7 @@ def _state_layout(
 
 
 def _state_value(
-    ckpt: Checkpoint, owner: str, k: str, like: Any, s: ParamState, group: Mapping[str, Any]
+    ckpt: Checkpoint, owner: str, k: str, like: Any, s: ParamState, group: Mapping[str, Any], read: Reader
 ) -> Any:
     """State ``k`` of ``s`` from the checkpoint, shaped and typed like ``like`` (None: as stored)."""
     assert s.master is not None
@@ -139,7 +146,7 @@ def _state_value(
             )
         out = torch.zeros(s.chunk, dtype=like.dtype if like is not None else e.dtype, device=s.master.device)
         if s.valid:
-            read_into(e, s.start, s.start + s.valid, out[: s.valid])
+            read(e, s.start, s.start + s.valid, out[: s.valid])
         return out
     if e is None:  # FusedAdam / DeepSpeedCPUAdam keep Adam's step in the param group
         val = torch.tensor(float(group["step"]))

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from engine import dist as _dist
+from engine.checkpoint.async_save import AsyncSaver
 from engine.config import EngineConfig
 from engine.optim.loss_scaler import build_loss_scaler
 from engine.optim.optimizer import PartitionedOptimizer
@@ -121,6 +122,12 @@ class Engine:
         self.loss_scaler = build_loss_scaler(config)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+        self.checkpoint_stats: dict[str, Any] = {}
+        """Timings of the last finished save (``engine.checkpoint.save``)."""
+        self.checkpointer: AsyncSaver | None = (
+            AsyncSaver(self) if config.checkpoint.writer.decoupled else None
+        )
+        """Background writer of ``checkpoint.writer.decoupled`` saves (``engine.checkpoint.async_save``)."""
 
     # -- start-up -------------------------------------------------------------------------------
     def _partition(self, model: nn.Module, persistence: int) -> tuple[list[ParamState], dict[str, str]]:
@@ -401,10 +408,25 @@ class Engine:
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
     ) -> bool:
+        """Write a checkpoint (collective). With ``checkpoint.writer.decoupled`` it returns once this rank's
+        state is snapshotted and the files are written in the background (``wait_for_checkpoint``)."""
         from engine import checkpoint
 
         checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
         return True
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the save in flight (``checkpoint.writer.decoupled``) is published; raise its error if
+        it failed (``engine.checkpoint.CheckpointSaveError``). A no-op for synchronous saves."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def destroy(self) -> None:
+        """Finish the save in flight (raising its error), then free the snapshot memory (DeepSpeed's
+        ``engine.destroy()``). Call it before ``torch.distributed.destroy_process_group()``."""
+        if self.checkpointer is not None:
+            saver, self.checkpointer = self.checkpointer, None
+            saver.close()
 
     def load_checkpoint(
         self,
@@ -416,6 +438,8 @@ class Engine:
     ) -> tuple[str | None, dict[str, Any] | None]:
         from engine import checkpoint
 
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for(load_dir)  # an in-flight save of this folder is published first
         if self.fetcher is not None:
             self.fetcher.sync()  # no host-to-device copy still reads the shards the load rewrites
         return checkpoint.load(

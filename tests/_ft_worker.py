@@ -10,6 +10,11 @@ step), on the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``); torchrun
 Every attempt first trains the same loop uninterrupted in a fresh folder (the oracle), then the
 fault-tolerant run; rank 0 writes ``{"attempt", "run", "uninterrupted"}`` to RESULT.json at the end, each
 ``{"start_step", "losses", "params"}``.
+
+``FT_ASYNC=1`` saves asynchronously (``checkpoint.writer.decoupled``): then rank ``FT_KILL_RANK`` SIGKILLs
+itself right after ``save_checkpoint`` of step ``k`` returned, while its background writer is still writing
+(stretched by ``ZCKPT_TEST_WRITE_DELAY``; the rank checks that the write is in flight and says so in
+``<CKPT_DIR>.killed-mid-write``), so ``latest`` must still name the previous step's checkpoint.
 """
 
 from __future__ import annotations
@@ -34,9 +39,13 @@ import engine as deepspeed  # noqa: E402
 def train(ckpt_dir: str, steps: int, kill_step: int = -1, kill_rank: int = 1) -> dict[str, object]:
     """The fault-tolerant loop: resume from ``latest`` if any, one batch per step number, save every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    asynchronous = os.environ.get("FT_ASYNC") == "1"
+    cfg = config(3)
+    if asynchronous:
+        cfg["checkpoint"] = {"writer": {"decoupled": True}}
     model = make_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.01)
-    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(3))
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     eng.load_checkpoint(ckpt_dir)  # (None, None) on a fresh start
     start = eng.global_steps
     mb = BATCH // world
@@ -45,14 +54,23 @@ def train(ckpt_dir: str, steps: int, kill_step: int = -1, kill_rank: int = 1) ->
         x, y = batch(k)  # the batch depends on the step only
         loss = eng(x[rank * mb : (rank + 1) * mb], y[rank * mb : (rank + 1) * mb])
         eng.backward(loss)
-        if k == kill_step and rank == kill_rank:
+        kill = k == kill_step and rank == kill_rank
+        if kill and not asynchronous:
             os.kill(os.getpid(), signal.SIGKILL)
         eng.step()
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+        if kill:
+            os.environ["ZCKPT_TEST_WRITE_DELAY"] = "2"
         eng.save_checkpoint(ckpt_dir, tag=f"global_step{eng.global_steps}")
-    return {"start_step": start, "losses": losses, "params": full_params(eng)}
+        if kill:
+            assert eng.checkpointer is not None and eng.checkpointer.busy
+            Path(f"{ckpt_dir}.killed-mid-write").write_text(f"global_step{eng.global_steps}")
+            os.kill(os.getpid(), signal.SIGKILL)
+    out = {"start_step": start, "losses": losses, "params": full_params(eng)}
+    eng.destroy()  # an asynchronous save in flight is published before the process group goes
+    return out
 
 
 def main() -> None:

@@ -548,3 +548,87 @@ def test_matches_real_deepspeed_config() -> None:
         ).gradient_clipping
         == want["clip"]
     )
+
+
+def test_checkpoint_writer_block() -> None:
+    """DeepSpeed 0.19's ``checkpoint.writer`` keys: parsed with its defaults and spellings, mapped onto the
+    file writer's options; ``mock`` and ``socket``/``machine`` refused with the reason; typos named."""
+    from engine.checkpoint.save import write_options
+
+    cfg = _parse({})
+    assert not cfg.checkpoint.writer.decoupled
+    opts = write_options(cfg.checkpoint.writer)
+    assert (opts.direct, opts.buf_bytes, opts.buffers, opts.in_flight) == (True, 64 << 20, 2, 1)
+    w = _parse(
+        {
+            "checkpoint": {
+                "tag_validation": "Fail",
+                "use_node_local_storage": False,
+                "writer": {"type": "PYTHON", "decoupled": True, "io_buffer_size": 1e6,
+                           "io_buffer_double": False, "show_statistics": True, "data_parallel": "Replica",
+                           "io_multiplier": 3},
+            }
+        }
+    ).checkpoint.writer  # fmt: skip
+    assert (w.type, w.decoupled, w.io_buffer_size, w.data_parallel, w.io_multiplier) == (
+        "python", True, 1_000_000, "replica", 3)  # fmt: skip
+    opts = write_options(w)
+    assert not opts.direct and opts.buf_bytes == 245 * 4096 and opts.buffers == 3
+    for writer, match in [
+        ({"type": "mock"}, "a checkpoint that is not written"),
+        ({"data_parallel": "socket"}, "its own partition file"),
+        ({"decoupeld": True}, "did you mean decoupled"),
+        ({"io_multiplier": 0}, "must be >= 1"),
+    ]:
+        _err({"train_batch_size": 1, "checkpoint": {"writer": writer}}, match)
+    _err({"train_batch_size": 1, "checkpoint": {"writter": {}}}, "checkpoint.writter")
+
+
+_DS_WRITER = """
+import json, sys
+from deepspeed.runtime.model_checkpointing.config import get_checkpoint_config
+out = []
+for block in json.loads(sys.stdin.read()):
+    try:
+        out.append(get_checkpoint_config({"checkpoint": block})["writer"])
+    except AssertionError:
+        out.append("refused")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
+def test_checkpoint_writer_matches_real_deepspeed() -> None:
+    """DeepSpeed 0.19.8's own parser on the same ``checkpoint.writer`` blocks: the same values and defaults
+    (its upper-cased enums lower-cased here), and what it refuses the engine refuses."""
+    blocks = [
+        {"writer": {}},
+        {"writer": {"decoupled": True}},
+        {
+            "writer": {
+                "type": "python",
+                "io_buffer_size": 1048576,
+                "io_buffer_double": False,
+                "io_multiplier": 2,
+                "show_statistics": True,
+                "data_parallel": "replica",
+            }
+        },
+        {"writer": {"type": "FAST", "decoupled": True}},
+        {"writer": {"type": "bogus"}},
+        {"writer": {"data_parallel": "bogus"}},
+    ]
+    proc = subprocess.run([str(DS_PYTHON), "-c", _DS_WRITER], input=json.dumps(blocks), capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for block, ds in zip(blocks, theirs, strict=True):
+        try:
+            w = _parse({"checkpoint": block}).checkpoint.writer
+        except ConfigError:
+            assert ds == "refused", block
+            continue
+        dp = ds["data_parallel"]
+        assert {k: getattr(w, k) for k in ds} == {
+            **ds, "type": ds["type"].lower(), "data_parallel": dp.lower() if dp else None}, block  # fmt: skip

@@ -1,6 +1,7 @@
 """The engine on CUDA at world 1 (run on the lent GPU; skipped where there is none): parity with the
 single-process CPU reference in fp32, bf16/fp16 tracking, optimizer/param offload (host-to-device copies on
-the copy stream), external params and the live budget under param offload, save + load bit-exact."""
+the copy stream), external params and the live budget under param offload, save + load bit-exact, an
+asynchronous save (pinned snapshot) byte-identical to a synchronous one."""
 
 from __future__ import annotations
 
@@ -79,6 +80,33 @@ def test_cuda_save_load_continues_bit_exactly(tmp_path: Path) -> None:
     assert path is not None
     _, again = _train(cfg, 3, first=3, eng=eng2)
     assert again == rest
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda_async_save_same_files_and_resumes_bit_exactly(tmp_path: Path, offload: bool) -> None:
+    """``checkpoint.writer.decoupled`` on CUDA (pinned snapshot, device-to-host copies): the rank file is
+    byte-identical to a synchronous save of the same state, training goes on while it is written, and a
+    load of it (pinned reads, host-to-device copies) resumes bit-exactly."""
+    off = {"device": "cpu", "pin_memory": True}
+    zero: dict[str, Any] = {"offload_optimizer": off, "offload_param": off} if offload else {}
+    cfg = {**R.config(3, "bf16", **zero), "checkpoint": {"writer": {"decoupled": True}}}
+    eng, _ = _train(cfg, 3)
+    saver, eng.checkpointer = eng.checkpointer, None
+    eng.save_checkpoint(str(tmp_path / "sync"), tag="t")
+    eng.checkpointer = saver
+    assert saver is not None and saver.staging.pinned
+    eng.save_checkpoint(str(tmp_path / "async"), tag="t")
+    _, rest = _train(cfg, 3, first=3, eng=eng)  # while the background write runs
+    eng.wait_for_checkpoint()
+    a, b = (tmp_path / m / "t" / "rank_00000.safetensors" for m in ("sync", "async"))
+    assert a.read_bytes() == b.read_bytes()
+    eng2, _ = _train(cfg, 0)
+    path, _ = eng2.load_checkpoint(str(tmp_path / "async"))
+    assert path is not None
+    _, again = _train(cfg, 3, first=3, eng=eng2)
+    assert again == rest
+    eng.destroy()
+    eng2.destroy()
 
 
 @pytest.mark.parametrize("name", [*X.MODELS, "tiny"])

@@ -214,15 +214,21 @@ def test_world1_loads_deepspeed_and_continues_like_plain_pytorch(case: str, stag
 
 # ---- world 2 (one spawn for every case) -----------------------------------------------------------
 def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[str]:
-    """Load with the byte-reading entry points recorded: partitioned tensors are read only over this rank's
+    """Load with the byte-reading entry points recorded (``ReadPlan.add``, where the engine's load records its
+    ranged reads, and zckpt's readers): partitioned tensors are read only over this rank's
     chunk ``[start, start + valid)``; whole tensors only for what every rank needs (scalars, buffers, and
     frozen params when the engine does not shard them)."""
+    from engine.checkpoint.reads import ReadPlan
     from zckpt.io import spans
     from zckpt.partition import chunk_range
 
     ranged: list[tuple[str, int, int, int]] = []
     whole: list[tuple[str, str, int]] = []
-    real_range, real_whole = spans.read_range, spans.read_entry
+    real_range, real_whole, real_add = spans.read_range, spans.read_entry, ReadPlan.add
+
+    def rec_add(self: ReadPlan, entry: TensorEntry, lo: int, hi: int, out: torch.Tensor) -> None:
+        ranged.append((entry.key, entry.numel, lo, hi))
+        real_add(self, entry, lo, hi, out)
 
     def rec_range(
         entry: TensorEntry,
@@ -238,11 +244,11 @@ def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[s
         whole.append((e.key, e.role.value, e.numel))
         return real_whole(e, dtype)
 
-    spans.read_range, spans.read_entry = rec_range, rec_whole
+    spans.read_range, spans.read_entry, ReadPlan.add = rec_range, rec_whole, rec_add  # type: ignore[method-assign]
     try:
         eng.load_checkpoint(str(FIX / case))
     finally:
-        spans.read_range, spans.read_entry = real_range, real_whole
+        spans.read_range, spans.read_entry, ReadPlan.add = real_range, real_whole, real_add  # type: ignore[method-assign]
     bad = []
     for key, n, lo, hi in ranged:
         start, valid = chunk_range(n, world, rank)

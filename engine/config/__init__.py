@@ -18,22 +18,26 @@ from engine.config import blocks as B
 from engine.config.parse import ConfigError, build, deprecated, reject_auto, take_foreign, to_int
 from engine.config.schema import (
     BF16Config,
+    CheckpointConfig,
     EngineConfig,
     FP16Config,
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
+    WriterConfig,
     ZeroConfig,
 )
 
 __all__ = [
     "BF16Config",
+    "CheckpointConfig",
     "ConfigError",
     "EngineConfig",
     "FP16Config",
     "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "WriterConfig",
     "ZeroConfig",
     "parse_config",
 ]
@@ -53,12 +57,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     reject_auto(raw, "")
     d = copy.deepcopy(raw)
     take_foreign(d, "", B.TOP_FOREIGN)
-    ckpt = d.pop("checkpoint", None)
-    if isinstance(ckpt, dict) and ckpt.get("load_universal"):
-        raise ConfigError(
-            "checkpoint.load_universal: not supported by the engine (universal checkpoints)",
-            key="checkpoint.load_universal",
-        )
+    checkpoint = B.parse_checkpoint(d.pop("checkpoint", None))
     fp16 = B.parse_fp16(d.pop("fp16", None))
     bf16 = B.parse_bf16(d)
     if fp16.enabled and bf16.enabled:
@@ -87,6 +86,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         zero_optimization=zero,
         optimizer=optimizer,
         scheduler=scheduler,
+        checkpoint=checkpoint,
         user_config=copy.deepcopy(raw),
     )
     cfg = build(
@@ -95,7 +95,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         "",
         prebuilt=prebuilt,
         exclude=("world_size", "user_config"),
-        also_valid=(*B.BLOCKS, *_BATCH_KEYS, *B.TOP_FOREIGN, "checkpoint"),
+        also_valid=(*B.BLOCKS, *_BATCH_KEYS, *B.TOP_FOREIGN),
     )
     if cfg.gradient_clipping < 0:
         raise ConfigError(

@@ -25,10 +25,12 @@ from engine.config.parse import (
 )
 from engine.config.schema import (
     BF16Config,
+    CheckpointConfig,
     FP16Config,
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
+    WriterConfig,
     ZeroConfig,
 )
 
@@ -198,7 +200,9 @@ SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
         "last_batch_iteration": int,
     },
 }
-BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler")
+BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "checkpoint")
+CHECKPOINT_INERT = ("tag_validation", "use_node_local_storage", "parallel_write", "checkpoint_serialization")
+"""``checkpoint`` keys that do not change the engine's format (accepted, no effect)."""
 
 
 def as_block(value: Any, path: str) -> dict[str, Any]:
@@ -422,3 +426,42 @@ def parse_scheduler(value: Any) -> SchedulerConfig | None:
             f"scheduler.params.total_num_steps: required for {name}", key="scheduler.params.total_num_steps"
         )
     return SchedulerConfig(type=name, params=params)
+
+
+def parse_checkpoint(value: Any) -> CheckpointConfig:
+    """The ``checkpoint`` block: ``writer`` parsed (DeepSpeed 0.19's keys), ``load_universal`` refused."""
+    d = as_block(value, "checkpoint")
+    if d.pop("load_universal", False):
+        raise ConfigError(
+            "checkpoint.load_universal: not supported by the engine (universal checkpoints)",
+            key="checkpoint.load_universal",
+        )
+    for k in CHECKPOINT_INERT:
+        d.pop(k, None)
+    writer = d.pop("writer", None)
+    if d:
+        raise unknown_key("checkpoint", next(iter(d)), ["writer", "load_universal", *CHECKPOINT_INERT])
+    return CheckpointConfig(writer=parse_writer(writer))
+
+
+def parse_writer(value: Any) -> WriterConfig:
+    path = "checkpoint.writer"
+    d = as_block(value, path)
+    for key in ("type", "data_parallel"):  # DeepSpeed upper-cases these
+        if isinstance(d.get(key), str):
+            d[key] = d[key].lower()
+    if d.get("type") == "mock":
+        raise ConfigError(
+            f"{path}.type: 'mock' (write nothing) is not supported by the engine: a checkpoint that is not "
+            "written cannot become `latest`",
+            key=f"{path}.type",
+            hint="use 'fast' (O_DIRECT, the default) or 'python' (buffered writes)",
+        )
+    if d.get("data_parallel") in ("socket", "machine"):
+        raise ConfigError(
+            f"{path}.data_parallel: {d['data_parallel']!r} is not supported by the engine: every rank writes "
+            "its own partition file (DeepSpeed's 'replica' unit)",
+            key=f"{path}.data_parallel",
+            hint="leave it out or use 'replica'",
+        )
+    return build(WriterConfig, d, path)

@@ -161,6 +161,45 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WriterConfig:
+    """``checkpoint.writer`` (DeepSpeed 0.19's checkpoint writer): how ``save_checkpoint`` writes each rank's
+    file. Every rank writes its own rank file (``engine.checkpoint``); these keys say how and when."""
+
+    type: Literal["fast", "python"] = "fast"
+    """``fast``: ``O_DIRECT`` writes from page-aligned buffers, several in flight (DeepSpeed's ``fast``
+    writer uses libaio to the same end); ``python``: plain buffered writes, fsynced. ``mock`` (write
+    nothing) is refused: a checkpoint that is not written cannot become ``latest``. Any case.
+    Default: fast."""
+    decoupled: bool = False
+    """Asynchronous save: ``save_checkpoint`` returns once this rank's state is snapshotted into reusable
+    host buffers, and a background thread writes the same files while training goes on (see README,
+    "Asynchronous checkpoints"). DeepSpeed default: false."""
+    io_buffer_size: int = _f(64 << 20, gt=0)
+    """Bytes per device write (rounded up to 4 KiB for ``O_DIRECT``). DeepSpeed default: 64 MiB."""
+    io_buffer_double: bool = True
+    """Fill one I/O buffer while another is written; false writes synchronously. DeepSpeed default: true."""
+    show_statistics: bool = False
+    """Print each rank file's write statistics (bytes, seconds, GB/s, hashing, fsync). Default: false."""
+    data_parallel: Literal["replica"] | None = None
+    """Which data-parallel ranks write: every rank writes its own partition in the engine's format,
+    which is DeepSpeed's ``replica`` unit; null or ``replica`` (any case) are accepted, ``socket`` and
+    ``machine`` are refused. DeepSpeed default: null."""
+    io_multiplier: int = _f(1, ge=1)
+    """Parallel writers per rank file: ``io_multiplier`` writes in flight at once (times two buffers with
+    ``io_buffer_double``). DeepSpeed default: 1."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The ``checkpoint`` block. Only ``writer`` changes what the engine does; ``load_universal`` is
+    refused; DeepSpeed's other keys (``tag_validation``, ``use_node_local_storage``, ``parallel_write``,
+    ``checkpoint_serialization``) are accepted and have no effect on the engine's format."""
+
+    writer: WriterConfig = field(default_factory=WriterConfig)
+    """How rank files are written (defaults: DeepSpeed's, synchronous)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """A parsed, validated DeepSpeed config for a given data-parallel world size."""
 
@@ -200,6 +239,8 @@ class EngineConfig:
     """Optimizer built by the engine; None = the client passes one."""
     scheduler: SchedulerConfig | None = None
     """LR schedule built by the engine; None = the client passes one or none."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """How ``save_checkpoint`` writes (``checkpoint.writer``)."""
     user_config: dict[str, Any] = field(default_factory=dict, repr=False)
     """The config as the user gave it (deep copy), for checkpoints."""
 

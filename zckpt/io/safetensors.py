@@ -5,9 +5,12 @@ A file is an 8-byte little-endian header length, a JSON header ``{name: {dtype, 
 plus an optional ``__metadata__`` (str -> str), then the data section. ``read_header`` validates it
 strictly: integer lengths and offsets only (JSON ``true`` is not 1), known dtypes, offsets inside the data
 section matching shape x itemsize, no overlaps, no duplicate names. ``encode_header`` is the one
-encoder; ``write_file`` streams ``WriteItem``s after it (``zckpt.io.pipeline``), ``StreamWriter`` takes
-in-memory tensors one at a time in a declared order. Every file goes through ``HashingSink`` (sha256,
-durable, ``O_DIRECT``); ``FileRecord`` is what a writer reports of it.
+encoder and ``plan_file`` the layout it implies (where each tensor's bytes start, the file size);
+``write_file`` streams ``WriteItem``s after it (``zckpt.io.pipeline``; in-memory host tensors are written
+straight from their memory), ``write_views`` writes a file already laid out in memory (a snapshot),
+``StreamWriter`` takes in-memory tensors one at a time in a declared order. Every file goes through
+``HashingSink`` (sha256, durable, ``O_DIRECT`` tuned by ``WriteOptions``); ``FileRecord`` is what a writer
+reports of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.io import pipeline, storage
+from zckpt.io.direct_io import WriteOptions
 from zckpt.io.integrity import Problem, problem_from
 from zckpt.io.items import WriteItem, tensor_bytes
 from zckpt.io.sink import HashingSink
@@ -79,6 +83,16 @@ class FileRecord:
     name: str
     sha256: str
     bytes: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """Where everything of a file goes: its header bytes, each tensor's absolute byte offset (in spec
+    order) and the file size."""
+
+    header: bytes
+    offsets: tuple[int, ...]
+    size: int
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -169,8 +183,16 @@ def encode_header(
 ) -> bytes:
     """The length prefix and JSON header for tensors ``(name, dtype, shape)`` laid out in order, padded so
     the data section starts 8-aligned (as safetensors does)."""
+    return plan_file(specs, metadata).header
+
+
+def plan_file(
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> FilePlan:
+    """The header of a file holding tensors ``(name, dtype, shape)`` in order, and where their bytes go."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
+    starts = []
     for name, dtype, shape in specs:
         if dtype not in NAMES:
             raise Unsupported(f"{name}: safetensors cannot store {dtype}")
@@ -182,10 +204,12 @@ def encode_header(
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
+        starts.append(offset)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    head = struct.pack("<Q", len(raw)) + raw
+    return FilePlan(head, tuple(len(head) + o for o in starts), len(head) + offset)
 
 
 def write_file(
@@ -196,18 +220,67 @@ def write_file(
     on_bytes: Callable[[int], None] | None = None,
     workers: int | None = None,
     sidecar: bool = True,
+    opts: WriteOptions | None = None,
+    on_stats: Callable[[dict[str, Any]], None] | None = None,
 ) -> FileRecord:
     """Stream ``items`` into a new safetensors file at ``path`` (which must not exist): header first, then
-    each tensor in bounded chunks; with ``sidecar`` also ``<path>.sha256``."""
+    each tensor in bounded chunks (a whole in-memory host tensor of the output dtype straight from its
+    memory); with ``sidecar`` also ``<path>.sha256``."""
     raw = encode_header([(it.name, it.dtype, it.shape) for it in items], metadata)
-    sink = HashingSink(path)
+    sink = HashingSink(path, opts)
     try:
         sink.write(raw)
-        pipeline.write_items(sink, items, workers=workers, on_bytes=on_bytes)
+        run: list[WriteItem] = []
+        for it in items:
+            mem = _host_bytes(it)
+            if mem is None:
+                run.append(it)
+                continue
+            if run:
+                pipeline.write_items(sink, run, workers=workers, on_bytes=on_bytes)
+                run = []
+            sink.write(mem)
+            if on_bytes is not None:
+                on_bytes(len(mem))
+        if run:
+            pipeline.write_items(sink, run, workers=workers, on_bytes=on_bytes)
     finally:
         sink.close()
+    if on_stats is not None:
+        on_stats(sink.stats())
     if sidecar:
         sink.write_sidecar()
+    return FileRecord(path.name, sink.hexdigest(), sink.tell())
+
+
+def _host_bytes(it: WriteItem) -> memoryview | None:
+    """The bytes of ``it`` when they lie in one contiguous host tensor of the output dtype, else None."""
+    ps = it.entry.pieces
+    if it.span is not None or it.pad or len(ps) != 1 or ps[0].value is None or ps[0].grid:
+        return None
+    v = ps[0].value
+    if v.device.type != "cpu" or v.dtype != it.dtype or not v.is_contiguous() or v.numel() != it.numel:
+        return None
+    return tensor_bytes(v.reshape(-1))
+
+
+def write_views(
+    path: Path,
+    views: Sequence[memoryview],
+    opts: WriteOptions | None = None,
+    on_stats: Callable[[dict[str, Any]], None] | None = None,
+) -> FileRecord:
+    """A new file at ``path`` made of ``views`` in order (a file laid out in memory, e.g. by ``plan_file``):
+    the views must stay unchanged until this returns, which lets aligned memory go to the device without
+    a copy while it is hashed."""
+    sink = HashingSink(path, opts)
+    try:
+        for v in views:
+            sink.write(v, stable=True)
+    finally:
+        sink.close()
+    if on_stats is not None:
+        on_stats(sink.stats())
     return FileRecord(path.name, sink.hexdigest(), sink.tell())
 
 

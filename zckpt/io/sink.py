@@ -5,7 +5,12 @@ durable: at ``close()`` (fsync), or, inside an active ``zckpt.io.staging.Staging
 at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed. Each
 tensor file ``F`` gets a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the
 whole file. The bytes go to the device with ``O_DIRECT`` where the filesystem allows
-(``zckpt.io.direct_io``), not through the page cache.
+(``zckpt.io.direct_io``, tuned by ``WriteOptions``), not through the page cache.
+
+``write(b, stable=True)`` is for callers whose bytes stay unchanged until ``close()`` (a snapshot): the
+hash is queued on the hash thread without waiting and aligned memory goes to the device without a copy,
+so hashing and device writes run side by side over the whole file, not chunk by chunk. ``stats()`` says
+where the time went.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import io
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from zckpt.io import direct_io
 
@@ -54,20 +60,26 @@ class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
     folder's commit) and writes the sidecar."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, opts: direct_io.WriteOptions | None = None) -> None:
         super().__init__()
         self.path = path
         self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._direct: direct_io.DirectWriter | None = None
-        if direct_io.enabled():
-            try:
-                self._direct = direct_io.DirectWriter(str(path), self._f.fileno())
-            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
-                self._direct = None
         self._sha = hashlib.sha256()
         self._pos = 0
         self._hasher: ThreadPoolExecutor | None = None
+        opts = opts or direct_io.WriteOptions()
+        if opts.direct and direct_io.enabled():
+            try:
+                self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._queue_hash)
+            except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
+                self._direct = None
+        self._hashing: list[Future[None]] = []  # queued hashes of stable writes
+        self._t_open = time.perf_counter()
+        self._hash_s = 0.0
+        self._fsync_s = 0.0
+        self._wall_s = 0.0
 
     def writable(self) -> bool:
         return True
@@ -75,29 +87,61 @@ class HashingSink(io.RawIOBase):
     def seekable(self) -> bool:
         return False
 
-    def write(self, b: object) -> int:
+    def write(self, b: object, stable: bool = False) -> int:
+        """Append ``b``. ``stable``: ``b`` stays unchanged until ``close()`` (see the module doc)."""
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
         if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
             time.sleep(float(os.environ[_TEST_DELAY_ENV]))
-        if len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
-            done = self._hasher.submit(self._sha.update, mv)
-            try:
+        if self._direct is not None:  # it hands every byte to the hash thread itself (``_queue_hash``)
+            self._direct.write(mv, stable)
+        elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
+            done = self._queue_hash(mv)
+            if stable:  # the hash thread runs on through the queue; close() waits for it
+                self._hashing.append(done)
                 self._put(mv)
-            finally:
-                done.result()
+            else:
+                try:
+                    self._put(mv)
+                finally:
+                    done.result()
         else:
+            self._flush_hashes()
             self._put(mv)
-            self._sha.update(mv)
+            self._update(mv)
         self._pos += len(mv)
         return len(mv)
 
+    def _queue_hash(self, mv: memoryview) -> Future[None]:
+        """Hash ``mv`` on the hash thread (one thread: in the order queued)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
+        return self._hasher.submit(self._update, mv)
+
+    def _update(self, mv: memoryview) -> None:
+        t0 = time.perf_counter()
+        self._sha.update(mv)
+        self._hash_s += time.perf_counter() - t0  # one hash thread (or the caller): no race
+
+    def _flush_hashes(self) -> None:
+        """Wait for queued hashes (before hashing on this thread, and at close)."""
+        while self._hashing:
+            self._hashing.pop(0).result()
+
     def _put(self, mv: memoryview) -> None:
-        if self._direct is not None:
-            self._direct.write(mv)
-        else:
-            self._f.write(mv)
+        self._f.write(mv)
+
+    def stats(self) -> dict[str, Any]:
+        """Where the time of this file went (valid after ``close()``): bytes, wall seconds from open to
+        closed, seconds spent hashing, in device writes (summed over writer threads) and in fsync."""
+        return {
+            "bytes": self._pos,
+            "wall_s": round(self._wall_s, 4),
+            "hash_s": round(self._hash_s, 4),
+            "device_write_s": round(self._direct.busy_s, 4) if self._direct is not None else None,
+            "fsync_s": round(self._fsync_s, 4),
+            "direct": self._direct is not None and self._direct._direct,
+            "copied_bytes": self._direct.copied if self._direct is not None else self._pos,
+        }
 
     def tell(self) -> int:
         return self._pos
@@ -113,15 +157,19 @@ class HashingSink(io.RawIOBase):
             if not self.closed and not self._f.closed:
                 try:
                     if self._direct is not None:
-                        direct, self._direct = self._direct, None
-                        direct.close()
+                        self._direct.close()
+                    self._flush_hashes()
                     self._f.flush()
                     if self._durable_now:
+                        t0 = time.perf_counter()
                         os.fsync(self._f.fileno())
+                        self._fsync_s = time.perf_counter() - t0
                 finally:  # a failed flush (disk full) must still release the file
                     self._f.close()
                     if self._hasher is not None:
-                        self._hasher.shutdown()
+                        self._hasher.shutdown()  # waits for queued hashes, even after an error
+                    self._hashing.clear()
+                    self._wall_s = time.perf_counter() - self._t_open
         finally:
             super().close()
 

@@ -2,9 +2,11 @@
 ``zckpt reshard --to native`` (any ``Checkpoint``, at any world size).
 
 What both share lives here: the rank-file content rules (``chunk_item``/``whole_item``/``rng_items``/
-``client_tree``), ``write_rank`` (one rank file, streamed through ``zckpt.io.safetensors``), and
-``build_manifest`` / ``write_manifest`` (the manifest, built once from typed specs, the
-``TrainingState`` and the rank files' records). Publishing the finished tag folder and moving ``latest``
+``client_tree``), ``write_rank`` (one rank file, streamed through ``zckpt.io.safetensors``; its layout is
+``rank_plan``, so a caller may instead lay the file out in memory -- the engine's snapshot for an
+asynchronous save -- and hand it to ``write_rank_views``: the same bytes), and ``build_manifest`` /
+``write_manifest`` (the manifest, built once from typed specs, the ``TrainingState`` and the rank files'
+records). Publishing the finished tag folder and moving ``latest``
 are ``zckpt.io.staging`` / ``zckpt.formats._latest``.
 
 ``NativeWriter`` is the ``CheckpointWriter`` for reshard. RNG: new rank ``r`` takes old rank ``r``'s state
@@ -32,9 +34,10 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors
+from zckpt.io.direct_io import WriteOptions
 from zckpt.io.items import WriteItem, entry_from_tensor
-from zckpt.io.safetensors import FileRecord
-from zckpt.model import PRECISIONS, Role, TensorEntry, dtype_name
+from zckpt.io.safetensors import FilePlan, FileRecord
+from zckpt.model import PRECISIONS, Piece, Role, TensorEntry, dtype_name
 from zckpt.partition import chunk_range, chunk_size
 from zckpt.state import RankRng, TrainingState, tensor_leaves, to_json
 
@@ -55,8 +58,13 @@ def whole_item(key: str, entry: TensorEntry, dtype: torch.dtype | None = None) -
 
 
 def tensor_item(key: str, t: torch.Tensor) -> WriteItem:
-    """An in-memory tensor (the engine's own partitions) under ``key``."""
-    return WriteItem(key, entry_from_tensor(key, t, Role.BUFFER), t.dtype)
+    """An in-memory tensor (the engine's own partitions, on any device: a GPU tensor is copied to the host
+    chunk by chunk as it is written) under ``key``."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    piece = Piece("", 0, flat.dtype, 0, flat.numel(), value=flat)
+    return WriteItem(key, TensorEntry(key, tuple(t.shape), flat.dtype, Role.BUFFER, (piece,)), t.dtype)
 
 
 def rng_items(rng: RankRng) -> list[WriteItem]:
@@ -85,9 +93,32 @@ def client_tree(client_state: Mapping[str, Any]) -> tuple[Any, list[WriteItem]]:
     return encode(client_state), items
 
 
-def write_rank(path: Path, items: Sequence[WriteItem], on_bytes: Any = None) -> FileRecord:
+def write_rank(
+    path: Path,
+    items: Sequence[WriteItem],
+    on_bytes: Any = None,
+    *,
+    opts: WriteOptions | None = None,
+    on_stats: Any = None,
+) -> FileRecord:
     """One rank file: ``items`` streamed into ``path`` (which must not exist)."""
-    return safetensors.write_file(path, items, metadata=_METADATA, on_bytes=on_bytes, sidecar=False)
+    return safetensors.write_file(path, items, metadata=_METADATA, on_bytes=on_bytes, sidecar=False,
+                                  opts=opts, on_stats=on_stats)  # fmt: skip
+
+
+def rank_plan(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> FilePlan:
+    """The layout ``write_rank`` gives a rank file of tensors ``(key, dtype, shape)`` in this order: its
+    header bytes, where each tensor's bytes start, its size."""
+    return safetensors.plan_file(specs, _METADATA)
+
+
+def write_rank_views(
+    path: Path, views: Sequence[memoryview], *, opts: WriteOptions | None = None, on_stats: Any = None
+) -> FileRecord:
+    """One rank file already laid out in memory by ``rank_plan`` (header at 0, each tensor at its
+    offset): ``views`` in order, unchanged until this returns. Byte for byte what ``write_rank`` writes
+    for the same tensors."""
+    return safetensors.write_views(path, views, opts, on_stats)
 
 
 # ---- the manifest --------------------------------------------------------------------------------
