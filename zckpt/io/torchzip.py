@@ -3,15 +3,18 @@
 A torch zip archive holds ``<prefix>/data.pkl`` (the pickled object, tensors as persistent ids) and
 one uncompressed record ``<prefix>/data/<key>`` per storage. ``load_refs`` unpickles ``data.pkl``
 through ``SafeUnpickler`` and fills every ``TensorRef`` with its file and absolute byte offset, so a
-reader can later fetch any tensor's bytes (and only those) through ``zckpt.io.storage``.
+reader can later fetch any tensor's bytes (and only those) through ``zckpt.io.storage``. ``archive_at``
+does the same for an archive stored inside a bigger file (through a ``Window`` of it, as DCP writes them).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -109,16 +112,29 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
                 hint="re-save it with a recent torch.save, or check the copy is complete",
                 path=path,
             )
-        try:
-            prefix, records, zf = _records(path, f, size)
-            with zf:
-                info = zf.getinfo(prefix + "data.pkl")
-                if info.file_size > size:
-                    raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
-                data = zf.read(info)
-        except _ZIP_ERRORS as e:
-            raise _damaged(path, e) from None
+        prefix, records, data, _ = _pickle_of(path, f, size)
     obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size)
+    _place_refs(path, prefix, records, obj, 0)
+    return prefix.rstrip("/"), obj
+
+
+def _pickle_of(
+    path: str, f: BinaryIO, size: int
+) -> tuple[str, dict[str, tuple[int, int]], bytes, dict[str, int]]:
+    """(prefix, records, data.pkl bytes, each record's CRC-32) of the archive ``f`` of ``size`` bytes."""
+    try:
+        prefix, records, zf = _records(path, f, size)
+        with zf:
+            info = zf.getinfo(prefix + "data.pkl")
+            if info.file_size > size:
+                raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
+            return prefix, records, zf.read(info), {i.filename: i.CRC for i in zf.infolist()}
+    except _ZIP_ERRORS as e:
+        raise _damaged(path, e) from None
+
+
+def _place_refs(path: str, prefix: str, records: dict[str, tuple[int, int]], obj: Any, base: int) -> None:
+    """Point every ``TensorRef`` of ``obj`` at its storage record (``base``: the archive's file offset)."""
     for ref in iter_refs(obj):
         name = f"{prefix}data/{ref.storage.key}"
         if name not in records:
@@ -126,8 +142,73 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
         start, nbytes = records[name]
         _check_view(path, name, ref, nbytes)
         ref.file = path
-        ref.byte_offset = start + ref.offset * ref.dtype.itemsize
-    return prefix.rstrip("/"), obj
+        ref.byte_offset = base + start + ref.offset * ref.dtype.itemsize
+
+
+# ---- archives inside a bigger file (DCP's .distcp files: torch.save archives back to back) -------------
+class Window(io.RawIOBase):
+    """Read-only, seekable file over bytes ``[offset, offset + length)`` of the open descriptor ``fd`` (reads
+    are ``pread``: several windows may share one descriptor)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, pos if whence == 0 else (self.pos + pos if whence == 1 else self.length + pos))
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class EmbeddedArchive:
+    """A torch.save archive found at ``offset`` of a file: its object (tensors as ``TensorRef`` with absolute
+    byte offsets), and each record's absolute data offset, size and CRC-32."""
+
+    obj: Any
+    records: dict[str, tuple[int, int, int]]
+
+
+def archive_at(
+    path: str, fd: int, offset: int, length: int, *, trust_pickle: bool = False, what: str = ""
+) -> EmbeddedArchive:
+    """Parse the torch.save archive at bytes ``[offset, offset + length)`` of ``path`` (open as ``fd``)
+    through a window of the file: only its zip directory, local headers and ``data.pkl`` are read.
+    ``what`` names the item in errors."""
+    where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
+    w = Window(fd, offset, length)
+    prefix, records, data, crcs = _pickle_of(where, w, length)  # type: ignore[arg-type]
+    obj = safe_loads(data, source=where, trust_pickle=trust_pickle, max_bytes=length)
+    _place_refs(where, prefix, records, obj, offset)
+    for ref in iter_refs(obj):
+        ref.file = path
+    return EmbeddedArchive(obj, {n: (offset + a, k, crcs.get(n, 0)) for n, (a, k) in records.items()})
+
+
+def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None:
+    """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
+    record's name, or a description of why the archive cannot be read; None when it is intact."""
+    try:
+        with zipfile.ZipFile(Window(fd, offset, length)) as zf:  # type: ignore[arg-type]
+            bad = zf.testzip()
+    except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
+        return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
+    return None if bad is None else f"zip record {bad} fails its CRC-32 check"
 
 
 def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:

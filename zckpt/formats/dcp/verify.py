@@ -1,0 +1,5 @@
+from zckpt.io.integrity import Problem
+
+
+def verify(path, ckpt, ctx) -> list[Problem]:
+    return []
