@@ -204,7 +204,7 @@ def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None
     """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
     record's name, or a description of why the archive cannot be read; None when it is intact."""
     try:
-        with zipfile.ZipFile(Window(fd, offset, length)) as zf:  # type: ignore[arg-type]
+        with zipfile.ZipFile(Window(fd, offset, length)) as zf:
             bad = zf.testzip()
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
         return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"

@@ -145,10 +145,10 @@ class Files:
         if hkey not in self._headers:
             try:
                 self._headers[hkey] = safetensors.read_header(f, info.offset)
-            except CorruptCheckpoint as e:
+            except CorruptCheckpoint as err:
                 raise CorruptCheckpoint(
                     f"{f}: the item at byte {info.offset} is neither a torch.save archive nor a safetensors "
-                    f"blob ({e})",
+                    f"blob ({err})",
                     path=f,
                 ) from None
         e = self._headers[hkey].tensors.get(key)

@@ -79,7 +79,9 @@ def load_folder(folder: Path, *, trust_pickle: bool = False) -> Loaded:
             if t is None:
                 info = md.storage.get((key, None))
                 if info is None:
-                    raise ShardMismatch(f"{md.source}: no storage recorded for value {key!r:.100}", path=md.source)
+                    raise ShardMismatch(
+                        f"{md.source}: no storage recorded for value {key!r:.100}", path=md.source
+                    )
                 out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
                 continue
             check_tiling(md.source, key, t.shape, t.chunks)
@@ -99,7 +101,8 @@ def load_folder(folder: Path, *, trust_pickle: bool = False) -> Loaded:
 
 def load_hf_shards(folder: Path) -> Loaded:
     tensors, data, files = hfshards.load(folder)
-    return Loaded(list(tensors), {k: (k,) for k in tensors}, tensors, dict(data), {}, files, {"hf-shards"})
+    chunks: dict[StorageKey, ChunkData] = {(k, o): d for (k, o), d in data.items()}
+    return Loaded(list(tensors), {k: (k,) for k in tensors}, tensors, chunks, {}, files, {"hf-shards"})
 
 
 def pieces(ld: Loaded, key: str) -> tuple[Piece, ...]:
@@ -191,9 +194,13 @@ def entries(ld: Loaded, slots: Mapping[str, Slot]) -> Parts:
                 role = role_of(s.name, t.dtype, trainable)
                 out.model.append(TensorEntry(s.name, t.shape, t.dtype, role, pieces(ld, k)))
             elif s.kind == "optim":
-                out.optim.append(TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, k), state=s.state))
+                out.optim.append(
+                    TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, k), state=s.state)
+                )
             elif s.kind != "model":
-                out.client_tensors[k] = TensorEntry(f"client/{k}", t.shape, t.dtype, Role.BUFFER, pieces(ld, k))
+                out.client_tensors[k] = TensorEntry(
+                    f"client/{k}", t.shape, t.dtype, Role.BUFFER, pieces(ld, k)
+                )
         elif s.kind == "optim":
             e = _optim_value(k, s, ld.values[k])
             if e is not None:
@@ -217,7 +224,11 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
     src = resolve(Path(path), tag)
     ld = Loaded()
     for folder in src.folders:
-        part = load_hf_shards(folder) if src.layout == "hf-shards" else load_folder(folder, trust_pickle=trust_pickle)
+        part = (
+            load_hf_shards(folder)
+            if src.layout == "hf-shards"
+            else load_folder(folder, trust_pickle=trust_pickle)
+        )
         ld.merge(part, folder)
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
     parts = entries(ld, slots)
