@@ -54,7 +54,13 @@ class MetadataPickler(TorchPickler):
         if isinstance(obj, Size):
             return (_SIZE, (tuple(obj.dims),))
         if isinstance(obj, M.TensorProperties):
-            state = (obj.__dict__["dtype"], _Call(_LAYOUT, ("torch.strided",)), False, _Call(_MEM_FORMAT, (0,)), False)
+            state = (
+                obj.__dict__["dtype"],
+                _Call(_LAYOUT, ("torch.strided",)),
+                False,
+                _Call(_MEM_FORMAT, (0,)),
+                False,
+            )
             return (copyreg.__newobj__, (M.TensorProperties,), state)  # type: ignore[attr-defined]
         if isinstance(obj, _Call):
             return (obj.func, obj.args)

@@ -122,7 +122,7 @@ def assemble(
     raw: dict[str, Any] = {}
     for key, v in values.items():
         s = slots[key]
-        if v.opaque is not None:
+        if v.opaque is not None or v.inner:
             raw[key] = {
                 "path": list(s.path or (key,)),
                 "file": v.file,

@@ -37,6 +37,9 @@ class Value:
     """The item's file (its path as opened)."""
     value: Any = None
     opaque: str | None = None
+    inner: bool = False
+    """``value`` was parsed from a pickled ``bytes``/``io.BytesIO`` value (``trust_pickle``): shown, but
+    written back verbatim, never re-pickled."""
 
     def describe(self) -> str:
         if self.opaque is not None:
@@ -77,7 +80,7 @@ def _global_of(e: UnsafePickle) -> str:
 def _inner(v: Value, data: bytes, kind: str, trust_pickle: bool) -> Value:
     """A ``bytes``/``io.BytesIO`` value: opaque unless trusted, then parsed (a pickle or a torch.save)."""
     if not trust_pickle:
-        return replace(v, opaque=f"<{kind} of {len(data)} bytes, not unpickled (--trust-pickle)>")
+        return replace(v, opaque=f"<{kind} value, {len(data)} bytes, not unpickled (--trust-pickle)>")
     src = f"{v.file}: {v.key} ({kind} value)"
     try:
         if data[:4] == ZIP_MAGIC:
@@ -90,7 +93,7 @@ def _inner(v: Value, data: bytes, kind: str, trust_pickle: bool) -> Value:
         obj = safe_loads(data, source=src, trust_pickle=True)
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, UnsafePickle, CorruptCheckpoint) as e:
         return replace(v, opaque=f"<{kind} value, unreadable: {str(e)[:80]}>")
-    return replace(v, value=obj)
+    return replace(v, value=obj, inner=True)
 
 
 def _entries(key: str, o: Any) -> Any:
