@@ -128,7 +128,7 @@ def assemble(
                 "file": v.file,
                 "offset": v.info.offset,
                 "length": v.info.length,
-                "what": v.opaque,
+                "what": v.describe(),
             }
         elif s.kind == "group" and s.group is not None:
             groups.setdefault(s.group, {})[s.state] = v.value
