@@ -316,3 +316,33 @@ def test_deepspeed_to_dcp_reads_back(tmp_path: Path) -> None:
     _same(a, b)
     assert b.meta.state.optimizer.groups == a.meta.state.optimizer.groups  # type: ignore[union-attr]
     assert b.meta.step == a.meta.step and b.meta.state.scheduler == a.meta.state.scheduler
+
+
+@pytest.mark.parametrize("to", ["native", "deepspeed"])
+def test_engine_resumes_from_dcp_converted(tmp_path: Path, to: str) -> None:
+    """DCP -> native / DeepSpeed ZeRO-3 at world 1: the engine's ``load_checkpoint`` restores every fp32
+    master and Adam moment of torch's full state dicts (``ref_model`` / ``ref_optim``) and the step."""
+    sys.path.insert(0, str(REPO / "fixtures"))
+    import make_fixtures as mf
+
+    import engine
+
+    case = FIX / "fsdp2_w2"
+    zckpt.reshard(case / "checkpoint", tmp_path / "o", world=1, to=to, stage=3, progress=False)
+    spec = dict(mf.case("dcp", 3, "fp32", 1, groups=2, batch=4))
+    torch.manual_seed(99)  # not the run's init: the load must overwrite everything
+    model = mf.build_toy(spec["toy"])
+    groups, _ = mf.param_groups(model, spec)
+    opt = torch.optim.AdamW(groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
+    eng, _, _, _ = engine.initialize(model=model, optimizer=opt, config=mf.ds_config(spec))
+    path, _ = eng.load_checkpoint(str(tmp_path / "o"))
+    assert path is not None and eng.global_steps == _info(case)["steps"]
+    ref, ropt = load_file(str(case / "ref_model.safetensors")), load_file(str(case / "ref_optim.safetensors"))
+    inner = eng.optimizer.optimizer
+    for s in (s for s in eng.states if s.trainable):
+        sl = slice(s.start, s.start + s.valid)
+        assert torch.equal(s.master[: s.valid].cpu(), ref[s.name].reshape(-1)[sl]), s.name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(
+                inner.state[s.master][k][: s.valid].cpu(), ropt[f"{s.name}:{k}"].reshape(-1)[sl]
+            )
