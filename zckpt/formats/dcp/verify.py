@@ -20,7 +20,9 @@ from zckpt.errors import ZckptError
 from zckpt.formats.dcp import layout
 from zckpt.formats.dcp.boxes import distinct, tiling_problem
 from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
+from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
+from zckpt.formats.dcp.read import load_folder, pieces
 from zckpt.io import safetensors, spans
 from zckpt.io.integrity import SIDECAR, Problem, VerifyContext, check_sidecar, problem_from
 from zckpt.io.torchzip import check_archive_at
@@ -119,17 +121,14 @@ def _ties(ckpt: Checkpoint) -> list[Problem]:
     out: list[Problem] = []
     if not ckpt.meta.tied:
         return out
-    from zckpt.formats.dcp.read import load_folder, pieces
-
     by_name = {}
     for folder in ckpt.meta.extra.get("folders") or []:
         ld = load_folder(Path(folder))
         for k in ld.keys:
-            p = ld.paths[k]
-            name = str(p[-1]) if len(p) in (1, 2) and (len(p) == 1 or p[0] == "model") else None
-            if name in ckpt.meta.tied and k in ld.tensors:
+            s = classify(ld.paths[k], k in ld.tensors)
+            if s.kind == "model" and s.name in ckpt.meta.tied:
                 t = ld.tensors[k]
-                by_name[name] = TensorEntry(name, t.shape, t.dtype, Role.PARAM, pieces(ld, k))
+                by_name[s.name] = TensorEntry(s.name, t.shape, t.dtype, Role.PARAM, pieces(ld, k))
     for alias, owner in ckpt.meta.tied.items():
         a, o = by_name.get(alias), ckpt.entries[owner]
         same = (
