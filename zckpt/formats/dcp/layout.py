@@ -117,11 +117,14 @@ def _accelerate_quiet(p: Path) -> bool:
 def resolve(p: Path, tag: str | None = None) -> Source:
     """The checkpoint at ``p`` (see the module doc); ``tag`` picks a torchtitan ``step-N`` folder."""
     if tag is not None:
-        if not _STEP_RE.match(tag) and not is_dcp_folder(p / tag):
-            raise CorruptCheckpoint(f"{p}: no DCP folder {tag!r:.80}", path=str(p))
-        inner = p / tag if not (p.name == tag and is_dcp_folder(p)) else p
-        save = inner.parent
-        return Source(inner, (inner,), "dcp", save, inner.name)
+        inner = p if p.name == tag and is_dcp_folder(p) else p / tag
+        if not is_dcp_folder(inner):
+            raise CorruptCheckpoint(
+                f"{p}: no DCP folder {tag!r:.80} (one holding {METADATA})",
+                hint="give the folder holding the step-N folders, or drop --tag",
+                path=str(p),
+            )
+        return Source(inner, (inner,), "dcp", inner.parent, inner.name)
     m = _ACC_RE.match(p.name)
     if m and is_dcp_folder(p):
         acc = _accelerate(p.parent, m.group(2))

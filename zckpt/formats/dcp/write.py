@@ -78,15 +78,24 @@ class DcpRecord(FileRecord):
 
 def flatten(value: Any, path: Path_) -> Iterator[tuple[Path_, Any]]:
     """DCP's flattening (``_traverse.traverse_state_dict``): dicts are walked, empty ones vanish; a list is
-    one leaf unless it holds a dict, a tensor or such a list; tuples and everything else are leaves."""
+    one leaf unless it holds a dict, a tensor or such a list; tuples and everything else are leaves (a tuple
+    holding a tensor is walked too: its tensors are written as tensor items)."""
     if isinstance(value, Mapping):
         for k, v in value.items():
             yield from flatten(v, (*path, str(k)))
-    elif isinstance(value, list) and not _terminal(value):
+    elif isinstance(value, (list, tuple)) and (not _terminal(list(value)) or _holds_entry(value)):
         for i, v in enumerate(value):
             yield from flatten(v, (*path, i))
     else:
         yield path, value
+
+
+def _holds_entry(v: Any) -> bool:
+    if isinstance(v, TensorEntry):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_entry(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_entry(x) for x in v)
 
 
 def _terminal(values: list[Any]) -> bool:
