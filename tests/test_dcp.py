@@ -346,3 +346,29 @@ def test_engine_resumes_from_dcp_converted(tmp_path: Path, to: str) -> None:
             assert torch.equal(
                 inner.state[s.master][k][: s.valid].cpu(), ropt[f"{s.name}:{k}"].reshape(-1)[sl]
             )
+
+
+def test_client_tensors_and_old_style_step_round_trip(tmp_path: Path) -> None:
+    """A single-process ``dcp.save`` with a tensor in the train state (torchtitan's older int32 ``step``) and
+    an optimizer ``step`` saved as a Python number: read, written back by ``--to dcp``, read again."""
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sd = {
+        "model": {"w": w, "b": torch.ones(3)},
+        "optim": {
+            "state": {"w": {"step": 7, "exp_avg": w * 2}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        },
+        "train_state": {"step": torch.tensor(7, dtype=torch.int32), "tokens": 99},
+    }
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "a"))
+    a = zckpt.open(tmp_path / "a")
+    assert a.meta.step == 7 and a.entries["w:step"].pytype == "int" and a.read("w:exp_avg").equal(w * 2)
+    assert a.meta.state.optimizer.groups[0].params == ("w",)  # type: ignore[union-attr]
+    zckpt.reshard(tmp_path / "a", tmp_path / "b", world=2, to="dcp", progress=False)
+    b = zckpt.open(tmp_path / "b")
+    assert b.read("w").equal(w) and b.read("w:step").item() == 7.0 and b.read("w:step").dtype == torch.float32
+    ts = b.meta.state.client_state["train_state"]
+    assert b.read(ts["step"]).dtype == torch.int32 and b.read(ts["step"]).item() == 7 and ts["tokens"] == 99

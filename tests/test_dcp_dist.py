@@ -15,6 +15,7 @@ Oracles, none of them zckpt's own output:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,14 @@ ROWS, SEED = 6, 4242  # the next step's global batch: 6 rows, 2 per rank at worl
 RESHARD_W3 = {"fsdp2_w2": 4, "torchtitan_w2": 1, "tp2d_w4": 2, "tp_w2": 5, "fsdp1_w2": 3, "accelerate_w2": 4,
               "model_only_w2": 1, "fsdp2_mp_w2": 3, "perfile_w2": 2}  # fmt: skip
 RESHARD_W2 = {"fsdp2_bf16_w3": 2, "hsdp_w4": 3, "fsdp2_w3": 1, "fsdp2_w1": 4}
+
+
+HELDOUT = os.environ.get("ZCKPT_DCP_HELDOUT")
+
+
+def _case_dir(case: str) -> Path:
+    """A committed fixture, or a held-out case (``make_dcp_heldout.py DIR``, ``ZCKPT_DCP_HELDOUT=DIR``)."""
+    return Path(HELDOUT) / case if HELDOUT and case.startswith("h_") else DCP / case
 
 
 def _mdf() -> Any:
@@ -172,10 +181,14 @@ def _check_ds(got: dict[str, Any]) -> None:
 # ---- DCP fixtures resharded by zckpt resume like the originals --------------------------------------
 def _resume_rank(rank: int, world: int, case: str, path: Path) -> dict[str, Any]:
     mdf = _mdf()
-    info = json.loads((DCP / case / "case.json").read_text())
+    info = json.loads((_case_dir(case) / "case.json").read_text())
     bf16 = "bfloat16" in info["dtypes"]["params_and_optimizer_state"]
     mp = "bf16" if info["dtypes"]["mixed_precision"] else None
-    kw = {"seed": info["seed"], "steps": info["steps"], "mp": mp, "dtype": "bf16" if bf16 else None}
+    opt = info["optimizer"]
+    warmup = int(opt["scheduler"].split("warmup=")[1].split(")")[0])
+    kw = {"seed": info["seed"], "steps": info["steps"], "mp": mp, "dtype": "bf16" if bf16 else None,
+          "toy": info["toy_dims"], "batch": info["batch"]["global_rows"], "lr": opt["lr"],
+          "warmup": warmup}  # fmt: skip
     spec = mdf.case(case, info["world"], resume_world=world, **kw)
     torch.manual_seed(spec["seed"] + 777)  # the generator's resume init (attempt 0)
     model, dp_rank, dp_size, _ = mdf.parallelize(mdf.build_model(spec), spec, "fsdp2", world, rank)
@@ -186,7 +199,7 @@ def _resume_rank(rank: int, world: int, case: str, path: Path) -> dict[str, Any]
     nsd, _ = _full(model)
     if rank != 0:
         return {}
-    want = load_file(str(DCP / case / "ref_next_step.safetensors"))
+    want = load_file(str(_case_dir(case) / "ref_next_step.safetensors"))
     return {
         "loss_diff": abs(loss - info["resume"]["loss"]),
         "weight_diff": max((nsd[k].float() - v.float()).abs().max().item() for k, v in want.items()),
@@ -204,9 +217,9 @@ def _ranks(rank: int, world: int, root: str, ds: list[str], dcp: list[str]) -> d
 
 def _prepare_dcp(tmp_path: Path, plan: dict[str, int], world: int) -> None:
     for case, w in plan.items():
-        info = json.loads((DCP / case / "case.json").read_text())
+        info = json.loads((_case_dir(case) / "case.json").read_text())
         assert info["resume"]["world"] == world
-        src = DCP / case / info["dcp_dirs"][0]
+        src = _case_dir(case) / info["dcp_dirs"][0]
         assert zckpt.reshard(src, tmp_path / case, world=w, to="dcp", progress=False).world == w
 
 
@@ -241,3 +254,22 @@ def test_resharded_dcp_fixtures_resume_like_the_originals(
 ) -> None:
     _prepare_dcp(tmp_path, plan, world)
     _check_dcp(run(_ranks, world, str(tmp_path), [], list(plan))[0]["dcp"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not HELDOUT, reason="set ZCKPT_DCP_HELDOUT to the folder fixtures/make_dcp_heldout.py wrote"
+)
+def test_heldout_dcp_resharded_resume_like_the_originals(tmp_path: Path) -> None:
+    """Every held-out case with a resume oracle (not model-only HF), resharded to world 1 or 2, resumed by the
+    generator's recipe at its resume world; one spawn per resume world."""
+    by_world: dict[int, dict[str, int]] = {}
+    for d in sorted(Path(str(HELDOUT)).glob("h_*/case.json")):
+        info = json.loads(d.read_text())
+        if info.get("resume") and info["layout"] != "hf":
+            w = 1 if info["world"] != 1 else 2
+            by_world.setdefault(info["resume"]["world"], {})[d.parent.name] = w
+    assert by_world
+    for world, plan in sorted(by_world.items()):
+        _prepare_dcp(tmp_path / str(world), plan, world)
+        _check_dcp(run(_ranks, world, str(tmp_path / str(world)), [], list(plan))[0]["dcp"])

@@ -53,7 +53,7 @@ class Item:
 
     key: str
     rank: int
-    entry: str | None = None
+    entry: TensorEntry | None = None
     offsets: tuple[int, ...] = ()
     sizes: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
@@ -147,11 +147,11 @@ class _Planner:
                 if n > 0:
                     off, size = (lo, *[0] * (len(shape) - 1)), (n, *shape[1:])
                     boxes.append((off, size))
-                    self.items.append(Item(k, r, e.key, off, size, dt))
+                    self.items.append(Item(k, r, e, off, size, dt))
         else:
             off = tuple(0 for _ in shape)
             boxes = [(off, shape)]
-            self.items.append(Item(k, self._next_rank(), e.key, off, shape, dt))
+            self.items.append(Item(k, self._next_rank(), e, off, shape, dt))
         self.tensors.append(TensorSpec(k, dt, shape, tuple(boxes)))
 
     def value(self, path: Path_, v: Any) -> None:
@@ -268,7 +268,7 @@ def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
     if it.entry is None:
         _archive(sink, it.value, None)
         return
-    e, dt = ckpt.entries[it.entry], cast(torch.dtype, it.dtype)
+    e, dt = it.entry, cast(torch.dtype, it.dtype)
     n = math.prod(it.sizes)
     inner = n // it.sizes[0] if it.sizes and it.sizes[0] else 1
     lo = it.offsets[0] * inner if it.offsets else 0
