@@ -9,6 +9,7 @@ does the same for an archive stored inside a bigger file (through a ``Window`` o
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import struct
@@ -185,19 +186,73 @@ class EmbeddedArchive:
 
 
 def archive_at(
-    path: str, fd: int, offset: int, length: int, *, trust_pickle: bool = False, what: str = ""
+    path: str,
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    trust_pickle: bool = False,
+    what: str = "",
+    memo: dict[tuple[bytes, bool], Any] | None = None,
 ) -> EmbeddedArchive:
     """Parse the torch.save archive at bytes ``[offset, offset + length)`` of ``path`` (open as ``fd``)
-    through a window of the file: only its zip directory, local headers and ``data.pkl`` are read.
-    ``what`` names the item in errors."""
+    through a window of the file: its central directory, ``data.pkl`` (CRC-32 checked) and the local headers
+    of ``data.pkl`` and of the storages it names; no storage byte is read. ``what`` names the item in errors;
+    ``memo`` (pickle bytes -> unpickled object) skips unpickling a ``data.pkl`` already seen (DCP's chunk
+    archives of same-shaped tensors hold identical pickles)."""
     where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
-    w = Window(fd, offset, length)
-    prefix, records, data, crcs = _pickle_of(where, w, length)  # type: ignore[arg-type]
-    obj = safe_loads(data, source=where, trust_pickle=trust_pickle, max_bytes=length)
-    _place_refs(where, prefix, records, obj, offset)
+    try:
+        with zipfile.ZipFile(Window(fd, offset, length)) as zf:
+            infos = {i.filename: i for i in zf.infolist()}
+    except _ZIP_ERRORS as e:
+        raise _damaged(where, e) from None
+    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
+    prefix = pkl[0][: -len("data.pkl")]
+    start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
+    data = os.pread(fd, size, offset + start)
+    if len(data) != size or zlib.crc32(data) != crc:
+        raise CorruptCheckpoint(
+            f"{where}: {pkl[0]} fails its CRC-32 check", hint="the file is damaged", path=path
+        )
+    key = (data, trust_pickle)
+    if memo is not None and key in memo:
+        obj = _fresh(memo[key])
+    else:
+        obj = safe_loads(data, source=where, trust_pickle=trust_pickle, max_bytes=length)
+        if memo is not None:
+            memo[key] = _fresh(obj)
+    records = {pkl[0]: (offset + start, size, crc)}
     for ref in iter_refs(obj):
-        ref.file = path
-    return EmbeddedArchive(obj, {n: (offset + a, k, crcs.get(n, 0)) for n, (a, k) in records.items()})
+        name = f"{prefix}data/{ref.storage.key}"
+        if name not in infos:
+            raise CorruptCheckpoint(f"{where}: tensor storage record {name!r:.80} is missing", path=path)
+        a, n, c = _record_at(where, fd, length, offset, infos[name])
+        _check_view(where, name, ref, n)
+        ref.file, ref.byte_offset = path, offset + a + ref.offset * ref.dtype.itemsize
+        records[name] = (offset + a, n, c)
+    return EmbeddedArchive(obj, records)
+
+
+def _fresh(obj: Any) -> Any:
+    """A copy of an unpickled object that placing its refs will not touch the original of (a lone tensor, as
+    DCP's chunks hold, is a shallow copy: its storage, shape and stride are immutable)."""
+    return copy.copy(obj) if isinstance(obj, TensorRef) and obj.attrs is None else copy.deepcopy(obj)
+
+
+def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInfo) -> tuple[int, int, int]:
+    """(data offset inside the archive, size, CRC-32) of one stored record, from its local header."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise Unsupported(f"{where}: record {info.filename!r:.80} is compressed; torch never writes that")
+    head = os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset)
+    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise CorruptCheckpoint(f"{where}: broken zip record header for {info.filename!r:.80}")
+    fields = _LOCAL_HEADER.unpack(head)
+    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if start + info.file_size > length:
+        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} runs past the end of its archive")
+    return start, info.file_size, info.CRC
 
 
 def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None:
