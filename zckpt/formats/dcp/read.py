@@ -232,7 +232,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         ld.merge(part, folder)
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
     parts = entries(ld, slots)
-    groups, sched, client, raw = state.assemble(slots, ld.values, parts.client_tensors)
+    groups, sched, client, raw = state.assemble(slots, ld.paths, ld.values, parts.client_tensors)
     ts = TrainingState(
         precision=_precision(parts.model),
         optimizer=state.optimizer(groups, parts.optim),

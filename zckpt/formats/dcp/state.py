@@ -113,9 +113,13 @@ def counters(client: Mapping[str, Any], optim: list[TensorEntry]) -> Counters:
 
 
 def assemble(
-    slots: Mapping[str, Slot], values: Mapping[str, Value], client_tensors: Mapping[str, TensorEntry]
+    slots: Mapping[str, Slot],
+    paths: Mapping[str, tuple[str | int, ...]],
+    values: Mapping[str, Value],
+    client_tensors: Mapping[str, TensorEntry],
 ) -> tuple[dict[int | str, dict[str, Any]], Any, dict[str, Any], dict[str, Any]]:
-    """(raw param-group options, scheduler state, client state, raw byte ranges of opaque values)."""
+    """(raw param-group options, scheduler state, client state, raw byte ranges of opaque values, each with
+    its full ``planner_data`` path)."""
     groups: dict[int | str, dict[str, Any]] = {}
     sched: dict[Any, Any] = {}
     client: dict[Any, Any] = {}
@@ -124,7 +128,7 @@ def assemble(
         s = slots[key]
         if v.opaque is not None or v.inner:
             raw[key] = {
-                "path": list(s.path or (key,)),
+                "path": list(paths[key]),
                 "file": v.file,
                 "offset": v.info.offset,
                 "length": v.info.length,
