@@ -245,6 +245,8 @@ def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInf
     """(data offset inside the archive, size, CRC-32) of one stored record, from its local header."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise Unsupported(f"{where}: record {info.filename!r:.80} is compressed; torch never writes that")
+    if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
+        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
     head = os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset)
     if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
         raise CorruptCheckpoint(f"{where}: broken zip record header for {info.filename!r:.80}")

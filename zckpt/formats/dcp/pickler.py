@@ -118,9 +118,11 @@ def dumps(
     byte_keys: Sequence[str],
     paths: Mapping[str, tuple[str | int, ...]],
     stored: Sequence[Stored],
-    checkpoint_id: str,
+    checkpoint_id: str | None = None,
 ) -> bytes:
-    """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written."""
+    """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written. ``checkpoint_id`` (DCP
+    records the folder it saved to; nothing reads it back) stays None: the writer only sees its staging
+    folder, published under another name."""
     sdm: dict[str, Any] = {}
     for t in tensors:
         props = _record(M.TensorProperties, dtype=t.dtype)

@@ -326,7 +326,7 @@ class DcpWriter(CheckpointWriter):
         """``.metadata`` from every unit's records: written last, its presence marks a complete save."""
         assert isinstance(plan, DcpPlan)
         stored = [s for r in records if isinstance(r, DcpRecord) for s in r.stored]
-        data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored, str(out))
+        data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored)
         sink = HashingSink(out / METADATA)
         try:
             sink.write(data)
