@@ -282,7 +282,6 @@ def _split(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"files": res.files}
 
 
-@pytest.mark.slow
 def test_reshard_to_dcp_split_over_processes(tmp_path: Path) -> None:
     """Three processes write a world-5 DCP checkpoint (rank files 0,3 / 1,4 / 2): every ``.distcp`` file is
     byte-identical to the one-process output and the published folder reads back the same."""
