@@ -410,3 +410,13 @@ def test_random_damage_is_always_one_zckpt_error(tmp_path: Path) -> None:
             assert "\n" not in str(e)
         zckpt.verify(d)  # never raises on a damaged checkpoint: it reports
         storage.close_files()
+
+
+def test_one_file_of_a_dcp_folder_is_refused_naming_the_folder() -> None:
+    from zckpt.errors import KeyMappingError
+
+    d = FIX / "fsdp2_w2" / "checkpoint"
+    for f in (d / "__0_0.distcp", d / ".metadata"):  # a .distcp file ends like a torch zip of its last item
+        with pytest.raises(KeyMappingError, match="one file of a DCP checkpoint") as e:
+            zckpt.open(f)
+        assert str(d) in (e.value.hint or "")

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from zckpt.errors import CorruptCheckpoint, UnknownFormat
+from zckpt.errors import CorruptCheckpoint, KeyMappingError, UnknownFormat
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.io import storage
 
@@ -100,6 +100,10 @@ def _accelerate(parent: Path, index: str | None) -> Source | None:
 
 
 def detect(p: Path) -> bool:
+    """A DCP folder, a folder of them (torchtitan's steps, accelerate's pair), or one file of one (claimed
+    only to be refused with the folder to give: a ``.distcp`` file ends like a torch zip of its last item)."""
+    if p.is_file():
+        return p.suffix == ".distcp" or p.name == METADATA
     if not p.is_dir():
         return False
     if is_dcp_folder(p) or is_hf_shards(p):
@@ -116,6 +120,12 @@ def _accelerate_quiet(p: Path) -> bool:
 
 def resolve(p: Path, tag: str | None = None) -> Source:
     """The checkpoint at ``p`` (see the module doc); ``tag`` picks a torchtitan ``step-N`` folder."""
+    if p.is_file():
+        raise KeyMappingError(
+            f"{p}: one file of a DCP checkpoint; alone it holds no complete tensor list",
+            hint=f"give the folder that holds it ({p.parent})",
+            path=str(p),
+        )
     if tag is not None:
         inner = p if p.name == tag and is_dcp_folder(p) else p / tag
         if not is_dcp_folder(inner):
