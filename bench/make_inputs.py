@@ -13,6 +13,13 @@ for ZeRO-3 so no rank ever holds the whole fp32 model. Training is bf16 with tor
 tokens, ``steps`` steps; ``save_steps`` lists the steps after which a checkpoint is saved (``0`` = before
 any step: fp32 masters but no Adam moments yet, used for the 1B point where Adam state would not fit in
 this machine's RAM at world 2).
+
+``gpt400m_dcp_w2`` is a torch DCP checkpoint instead (main venv, torch only): the same 400M GPT trained one
+AdamW step under real FSDP2 (``fully_shard`` per block and the root, CPU/gloo, world 2, spawned ranks on a
+``file://`` store), saved as accelerate's FSDP2 ``SHARDED_STATE_DICT`` path does:
+``checkpoint_0/pytorch_model_fsdp_0/`` (``{"model": msd}``) and ``checkpoint_0/optimizer_0/``
+(``{"optimizer": osd}``), so torch's ``dcp_to_torch_save`` and ``accelerate merge-weights`` can both run
+on the model half. ``.venv/bin/python bench/make_inputs.py --only gpt400m_dcp_w2``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ INPUTS = {
     "gpt1b_z3_w2": {"model": "gpt1b", "stage": 3, "world": 2, "save_steps": [0]},
 }
 DEFAULT = list(INPUTS)
+DCP_INPUTS = {"gpt400m_dcp_w2": {"model": "gpt400m", "world": 2}}
+"""Built with the main venv (torch's FSDP2 + DCP), not DeepSpeed."""
 
 
 def n_params(shape: dict[str, int]) -> int:
@@ -163,9 +172,59 @@ def worker(spec: dict, out: Path) -> None:  # type: ignore[type-arg]
     dist.barrier()
 
 
+# ---- the DCP input (FSDP2, torch only) ----------------------------------------------------------------
+def build_dcp(name: str, *, force: bool = False) -> Path:
+    import tempfile
+
+    import torch.multiprocessing as tmp_mp
+
+    out = DATA / name
+    if (out / "done.json").is_file() and not force:
+        return out
+    spec = dict(DCP_INPUTS[name], name=name, shape=MODELS[DCP_INPUTS[name]["model"]])
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="zdcp-") as tmp:
+        tmp_mp.spawn(dcp_worker, args=(spec, str(out), f"{tmp}/store"), nprocs=spec["world"], join=True)
+    layout = "accelerate (FSDP2 SHARDED_STATE_DICT)"
+    info = {"params": n_params(spec["shape"]), "spec": spec, "layout": layout, "folder": "checkpoint_0",
+            "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    (out / "done.json").write_text(json.dumps(info, indent=1))
+    print(f"built {name} in {time.time() - t0:.0f}s ({mf.dir_size(out) / 1e9:.2f} GB)", flush=True)
+    return out
+
+
+def dcp_worker(rank: int, spec: dict, out: str, store: str) -> None:  # type: ignore[type-arg]
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=spec["world"])
+    torch.manual_seed(1234)
+    model = gpt(spec["shape"])
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    T, V = spec["shape"]["seq"], spec["shape"]["vocab"]
+    g = torch.Generator().manual_seed(10 + rank)
+    ids = torch.randint(0, V, (1, T), generator=g)
+    model(ids, torch.randint(0, V, (1, T), generator=g)).backward()
+    opt.step()
+    root = Path(out) / "checkpoint_0"
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(root / "optimizer_0"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=None, help="input names (default: all)")
+    ap.add_argument("--only", nargs="*", default=None, help="input names (default: the DeepSpeed ones)")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -176,10 +235,14 @@ def main() -> None:
         return
     names = a.only or DEFAULT
     for n in names:
+        spec = INPUTS.get(n) or DCP_INPUTS[n]
         if a.list:
-            print(f"{n:16} {n_params(MODELS[INPUTS[n]['model']]) / 1e6:8.1f}M params  {INPUTS[n]}")
+            print(f"{n:16} {n_params(MODELS[spec['model']]) / 1e6:8.1f}M params  {spec}")
             continue
-        build(n, force=a.force)
+        if n in DCP_INPUTS:
+            build_dcp(n, force=a.force)
+        else:
+            build(n, force=a.force)
 
 
 if __name__ == "__main__":

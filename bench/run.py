@@ -26,6 +26,7 @@ losses agree with DeepSpeed's. These rows go into their own table in the same se
     .venv/bin/python bench/run.py --cache cold --only consolidate scale --repeat 1 --ds-repeat 1 --no-build
     .venv/bin/python bench/run.py --only consolidate   # groups: consolidate reshard diff verify scale engine
     .venv/bin/python bench/run.py --only engine --no-build --no-record --engine-repeat 1
+    .venv/bin/python bench/run.py --only dcp             # 400M FSDP2 DCP: zckpt vs dcp_to_torch_save
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ OUT = DATA / "out"
 VPY = str(REPO / ".venv/bin/python")
 DSPY = str(REPO / ".venv-ds/bin/python")
 ZCKPT = [VPY, "-m", "zckpt.cli.app"]
-GROUPS = ("consolidate", "reshard", "diff", "verify", "scale", "engine")
+GROUPS = ("consolidate", "reshard", "diff", "verify", "scale", "engine", "dcp")
+DCP_INPUT = "gpt400m_dcp_w2"
+DCP_CKPT = f"{DCP_INPUT}/checkpoint_0"  # accelerate's pair: pytorch_model_fsdp_0/ + optimizer_0/
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false")
 # engine group: CPU/gloo at world 2, one single-threaded rank per core
 ENGINE_WORLD, ENGINE_STEPS, ENGINE_WARMUP, ENGINE_MICROS = 2, 10, 2, (1, 4)
@@ -280,7 +283,12 @@ def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
 
 # ---- the plan --------------------------------------------------------------------------------------------
 def build_inputs(names: list[str]) -> None:
-    subprocess.run([DSPY, str(HERE / "make_inputs.py"), "--only", *names], check=True, env=ENV, cwd=str(REPO))
+    """DeepSpeed inputs through the dev venv; the DCP input (FSDP2, torch only) through the main venv."""
+    ds = [n for n in names if n != DCP_INPUT]
+    for py, these in ((DSPY, ds), (VPY, [n for n in names if n == DCP_INPUT])):
+        if these:
+            cmd = [py, str(HERE / "make_inputs.py"), "--only", *these]
+            subprocess.run(cmd, check=True, env=ENV, cwd=str(REPO))
 
 
 def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
@@ -514,12 +522,40 @@ def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
         rows.append(
             Row("verify", "zckpt verify", z3.name, [*ZCKPT, "verify", str(z3)], floor_of="floor verify")
         )
+    if "dcp" in groups:
+        rows += dcp_rows(w)
     for r in rows:  # DeepSpeed's converters do not fsync: charge them the flush zckpt and the floor pay
         if is_deepspeed(r) and r.group != "engine":
             r.cmd = [DSPY, str(HERE / "then_sync.py"), *r.cmd[1:]]
     if "engine" in groups:
         rows += engine_rows()
     return rows
+
+
+def dcp_rows(w: list[str]) -> list[Row]:
+    """A 400M FSDP2 DCP checkpoint with AdamW state: zckpt beside torch's dcp_to_torch_save and accelerate's
+    merge-weights, both of which load every tensor of the folder they are given into memory first. They run on
+    the model folder (what they are for: one loadable model); zckpt gets the pair's parent (it reads the
+    optimizer folder's metadata too, and writes the model only)."""
+    ck = DATA / DCP_CKPT
+    model = ck / "pytorch_model_fsdp_0"
+    o = lambda s: OUT / f"{DCP_INPUT}-{s}"  # noqa: E731
+    zc = [*ZCKPT, "consolidate", str(ck)]
+    return [
+        Row("dcp", "zckpt consolidate fp32 single", DCP_CKPT,
+            [*zc, str(o("fp32.safetensors")), "--dtype", "fp32", "--no-progress", *w],
+            out=o("fp32.safetensors"), floor_of="floor fp32", ds_of="dcp_to_torch_save (model)"),
+        Row("dcp", "zckpt consolidate bf16 single", DCP_CKPT,
+            [*zc, str(o("bf16.safetensors")), "--dtype", "bf16", "--no-progress", *w],
+            out=o("bf16.safetensors"), floor_of="floor bf16", ds_of="dcp_to_torch_save (model)"),
+        Row("dcp", "dcp_to_torch_save (model)", DCP_CKPT,
+            [VPY, str(HERE / "dcp_to_torch_save.py"), str(model), str(o("torch.pt"))], out=o("torch.pt")),
+        Row("dcp", "accelerate merge-weights (model)", DCP_CKPT,
+            [DSPY, "-m", "accelerate.commands.merge", str(model), str(o("acc"))], out=o("acc")),
+        Row("dcp", "zckpt reshard --to dcp w3 (model+optim)", DCP_CKPT,
+            [*ZCKPT, "reshard", str(ck), str(o("w3")), "--world", "3", "--to", "dcp", "--no-progress", *w],
+            out=o("w3"), floor_of="floor reshard"),
+    ]  # fmt: skip
 
 
 def engine_rows() -> list[Row]:
@@ -779,14 +815,21 @@ def main() -> None:
     ap.add_argument("--no-build", action="store_true", help="use only the inputs already built")
     args = ap.parse_args()
     groups = set(args.only)
+    notes: list[str] = []
     need = {"gpt400m_z3_w2"} if groups - {"engine"} else set()  # the engine group needs no inputs
     need |= {"gpt400m_z2_w2"} if "consolidate" in groups else set()
     need |= {"gpt400m_z3_w4"} if "reshard" in groups else set()
     need |= {"gpt100m_z3_w2", "gpt1b_z3_w2"} if "scale" in groups else set()
+    if "dcp" in groups:
+        need = (need if groups - {"engine", "dcp"} else set()) | {DCP_INPUT}
+        notes.append(
+            "dcp group: this/DeepSpeed is the wall over the row's peer, torch's dcp_to_torch_save on the "
+            "model folder (target <= 0.5 with peak RSS <= 512 MB); accelerate merge-weights is the same "
+            "torch load, then a safetensors save."
+        )
     if not args.no_build and need:
         build_inputs(sorted(need))
     OUT.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
     if args.cache == "cold" and not drop_caches():
         notes.append("could not drop caches (not root?): runs are warm after the first")
     rows = plan_rows(groups, args.workers)

@@ -183,3 +183,25 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
         assert not out.exists()
         code, msg = _cli("diff", work, root, "--no-verify-data", "--no-progress")
         assert code == 1, msg  # the damage shows as a difference without the check
+
+
+@pytest.mark.parametrize("case", ["fsdp2_w2", "tp_w2"])
+def test_dcp_chunk_flip_refused(tmp_path: Path, case: str) -> None:
+    """A flipped byte in a DCP chunk (a torch.save archive inside a .distcp file) fails its record's CRC-32
+    while consolidate reads it (TP boxes included); --no-verify-data writes the damaged value."""
+    ck = tmp_path / "ck"
+    shutil.copytree(fixture("dcp", case, "checkpoint"), ck)
+    c = zckpt.open(ck)
+    p = max(c.model_entries(), key=lambda e: e.numel).pieces[-1]
+    c.close()
+    at = p.byte_offset + p.dtype.itemsize * (p.numel // 2)
+    with open(p.file, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x20]))
+    code, out = _cli("consolidate", ck, tmp_path / "o.safetensors", "--no-progress")
+    assert code == 2 and "fails its CRC-32 check" in out and Path(p.file).name in out, out
+    assert not (tmp_path / "o.safetensors").exists()
+    code, out = _cli("consolidate", ck, tmp_path / "o.safetensors", "--no-verify-data", "--no-progress")
+    assert code == 0, out

@@ -11,8 +11,9 @@ CkptArg = Annotated[
     Path,
     typer.Argument(
         readable=False,
-        help="Checkpoint: a DeepSpeed folder (holding `latest`) or tag folder, a .safetensors/.bin/.pt "
-        "file, or an HF model folder.",
+        help="Checkpoint: a DeepSpeed folder (holding `latest`) or tag folder, a torch DCP folder (holding "
+        ".metadata; torchtitan's step-N parent, accelerate's pair), a .safetensors/.bin/.pt file, or an HF "
+        "model folder.",
         show_default=False,
     ),
 ]

@@ -71,6 +71,9 @@ def command(
         out.text("tied: " + ", ".join(f"{a} -> {o}" for a, o in r.tied.items()))
     if r.frozen:
         out.text("frozen: " + ", ".join(r.frozen))
+    if r.values:
+        out.text()
+        out.table(["value", "content"], sorted(r.values.items()))
     if r.stats is not None:
         out.text()
         out.table(

@@ -25,21 +25,24 @@ NAME = "reshard"
 class Target(str, enum.Enum):
     native = "native"
     deepspeed = "deepspeed"
+    dcp = "dcp"
 
 
 SrcArg = Annotated[
     Path,
     typer.Argument(
         readable=False,
-        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3; an HF "
-        "Trainer checkpoint-N folder comes out complete (side files copied, RNG files mapped).",
+        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3, or a torch "
+        "DCP folder (holding .metadata); an HF Trainer checkpoint-N folder comes out complete (side files "
+        "copied, RNG files mapped).",
     ),
 ]
 DstArg = Annotated[
     Path | None,
     typer.Argument(
         readable=False,
-        help="Output checkpoint folder (must not be inside SRC). Default: sibling <SRC>-world<N>.",
+        help="Output checkpoint folder (must not be inside SRC); with --to dcp the DCP folder itself. "
+        "Default: sibling <SRC>-world<N>.",
     ),
 ]
 WorldOpt = Annotated[int, typer.Option("--world", "-w", min=1, help="New data-parallel world size.")]
@@ -70,9 +73,10 @@ def command(
 
     The output is a complete folder (`latest` + tag) the trainer loads at the new world size as is:
     native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
-    universal conversion). Streamed tensor by tensor; written to a temporary folder, renamed at the end.
-    An HF Trainer checkpoint-N folder keeps every other file (RNG files mapped to the new ranks); the
-    notes say what changed, e.g. the per-device batch to resume with.
+    universal conversion); --to dcp writes a torch DCP folder (torchtitan layout) that dcp.load +
+    set_state_dict load into FSDP2 at any world size. Streamed tensor by tensor; written to a temporary
+    folder, renamed at the end. An HF Trainer checkpoint-N folder keeps every other file (RNG files mapped
+    to the new ranks); the notes say what changed, e.g. the per-device batch to resume with.
     """
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard

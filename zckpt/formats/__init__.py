@@ -16,6 +16,7 @@ from zckpt.formats.base import Format
 _MODULES = (
     "zckpt.formats.native",
     "zckpt.formats.deepspeed",
+    "zckpt.formats.dcp",
     "zckpt.formats.hf",
     "zckpt.formats.torch_file",
 )

@@ -2,10 +2,13 @@
 
 Reading never runs ``torch.load``: the pickle goes through the allowlisted ``SafeUnpickler`` and each
 tensor becomes pieces pointing into its storage record. Accepted layouts: a plain state dict, or a
-dict holding one under ``state_dict`` / ``model`` / ``module`` / ``model_state_dict`` (non-tensor
-values are skipped and listed in ``meta.extra["skipped"]``). Names sharing storage, offset, shape and
-stride are tied aliases of the first such name. Roles come from the ``zckpt.json`` record our writer
-adds; otherwise floating tensors are params and the rest buffers (a ``.bin`` cannot tell more).
+dict holding one under ``state_dict`` / ``model`` / ``module`` / ``model_state_dict``, or model tensors at
+the root beside nested dicts (torchtitan's ``dcp_to_torch_save`` output); non-tensor values are skipped and
+listed in ``meta.extra["skipped"]``. An optimizer state dict saved beside the model under
+``optim``/``optimizer`` (``get_optimizer_state_dict``'s FQN-keyed or torchtitan's flattened form) gives
+``<fqn>:<state>`` entries. Names sharing storage, offset, shape and stride are tied aliases of the first
+such name. Roles come from the ``zckpt.json`` record our writer adds; otherwise floating tensors are params
+and the rest buffers (a ``.bin`` cannot tell more).
 
 Writing (``write_torch``) produces archives that ``torch.load(weights_only=True)`` reads: one
 storage record per tensor, streamed in bounded chunks; tied aliases share their owner's storage.
@@ -37,6 +40,7 @@ from zckpt.state import CheckpointMeta, Counters, TrainingState
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+OPTIM_KEYS = ("optim", "optimizer", "optimizer_state_dict")
 ZCKPT_RECORD = "zckpt.json"
 BIN = "pytorch_model.bin"
 MAX_RUNS = 1 << 16
@@ -59,6 +63,9 @@ def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
         for k in STATE_DICT_KEYS:
             if _is_state_dict(obj.get(k)):
                 return obj[k], k
+        root = {k: v for k, v in obj.items() if isinstance(k, str) and not isinstance(v, dict)}
+        if _is_state_dict(root):  # model tensors at the root beside nested state (torchtitan's .pt)
+            return root, ""
     keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, dict) else type(obj).__name__
     raise Unsupported(
         f"{path}: no state dict found (top level: {keys})",
@@ -117,13 +124,39 @@ def _zckpt_record(path: Path) -> dict[str, Any]:
     return rec if isinstance(rec, dict) else {}
 
 
+def _optimizer_tensors(obj: Any) -> dict[str, TensorRef]:
+    """``{"<fqn>:<state>": tensor}`` of an optimizer state dict saved beside the model (``optim`` /
+    ``optimizer``): ``{"state": {fqn: {k: tensor}}}`` (``get_optimizer_state_dict``) or torchtitan's flattened
+    ``{"state.<fqn>.<k>": tensor}``. Integer-keyed states (a bare ``optimizer.state_dict()``) name no
+    parameter and are skipped."""
+    opt = next((obj[k] for k in OPTIM_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
+    if opt is None:
+        return {}
+    out: dict[str, TensorRef] = {}
+    state = opt.get("state")
+    if isinstance(state, dict):
+        for fqn, st in state.items():
+            if isinstance(fqn, str) and isinstance(st, dict):
+                out.update({f"{fqn}:{k}": v for k, v in st.items() if isinstance(v, TensorRef)})
+    for key, v in opt.items():
+        fqn, dot, k = key.removeprefix("state.").rpartition(".") if isinstance(key, str) else ("", "", "")
+        if isinstance(v, TensorRef) and key.startswith("state.") and dot and fqn and k:
+            out[f"{fqn}:{k}"] = v
+    return out
+
+
 def file_entries(
     path: Path, *, trust_pickle: bool = False
 ) -> tuple[list[TensorEntry], dict[str, str], dict[str, Any]]:
     """(entries, tied aliases, extra) of one torch zip file; reads only the pickle and zip directory."""
     obj = torchzip.load_refs(str(path), trust_pickle=trust_pickle)
     _refuse_rank_file(obj, path)
-    sd, container = _find_state_dict(obj, path)
+    try:
+        sd, container = _find_state_dict(obj, path)
+    except Unsupported:
+        if not _optimizer_tensors(obj):
+            raise
+        sd, container = {}, ""  # an optimizer state dict alone (accelerate's optimizer_0 .pt)
     roles = _zckpt_record(path).get("roles") or {}
     if not isinstance(roles, dict):
         raise CorruptCheckpoint(f"{path}: {ZCKPT_RECORD} roles must be an object", path=str(path))
@@ -131,12 +164,13 @@ def file_entries(
     tied: dict[str, str] = {}
     owners: dict[tuple[str, int, tuple[int, ...], tuple[int, ...]], str] = {}
     skipped = []
-    for name, ref in sd.items():
+    optim = _optimizer_tensors(obj) if container is not None else {}
+    for name, ref in [*sd.items(), *optim.items()]:
         if not isinstance(ref, TensorRef):
             skipped.append(name)
             continue
         sig = (ref.storage.key, ref.offset, ref.shape, ref.stride)
-        if ref.numel and sig in owners:
+        if ref.numel and sig in owners and name not in optim:
             tied[name] = owners[sig]
             continue
         owners[sig] = name
@@ -147,7 +181,7 @@ def file_entries(
                 Piece(str(path), base + o * ref.dtype.itemsize, ref.dtype, start, n, check=ref.check)
             )
             start += n
-        role = _flat.role_of(name, ref.dtype, roles, path)
+        role = Role.OPTIM if name in optim else _flat.role_of(name, ref.dtype, roles, path)
         entries.append(_flat.entry_of(name, ref.shape, ref.dtype, role, tuple(pieces), path))
     extra: dict[str, Any] = {"container": container, "skipped": skipped}
     if isinstance(obj, dict):

@@ -4,8 +4,9 @@
 rebuild functions (which here build ``TensorRef`` placeholders instead of tensors), torch dtypes
 and sizes, and inert stand-ins for the few foreign classes real checkpoints hold (DeepSpeed's
 ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``, ``fragment_address``, ``SubparamShape``,
-``argparse.Namespace``, numpy arrays). Anything else raises ``UnsafePickle`` naming the global and the
-file, before anything is called. ``trust_pickle=True`` resolves unknown globals for real (with a
+``argparse.Namespace``, ``io.BytesIO`` (its bytes kept unparsed), numpy arrays); a caller may allow a few
+more inert stand-ins for one pickle (``extra``). Anything else raises ``UnsafePickle`` naming the global
+and the file, before anything is called. ``trust_pickle=True`` resolves unknown globals for real (with a
 warning) — only for files you wrote yourself.
 """
 
@@ -17,6 +18,7 @@ import pickle
 import pickletools
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -58,6 +60,20 @@ class Namespace(_Record):
     """Stand-in for ``argparse.Namespace`` (Megatron's ``args``)."""
 
 
+class BytesIOValue(_Record):
+    """Stand-in for ``io.BytesIO`` (torchtitan's train-state values): its bytes are kept, never parsed."""
+
+    value: bytes = b""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) >= 2 and isinstance(state[0], (bytes, bytearray))):
+            raise UnsafePickle(f"io.BytesIO state of unexpected shape {type(state).__name__}")
+        self.value = bytes(state[0])
+
+    def __getstate__(self) -> tuple[bytes, int, None]:  # written back as io.BytesIO's own state
+        return (self.value, 0, None)
+
+
 @dataclass
 class fragment_address:  # noqa: N801 - mirrors DeepSpeed's name
     """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address``."""
@@ -83,6 +99,7 @@ FOREIGN_CLASSES: dict[tuple[str, str], Any] = {
     ("deepspeed.utils.tensor_fragment", "fragment_address"): fragment_address,
     ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"): SubparamShape,
     ("argparse", "Namespace"): Namespace,
+    ("_io", "BytesIO"): BytesIOValue,
 }
 
 
@@ -274,15 +291,23 @@ _NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy")
 class SafeUnpickler(pickle.Unpickler):
     """Restricted unpickler; tensors come out as ``TensorRef`` placeholders."""
 
-    def __init__(self, f: BinaryIO, *, source: str, trust_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        f: BinaryIO,
+        *,
+        source: str,
+        trust_pickle: bool = False,
+        extra: Mapping[tuple[str, str], Any] | None = None,
+    ) -> None:
         super().__init__(f, encoding="utf-8")
         self.source = source
         self.trust_pickle = trust_pickle
+        self.extra = extra or {}
         self.refs: list[TensorRef] = []
 
     def find_class(self, module: str, name: str) -> Any:
         module = _PY2_MODULES.get(module, module)
-        hit = _ALLOWED.get((module, name))
+        hit = self.extra.get((module, name), _ALLOWED.get((module, name)))
         if hit is not None:
             return hit
         if module == "torch" and name.endswith("Storage"):
@@ -413,12 +438,20 @@ def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
         stack.extend((c, level + 1, False) for c in kids)
 
 
-def safe_loads(data: bytes, *, source: str, trust_pickle: bool = False, max_bytes: int | None = None) -> Any:
+def safe_loads(
+    data: bytes,
+    *,
+    source: str,
+    trust_pickle: bool = False,
+    max_bytes: int | None = None,
+    extra: Mapping[tuple[str, str], Any] | None = None,
+) -> Any:
     """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs), bounded: see
-    ``_prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint``/``UnsafePickle``."""
+    ``_prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint``/``UnsafePickle``. ``extra``
+    allows more globals for this one pickle (a format's own inert stand-ins, e.g. DCP's metadata classes)."""
     _prescan(data, source)
     try:
-        obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle).load()
+        obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle, extra=extra).load()
     except UnsafePickle as e:
         if e.path is None:  # raised by an allowlisted constructor, which does not know the file
             raise UnsafePickle(f"{source}: {e}", hint=e.hint, path=source) from None

@@ -108,16 +108,18 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_header(path: str | Path) -> Header:
-    """The validated header of a safetensors file; no tensor bytes are read."""
+def read_header(path: str | Path, offset: int = 0) -> Header:
+    """The validated header of a safetensors file (or of a safetensors blob starting at ``offset`` of a file
+    and running to its end, as DCP's safetensors serialization stores one); no tensor bytes are read."""
     p = str(path)
     with storage.open_regular(p) as f:
         size = os.fstat(f.fileno()).st_size
+        f.seek(offset)
         head = f.read(8)
         if len(head) < 8:
             raise CorruptCheckpoint(f"{p}: {size} bytes is too short for a safetensors file", path=p)
         (n,) = struct.unpack("<Q", head)
-        if n < 2 or n > MAX_HEADER or 8 + n > size:
+        if n < 2 or n > MAX_HEADER or offset + 8 + n > size:
             raise CorruptCheckpoint(
                 f"{p}: header length {n} does not fit a {size}-byte file (truncated or not safetensors)",
                 path=p,
@@ -134,7 +136,7 @@ def read_header(path: str | Path) -> Header:
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise CorruptCheckpoint(f"{p}: __metadata__ must map strings to strings", path=p)
-    start = 8 + n
+    start = offset + 8 + n
     tensors = {name: _entry(p, name, info, start, size) for name, info in header.items()}
     spans = sorted((e.begin, e.end, name) for name, e in tensors.items())
     for (_, e1, n1), (b2, e2, n2) in zip(spans, spans[1:], strict=False):

@@ -52,7 +52,7 @@ def spans(
         raise ValueError(f"{entry.key}: range [{lo}, {hi}) outside {entry.numel} elements")
     pieces = [p for p in entry.pieces if p.numel]
     if any(p.grid for p in pieces):
-        streams = [((a, off, n, i) for a, off, n in p.runs(lo, hi)) for i, p in enumerate(pieces)]
+        streams = [_tagged(p.runs(lo, hi), i) for i, p in enumerate(pieces)]
         runs: Iterator[tuple[int, int, int, int]] = heapq.merge(*streams)
     else:
         runs = ((a, off, n, i) for i, p in sorted(enumerate(pieces), key=lambda ip: ip[1].start)
@@ -61,6 +61,13 @@ def spans(
     for a, off, n, i in runs:
         for k in range(0, n, step):
             yield Span(pieces[i], a + k, min(step, n - k), off + k)
+
+
+def _tagged(runs: Iterator[tuple[int, int, int]], i: int) -> Iterator[tuple[int, int, int, int]]:
+    """The runs of piece ``i``, each tagged with ``i`` (a function: a generator expression would bind the
+    index late, after the loop, and tag every run with the last piece)."""
+    for a, off, n in runs:
+        yield a, off, n, i
 
 
 def copy_span(s: Span, out: torch.Tensor) -> None:

@@ -3,15 +3,19 @@
 A torch zip archive holds ``<prefix>/data.pkl`` (the pickled object, tensors as persistent ids) and
 one uncompressed record ``<prefix>/data/<key>`` per storage. ``load_refs`` unpickles ``data.pkl``
 through ``SafeUnpickler`` and fills every ``TensorRef`` with its file and absolute byte offset, so a
-reader can later fetch any tensor's bytes (and only those) through ``zckpt.io.storage``.
+reader can later fetch any tensor's bytes (and only those) through ``zckpt.io.storage``. ``archive_at``
+does the same for an archive stored inside a bigger file (through a ``Window`` of it, as DCP writes them).
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import struct
 import zipfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -111,16 +115,27 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
                 hint="re-save it with a recent torch.save, or check the copy is complete",
                 path=path,
             )
-        try:
-            prefix, records, zf = _records(path, f, size)
-            with zf:
-                info = zf.getinfo(prefix + "data.pkl")
-                if info.file_size > size:
-                    raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
-                data = zf.read(info)
-        except _ZIP_ERRORS as e:
-            raise _damaged(path, e) from None
+        prefix, records, data, _ = _pickle_of(path, f, size)
     obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size)
+    _place_refs(path, prefix, records, obj)
+    return prefix.rstrip("/"), obj
+
+
+def _pickle_of(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked], bytes, dict[str, int]]:
+    """(prefix, records, data.pkl bytes, each record's CRC-32) of the archive ``f`` of ``size`` bytes."""
+    try:
+        prefix, records, zf = _records(path, f, size)
+        with zf:
+            info = zf.getinfo(prefix + "data.pkl")
+            if info.file_size > size:
+                raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
+            return prefix, records, zf.read(info), {i.filename: i.CRC for i in zf.infolist()}
+    except _ZIP_ERRORS as e:
+        raise _damaged(path, e) from None
+
+
+def _place_refs(path: str, prefix: str, records: dict[str, Checked], obj: Any) -> None:
+    """Point every ``TensorRef`` of ``obj`` at its storage record, whose CRC-32 reads then verify."""
     for ref in iter_refs(obj):
         name = f"{prefix}data/{ref.storage.key}"
         if name not in records:
@@ -130,7 +145,129 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
         ref.file = path
         ref.byte_offset = rec.start + ref.offset * ref.dtype.itemsize
         ref.check = rec
-    return prefix.rstrip("/"), obj
+
+
+# ---- archives inside a bigger file (DCP's .distcp files: torch.save archives back to back) -------------
+class Window(io.RawIOBase):
+    """Read-only, seekable file over bytes ``[offset, offset + length)`` of the open descriptor ``fd`` (reads
+    are ``pread``: several windows may share one descriptor)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, pos if whence == 0 else (self.pos + pos if whence == 1 else self.length + pos))
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class EmbeddedArchive:
+    """A torch.save archive found at ``offset`` of a file: its object (tensors as ``TensorRef`` with absolute
+    byte offsets), and each record's absolute data offset, size and CRC-32."""
+
+    obj: Any
+    records: dict[str, tuple[int, int, int]]
+
+
+def archive_at(
+    path: str,
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    trust_pickle: bool = False,
+    what: str = "",
+    memo: dict[tuple[bytes, bool], Any] | None = None,
+) -> EmbeddedArchive:
+    """Parse the torch.save archive at bytes ``[offset, offset + length)`` of ``path`` (open as ``fd``)
+    through a window of the file: its central directory, ``data.pkl`` (CRC-32 checked) and the local headers
+    of ``data.pkl`` and of the storages it names; no storage byte is read. ``what`` names the item in errors;
+    ``memo`` (pickle bytes -> unpickled object) skips unpickling a ``data.pkl`` already seen (DCP's chunk
+    archives of same-shaped tensors hold identical pickles)."""
+    where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
+    try:
+        with zipfile.ZipFile(Window(fd, offset, length)) as zf:
+            infos = {i.filename: i for i in zf.infolist()}
+    except _ZIP_ERRORS as e:
+        raise _damaged(where, e) from None
+    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
+    prefix = pkl[0][: -len("data.pkl")]
+    start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
+    data = os.pread(fd, size, offset + start)
+    if len(data) != size or zlib.crc32(data) != crc:
+        raise CorruptCheckpoint(
+            f"{where}: {pkl[0]} fails its CRC-32 check", hint="the file is damaged", path=path
+        )
+    key = (data, trust_pickle)
+    if memo is not None and key in memo:
+        obj = _fresh(memo[key])
+    else:
+        obj = safe_loads(data, source=where, trust_pickle=trust_pickle, max_bytes=length)
+        if memo is not None:
+            memo[key] = _fresh(obj)
+    records = {pkl[0]: (offset + start, size, crc)}
+    for ref in iter_refs(obj):
+        name = f"{prefix}data/{ref.storage.key}"
+        if name not in infos:
+            raise CorruptCheckpoint(f"{where}: tensor storage record {name!r:.80} is missing", path=path)
+        a, n, c = _record_at(where, fd, length, offset, infos[name])
+        _check_view(where, name, ref, n)
+        ref.file, ref.byte_offset = path, offset + a + ref.offset * ref.dtype.itemsize
+        ref.check = Checked(path, offset + a, n, c, f"zip record {name}{' of ' + what if what else ''}")
+        records[name] = (offset + a, n, c)
+    return EmbeddedArchive(obj, records)
+
+
+def _fresh(obj: Any) -> Any:
+    """A copy of an unpickled object that placing its refs will not touch the original of (a lone tensor, as
+    DCP's chunks hold, is a shallow copy: its storage, shape and stride are immutable)."""
+    return copy.copy(obj) if isinstance(obj, TensorRef) and obj.attrs is None else copy.deepcopy(obj)
+
+
+def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInfo) -> tuple[int, int, int]:
+    """(data offset inside the archive, size, CRC-32) of one stored record, from its local header."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise Unsupported(f"{where}: record {info.filename!r:.80} is compressed; torch never writes that")
+    if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
+        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
+    head = os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset)
+    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise CorruptCheckpoint(f"{where}: broken zip record header for {info.filename!r:.80}")
+    fields = _LOCAL_HEADER.unpack(head)
+    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if start + info.file_size > length:
+        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} runs past the end of its archive")
+    return start, info.file_size, info.CRC
+
+
+def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None:
+    """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
+    record's name, or a description of why the archive cannot be read; None when it is intact."""
+    try:
+        with zipfile.ZipFile(Window(fd, offset, length)) as zf:
+            bad = zf.testzip()
+    except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
+        return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
+    return None if bad is None else f"zip record {bad} fails its CRC-32 check"
 
 
 def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:

@@ -65,6 +65,9 @@ class InspectReport:
     """Model tensors per dtype (optimizer states excluded)."""
     stats: list[TensorStats] | None = None
     """Per-tensor statistics (owners only, optimizer states included) when asked for."""
+    values: dict[str, str] = field(default_factory=dict)
+    """Non-tensor values the checkpoint stores beside its tensors, described (``meta.extra["values"]``: DCP's
+    bytes items; pickled objects among them are described, not loaded)."""
 
     @property
     def params(self) -> int:
@@ -115,6 +118,7 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
         param_groups=len(opt.groups) if opt else 0,
         dtypes=dtypes,
         stats=checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty()) if stats else None,
+        values={str(k): str(v) for k, v in (m.extra.get("values") or {}).items()},
     )  # fmt: skip
 
 

@@ -119,7 +119,9 @@ def _job(
             )
         target = get(to or fmt.name)
         if target.writer is None:
-            raise Unsupported(f"cannot write format {target.name!r}; reshard writes 'native' or 'deepspeed'")
+            raise Unsupported(
+                f"cannot write format {target.name!r}; reshard writes 'native', 'deepspeed' or 'dcp'"
+            )
         root = input_root(ckpt.meta)
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)

@@ -1,0 +1,45 @@
+"""torch.distributed.checkpoint (DCP) checkpoints: read lazily without running pickle code, verified, written.
+
+Spec of the files: docs/dcp-format.md. One module per concern:
+
+- ``metadata``: ``.metadata`` through the bounded safe unpickler (allowlist of DCP's classes), typed;
+- ``chunks``: each item's bytes inside its ``.distcp`` file (embedded torch.save archives, safetensors blobs);
+- ``boxes``: chunk boxes -> ``Piece`` (``grid`` for boxes cut along inner dimensions), the tiling check;
+- ``values``: bytes items (param-group fields, scheduler, train state) decoded or kept opaque;
+- ``layout``: which folders make a checkpoint (torchtitan ``step-N``, accelerate pairs, HF shards) and what
+  each flattened key is; ``hfshards``: ``HuggingFaceStorageWriter`` folders;
+- ``read`` / ``state``: entries, roles, ties and the ``TrainingState``;
+- ``verify``: chunk files present, items inside their files, every archive's CRC-32, tiling, stray files;
+- ``pickler`` / ``write``: ``zckpt reshard --to dcp`` (torchtitan layout, ``.metadata`` written last).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.formats.base import CheckpointWriter, Format
+from zckpt.formats.dcp import layout, read
+from zckpt.formats.dcp.verify import verify
+from zckpt.formats.dcp.write import DcpWriter
+from zckpt.io.integrity import Problem, VerifyContext
+
+
+class DcpFormat(Format):
+    name = read.NAME
+    training = True
+    writer: ClassVar[CheckpointWriter] = DcpWriter()
+
+    def detect(self, path: Path) -> bool:
+        return layout.detect(path)
+
+    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        return read.read(path, tag=tag, trust_pickle=trust_pickle)
+
+    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+        return verify(path, ckpt, ctx)
+
+
+FORMAT = DcpFormat()
+__all__ = ["FORMAT", "DcpFormat"]

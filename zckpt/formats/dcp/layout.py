@@ -1,0 +1,208 @@
+"""Which folders make one DCP checkpoint, and what each flattened key is.
+
+Folders (``resolve``): a DCP folder holds ``.metadata``; torchtitan keeps one per step (``<dir>/step-N/``:
+the highest N with a ``.metadata`` unless ``--tag``); accelerate writes ``pytorch_model_fsdp_<i>/`` +
+``optimizer_<i>/`` side by side (pass their parent or either folder: both are read as one checkpoint);
+``HuggingFaceStorageWriter(save_distributed=True)`` writes ``shard-*.safetensors`` files with
+``DCP_SHARDING_INFO`` and no ``.metadata``.
+
+Keys (``classify``) by their ``planner_data`` path, never by splitting on dots: a 1-part path is a root model
+tensor (model-only saves, torchtitan); ``("model", fqn)`` a nested model tensor (``get_state_dict`` recipe,
+FSDP1, accelerate); under ``optim``/``optimizer``: ``("state", fqn, k)`` / ``("param_groups", i, k)`` or
+torchtitan's flattened ``"state.<fqn>.<k>"`` / ``"param_groups.<fqn>.<k>"`` (the state or option name is the
+part after the last dot: FQNs keep theirs); ``lr_scheduler``/``scheduler``: the scheduler's state; anything
+else (``train_state``, ``dataloader``, user keys) is client state at its path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from zckpt.errors import CorruptCheckpoint, KeyMappingError, UnknownFormat
+from zckpt.formats.dcp.metadata import METADATA
+from zckpt.io import storage
+
+OPTIM = ("optim", "optimizer")
+SCHEDULER = ("lr_scheduler", "scheduler")
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_ACC_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)$")
+SHARD_RE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
+SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+def is_dcp_folder(p: Path) -> bool:
+    """A folder holding a ``.metadata`` pickle."""
+    try:
+        with storage.open_regular(p / METADATA) as f:
+            return f.read(1) == b"\x80"
+    except (OSError, CorruptCheckpoint):
+        return False
+
+
+def is_hf_shards(p: Path) -> bool:
+    """A folder of ``HuggingFaceStorageWriter(save_distributed=True)`` shards (their headers carry DCP's
+    sharding info)."""
+    if not p.is_dir():
+        return False
+    shards = sorted(f for f in p.glob("shard-*.safetensors") if SHARD_RE.match(f.name))
+    if not shards:
+        return False
+    try:
+        with storage.open_regular(shards[0]) as f:
+            head = f.read(1 << 16)
+    except (OSError, CorruptCheckpoint):
+        return False
+    return SHARDING_INFO.encode() in head
+
+
+@dataclass(frozen=True)
+class Source:
+    """A DCP checkpoint on disk: ``root`` (``meta.path``), its DCP ``folders`` and how they were found."""
+
+    root: Path
+    folders: tuple[Path, ...]
+    layout: str
+    """``dcp`` (one folder), ``accelerate`` (model + optimizer folders) or ``hf-shards``."""
+    save_dir: Path | None = None
+    tag: str | None = None
+
+
+def _steps(p: Path) -> list[tuple[int, Path]]:
+    out = []
+    for d in p.iterdir() if p.is_dir() else ():
+        m = _STEP_RE.match(d.name)
+        if m and is_dcp_folder(d):
+            out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def _accelerate(parent: Path, index: str | None) -> Source | None:
+    pairs: dict[str, dict[str, Path]] = {}
+    for d in parent.iterdir() if parent.is_dir() else ():
+        m = _ACC_RE.match(d.name)
+        if m and is_dcp_folder(d):
+            pairs.setdefault(m.group(2), {})[m.group(1)] = d
+    if not pairs:
+        return None
+    if index is None:
+        if len(pairs) > 1:
+            raise UnknownFormat(
+                f"{parent}: holds {len(pairs)} accelerate models ({', '.join(sorted(pairs))})",
+                hint=f"give one folder, e.g. {parent / ('pytorch_model_fsdp_' + min(pairs))}",
+                path=str(parent),
+            )
+        index = next(iter(pairs))
+    got = pairs.get(index, {})
+    folders = tuple(got[k] for k in ("pytorch_model_fsdp", "optimizer") if k in got)
+    return Source(parent, folders, "accelerate") if folders else None
+
+
+def detect(p: Path) -> bool:
+    """A DCP folder, a folder of them (torchtitan's steps, accelerate's pair), or one file of one (claimed
+    only to be refused with the folder to give: a ``.distcp`` file ends like a torch zip of its last item)."""
+    if p.is_file():
+        return p.suffix == ".distcp" or p.name == METADATA
+    if not p.is_dir():
+        return False
+    if is_dcp_folder(p) or is_hf_shards(p):
+        return True
+    return bool(_steps(p)) or _accelerate_quiet(p)
+
+
+def _accelerate_quiet(p: Path) -> bool:
+    try:
+        return _accelerate(p, None) is not None
+    except UnknownFormat:
+        return True  # several models: ``resolve`` names them
+
+
+def resolve(p: Path, tag: str | None = None) -> Source:
+    """The checkpoint at ``p`` (see the module doc); ``tag`` picks a torchtitan ``step-N`` folder."""
+    if p.is_file():
+        raise KeyMappingError(
+            f"{p}: one file of a DCP checkpoint; alone it holds no complete tensor list",
+            hint=f"give the folder that holds it ({p.parent})",
+            path=str(p),
+        )
+    if tag is not None:
+        inner = p if p.name == tag and is_dcp_folder(p) else p / tag
+        if not is_dcp_folder(inner):
+            raise CorruptCheckpoint(
+                f"{p}: no DCP folder {tag!r:.80} (one holding {METADATA})",
+                hint="give the folder holding the step-N folders, or drop --tag",
+                path=str(p),
+            )
+        return Source(inner, (inner,), "dcp", inner.parent, inner.name)
+    m = _ACC_RE.match(p.name)
+    if m and is_dcp_folder(p):
+        acc = _accelerate(p.parent, m.group(2))
+        if acc is not None and len(acc.folders) == 2:
+            return acc
+    if is_dcp_folder(p):
+        if _STEP_RE.match(p.name) and len(_steps(p.parent)) > 0:
+            return Source(p, (p,), "dcp", p.parent, p.name)
+        return Source(p, (p,), "dcp")
+    if is_hf_shards(p):
+        return Source(p, (p,), "hf-shards")
+    steps = _steps(p)
+    if steps:
+        d = steps[-1][1]
+        return Source(d, (d,), "dcp", p, d.name)
+    acc = _accelerate(p, None)
+    if acc is not None:
+        return acc
+    raise CorruptCheckpoint(f"{p}: no {METADATA} (an unfinished save, or not a DCP folder)", path=str(p))
+
+
+# ---- keys ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """What one flattened key holds.
+
+    ``kind``: ``model`` (``name`` = FQN), ``optim`` (``name`` = FQN, ``state``), ``group`` (``group`` = index
+    or FQN, ``state`` = option name), ``scheduler`` / ``client`` (``path`` inside that state)."""
+
+    kind: str
+    name: str = ""
+    state: str = ""
+    group: int | str | None = None
+    path: tuple[str | int, ...] = ()
+
+
+def _flat_optim(part: str) -> Slot | None:
+    """torchtitan's flattened ``state.<fqn>.<k>`` / ``param_groups.<fqn>.<k>``."""
+    for head, kind in (("state.", "optim"), ("param_groups.", "group")):
+        if part.startswith(head):
+            fqn, dot, k = part[len(head) :].rpartition(".")
+            if dot and fqn and k:
+                return Slot("optim", fqn, k) if kind == "optim" else Slot("group", state=k, group=fqn)
+    return None
+
+
+def classify(path: tuple[str | int, ...], is_tensor: bool) -> Slot:
+    """The ``Slot`` of a key with ``planner_data`` path ``path`` (see the module doc)."""
+    head = path[0]
+    if len(path) == 1:
+        return Slot("model", str(head)) if is_tensor else Slot("client", path=path)
+    if head == "model" and len(path) == 2 and is_tensor:
+        return Slot("model", str(path[1]))
+    if head in OPTIM:
+        if len(path) == 4 and path[1] == "state" and isinstance(path[2], str) and isinstance(path[3], str):
+            return Slot("optim", path[2], path[3])
+        if len(path) == 4 and path[1] == "param_groups" and isinstance(path[2], int):
+            return Slot("group", state=str(path[3]), group=path[2])
+        if len(path) == 2 and isinstance(path[1], str):
+            flat = _flat_optim(path[1])
+            if flat is not None:
+                return flat
+    if head in SCHEDULER:
+        return Slot("scheduler", path=path[1:])
+    return Slot("client", path=path)
+
+
+def rank_of(file: str) -> int | None:
+    """The saving rank in a ``__<rank>_<n>.distcp`` name."""
+    m = re.match(r"^__(\d+)_\d+\.distcp$", Path(file).name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,326 @@
+"""DCP's ``.metadata`` file: unpickled through zckpt's bounded ``SafeUnpickler`` with an allowlist of inert
+stand-ins for DCP's own classes, then checked into typed, frozen records.
+
+``.metadata`` is a plain pickle (protocol 4, 5 on Python 3.14; several FRAMEs when large) of
+``torch.distributed.checkpoint.metadata.Metadata``. The globals it may name (found by scanning real files of
+torch 2.13, and in torch 2.0-2.12's sources for the older names) are ``ALLOWED`` below: DCP's dataclasses
+(built by NEWOBJ + BUILD into ``__dict__``), ``TensorProperties`` (BUILD with a 5-tuple through its
+``__setstate__``), the memory-format enum, ``torch.serialization._get_layout``, ``torch.Size``, dtypes and
+``pathlib`` paths. torch < 2.2 pickled ``TensorProperties``/``MEM_FORMAT_ENCODING`` from
+``torch.distributed._shard.sharded_tensor.metadata``; torch 1.13's prototype lived in
+``torch.distributed._shard.checkpoint``. Nothing from ``torch.distributed`` is imported.
+
+``DcpMetadata`` is what readers use: every flattened key in state-dict order with its path (``planner_data``:
+never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes), bytes items, and
+``storage`` from ``(key, chunk offsets)`` (``None`` for bytes items) to ``StorageInfo``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zckpt.errors import CorruptCheckpoint
+from zckpt.formats._schema import Node
+from zckpt.io import storage
+from zckpt.io.pickle_safe import _Record, safe_loads
+
+METADATA = ".metadata"
+MAX_METADATA = 1 << 30
+"""Largest ``.metadata`` read (a 100B-parameter checkpoint's is a few hundred MB at most)."""
+
+
+# ---- stand-ins the unpickler builds ----------------------------------------------------------------
+class Metadata(_Record):
+    """Stand-in for ``Metadata`` (state_dict_metadata, planner_data, storage_data, storage_meta, version)."""
+
+
+class TensorStorageMetadata(_Record):
+    """Stand-in for ``TensorStorageMetadata`` (properties, size, chunks)."""
+
+
+class BytesStorageMetadata(_Record):
+    """Stand-in for ``BytesStorageMetadata`` (no fields)."""
+
+
+class ChunkStorageMetadata(_Record):
+    """Stand-in for ``ChunkStorageMetadata`` (offsets, sizes)."""
+
+
+class MetadataIndex(_Record):
+    """Stand-in for ``MetadataIndex`` (fqn, offset, index); hashable like DCP's (by fqn and offset)."""
+
+    def _key(self) -> tuple[Any, Any]:
+        off = self.__dict__.get("offset")
+        return (self.__dict__.get("fqn"), tuple(off) if isinstance(off, (tuple, list)) else off)
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MetadataIndex) and self._key() == other._key()
+
+
+class StorageMeta(_Record):
+    """Stand-in for ``StorageMeta`` (checkpoint_id, save_id, load_id, modules)."""
+
+
+class StorageInfo_(_Record):  # noqa: N801 - the stand-in of ``_StorageInfo``
+    """Stand-in for ``filesystem._StorageInfo`` (relative_path, offset, length[, transform_descriptors])."""
+
+
+class TensorProperties(_Record):
+    """Stand-in for ``TensorProperties``: BUILD passes ``(dtype, layout, requires_grad, memory_format,
+    pin_memory)`` to ``__setstate__`` (a dict in the oldest files)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            names = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+            self.__dict__.update(zip(names, state, strict=True))
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            raise CorruptCheckpoint(f"TensorProperties state of unexpected shape {type(state).__name__}")
+
+
+def _mem_format(value: Any) -> int:
+    """``_MEM_FORMAT_ENCODING(value)``: the encoding's number (0 contiguous, 1 channels_last, 2 preserve)."""
+    if value not in (0, 1, 2):
+        raise CorruptCheckpoint(f"memory format encoding {value!r:.40} is not 0, 1 or 2")
+    return int(value)
+
+
+def _layout(name: Any) -> str:
+    """``torch.serialization._get_layout(name)``: kept as its name (only ``torch.strided`` is supported)."""
+    if not isinstance(name, str) or len(name) > 64:
+        raise CorruptCheckpoint(f"tensor layout {name!r:.40} is not a name")
+    return name
+
+
+def _path(*parts: Any) -> str:
+    """``pathlib.PosixPath(*parts)`` as a string (DCP's ``checkpoint_id``: the writing machine's path)."""
+    if not all(isinstance(p, str) for p in parts):
+        raise CorruptCheckpoint("checkpoint_id path parts are not strings")
+    return str(Path(*parts)) if parts else ""
+
+
+_DCP = "torch.distributed.checkpoint"
+_CLASSES = {
+    "Metadata": Metadata,
+    "TensorStorageMetadata": TensorStorageMetadata,
+    "BytesStorageMetadata": BytesStorageMetadata,
+    "ChunkStorageMetadata": ChunkStorageMetadata,
+    "MetadataIndex": MetadataIndex,
+    "StorageMeta": StorageMeta,
+    "TensorProperties": TensorProperties,
+    "_MEM_FORMAT_ENCODING": _mem_format,
+}
+_SHARDED = "torch.distributed._shard.sharded_tensor.metadata"
+ALLOWED: dict[tuple[str, str], Any] = {
+    **{(f"{_DCP}.metadata", n): c for n, c in _CLASSES.items()},
+    **{("torch.distributed._shard.checkpoint.metadata", n): c for n, c in _CLASSES.items()},  # torch 1.13
+    (f"{_DCP}.filesystem", "_StorageInfo"): StorageInfo_,
+    ("torch.distributed._shard.checkpoint.filesystem", "_StorageInfo"): StorageInfo_,
+    (_SHARDED, "TensorProperties"): TensorProperties,  # torch 2.0 - 2.1
+    (_SHARDED, "MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PureWindowsPath"): _path,
+    ("pathlib", "Path"): _path,
+}
+"""The globals a ``.metadata`` pickle may name, on top of zckpt's general allowlist (torch.Size, dtypes)."""
+
+
+# ---- typed metadata ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor: element ``offsets`` and ``sizes`` per dimension (both empty for a 0-d tensor)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """Where one item's bytes are: ``length`` bytes at ``offset`` of ``file`` (relative to the folder)."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+StorageKey = tuple[str, tuple[int, ...] | None]
+"""``(flattened key, chunk offsets)`` of a tensor chunk; ``(key, None)`` of a bytes item."""
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    source: str
+    """The ``.metadata`` file."""
+    keys: tuple[str, ...]
+    """Every flattened key, in state-dict order (``planner_data``'s order when it has them all)."""
+    paths: Mapping[str, tuple[str | int, ...]]
+    tensors: Mapping[str, TensorMeta]
+    byte_keys: frozenset[str]
+    storage: Mapping[StorageKey, StorageInfo]
+    version: str | None = None
+    checkpoint_id: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.source).parent
+
+
+def load_metadata(folder: Path) -> DcpMetadata:
+    """Read and check ``folder/.metadata`` (one ``CorruptCheckpoint``/``UnsafePickle`` line on any damage)."""
+    f = folder / METADATA
+    with storage.open_regular(f) as fh:
+        data = fh.read(MAX_METADATA + 1)
+    src = str(f)
+    if not data:
+        raise CorruptCheckpoint(f"{src}: empty file (0 bytes)", hint="the save did not finish", path=src)
+    if len(data) > MAX_METADATA or data[:1] != b"\x80":
+        raise CorruptCheckpoint(f"{src}: not a DCP metadata pickle", path=src)
+    obj = safe_loads(data, source=src, extra=ALLOWED)
+    return parse(Node(obj, src))
+
+
+def _fields(node: Node, cls: type, expected: str) -> Node:
+    """The ``__dict__`` of a stand-in instance, as a node."""
+    node.of_type(cls, expected)
+    return Node(node.value.__dict__, node.file, node.where)
+
+
+def _ints(node: Node) -> tuple[int, ...]:
+    if not isinstance(node.value, (tuple, list)) or len(node.value) > 64:
+        raise node.fail("a tuple of sizes")
+    return tuple(n.as_int(lo=0) for n in node)
+
+
+def _tensor(key: str, node: Node) -> TensorMeta:
+    t = _fields(node, TensorStorageMetadata, "TensorStorageMetadata")
+    props = _fields(t["properties"], TensorProperties, "TensorProperties")
+    dtype = props["dtype"].of_type(torch.dtype, "a torch dtype")
+    layout = props.get("layout")
+    if layout is not None and layout.value not in ("torch.strided", torch.strided):
+        raise layout.fail("torch.strided (sparse tensors are not supported)")
+    shape = _ints(t["size"])
+    chunks = []
+    for c in t["chunks"]:
+        cf = _fields(c, ChunkStorageMetadata, "ChunkStorageMetadata")
+        off, size = _ints(cf["offsets"]), _ints(cf["sizes"])
+        if len(off) != len(shape) or len(size) != len(shape):
+            raise c.fail(f"a box of {len(shape)} dimensions (tensor {list(shape)})")
+        if any(o + s > d for o, s, d in zip(off, size, shape, strict=True)):
+            raise c.fail(f"a box inside the tensor's shape {list(shape)}")
+        chunks.append(Chunk(off, size))
+    return TensorMeta(dtype, shape, tuple(chunks))
+
+
+def _storage(
+    node: Node, tensors: Mapping[str, TensorMeta], byte_keys: frozenset[str]
+) -> dict[StorageKey, StorageInfo]:
+    out: dict[StorageKey, StorageInfo] = {}
+    for idx, info in node.as_dict().items():
+        where = Node(idx, node.file, f"{node.where}[{idx!r:.60}]")
+        ix = _fields(where, MetadataIndex, "MetadataIndex")
+        fqn = ix["fqn"].as_str(1 << 16)
+        off = ix.get("offset")
+        key: StorageKey = (fqn, _ints(off) if fqn in tensors and off is not None else None)
+        if fqn not in tensors and fqn not in byte_keys:
+            raise ix["fqn"].fail("a key of state_dict_metadata")
+        si = _fields(Node(info, node.file, f"{where.where}.value"), StorageInfo_, "_StorageInfo")
+        tr = si.get("transform_descriptors")
+        out[key] = StorageInfo(
+            si["relative_path"].as_str(),
+            si["offset"].as_int(lo=0),
+            si["length"].as_int(lo=0),
+            tuple(n.as_str() for n in tr) if tr is not None else (),
+        )
+    return out
+
+
+def parse(root: Node) -> DcpMetadata:
+    """Typed ``DcpMetadata`` from the unpickled stand-in graph."""
+    md = _fields(root, Metadata, "a DCP Metadata object")
+    tensors: dict[str, TensorMeta] = {}
+    byte_keys: set[str] = set()
+    order: list[str] = []
+    for key, v in md["state_dict_metadata"].items():
+        order.append(key)
+        if isinstance(v.value, BytesStorageMetadata):
+            byte_keys.add(key)
+        else:
+            tensors[key] = _tensor(key, v)
+    paths: dict[str, tuple[str | int, ...]] = {}
+    pd = md.get("planner_data")
+    if pd is not None and isinstance(pd.value, Mapping):
+        for key, p in pd.items():
+            parts = tuple(n.value for n in p)
+            if not parts or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
+                raise p.fail("a path of names and list indices")
+            paths[key] = parts
+    keys = [k for k in paths if k in tensors or k in byte_keys]
+    keys += [k for k in order if k not in paths]
+    for k in keys:
+        paths.setdefault(k, fallback_path(k))
+    sm = md.get("storage_meta")
+    cid = None
+    if sm is not None and isinstance(sm.value, StorageMeta):
+        c = sm.value.__dict__.get("checkpoint_id")
+        cid = c if isinstance(c, str) else None
+    version = md.get("version")
+    return DcpMetadata(
+        source=root.file,
+        keys=tuple(keys),
+        paths=paths,
+        tensors=tensors,
+        byte_keys=frozenset(byte_keys),
+        storage=_storage(md["storage_data"], tensors, frozenset(byte_keys)),
+        version=version.value if version is not None and isinstance(version.value, str) else None,
+        checkpoint_id=cid,
+    )
+
+
+_CONTAINERS = ("model", "optim", "optimizer", "lr_scheduler", "scheduler", "train_state", "dataloader")
+
+
+def fallback_path(key: str) -> tuple[str | int, ...]:
+    """A key's path when ``planner_data`` lacks it (files of savers that keep none): known container names
+    and the optimizer's ``state``/``param_groups`` structure are split off, the rest stays one name."""
+    head, dot, rest = key.partition(".")
+    if not dot or head not in _CONTAINERS:
+        return (key,)
+    if head in ("optim", "optimizer"):
+        kind, dot2, tail = rest.partition(".")
+        if kind == "param_groups" and dot2:
+            i, _, k = tail.partition(".")
+            if i.isdigit() and k:
+                return (head, kind, int(i), k)
+        if kind == "state" and dot2 and "." in tail:
+            fqn, _, st = tail.rpartition(".")
+            return (head, kind, fqn, st)
+    return (head, rest)

@@ -1,0 +1,266 @@
+"""Opening a DCP checkpoint lazily: metadata and every chunk's location now, tensor bytes on demand.
+
+For each DCP folder: ``.metadata`` (``metadata``), each tensor's boxes checked to tile it (``boxes``), each
+distinct non-empty chunk located in its file (``chunks``: the embedded archive's zip directory and pickle
+only), each bytes item decoded or kept opaque (``values``). Keys become zckpt entries by their path
+(``layout.classify``): model tensors under their FQN, optimizer states as ``<fqn>:<state>``, the rest the
+``TrainingState`` (``state``).
+
+Roles (DCP records none): a model tensor with optimizer state is a trainable ``PARAM``; a non-floating one
+a ``BUFFER``. A floating tensor without optimizer state, in a checkpoint holding optimizer state, is
+``FROZEN`` when its last name part is ``weight`` or ``bias`` (the names ``nn.Module`` gives parameters) and a
+``BUFFER`` otherwise (``running_mean``, ``pos_scale``); in a model-only checkpoint every floating tensor is a
+``PARAM`` (nothing there tells trainable from frozen).
+
+Tied weights: DCP stores both names of a tied pair (bytes written twice) and optimizer state under the first
+only. A name without optimizer state whose boxes, dtype and shape equal those of a trainable name, and whose
+chunks' zip CRC-32s and sizes are all equal to that name's (safetensors chunks: whose bytes are equal), is
+mapped as a tied alias of it: one entry, read once, consolidated HF-style; ``verify`` compares the bytes.
+Model-only checkpoints keep both names (equal frozen tensors, e.g. untrained norms, are not ties).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.errors import CorruptCheckpoint, ShardMismatch
+from zckpt.formats.dcp import hfshards, state
+from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
+from zckpt.formats.dcp.chunks import ChunkData, Files
+from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
+from zckpt.formats.dcp.metadata import METADATA, StorageKey, TensorMeta, load_metadata
+from zckpt.formats.dcp.values import Value, decode
+from zckpt.io import spans
+from zckpt.model import Piece, Role, TensorEntry, precision_of
+from zckpt.state import CheckpointMeta, TrainingState
+
+NAME = "dcp"
+FROZEN_NAMES = ("weight", "bias")
+
+
+@dataclass
+class Loaded:
+    """What the folders of one checkpoint hold, keys in state-dict order."""
+
+    keys: list[str] = field(default_factory=list)
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    data: dict[StorageKey, ChunkData] = field(default_factory=dict)
+    values: dict[str, Value] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    serialization: set[str] = field(default_factory=set)
+
+    def merge(self, other: Loaded, where: Path) -> None:
+        dup = next((k for k in other.keys if k in self.paths), None)
+        if dup is not None:
+            raise CorruptCheckpoint(f"{where}: key {dup!r:.100} is saved in two DCP folders", path=str(where))
+        self.keys += other.keys
+        self.paths.update(other.paths)
+        self.tensors.update(other.tensors)
+        self.data.update(other.data)
+        self.values.update(other.values)
+        self.files += other.files
+        self.serialization |= other.serialization
+
+
+def load_folder(folder: Path, *, trust_pickle: bool = False) -> Loaded:
+    """Metadata, chunk locations and decoded values of one DCP folder."""
+    md = load_metadata(folder)
+    out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
+    with Files(folder) as files:
+        for key in md.keys:
+            t = md.tensors.get(key)
+            if t is None:
+                info = md.storage.get((key, None))
+                if info is None:
+                    raise ShardMismatch(
+                        f"{md.source}: no storage recorded for value {key!r:.100}", path=md.source
+                    )
+                out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
+                continue
+            check_tiling(md.source, key, t.shape, t.chunks)
+            for box in distinct(t.chunks):
+                info = md.storage.get((key, box.offsets))
+                if info is None:
+                    raise ShardMismatch(
+                        f"{md.source}: no storage recorded for chunk {list(box.offsets)} of {key!r:.100}",
+                        path=md.source,
+                    )
+                out.data[(key, box.offsets)] = d = files.tensor(key, box, info, t.dtype)
+                out.serialization.add("torch_save" if d.crc is not None else "safetensors")
+        used = sorted({str(files.path(i)) for i in md.storage.values()})
+    out.files = [md.source, *used]
+    return out
+
+
+def load_hf_shards(folder: Path) -> Loaded:
+    tensors, data, files = hfshards.load(folder)
+    chunks: dict[StorageKey, ChunkData] = {(k, o): d for (k, o), d in data.items()}
+    return Loaded(list(tensors), {k: (k,) for k in tensors}, tensors, chunks, {}, files, {"hf-shards"})
+
+
+def pieces(ld: Loaded, key: str) -> tuple[Piece, ...]:
+    t = ld.tensors[key]
+    out = []
+    for box in distinct(t.chunks):
+        d = ld.data[(key, box.offsets)]
+        p = box_piece(t.shape, box, d.file, d.byte_offset, t.dtype, rank_of(d.file), d.check)
+        if p is not None:
+            out.append(p)
+    return tuple(out)
+
+
+def _same_bytes(ld: Loaded, a: str, b: str) -> bool:
+    ta, tb = ld.tensors[a], ld.tensors[b]
+    if (ta.dtype, ta.shape) != (tb.dtype, tb.shape):
+        return False
+    ba, bb = distinct(ta.chunks), distinct(tb.chunks)
+    if sorted((c.offsets, c.sizes) for c in ba) != sorted((c.offsets, c.sizes) for c in bb):
+        return False
+    da = [ld.data[(a, c.offsets)] for c in ba]
+    db = [ld.data[(b, c.offsets)] for c in ba]
+    if all(x.crc is not None and y.crc is not None for x, y in zip(da, db, strict=True)):
+        return all(x.crc == y.crc and x.numel == y.numel for x, y in zip(da, db, strict=True))
+    ea = TensorEntry(a, ta.shape, ta.dtype, Role.PARAM, pieces(ld, a))
+    eb = TensorEntry(b, tb.shape, tb.dtype, Role.PARAM, pieces(ld, b))
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(spans.iter_chunks(ea), spans.iter_chunks(eb), strict=True)
+    )
+
+
+def ties(ld: Loaded, model: list[str], slots: Mapping[str, Slot], trainable: set[str]) -> dict[str, str]:
+    """``{alias: owner}``: names without optimizer state holding a trainable name's bytes (module doc)."""
+    if not trainable:
+        return {}
+    owners = [k for k in model if slots[k].name in trainable]
+    out: dict[str, str] = {}
+    for k in model:
+        name = slots[k].name
+        if name in trainable or not ld.tensors[k].dtype.is_floating_point:
+            continue
+        owner = next((o for o in owners if _same_bytes(ld, o, k)), None)
+        if owner is not None:
+            out[name] = slots[owner].name
+    return out
+
+
+def role_of(name: str, dtype: torch.dtype, trainable: set[str]) -> Role:
+    if name in trainable:
+        return Role.PARAM
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return Role.BUFFER
+    if not trainable:
+        return Role.PARAM
+    return Role.FROZEN if name.rpartition(".")[2] in FROZEN_NAMES else Role.BUFFER
+
+
+def _optim_value(key: str, slot: Slot, v: Value) -> TensorEntry | None:
+    """An optimizer state saved as a Python number (an old ``step``) as an inline 0-d entry."""
+    x = v.value
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64)
+    piece = Piece("", 0, t.dtype, 0, 1, value=t.reshape(1))
+    pytype = "int" if isinstance(x, int) else "float"
+    return TensorEntry(slot.name, (), t.dtype, Role.OPTIM, (piece,), state=slot.state, pytype=pytype)
+
+
+@dataclass(frozen=True)
+class Parts:
+    model: list[TensorEntry]
+    optim: list[TensorEntry]
+    client_tensors: dict[str, TensorEntry]
+    tied: dict[str, str]
+
+
+def entries(ld: Loaded, slots: Mapping[str, Slot]) -> Parts:
+    """Model and optimizer entries, client tensors and ties (see the module doc)."""
+    model = [k for k in ld.keys if k in ld.tensors and slots[k].kind == "model"]
+    trainable = {slots[k].name for k in ld.keys if slots[k].kind == "optim"}
+    tied = ties(ld, model, slots, trainable)
+    out = Parts([], [], {}, tied)
+    for k in ld.keys:
+        s = slots[k]
+        if k in ld.tensors:
+            t = ld.tensors[k]
+            if s.kind == "model" and s.name not in tied:
+                role = role_of(s.name, t.dtype, trainable)
+                out.model.append(TensorEntry(s.name, t.shape, t.dtype, role, pieces(ld, k)))
+            elif s.kind == "optim":
+                out.optim.append(
+                    TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, k), state=s.state)
+                )
+            elif s.kind != "model":
+                out.client_tensors[k] = TensorEntry(
+                    f"client/{k}", t.shape, t.dtype, Role.BUFFER, pieces(ld, k)
+                )
+        elif s.kind == "optim":
+            e = _optim_value(k, s, ld.values[k])
+            if e is not None:
+                out.optim.append(e)
+    return out
+
+
+def _world(ld: Loaded, src: Source) -> int:
+    if src.layout == "hf-shards":
+        return max(1, len(ld.files))
+    ranks = [r for f in ld.files if (r := rank_of(f)) is not None]
+    return max(ranks) + 1 if ranks else 1
+
+
+def _precision(model: list[TensorEntry]) -> str:
+    dts = {e.dtype for e in model if e.role is Role.PARAM}
+    return precision_of(dts.pop()) if len(dts) == 1 else "fp32"
+
+
+def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    src = resolve(Path(path), tag)
+    ld = Loaded()
+    for folder in src.folders:
+        part = (
+            load_hf_shards(folder)
+            if src.layout == "hf-shards"
+            else load_folder(folder, trust_pickle=trust_pickle)
+        )
+        ld.merge(part, folder)
+    slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
+    parts = entries(ld, slots)
+    groups, sched, client, raw = state.assemble(slots, ld.paths, ld.values, parts.client_tensors)
+    ts = TrainingState(
+        precision=_precision(parts.model),
+        optimizer=state.optimizer(groups, parts.optim),
+        scheduler=sched,
+        counters=state.counters(client, parts.optim),
+        client_state=client,
+        framework={NAME: {"layout": src.layout, "raw": raw}},
+    )
+    values = {k: v.describe() for k, v in ld.values.items() if slots[k].kind != "group"}
+    meta = CheckpointMeta(
+        format=NAME,
+        path=str(src.root),
+        world_size=_world(ld, src),
+        tag=src.tag,
+        save_dir=str(src.save_dir) if src.save_dir is not None else None,
+        tied=parts.tied,
+        files=tuple(ld.files),
+        state=ts,
+        extra=_extra(src, ld, values),
+    )
+    return Checkpoint(meta, parts.model + parts.optim)
+
+
+def _extra(src: Source, ld: Loaded, values: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "layout": src.layout,
+        "folders": [str(f) for f in src.folders],
+        "serialization": sorted(ld.serialization),
+        "values": dict(values),
+        "metadata": [f for f in ld.files if Path(f).name == METADATA],
+    }

@@ -1,0 +1,167 @@
+"""``zckpt verify`` on DCP checkpoints: what the metadata promises, checked against the files.
+
+Works from ``.metadata`` alone, so it reports every damaged file even when the reader could not open the
+checkpoint: every item's file present and the item's bytes inside it; the CRC-32 of every record of every
+embedded ``torch.save`` archive recomputed (tensor chunks and bytes items: a flipped bit anywhere is found);
+safetensors blobs parsed; every tensor's boxes tiling it (replicas counted once) with storage for each
+chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no stray files in a DCP folder
+(anything but ``.metadata``, the files it names and their ``.sha256`` sidecars).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from zckpt.checkpoint import Checkpoint
+from zckpt.errors import ZckptError
+from zckpt.formats.dcp import layout
+from zckpt.formats.dcp.boxes import distinct, tiling_problem
+from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
+from zckpt.formats.dcp.layout import classify
+from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
+from zckpt.formats.dcp.read import load_folder, pieces
+from zckpt.io import safetensors, spans
+from zckpt.io.integrity import SIDECAR, Problem, VerifyContext, check_sidecar, problem_from
+from zckpt.io.torchzip import check_archive_at
+from zckpt.model import Role, TensorEntry
+
+MAX_PER_FILE = 20
+"""Problems listed per damaged file before the rest are counted."""
+
+
+def _item(key: StorageKey, info: StorageInfo) -> str:
+    what = f"chunk {list(key[1])} of {key[0]!r:.80}" if key[1] is not None else f"value {key[0]!r:.80}"
+    return f"{what} at bytes [{info.offset}, {info.offset + info.length})"
+
+
+def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
+    """Every storage item: file present, bytes inside it, archive CRCs (or blob header) intact."""
+    out: list[Problem] = []
+    per_file: dict[str, list[Problem]] = {}
+    sizes: dict[str, int] = {}
+    blobs: set[tuple[str, int]] = set()
+    with Files(md.folder) as files:
+        for key, info in sorted(md.storage.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
+            try:
+                f = str(files.path(info))
+            except ZckptError as e:
+                out.append(problem_from(e, Path(md.source)))
+                continue
+            if f not in sizes:
+                sizes[f] = os.path.getsize(f) if os.path.isfile(f) else -1
+                if sizes[f] < 0:
+                    out.append(Problem(f, "missing (the metadata stores items in it)", "missing",
+                                       "restore the file from the original save"))  # fmt: skip
+            if sizes[f] < 0:
+                continue
+            bad = per_file.setdefault(f, [])
+            if info.offset + info.length > sizes[f]:
+                bad.append(Problem(f, f"{_item(key, info)} ends past the end of the file ({sizes[f]} bytes)",
+                                   "truncated", "re-copy the file, or check the save finished"))  # fmt: skip
+                continue
+            why = _check_item(files, info, blobs, ctx)
+            if why is not None:
+                bad.append(Problem(f, f"{_item(key, info)}: {why}", "corrupt", "the file is damaged"))
+    for f, bad in per_file.items():
+        if bad:
+            ctx.broken.add(f)
+        out += bad[:MAX_PER_FILE]
+        if len(bad) > MAX_PER_FILE:
+            out.append(Problem(f, f"... and {len(bad) - MAX_PER_FILE} more damaged items", "corrupt"))
+    return out
+
+
+def _check_item(
+    files: Files, info: StorageInfo, blobs: set[tuple[str, int]], ctx: VerifyContext
+) -> str | None:
+    f, fd = files.open(info)
+    head = os.pread(fd, 4, info.offset)
+    if info.transforms or head == ZSTD_MAGIC:
+        return None  # compressed items: the reader reports them as unsupported
+    if head == ZIP_MAGIC:
+        ctx.checksums += 1
+        return check_archive_at(f, fd, info.offset, info.length)
+    if (f, info.offset) not in blobs:
+        blobs.add((f, info.offset))
+        try:
+            safetensors.read_header(f, info.offset)
+        except ZckptError as e:
+            return f"neither a torch.save archive nor a safetensors blob ({str(e)[:100]})"
+    return None
+
+
+def _tiling(md: DcpMetadata) -> list[Problem]:
+    out = []
+    for key, t in md.tensors.items():
+        why = tiling_problem(t.shape, t.chunks)
+        if why is None:
+            gone = [b for b in distinct(t.chunks) if (key, b.offsets) not in md.storage]
+            why = f"no storage recorded for chunk {list(gone[0].offsets)}" if gone else None
+        if why is not None:
+            out.append(Problem(md.source, f"tensor {key!r:.100}: {why}", "inconsistent"))
+    return out
+
+
+def _strays(md: DcpMetadata) -> list[Problem]:
+    named = {Path(i.file).name for i in md.storage.values()} | {METADATA}
+    named |= {n + SIDECAR for n in named}
+    out = []
+    for f in sorted(md.folder.iterdir()):
+        if f.is_file() and f.name not in named:
+            why = "not named by .metadata (a leftover of another save, or a file copied in)"
+            out.append(Problem(str(f), why, "stale", "move it away"))
+    return out
+
+
+def _ties(ckpt: Checkpoint) -> list[Problem]:
+    """Each tied alias's own stored chunks hold its owner's bytes."""
+    out: list[Problem] = []
+    if not ckpt.meta.tied:
+        return out
+    by_name = {}
+    for folder in ckpt.meta.extra.get("folders") or []:
+        ld = load_folder(Path(folder))
+        for k in ld.keys:
+            s = classify(ld.paths[k], k in ld.tensors)
+            if s.kind == "model" and s.name in ckpt.meta.tied:
+                t = ld.tensors[k]
+                by_name[s.name] = TensorEntry(s.name, t.shape, t.dtype, Role.PARAM, pieces(ld, k))
+    for alias, owner in ckpt.meta.tied.items():
+        a, o = by_name.get(alias), ckpt.entries[owner]
+        same = (
+            a is not None
+            and a.shape == o.shape
+            and all(
+                torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                for x, y in zip(spans.iter_chunks(a), spans.iter_chunks(o), strict=True)
+            )
+        )
+        if not same:
+            out.append(Problem(ckpt.meta.path, f"tied {alias!r:.80} does not hold the bytes of {owner!r:.80}",
+                               "inconsistent", "the checkpoint's tie was broken after saving"))  # fmt: skip
+    return out
+
+
+def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    """The DCP checks (see the module doc); the reader's own errors are already reported."""
+    try:
+        src = layout.resolve(Path(path), ctx.tag)
+    except ZckptError:
+        return []
+    out: list[Problem] = []
+    for folder in src.folders if src.layout != "hf-shards" else ():
+        try:
+            md = load_metadata(folder)
+        except ZckptError:
+            continue
+        out += _items(md, ctx) + _tiling(md) + _strays(md)
+        if ckpt is None:  # the generic checks did not see these files: their sidecars are checked here
+            for f in sorted({str(folder / i.file) for i in md.storage.values()}):
+                if os.path.isfile(f) and f not in ctx.broken:
+                    out += check_sidecar(Path(f), ctx)
+    if ckpt is not None and not out:
+        out += _ties(ckpt)
+    return out

@@ -1,0 +1,335 @@
+"""``zckpt reshard SRC OUT --to dcp --world N``: a DCP checkpoint of any ``Checkpoint``, in torchtitan's
+layout, that ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict`` load into an FSDP2 model
+and its optimizer at any world size (DCP reshards at load by box intersection). ``OUT`` is the DCP folder.
+
+What is written (keys as torchtitan's ``CheckpointManager`` and ``flatten_optimizer_state_dict=True`` save):
+
+- model tensors at the root under their FQN, both names of a tied pair (strict loading wants both);
+  params, frozen params and optimizer states cut on dim 0 into ``N`` chunks with ``torch.chunk`` sizes, as
+  FSDP2 at world ``N`` shards them (rank ``r`` -> ``__r_0.distcp``); buffers and 0-d tensors whole;
+- ``optimizer.state.<fqn>.<k>`` (``step`` as a 0-d float32 tensor, as torch's Adam keeps it) and
+  ``optimizer.param_groups.<fqn>.<k>`` for every option of the parameter's group, ``None`` values included;
+- ``lr_scheduler.*`` (the source's scheduler state), ``train_state.step`` (the step counter), the client
+  state (a DCP source's ``train_state``/``dataloader`` keys at their paths, another source's under
+  ``client_state.*``), a DCP source's opaque values copied byte for byte;
+- ``.metadata`` last (``finish``), pickled under DCP's class names (``pickler``).
+
+Every item is one ``torch.save``-compatible zip archive (``zckpt.io.torchzip_write``) streamed into a
+``HashingSink`` (``.sha256`` sidecar per file); the folder is staged and published whole by ``ops/reshard``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from zckpt import partition
+from zckpt.checkpoint import Checkpoint
+from zckpt.errors import KeyMappingError
+from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
+from zckpt.formats.dcp.metadata import METADATA
+from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
+from zckpt.formats.dcp.read import NAME
+from zckpt.io import storage
+from zckpt.io.items import WriteItem, tensor_bytes
+from zckpt.io.safetensors import FileRecord
+from zckpt.io.sink import HashingSink
+from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter
+from zckpt.io.torchzip_write import dumps as pickle_obj
+from zckpt.model import Role, TensorEntry
+
+Path_ = tuple[str | int, ...]
+COPY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Item:
+    """One stored item: a tensor chunk (``entry`` + box), a value (``value``) or a verbatim ``raw`` copy."""
+
+    key: str
+    rank: int
+    entry: TensorEntry | None = None
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    value: Any = None
+    raw: tuple[str, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class DcpPlan(WritePlan):
+    tensors: tuple[TensorSpec, ...] = ()
+    byte_keys: tuple[str, ...] = ()
+    paths: Mapping[str, Path_] = field(default_factory=dict)
+    items: tuple[Item, ...] = ()
+
+
+@dataclass(frozen=True)
+class DcpRecord(FileRecord):
+    """A written ``.distcp`` file and where each of its items is."""
+
+    stored: tuple[Stored, ...] = ()
+
+
+def flatten(value: Any, path: Path_) -> Iterator[tuple[Path_, Any]]:
+    """DCP's flattening (``_traverse.traverse_state_dict``): dicts are walked, empty ones vanish; a list is
+    one leaf unless it holds a dict, a tensor or such a list; tuples and everything else are leaves (a tuple
+    holding a tensor is walked too: its tensors are written as tensor items)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from flatten(v, (*path, str(k)))
+    elif isinstance(value, (list, tuple)) and (not _terminal(list(value)) or _holds_entry(value)):
+        for i, v in enumerate(value):
+            yield from flatten(v, (*path, i))
+    else:
+        yield path, value
+
+
+def _holds_entry(v: Any) -> bool:
+    if isinstance(v, TensorEntry):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_entry(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_entry(x) for x in v)
+
+
+def _terminal(values: list[Any]) -> bool:
+    for v in values:
+        if isinstance(v, (Mapping, TensorEntry)):
+            return False
+        if isinstance(v, list) and not _terminal(v):
+            return False
+    return True
+
+
+def _option(k: str, v: Any) -> Any:
+    """A param-group option back in torch's own type (``betas`` is a tuple)."""
+    return tuple(v) if k == "betas" and isinstance(v, list) else v
+
+
+class _Planner:
+    """Builds the plan: keys, paths, tensor boxes and each item's rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.paths: dict[str, Path_] = {}
+        self.tensors: list[TensorSpec] = []
+        self.byte_keys: list[str] = []
+        self.items: list[Item] = []
+        self._whole = 0
+
+    def key(self, path: Path_) -> str:
+        k = ".".join(map(str, path))
+        if k in self.paths:
+            raise KeyMappingError(
+                f"DCP writer: key {k!r:.100} would be written twice", hint="rename one of them"
+            )
+        self.paths[k] = path
+        return k
+
+    def _next_rank(self) -> int:
+        self._whole += 1
+        return (self._whole - 1) % self.world
+
+    def tensor(self, path: Path_, e: TensorEntry, *, shard: bool, dtype: torch.dtype | None = None) -> None:
+        k = self.key(path)
+        dt = dtype or e.dtype
+        shape = () if dtype is not None and e.numel == 1 else e.shape
+        if shard and shape and shape[0] and e.numel:
+            boxes = []
+            for r in range(self.world):
+                lo, n = partition.chunk_range(shape[0], self.world, r)
+                if n > 0:
+                    off, size = (lo, *[0] * (len(shape) - 1)), (n, *shape[1:])
+                    boxes.append((off, size))
+                    self.items.append(Item(k, r, e, off, size, dt))
+        else:
+            off = tuple(0 for _ in shape)
+            boxes = [(off, shape)]
+            self.items.append(Item(k, self._next_rank(), e, off, shape, dt))
+        self.tensors.append(TensorSpec(k, dt, shape, tuple(boxes)))
+
+    def value(self, path: Path_, v: Any) -> None:
+        k = self.key(path)
+        self.byte_keys.append(k)
+        self.items.append(Item(k, self._next_rank(), value=v))
+
+    def raw(self, path: Path_, f: str, offset: int, length: int) -> None:
+        k = self.key(path)
+        self.byte_keys.append(k)
+        self.items.append(Item(k, self._next_rank(), raw=(f, offset, length)))
+
+
+def _model(p: _Planner, ckpt: Checkpoint) -> None:
+    tied = ckpt.meta.tied
+    for e in ckpt.model_entries():
+        p.tensor((e.name,), e, shard=e.role is not Role.BUFFER)
+        for alias in (a for a, o in tied.items() if o == e.name):
+            p.tensor((alias,), e, shard=e.role is not Role.BUFFER)
+
+
+def _optimizer(p: _Planner, ckpt: Checkpoint) -> list[str]:
+    """Optimizer states and the flattened param groups; notes on what was left out."""
+    notes: list[str] = []
+    params = {e.name: e for e in ckpt.model_entries() if e.role is Role.PARAM}
+    for e in (e for e in ckpt.entries.values() if e.role is Role.OPTIM):
+        path: Path_ = ("optimizer", f"state.{e.name}.{e.state}")
+        if e.state == "step" and e.numel == 1:
+            p.tensor(path, e, shard=False, dtype=torch.float32)
+        else:
+            p.tensor(path, e, shard=e.name in params and e.shape == params[e.name].shape)
+    opt = ckpt.meta.state.optimizer
+    if opt is None:
+        return notes
+    for g in opt.groups:
+        for name in g.params:
+            if name not in params:
+                continue
+            for k, v in g.options.items():
+                p.value(("optimizer", f"param_groups.{name}.{k}"), _option(k, v))
+    grouped = {n for g in opt.groups for n in g.params}
+    lost = [n for n in params if n not in grouped]
+    if lost:
+        notes.append(f"params {lost[:3]} belong to no optimizer param group: no param_groups keys written")
+    if opt.groups and not any("initial_lr" in g.options for g in opt.groups):
+        notes.append("the param groups have no initial_lr (no torch LR scheduler ran on them): create the "
+                     "scheduler after loading, or load with strict=False")  # fmt: skip
+    return notes
+
+
+def _state(p: _Planner, ckpt: Checkpoint) -> list[str]:
+    """Scheduler, step counter, client state and (from a DCP source) the opaque values copied verbatim."""
+    st = ckpt.meta.state
+    private = st.private(NAME)
+    if st.scheduler is not None:
+        for path, v in flatten(st.scheduler, ("lr_scheduler",)):
+            p.value(path, v)
+    client = dict(st.client_state)
+    root: Path_ = () if private else ("client_state",)
+    raw = private.get("raw") or {}
+    steps = st.counters.global_steps
+    if (
+        steps is not None
+        and "train_state" not in client
+        and not any(r["path"][:1] == ["train_state"] for r in raw.values())
+    ):
+        p.value(("train_state", "step"), steps)
+    for path, v in flatten(client, root):
+        if isinstance(v, TensorEntry):
+            p.tensor(path, v, shard=False)
+        else:
+            p.value(path, v)
+    for r in raw.values():
+        p.raw(tuple(r["path"]), r["file"], r["offset"], r["length"])
+    if any(str(r["path"][0]) == "dataloader" for r in raw.values()) and ckpt.meta.world_size != p.world:
+        return [f"dataloader states are copied as saved at world {ckpt.meta.world_size}; exclude them when "
+                "loading at another world size (torchtitan does)"]  # fmt: skip
+    return []
+
+
+class _Rel:
+    """A sink seen from ``base``: each archive's zip offsets and 64-byte alignment count from its own start,
+    as in a standalone ``torch.save`` file (DCP loads every item from its own byte range)."""
+
+    def __init__(self, sink: HashingSink) -> None:
+        self.sink, self.base = sink, sink.tell()
+
+    def write(self, b: Any) -> int:
+        return self.sink.write(b)
+
+    def tell(self) -> int:
+        return self.sink.tell() - self.base
+
+    def flush(self) -> None:
+        pass
+
+
+def _archive(sink: HashingSink, obj: Any, data: WriteItem | None) -> None:
+    zw = TorchZipWriter(cast(HashingSink, _Rel(sink)))
+    zw.write_header_records(pickle_obj(obj))
+    if data is not None:
+        zw.write_record("data/0", data.chunks(), data.nbytes)
+    zw.close()
+
+
+def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
+    if it.raw is not None:
+        f, offset, length = it.raw
+        for lo in range(0, length, COPY_BYTES):
+            buf = torch.empty(min(COPY_BYTES, length - lo), dtype=torch.uint8)
+            storage.read_into(f, offset + lo, buf)
+            sink.write(tensor_bytes(buf))
+        return
+    if it.entry is None:
+        _archive(sink, it.value, None)
+        return
+    e, dt = it.entry, cast(torch.dtype, it.dtype)
+    n = math.prod(it.sizes)
+    inner = n // it.sizes[0] if it.sizes and it.sizes[0] else 1
+    lo = it.offsets[0] * inner if it.offsets else 0
+    item = WriteItem(it.key, e, dt, span=(lo, lo + n))
+    _archive(sink, TensorSlot(StorageSlot("0", dt, n), it.sizes), item)
+
+
+class DcpWriter(CheckpointWriter):
+    """``zckpt reshard --to dcp`` (see the module doc)."""
+
+    def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan:
+        p = _Planner(world)
+        _model(p, ckpt)
+        notes = _optimizer(p, ckpt) + _state(p, ckpt)
+        return DcpPlan(
+            world=world,
+            stage=3,
+            tag=tag,
+            units=world,
+            notes=tuple(notes),
+            digest=(len(p.tensors), len(p.byte_keys), len(p.items)),
+            tensors=tuple(p.tensors),
+            byte_keys=tuple(p.byte_keys),
+            paths=dict(p.paths),
+            items=tuple(p.items),
+        )
+
+    def write_unit(
+        self, ckpt: Checkpoint, plan: WritePlan, out: Path, unit: int, on_file: OnFile
+    ) -> list[FileRecord]:
+        assert isinstance(plan, DcpPlan)
+        mine = [it for it in plan.items if it.rank == unit]
+        if not mine:
+            return []
+        mine.sort(key=lambda it: it.entry is not None)  # bytes items first, as DCP writes them
+        name = f"__{unit}_0.distcp"
+        out.mkdir(parents=True, exist_ok=True)
+        sink = HashingSink(out / name)
+        stored = []
+        try:
+            for it in mine:
+                start = sink.tell()
+                _write_item(sink, it, ckpt)
+                off = it.offsets if it.entry is not None else None
+                stored.append(Stored(it.key, off, name, start, sink.tell() - start))
+        finally:
+            sink.close()
+        sink.write_sidecar()
+        on_file(name, sink.tell())
+        return [DcpRecord(name, sink.hexdigest(), sink.tell(), tuple(stored))]
+
+    def finish(
+        self, ckpt: Checkpoint, plan: WritePlan, out: Path, records: Sequence[FileRecord], on_file: OnFile
+    ) -> None:
+        """``.metadata`` from every unit's records: written last, its presence marks a complete save."""
+        assert isinstance(plan, DcpPlan)
+        stored = [s for r in records if isinstance(r, DcpRecord) for s in r.stored]
+        data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored)
+        sink = HashingSink(out / METADATA)
+        try:
+            sink.write(data)
+        finally:
+            sink.close()
+        on_file(METADATA, len(data))
