@@ -237,6 +237,13 @@ class DirectWriter:
                 tail, off = tail[done:], off + done
             tail.release()
 
+    def drop(self) -> None:
+        """Release the descriptor and the pool without waiting for anything (a sink being collected)."""
+        self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            os.close(self._dfd)
+
     def abort(self) -> None:
         """Release everything without writing what is still buffered (after an error)."""
         try:

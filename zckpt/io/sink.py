@@ -16,6 +16,7 @@ where the time went.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import io
 import os
 import threading
@@ -173,6 +174,20 @@ class HashingSink(io.RawIOBase):
         finally:
             super().close()
 
+    def __del__(self) -> None:
+        """A sink dropped unclosed (an error path) is released without flushing, fsyncing or waiting on its
+        threads: the garbage collector may run this after the pools' worker threads have exited, when
+        ``close()`` would wait forever on work none of them will do."""
+        if self.closed:
+            return
+        with contextlib.suppress(Exception):
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=False, cancel_futures=True)
+            if self._direct is not None:
+                self._direct.drop()
+            self._f.close()
+        io.RawIOBase.close(self)
+
     def write_sidecar(self) -> Path:
         """Write ``<file>.sha256`` (``sha256sum`` format) next to the file; call after ``close()``."""
         side = self.path.with_name(self.path.name + ".sha256")
@@ -182,11 +197,3 @@ class HashingSink(io.RawIOBase):
             if self._durable_now:
                 os.fsync(f.fileno())
         return side
-
-
-def read_sidecar(path: Path) -> str | None:
-    """The sha256 recorded in ``<path>.sha256``, or None when there is no sidecar."""
-    side = path.with_name(path.name + ".sha256")
-    if not side.exists():
-        return None
-    return side.read_text().split()[0]

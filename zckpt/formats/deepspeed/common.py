@@ -94,7 +94,9 @@ def whole(name: str, r: TensorRef, role: Role, shape: tuple[int, ...] | None = N
 def is_scalar(v: Any) -> bool:
     if isinstance(v, TensorRef):
         return len(v.shape) == 0
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return -(1 << 63) <= v < (1 << 63)  # a tensor can hold it
+    return isinstance(v, float)
 
 
 def scalar_entry(name: str, state: str, v: Any, rank: int) -> TensorEntry:

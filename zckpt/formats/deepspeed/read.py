@@ -169,8 +169,6 @@ def _zero0(td: Path, model_files: dict[int, Path], m0: Node, module: Node, buffe
     )
     body.groups = [Node(g, m0.file, f"optimizer.param_groups[{i}]") for i, g in enumerate(z.opt_groups)]
     body.names_by_slot = {i: list(g.get("params", [])) for i, g in enumerate(z.opt_groups)}
-    if z.skipped:
-        body.extra["skipped_states"] = z.skipped
     return body
 
 
@@ -340,19 +338,24 @@ def _odd_one(files: list[Node], value: Callable[[Node], str]) -> tuple[Node, Nod
 
 
 def _value_repr(n: Node, key: str) -> str:
-    return repr(n.value.get(key))
+    return repr(to_json(n.value.get(key)))  # plain JSON values: repr never fails (a torch.Size's can)
 
 
 def _cross_check(models: list[Node], osds: list[Node]) -> None:
     """Files of one save agree: same DeepSpeed version, config, step and loss scale everywhere."""
-    for key in ("ds_version", "global_steps"):
+    for key in ("ds_version", "global_steps", "param_shapes", "frozen_param_shapes", "buffer_names"):
         pair = _odd_one(models, partial(_value_repr, key=key))
         if pair:
             odd, ref = pair
+            mine, theirs = _value_repr(odd, key), _value_repr(ref, key)
+            shown = (
+                f" {mine:.40} differs from {Path(ref.file).name}'s {theirs:.40}"
+                if len(mine) < 40
+                else (f" differs from {Path(ref.file).name}'s")
+            )
             raise ShardMismatch(
-                f"{odd.file}: {key} {odd.value.get(key)!r:.40} differs from {Path(ref.file).name}'s "
-                f"{ref.value.get(key)!r:.40}",
-                hint="files of two saves are mixed",
+                f"{odd.file}: {key}{shown}",
+                hint="files of two saves are mixed, or one was altered",
                 path=odd.file,
             )
     sigs = {id(o): _signature(o) for o in osds}

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zckpt.errors import ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
 from zckpt.io import storage
@@ -46,7 +47,6 @@ class Zero0:
     opt_groups: list[dict[str, Any]] = field(default_factory=list)
     state_names: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
 
 
 def _load(ref: TensorRef) -> torch.Tensor:
@@ -239,7 +239,12 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
             elif is_scalar(v):
                 z.entries.append(scalar_entry(name, s, v, 0))
             else:
-                z.skipped.append(f"{s}: {name} is neither a tensor of the param's shape nor a scalar")
+                raise ShardMismatch(
+                    f"{mfile}: optimizer state {s!r:.40} of {name!r:.80} is neither a tensor of the param's "
+                    f"shape {list(params[name].shape)} nor a scalar",
+                    hint="the file was altered, or its optimizer keeps states zckpt does not know",
+                    path=str(mfile),
+                )
     by_slot = {gi: n for n, gi in got.items()}
     for g, pg in enumerate(z.opt_groups):
         if state_note is None:

@@ -6,6 +6,7 @@ same way into each rank's ``frozen_param_fragments`` (../shared/docs/deepspeed-f
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,8 +45,8 @@ def zero3(osds: list[Node], param_shapes: list[Node], ws: int) -> Partitioned:
                     else "model and optimizer files come from different runs"
                 )
                 raise ShardMismatch(
-                    f"{osds[r].file}: sub-group {s} holds {held} fp32 elements but param_shapes "
-                    f"need {off} per rank (world size {ws})",
+                    f"{osds[r].file}: sub-group {s} holds {held} fp32 elements but param_shapes of "
+                    f"{Path(param_shapes[s].file).name} need {off} per rank (world size {ws})",
                     hint=hint,
                     path=osds[r].file,
                 )
