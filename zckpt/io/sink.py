@@ -15,8 +15,8 @@ where the time went.
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import io
 import os
 import threading
