@@ -4,6 +4,7 @@ rank file or a torch .bin is refused by consolidate, reshard and diff (nothing w
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -156,8 +157,8 @@ def _flip_safetensors(path: Path, name: str | None) -> None:
 
 def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> None:
     """An HF file with a ``.sha256`` sidecar (zckpt writes one) and a native rank file (its manifest records
-    the sha256): a flipped tensor byte or a renamed tensor in the header is refused by consolidate and
-    diff; ``--no-verify-data`` reads the damaged file."""
+    each tensor's CRC-32): a flipped tensor byte, or a renamed tensor in the header, is refused by
+    consolidate and diff; ``--no-verify-data`` reads the damaged file."""
     src = fixture("ds", "s2_fp32_w2_g2")
     hf = tmp_path / "hf"
     zckpt.consolidate(src, hf, progress=False)
@@ -168,18 +169,24 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     rank1 = next(nat.glob("*/rank_00001.safetensors"))
     from zckpt.io.safetensors import read_header
 
+    manifest = json.loads(next(nat.glob("*/manifest.json")).read_text())
+    for f in nat.glob("*/rank_*.safetensors"):  # the recorded CRC-32s are zlib's over each tensor's bytes
+        raw, h = f.read_bytes(), read_header(f)
+        want = {k: zlib.crc32(raw[e.begin : e.end]) for k, e in h.tensors.items()}
+        assert manifest["files"][f.name]["crc32"] == want
+
     params = {k: e for k, e in read_header(rank1).tensors.items() if k.startswith("param/")}
     big = max(params.items(), key=lambda kv: kv[1].numel)[0]
-    cases = [(hf, st, sorted(read_header(st).tensors)[0]), (hf, st, None), (nat, rank1, big)]
-    cases = cases[:2]  # native: per-tensor CRC-32 in the manifest, next commit
-    for root, f, name in cases:
+    sha, crc = "does not match the sha256", "fails its CRC-32 check"
+    cases = [(hf, st, sorted(read_header(st).tensors)[0], sha), (hf, st, None, sha), (nat, rank1, big, crc)]
+    for root, f, name, expect in cases:
         work = tmp_path / f"w-{root.name}-{name}"
         shutil.copytree(root, work)
         _flip_safetensors(work / f.relative_to(root), name)
         out = tmp_path / f"o-{root.name}-{name}.safetensors"
         for args in (["consolidate", work, out], ["diff", work, root]):
             code, msg = _cli(*args, "--no-progress")
-            assert code == 2 and "does not match the sha256" in msg and f.name in msg, (args, msg)
+            assert code == 2 and expect in msg and f.name in msg, (args, msg)
         assert not out.exists()
         code, msg = _cli("diff", work, root, "--no-verify-data", "--no-progress")
         assert code == 1, msg  # the damage shows as a difference without the check

@@ -82,6 +82,7 @@ def test_same_files_as_sync_verify_and_resume(stage: int, tmp_path: Path) -> Non
     eng.wait_for_checkpoint()
     assert _rank_bytes(tmp_path / "s", "t") == _rank_bytes(tmp_path / "a", "t")
     _same_but_writer(_manifest(tmp_path / "s", "t"), _manifest(tmp_path / "a", "t"))
+    assert all(rec["crc32"] for rec in _manifest(tmp_path / "a", "t")["files"].values())  # same CRC-32s too
     assert (tmp_path / "a" / "latest").read_text() == "t" and verify(tmp_path / "a").ok
     eng.save_checkpoint(str(tmp_path / "a"), tag="t2")  # the snapshot memory is reused, not reallocated
     eng.wait_for_checkpoint()

@@ -47,7 +47,7 @@ from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
 from zckpt.formats.native import write as W
 from zckpt.io.items import WriteItem
-from zckpt.io.safetensors import FileRecord
+from zckpt.io.safetensors import FilePlan, FileRecord
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -111,40 +111,40 @@ class AsyncSaver:
         """Snapshot ``job``'s items (blocking), then write and publish them on a background thread. A
         failed snapshot is raised here, once the other ranks know of it (their save fails too)."""
         try:
-            size = self._snapshot(job.items)
+            plan = self._snapshot(job.items)
         except Exception as e:
             self._start(replace(job, items=[]), None, e, t0)
             with contextlib.suppress(CheckpointSaveError):
                 self.wait()  # the peers learn of it; the snapshot's own error is raised below
             raise
-        self._start(replace(job, items=[]), size, None, t0)  # the live tensors are free to change now
+        self._start(replace(job, items=[]), plan, None, t0)  # the live tensors are free to change now
 
-    def _snapshot(self, items: list[WriteItem]) -> int:
-        """The rank file of ``items`` laid out in ``staging``; its size."""
+    def _snapshot(self, items: list[WriteItem]) -> FilePlan:
+        """The rank file of ``items`` laid out in ``staging``; its layout."""
         plan = W.rank_plan([(it.name, it.dtype, it.shape) for it in items])
         self.staging.reserve(plan.size)
         self.staging.put_bytes(0, plan.header)
         for off, it in zip(plan.offsets, items, strict=True):
             self.staging.put(off, _flat(it))
         self.staging.settle()
-        return plan.size
+        return plan
 
-    def _start(self, job: RankSave, size: int | None, failed: Exception | None, t0: float) -> None:
+    def _start(self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float) -> None:
         self._job = job
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._run, args=(job, size, failed, t0, blocked),
+        self._thread = threading.Thread(target=self._run, args=(job, plan, failed, t0, blocked),
                                         name=f"engine-ckpt-{job.tag}", daemon=False)  # fmt: skip
         self._thread.start()
 
     def _run(
-        self, job: RankSave, size: int | None, failed: Exception | None, t0: float, blocked: float
+        self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float, blocked: float
     ) -> None:
         stats: dict[str, Any] = {}
 
         def write() -> FileRecord:
-            if failed is not None or size is None:
+            if failed is not None or plan is None:
                 raise failed or RuntimeError("no snapshot")
-            return W.write_rank_views(job.rank_path, self.staging.views(size), opts=self.opts,
+            return W.write_rank_views(job.rank_path, self.staging.views(plan.size), plan, opts=self.opts,
                                       on_stats=stats.update)  # fmt: skip
 
         try:

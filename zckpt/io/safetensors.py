@@ -20,7 +20,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +78,13 @@ class Header:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A written file: its name (relative to its folder), sha256 and size in bytes."""
+    """A written file: its name (relative to its folder), sha256, size in bytes and tensor CRC-32s."""
 
     name: str
     sha256: str
     bytes: int
+    crc32: Mapping[str, int] = field(default_factory=dict)
+    """Each tensor's CRC-32, when the writer was asked for them (``crc=True`` / a ``plan``)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ class FilePlan:
     header: bytes
     offsets: tuple[int, ...]
     size: int
+    names: tuple[str, ...] = ()
+
+    def regions(self) -> list[tuple[int, int]]:
+        """Each tensor's ``[begin, end)`` in the file (they are laid out back to back)."""
+        ends = (*self.offsets[1:], self.size)
+        return list(zip(self.offsets, ends, strict=True))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -211,7 +219,8 @@ def plan_file(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    return FilePlan(head, tuple(len(head) + o for o in starts), len(head) + offset)
+    names = tuple(name for name, _, _ in specs)
+    return FilePlan(head, tuple(len(head) + o for o in starts), len(head) + offset, names)
 
 
 def write_file(
@@ -224,14 +233,15 @@ def write_file(
     sidecar: bool = True,
     opts: WriteOptions | None = None,
     on_stats: Callable[[dict[str, Any]], None] | None = None,
+    crc: bool = False,
 ) -> FileRecord:
     """Stream ``items`` into a new safetensors file at ``path`` (which must not exist): header first, then
     each tensor in bounded chunks (a whole in-memory host tensor of the output dtype straight from its
-    memory); with ``sidecar`` also ``<path>.sha256``."""
-    raw = encode_header([(it.name, it.dtype, it.shape) for it in items], metadata)
-    sink = HashingSink(path, opts)
+    memory); with ``sidecar`` also ``<path>.sha256``; with ``crc`` each tensor's CRC-32 in the record."""
+    plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
+    sink = HashingSink(path, opts, plan.regions() if crc else ())
     try:
-        sink.write(raw)
+        sink.write(plan.header)
         run: list[WriteItem] = []
         for it in items:
             mem = _host_bytes(it)
@@ -252,7 +262,12 @@ def write_file(
         on_stats(sink.stats())
     if sidecar:
         sink.write_sidecar()
-    return FileRecord(path.name, sink.hexdigest(), sink.tell())
+    return _record(path, sink, plan if crc else None)
+
+
+def _record(path: Path, sink: HashingSink, plan: FilePlan | None) -> FileRecord:
+    crcs = dict(zip(plan.names, sink.crcs, strict=True)) if plan is not None else {}
+    return FileRecord(path.name, sink.hexdigest(), sink.tell(), crcs)
 
 
 def _host_bytes(it: WriteItem) -> memoryview | None:
@@ -271,11 +286,12 @@ def write_views(
     views: Sequence[memoryview],
     opts: WriteOptions | None = None,
     on_stats: Callable[[dict[str, Any]], None] | None = None,
+    plan: FilePlan | None = None,
 ) -> FileRecord:
     """A new file at ``path`` made of ``views`` in order (a file laid out in memory, e.g. by ``plan_file``):
     the views must stay unchanged until this returns, which lets aligned memory go to the device without
-    a copy while it is hashed."""
-    sink = HashingSink(path, opts)
+    a copy while it is hashed. Given the ``plan`` of that layout, each tensor's CRC-32 is in the record."""
+    sink = HashingSink(path, opts, plan.regions() if plan is not None else ())
     try:
         for v in views:
             sink.write(v, stable=True)
@@ -283,7 +299,7 @@ def write_views(
         sink.close()
     if on_stats is not None:
         on_stats(sink.stats())
-    return FileRecord(path.name, sink.hexdigest(), sink.tell())
+    return _record(path, sink, plan)
 
 
 class StreamWriter:

@@ -21,11 +21,13 @@ import io
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from zckpt.io import direct_io
+from zckpt.io.checks import crc32
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
 """Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
@@ -61,9 +63,19 @@ class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
     folder's commit) and writes the sidecar."""
 
-    def __init__(self, path: Path, opts: direct_io.WriteOptions | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        opts: direct_io.WriteOptions | None = None,
+        crc_regions: Sequence[tuple[int, int]] = (),
+    ) -> None:
         super().__init__()
         self.path = path
+        self._regions = list(crc_regions)
+        """Byte ranges ``[begin, end)`` (sorted, disjoint) whose CRC-32 is computed as they are hashed."""
+        self.crcs = [0] * len(self._regions)
+        self._region = 0
+        self._hashed = 0
         self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._direct: direct_io.DirectWriter | None = None
@@ -121,7 +133,24 @@ class HashingSink(io.RawIOBase):
     def _update(self, mv: memoryview) -> None:
         t0 = time.perf_counter()
         self._sha.update(mv)
-        self._hash_s += time.perf_counter() - t0  # one hash thread (or the caller): no race
+        if self._regions:
+            self._crc(mv)
+        self._hashed += len(mv)
+        self._hash_s += time.perf_counter() - t0  # one hash thread (or the caller), in order: no race
+
+    def _crc(self, mv: memoryview) -> None:
+        """Fold ``mv`` (the bytes at ``_hashed``) into the CRC-32 of each region it overlaps."""
+        lo, hi = self._hashed, self._hashed + len(mv)
+        while self._region < len(self._regions):
+            b, e = self._regions[self._region]
+            if b >= hi:
+                return
+            s, t = max(b, lo), min(e, hi)
+            if s < t:
+                self.crcs[self._region] = crc32(mv[s - lo : t - lo], self.crcs[self._region])
+            if e > hi:
+                return
+            self._region += 1
 
     def _flush_hashes(self) -> None:
         """Wait for queued hashes (before hashing on this thread, and at close)."""

@@ -112,6 +112,8 @@ class Manifest:
     optim_states: tuple[OptimSpec, ...]
     files: Mapping[str, tuple[str, int]]
     """rank file name -> (sha256, bytes)."""
+    crc32: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """rank file name -> {tensor key: CRC-32 of its bytes}: reads verify each tensor they touch."""
     tied: Mapping[str, str] = field(default_factory=dict)
     optimizer: Mapping[str, Any] | None = None
     scheduler: Any = None
@@ -142,7 +144,10 @@ class Manifest:
             "rng": list(self.rng),
             "client_state": self.client_state,
             "config": self.config,
-            "files": {n: {"sha256": s, "bytes": b} for n, (s, b) in sorted(self.files.items())},
+            "files": {
+                n: {"sha256": s, "bytes": b, **({"crc32": dict(self.crc32[n])} if n in self.crc32 else {})}
+                for n, (s, b) in sorted(self.files.items())
+            },
         }
 
     @classmethod
@@ -157,9 +162,11 @@ class Manifest:
         pw = m["partition_world"].as_int(lo=1, hi=world)
         if pw not in (1, world):
             raise m["partition_world"].fail(f"1 or the world size {world}")
-        files = {}
+        files, crcs = {}, {}
         for name, rec in m["files"].items():
             files[name] = (rec["sha256"].as_str(max_len=64), rec["bytes"].as_int(lo=0))
+            if rec.get("crc32") is not None:
+                crcs[name] = {k: v.as_int(lo=0, hi=0xFFFFFFFF) for k, v in rec["crc32"].items()}
         return cls(
             tag=m["tag"].as_str(),
             world_size=world,
@@ -170,6 +177,7 @@ class Manifest:
             tensors=_unique(tuple(_tensor(n) for n in m["tensors"]), file),
             optim_states=tuple(_optim(n) for n in m["optim_states"]),
             files=files,
+            crc32=crcs,
             tied=tied_map(m.value.get("tied") or {}, "tied", file),
             optimizer=_opt(m.get("optimizer")),
             scheduler=m.value.get("scheduler"),

@@ -17,13 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._latest import read_latest, valid_tag
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors, storage
 from zckpt.io.safetensors import Header, HeaderEntry
-from zckpt.model import Piece, Role, TensorEntry, parse_dtype
+from zckpt.model import Checked, Piece, Role, TensorEntry, parse_dtype
 from zckpt.partition import chunk_range, chunk_size
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, RankRng, TrainingState
 
@@ -125,6 +127,25 @@ class _Files:
         self.td, self.man = td, man
         self.headers = _headers(td, man)
         self.used: list[set[str]] = [set() for _ in self.headers]
+        for r, h in enumerate(self.headers):
+            stray = sorted(set(man.crc32.get(L.rank_file(r), {})) - set(h.tensors))
+            if stray:
+                raise ShardMismatch(
+                    f"{td / L.MANIFEST}: records a CRC-32 for {stray[0]!r:.80}, which {L.rank_file(r)} "
+                    "does not hold",
+                    hint="the manifest and the rank files come from different saves",
+                    path=str(td / L.MANIFEST),
+                )
+
+    def piece(
+        self, r: int, key: str, e: HeaderEntry, dt: torch.dtype, start: int, n: int, padding: int = 0
+    ) -> Piece:
+        """Elements ``[start, start + n)`` stored at ``e`` of rank ``r``'s file; checked against the tensor's
+        CRC-32 when the manifest records one (reads inside ``zckpt.io.checks.session`` verify it)."""
+        f = str(self.td / L.rank_file(r))
+        crc = self.man.crc32.get(L.rank_file(r), {}).get(key)
+        check = None if crc is None else Checked(f, e.begin, e.end - e.begin, crc, f"tensor {key!r:.80}")
+        return Piece(f, e.begin, dt, start, n, rank=r, padding=padding, check=check)
 
     def take(self, r: int, key: str, dtype: str, shape: tuple[int, ...]) -> HeaderEntry:
         f = self.td / L.rank_file(r)
@@ -148,7 +169,7 @@ class _Files:
             for r in range(1, self.man.partition_world):  # replicated copies must agree in shape too
                 if key in self.headers[r].tensors:
                     self.take(r, key, dtype, shape)
-            return (Piece(str(self.td / L.rank_file(0)), e.begin, dt, 0, n, rank=0),)
+            return (self.piece(0, key, e, dt, 0, n),)
         pw = self.man.partition_world
         c = chunk_size(n, pw)
         out = []
@@ -156,9 +177,7 @@ class _Files:
             e = self.take(r, key, dtype, (c,))
             start, valid = chunk_range(n, pw, r)
             if valid > 0:
-                out.append(
-                    Piece(str(self.td / L.rank_file(r)), e.begin, dt, start, valid, rank=r, padding=c - valid)
-                )
+                out.append(self.piece(r, key, e, dt, start, valid, c - valid))
         return tuple(out)
 
     def optional(self, r: int, key: str) -> TensorEntry | None:
@@ -166,10 +185,7 @@ class _Files:
         if e is None:
             return None
         self.used[r].add(key)
-        f = str(self.td / L.rank_file(r))
-        return TensorEntry(
-            key, e.shape, e.dtype, Role.BUFFER, (Piece(f, e.begin, e.dtype, 0, e.numel, rank=r),)
-        )
+        return TensorEntry(key, e.shape, e.dtype, Role.BUFFER, (self.piece(r, key, e, e.dtype, 0, e.numel),))
 
     def check_all_used(self) -> None:
         for r, h in enumerate(self.headers):

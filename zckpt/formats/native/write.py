@@ -103,7 +103,7 @@ def write_rank(
 ) -> FileRecord:
     """One rank file: ``items`` streamed into ``path`` (which must not exist)."""
     return safetensors.write_file(path, items, metadata=_METADATA, on_bytes=on_bytes, sidecar=False,
-                                  opts=opts, on_stats=on_stats)  # fmt: skip
+                                  opts=opts, on_stats=on_stats, crc=True)  # fmt: skip
 
 
 def rank_plan(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> FilePlan:
@@ -113,12 +113,17 @@ def rank_plan(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> File
 
 
 def write_rank_views(
-    path: Path, views: Sequence[memoryview], *, opts: WriteOptions | None = None, on_stats: Any = None
+    path: Path,
+    views: Sequence[memoryview],
+    plan: FilePlan,
+    *,
+    opts: WriteOptions | None = None,
+    on_stats: Any = None,
 ) -> FileRecord:
     """One rank file already laid out in memory by ``rank_plan`` (header at 0, each tensor at its
-    offset): ``views`` in order, unchanged until this returns. Byte for byte what ``write_rank`` writes
-    for the same tensors."""
-    return safetensors.write_views(path, views, opts, on_stats)
+    offset): ``views`` in order, unchanged until this returns. Byte for byte (and record for record)
+    what ``write_rank`` writes for the same tensors."""
+    return safetensors.write_views(path, views, opts, on_stats, plan=plan)
 
 
 # ---- the manifest --------------------------------------------------------------------------------
@@ -160,6 +165,7 @@ def build_manifest(
         tensors=tuple(tensors),
         optim_states=tuple(optim_states),
         files={r.name: (r.sha256, r.bytes) for r in records},
+        crc32={r.name: dict(r.crc32) for r in records if r.crc32},
         tied=dict(tied),
         optimizer=optimizer_json(state),
         scheduler=to_json(state.scheduler),
