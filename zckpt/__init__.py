@@ -28,13 +28,14 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ZckptError": ("zckpt.errors", "ZckptError"),
     "consolidate": ("zckpt.ops.consolidate", "consolidate"),
     "diff": ("zckpt.ops.diff", "diff"),
+    "diff_series": ("zckpt.ops.series", "diff_series"),
     "inspect": ("zckpt.ops.inspect", "inspect"),
     "reshard": ("zckpt.ops.reshard", "reshard"),
     "verify": ("zckpt.ops.verify", "verify"),
 }
 __all__ = [
     "Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "TrainingState", "ZckptError",
-    "consolidate", "diff", "inspect", "open", "reshard", "verify",
+    "consolidate", "diff", "diff_series", "inspect", "open", "reshard", "verify",
 ]  # fmt: skip
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from zckpt.ops.diff import diff
     from zckpt.ops.inspect import inspect
     from zckpt.ops.reshard import reshard
+    from zckpt.ops.series import diff_series
     from zckpt.ops.verify import verify
     from zckpt.state import CheckpointMeta, TrainingState
 

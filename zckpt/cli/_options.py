@@ -50,3 +50,27 @@ VerifyDataOpt = Annotated[
         "error, nothing is written.",
     ),
 ]
+PlotOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        help="Also draw it: FILE.png, FILE.svg or FILE.html (one self-contained page with the tables). Needs "
+        "matplotlib: pip install 'zckpt[plot]'.",
+        metavar="FILE",
+        show_default=False,
+        readable=False,
+    ),
+]
+
+
+def check_plot(path: Path | None, *, preload: bool = False) -> None:
+    """Refuse a bad ``--plot`` before any work (suffix, folder, matplotlib installed); with ``preload``
+    import matplotlib on a thread while the command works."""
+    if path is None:
+        return
+    from zckpt.ops.plots.files import check
+    from zckpt.ops.plots.files import preload as start
+
+    check(path)
+    if preload:
+        start()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import CkptArg, JsonOpt, PlotOpt, TagOpt, TrustPickleOpt, check_plot
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "inspect"
@@ -24,15 +24,19 @@ def command(
     all_: Annotated[
         bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")
     ] = False,
+    plot: PlotOpt = None,
 ) -> None:
     """Show what a checkpoint holds (reads metadata only, no tensor data).
 
     Format, stage, world size, precision, tensors by role, one row per tensor, tied and frozen
-    params, optimizer states.
+    params, optimizer states. --plot FILE draws stored bytes by rank x kind and parameters per layer.
     """
     from zckpt.ops.inspect import inspect
 
+    check_plot(plot)
     r = inspect(ckpt, tag=tag, trust_pickle=trust_pickle, stats=stats)
+    if plot is not None:
+        r.plot(plot)
     out = Output(json=json)
     out.result(r.to_json())
     opt = None
@@ -81,6 +85,9 @@ def command(
             [(s.key, *(_g(v) for v in (s.min, s.max, s.mean, s.std, s.norm)), s.nan, s.inf) for s in r.stats],
             right=(1, 2, 3, 4, 5, 6, 7),
         )
+    if plot is not None:
+        out.text()
+        out.text(f"plot: {plot}")
 
 
 def _g(v: float | int | None) -> str:

@@ -25,7 +25,12 @@ Metrics (per tensor, over the elements finite on both sides unless stated)
     ``cosine = <a,b> / (||a|| ||b||)`` (``None`` when either norm is 0);
     ``changed``: elements with ``|a-b| > atol + rtol*|b|`` — over *all* elements, where NaN equals
     NaN and an infinity equals the same infinity, anything else non-finite vs finite is a change;
-    ``nan_a/nan_b/inf_a/inf_b``: counts on each side.
+    ``nan_a/nan_b/inf_a/inf_b``: counts on each side; ``norm_a/norm_b/norm_diff`` and
+    ``rel_change = ||b-a|| / ||a||`` (A as the reference) from the same accumulators.
+
+Pictures
+    ``DiffResult.plot(path)`` draws the result (``zckpt.ops.plots``): layer x role heatmaps of
+    ``rel_change`` and cosine, from these statistics alone (no second pass over the tensors).
 
 Equality
     The result is equal when no key is only on one side, no shapes differ and no compared element
@@ -154,6 +159,15 @@ class DiffResult:
         if len(rows) > limit:
             lines.append(f"... {len(rows) - limit} more (use --top K or --json)")
         return "\n".join(lines)
+
+    def plot(self, path: str | Path, *, top: int = 20) -> Path:
+        """Draw the result to ``path`` (``.png``, ``.svg`` or a self-contained ``.html``): layer x role
+        heatmaps of ``||B-A||/||A||`` and cosine, non-layer tensors in a strip, the ``top`` most-changed
+        tensors as bars; one-sided, reshaped and retyped tensors marked. Needs matplotlib (``zckpt[plot]``).
+        Draws the tensors this result holds: all of them unless ``diff`` was given ``top``."""
+        from zckpt.ops.plots.files import plot_diff
+
+        return plot_diff(self, path, top=top)
 
 
 def diff(

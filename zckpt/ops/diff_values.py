@@ -12,6 +12,13 @@ isnan/isinf when that is not finite or is zero) gives its NaN/Inf counts and whe
 bit-identical in every chunk gets ``cosine = 1`` (``None`` when no finite element is nonzero) without summing
 norms; when a later chunk differs, the earlier identical chunks are re-read and their float64 sums of
 squares added. A finite float64 sum of squares of each side stands in for the per-element finiteness test.
+
+Norms: ``norm_a``, ``norm_b``, ``norm_diff`` (``||a||``, ``||b||``, ``||a-b||`` over the finite elements)
+come from the same accumulators, so ``rel_change = ||b-a|| / ||a||`` (A as the reference, what the plots
+show) costs nothing extra. For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
+``norm_a = norm_b`` is the fast path's own-dtype dot product (float32/float64 tensors; float32 ones are
+accumulated in float32), or ``None`` for other dtypes or when a chunk holds non-finite values (the fast
+path sums nothing there).
 """
 
 from __future__ import annotations
@@ -54,6 +61,22 @@ class TensorDiff:
     differs: bool
     reasons: tuple[str, ...]
     """Subset of ``("shape", "dtype", "values")``."""
+    norm_a: float | None = None
+    """``||a||`` over the finite elements; ``None`` when the shapes differ or the fast path summed nothing
+    (see the module doc)."""
+    norm_b: float | None = None
+    norm_diff: float | None = None
+    """``||a-b||`` over the elements finite on both sides; ``None`` only when the shapes differ."""
+
+    @property
+    def rel_change(self) -> float | None:
+        """``||b-a|| / ||a||``: the change relative to A (0 when nothing changed, +inf when ``||a||`` is 0 and
+        something did; ``None`` when the shapes differ). ``rel_l2`` is relative to B."""
+        if self.norm_diff is None:
+            return None
+        if self.norm_diff == 0:
+            return 0.0
+        return self.norm_diff / self.norm_a if self.norm_a else math.inf
 
     @property
     def fraction_changed(self) -> float | None:
@@ -97,12 +120,15 @@ class TensorDiff:
 class _Acc:
     """float64 accumulators of one tensor pair."""
 
-    __slots__ = ("max_abs", "max_rel", "d2", "a2", "b2", "ab", "changed", "nan_a", "nan_b", "inf_a", "inf_b")
+    __slots__ = ("max_abs", "max_rel", "d2", "a2", "b2", "ab", "changed", "nan_a", "nan_b", "inf_a", "inf_b",
+                 "same2", "same_known")  # fmt: skip
 
     def __init__(self) -> None:
         self.max_abs = self.max_rel = 0.0
         self.d2 = self.a2 = self.b2 = self.ab = 0.0
         self.changed = self.nan_a = self.nan_b = self.inf_a = self.inf_b = 0
+        self.same2 = 0.0  # own-dtype sum of squares of the bit-identical chunks (fast path)
+        self.same_known = True  # every such chunk gave a finite one
 
 
 def compare(
@@ -155,12 +181,21 @@ def compare(
         bar.update(xa.numel())
     if acc.changed:
         reasons.append("values")
+    return _result(common, acc, owed, nonzero, reasons)
+
+
+def _result(common: dict[str, Any], acc: _Acc, owed: int, nonzero: bool, reasons: list[str]) -> TensorDiff:
+    """The ``TensorDiff`` of a same-shape pair from its accumulators; ``owed > 0``: every chunk was
+    bit-identical (norms not summed in float64)."""
     na, nb = math.sqrt(acc.a2), math.sqrt(acc.b2)
     nd = math.sqrt(acc.d2)
     rel_l2 = (nd / nb) if nb > 0 else (0.0 if nd == 0 else math.inf)
     cosine = acc.ab / (na * nb) if na > 0 and nb > 0 else None
+    norm_a: float | None = na
+    norm_b: float | None = nb
     if owed > 0:  # every chunk bit-identical: <a,b> = ||a|| ||b|| without summing anything
         cosine = 1.0 if nonzero else None
+        norm_a = norm_b = math.sqrt(acc.same2) if acc.same_known else None
     if cosine is not None:
         cosine = max(-1.0, min(1.0, cosine))
     return TensorDiff(
@@ -176,6 +211,9 @@ def compare(
         inf_b=acc.inf_b,
         differs=bool(reasons),
         reasons=tuple(reasons),
+        norm_a=norm_a,
+        norm_b=norm_b,
+        norm_diff=nd,
     )
 
 
@@ -278,8 +316,12 @@ def _scan_same(x: torch.Tensor, acc: _Acc) -> bool:
     work; return whether some finite element is nonzero. One float-dtype dot of ``x`` with itself
     answers both when it is finite and nonzero (a finite sum of squares has no NaN/Inf term)."""
     s = float(torch.dot(x, x)) if x.dtype in _DOT_DTYPES else math.nan
-    if math.isfinite(s) and s > 0:
-        return True
+    if math.isfinite(s):
+        acc.same2 += s
+        if s > 0:
+            return True
+    else:
+        acc.same_known = False
     nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
     acc.nan_a += nan
     acc.nan_b += nan

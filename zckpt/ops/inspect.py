@@ -4,19 +4,21 @@ Builds an ``InspectReport``: format, stage, world size, precision, step/tag, ten
 by role, one row per logical tensor (name, state, shape, dtype, role, number of pieces), tied and
 frozen lists, and the optimizer's kind and state names. Near-instant on a multi-GB checkpoint.
 With ``stats=True`` it also streams every tensor through ``zckpt.ops.stats`` (min/max/mean/std/norm,
-NaN/Inf counts), which reads all tensor bytes in bounded chunks.
+NaN/Inf counts), which reads all tensor bytes in bounded chunks. ``InspectReport.plot(path)`` draws the
+report (``zckpt.ops.plots``): stored bytes by rank x kind (``rank_bytes``) and parameters per layer.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
-from zckpt.model import Role, dtype_name
+from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.ops.stats import TensorStats, checkpoint_stats
 
 
@@ -40,6 +42,19 @@ class RoleTotal:
     count: int = 0
     numel: int = 0
     nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Stored bytes of one kind and dtype on one rank: the pieces' elements plus their padding."""
+
+    rank: int | None
+    """``None``: bytes no rank owns (an unsharded file's, or values kept in a pickle)."""
+    kind: str
+    """``param`` (trainable: the fp32 masters where the format keeps them), ``frozen``, ``buffer``, or an
+    optimizer state's name (``exp_avg``, ``exp_avg_sq``, ``step``)."""
+    dtype: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,8 @@ class InspectReport:
     values: dict[str, str] = field(default_factory=dict)
     """Non-tensor values the checkpoint stores beside its tensors, described (``meta.extra["values"]``: DCP's
     bytes items; pickled objects among them are described, not loaded)."""
+    rank_bytes: list[RankBytes] = field(default_factory=list)
+    """Stored bytes by (rank, kind, stored dtype), from the pieces' metadata."""
 
     @property
     def params(self) -> int:
@@ -79,6 +96,23 @@ class InspectReport:
         d["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
         d["params"] = self.params
         return d
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the report to ``path`` (``.png``, ``.svg`` or a self-contained ``.html``): bytes by rank x
+        kind as stacked bars, parameters per layer, bytes per dtype. Needs matplotlib (``zckpt[plot]``)."""
+        from zckpt.ops.plots.files import plot_inspect
+
+        return plot_inspect(self, path)
+
+
+def _rank_bytes(entries: Iterable[TensorEntry]) -> list[RankBytes]:
+    sums: dict[tuple[int | None, str, str], int] = {}
+    for e in entries:
+        kind = e.state if e.role is Role.OPTIM and e.state else e.role.value
+        for p in e.pieces:
+            k = (p.rank, kind, dtype_name(p.dtype))
+            sums[k] = sums.get(k, 0) + (p.numel + p.padding) * p.dtype.itemsize
+    return [RankBytes(*k, n) for k, n in sums.items()]
 
 
 def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
@@ -117,6 +151,7 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
                                                                     if e.state is not None}),
         param_groups=len(opt.groups) if opt else 0,
         dtypes=dtypes,
+        rank_bytes=_rank_bytes(ckpt.entries.values()),
         stats=checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty()) if stats else None,
         values={str(k): str(v) for k, v in (m.extra.get("values") or {}).items()},
     )  # fmt: skip
