@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from zckpt.model import STATE_SEP
-from zckpt.ops.plots.names import ROLE_ORDER, module_of, place, row_label
+from zckpt.ops.plots.names import ROLE_ORDER, module_of, place, row_label, shown
 
 if TYPE_CHECKING:
     from zckpt.ops.diff import DiffResult, TensorDiff
@@ -175,7 +175,7 @@ def diff_plot(r: DiffResult, top: int = 20) -> DiffPlot:
 
 def _side(s: object) -> str:
     path, tag = getattr(s, "path", "?"), getattr(s, "tag", None)
-    return f"{path} [{tag}]" if tag else str(path)
+    return f"{shown(path)} [{tag}]" if tag else shown(path)
 
 
 def _pool(pools: dict[tuple[str, int] | None, dict[str, _Pool]], key: str) -> _Pool:
@@ -270,9 +270,9 @@ def inspect_plot(r: InspectReport) -> InspectPlot:
     kinds = [k for k in KIND_ORDER if k in kinds_seen] + [k for k in kinds_seen if k not in KIND_ORDER]
     order = sorted(x for x in ranks if x is not None) + ([None] if None in ranks else [])
     groups, params, nlayers = _params_by_group(r)
-    where = f" [{r.tag}]" if r.tag else ""
+    where = f"{shown(r.path)} [{r.tag}]" if r.tag else shown(r.path)
     return InspectPlot(
-        title=f"zckpt inspect   {r.path}{where}   {r.format}, world {r.world_size}, {r.params:,} params",
+        title=f"zckpt inspect   {where}   {r.format}, world {r.world_size}, {r.params:,} params",
         ranks=tuple("file" if x is None else str(x) for x in order),
         kinds=tuple(kinds),
         nbytes=tuple(tuple(cells.get((k, x), 0) for x in order) for k in kinds),

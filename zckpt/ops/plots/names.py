@@ -11,6 +11,7 @@ dropped. Optimizer-state keys (``name:state``) are placed by their parameter's n
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -108,3 +109,14 @@ def module_of(name: str) -> str:
 def row_label(stack: str, layer: int, stacks: int) -> str:
     """A layer's row label: its index alone when the model has one layer stack, else ``stack.N``."""
     return str(layer) if stacks == 1 else f"{stack}.{layer}"
+
+
+def shown(path: object) -> str:
+    """A checkpoint's path as a figure shows it: relative to the working folder when it lies inside it
+    (``out/global_step40``, not the machine's absolute path), else as given."""
+    p = str(path)
+    if os.path.isabs(p):
+        rel = os.path.relpath(p)
+        if not rel.startswith(".."):
+            return rel
+    return p

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zckpt.ops.plots.names import row_label
+from zckpt.ops.plots.names import row_label, shown
 
 if TYPE_CHECKING:
     from zckpt.ops.series import RowUpdate, SeriesResult
@@ -70,7 +70,7 @@ def series_plot(s: SeriesResult) -> SeriesPlot:
     rows = [row_label(k[1], k[2], stacks) for k in layers] + [k[3] for k in mods]
     order = layers + mods
     return SeriesPlot(
-        title=f"zckpt diff --series {s.run}   ({len(s.tags)} checkpoints; ||B-A||/||A|| per layer)",
+        title=f"zckpt diff --series {shown(s.run)}   ({len(s.tags)} checkpoints; ||B-A||/||A|| per layer)",
         steps=tuple(p.b.step for p in s.pairs),
         pairs=tuple(f"{p.a.name} -> {p.b.name}" for p in s.pairs),
         rows=tuple(rows),
