@@ -3,18 +3,66 @@
 Reads the launcher's environment (torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``). Without a launcher it runs as world size 1 with no process group at all: every engine
 collective is then a local no-op (``engine.zero.collectives``).
+
+At exit (``settle_at_exit``) the engine gives gloo's worker threads the interpreter before it finalizes: a
+worker that finishes a collective destroys its work object afterwards, and that drops references to Python
+tensors, which needs the GIL; if the main thread has reached finalization by then (a busy machine deschedules
+the worker for a few milliseconds), the worker is terminated inside a destructor and the process aborts with
+"terminate called without an active exception" (SIGABRT, a failed rank to torchrun) after the script ended
+cleanly. torch's own fix (an atexit ``destroy_process_group``) was abandoned upstream.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+SETTLE_MAX_S = 1.0
+"""At most this long at exit waiting for the process's other threads to stop running."""
+_settle_registered = False
+
+
+def _running_threads() -> int:
+    """Threads of this process, other than the calling one, that are running or runnable (``R``)."""
+    me, n = str(os.getpid()), 0
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return 0
+    for task in tasks:
+        if task.name == me:
+            continue
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        n += stat[stat.rfind(")") + 2 :].startswith("R")
+    return n
+
+
+def _settle() -> None:
+    """atexit: sleep (releasing the GIL) until no other thread has run for three polls in a row."""
+    deadline, quiet = time.monotonic() + SETTLE_MAX_S, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = quiet + 1 if _running_threads() == 0 else 0
+
+
+def settle_at_exit() -> None:
+    """Register ``_settle`` once (module docstring: why). Called when the engine meets a gloo group."""
+    global _settle_registered
+    if not _settle_registered and Path("/proc/self/task").is_dir():
+        atexit.register(_settle)
+        _settle_registered = True
 
 
 def launched() -> bool:
@@ -49,6 +97,8 @@ def init_distributed(
         log.info("no launcher environment: running single-process without a process group")
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        settle_at_exit()
     if backend == "nccl":
         torch.cuda.set_device(device())
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -116,3 +116,27 @@ def test_zckpt_never_imports_engine() -> None:
             if isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
             assert not any(n == "engine" or n.startswith("engine.") for n in names), path
+
+
+def _readme_tree() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Files\n\n```\n", 1)[1].split("```", 1)[0]
+    return [line.split()[0] for line in block.splitlines() if line.strip() and not line.startswith(" ")]
+
+
+def test_readme_file_tree_lists_every_source_file_and_nothing_else() -> None:
+    """README §Files, one line per file: every Python file of the repo is there, and every path it names
+    exists (``<case>/`` and ``*`` entries stand for a fixture folder or a set of files)."""
+    listed = _readme_tree()
+    plain = {p for p in listed if "<" not in p and "*" not in p}
+    missing = [p for p in sorted(plain) if not (ROOT / p).exists()]
+    assert not missing, f"README §Files names files that do not exist: {missing}"
+    fixture_cases = ("fixtures/ds/", "fixtures/dcp/", "fixtures/trainer/trainer_")
+    sources = sorted(
+        str(p.relative_to(ROOT))
+        for top in ("zckpt", "engine", "tests", "bench", "fixtures", "docs")
+        for p in (ROOT / top).rglob("*.py")
+        if "__pycache__" not in p.parts and not str(p.relative_to(ROOT)).startswith(fixture_cases)
+    )
+    unlisted = [s for s in sources if s not in plain]
+    assert not unlisted, f"README §Files does not list: {unlisted}"

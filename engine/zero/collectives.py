@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.dist import settle_at_exit
 from engine.zero.shm import ShmPeers
 from engine.zero.shm import usable as shm_usable
 
@@ -37,6 +38,8 @@ class Comm:
         self.rank = dist.get_rank() if self.active else 0
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.pairwise = self.active and dist.get_backend() == "gloo"
+        if self.pairwise:
+            settle_at_exit()  # the script's own init_process_group("gloo") too
         """Build all-gather and reduce-scatter from one ``all_to_all_single`` (a pairwise exchange): gloo's
         own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are several times slower for bucket-sized
         tensors (bench/RESULTS.md); NCCL's are optimal."""
