@@ -222,6 +222,8 @@ def test_deepspeed_fixture_matches_zero_to_fp32(case: Path) -> None:
     assert r.differing == 0 and r.shape_mismatches == 0, r.to_text(top=10)
     assert r.equal == (not dropped)
     assert (_cli(str(case), str(ref_path))[0] == 0) == (not dropped)  # the user's question: same model? yes
+    # ... except for the frozen params zero_to_fp32 left out, which the report explains
+    assert bool(r.notes) == bool(dropped) and all("frozen parameter of A" in n for n in r.notes), r.notes
     k = _by_key(r)
     for name in info["param_shapes"]:
         if name in info.get("frozen", []):

@@ -52,7 +52,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
 from zckpt.io import checks
-from zckpt.model import STATE_SEP
+from zckpt.model import STATE_SEP, Role
 from zckpt.ops.diff_values import Pair, Pending, TensorDiff, Work, chunk_stream, compare
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.stats import CHUNK
@@ -95,6 +95,8 @@ class DiffResult:
     tensors: tuple[TensorDiff, ...]
     top: int | None = None
     maps: tuple[tuple[str, str], ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+    """What explains a difference, when zckpt can tell (e.g. the only missing tensors are frozen params)."""
 
     @property
     def equal(self) -> bool:
@@ -140,6 +142,7 @@ class DiffResult:
             },
             "only_in_a": list(self.only_in_a),
             "only_in_b": list(self.only_in_b),
+            "notes": list(self.notes),
             "tensors": [t.to_json() for t in self.tensors],
         }
 
@@ -152,6 +155,7 @@ class DiffResult:
                 shown = ", ".join(ks[:max_keys])
                 more = f" ... (+{len(ks) - max_keys} more)" if len(ks) > max_keys else ""
                 lines.append(f"{label}: {shown}{more}")
+        lines.extend(f"note: {n}" for n in self.notes)
         rows = list(self.tensors) if top is not None else [t for t in self.tensors if t.differs]
         limit = top if top is not None else 20
         if rows[:limit]:
@@ -312,6 +316,7 @@ def _diff(
             results.append(compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, work, bar))
     results.sort(key=TensorDiff.sort_key)
     return DiffResult(
+        notes=_notes(ca, cb, only_a, only_b, results),
         a=_side(ca),
         b=_side(cb),
         atol=atol,
@@ -330,6 +335,25 @@ def _diff(
         top=top,
         maps=maps,
     )
+
+
+def _notes(
+    ca: Checkpoint, cb: Checkpoint, only_a: tuple[str, ...], only_b: tuple[str, ...], res: list[TensorDiff]
+) -> tuple[str, ...]:
+    """Explain a one-sided difference that has a known innocent cause: every tensor missing on one side is a
+    frozen parameter of the other and everything both sides hold is equal (DeepSpeed's ``zero_to_fp32.py``
+    leaves frozen params of ZeRO-0/1 checkpoints out of its output). The verdict stays DIFFERENT."""
+    if any(t.differs for t in res):
+        return ()
+    for here, missing, there, other in (("A", only_a, ca, only_b), ("B", only_b, cb, only_a)):
+        if missing and not other and all(there.entry(k).role is Role.FROZEN for k in missing):
+            side = "B" if here == "A" else "A"
+            return (
+                f"every tensor missing from {side} is a frozen parameter of {here}, and every tensor both "
+                f"hold is equal: {side} looks like an export that leaves frozen params out (DeepSpeed's "
+                f"zero_to_fp32.py does for ZeRO-0/1 checkpoints); compare the rest with --keys",
+            )
+    return ()
 
 
 def _side(c: Checkpoint) -> Side:
