@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 # Every test, and the layer contracts (pyproject [tool.importlinter]): what CI runs.

@@ -157,8 +157,8 @@ def _flip_safetensors(path: Path, name: str | None) -> None:
 
 def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> None:
     """An HF file with a ``.sha256`` sidecar (zckpt writes one) and a native rank file (its manifest records
-    each tensor's CRC-32): a flipped tensor byte, or a renamed tensor in the header, is refused by
-    consolidate and diff; ``--no-verify-data`` reads the damaged file."""
+    each tensor's CRC-32; an older one without them: the file's sha256): a flipped tensor byte, or a renamed
+    tensor in the header, is refused by consolidate and diff; ``--no-verify-data`` reads the damaged file."""
     src = fixture("ds", "s2_fp32_w2_g2")
     hf = tmp_path / "hf"
     zckpt.consolidate(src, hf, progress=False)
@@ -178,7 +178,16 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     params = {k: e for k, e in read_header(rank1).tensors.items() if k.startswith("param/")}
     big = max(params.items(), key=lambda kv: kv[1].numel)[0]
     sha, crc = "does not match the sha256", "fails its CRC-32 check"
-    cases = [(hf, st, sorted(read_header(st).tensors)[0], sha), (hf, st, None, sha), (nat, rank1, big, crc)]
+    old = tmp_path / "nat-old"  # a manifest from before per-tensor CRCs: the file's sha256 is checked instead
+    shutil.copytree(nat, old)
+    mf = next(old.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    for rec in m["files"].values():
+        del rec["crc32"]
+    mf.write_text(json.dumps(m))
+    old1 = old / rank1.relative_to(nat)
+    cases = [(hf, st, sorted(read_header(st).tensors)[0], sha), (hf, st, None, sha), (nat, rank1, big, crc),
+             (old, old1, big, sha)]  # fmt: skip
     for root, f, name, expect in cases:
         work = tmp_path / f"w-{root.name}-{name}"
         shutil.copytree(root, work)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +174,24 @@ def test_closed_pipe_exits_quietly(model: Path) -> None:
     proc.stdout.close()  # the reader leaves before anything is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_interrupt_outside_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """Ctrl-C while typer parses arguments (or after the command returned) makes typer exit 130 silently:
+    ``main`` says so in one line; an interrupt the command reported itself is not reported twice."""
+    from zckpt.cli import app as cli_app
+
+    def parse_interrupted() -> None:
+        raise SystemExit(130)
+
+    monkeypatch.setenv("ZCKPT_FAST_EXIT", "0")
+    monkeypatch.setattr(cli_app, "app", parse_interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli_app.main()
+    assert e.value.code == 130
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: interrupted"), err
+    monkeypatch.setattr(cli_app._said, "interrupted", True)
+    with pytest.raises(SystemExit):
+        cli_app.main()
+    assert capsys.readouterr().err == ""

@@ -9,12 +9,30 @@ Library API (each CLI command is also a function here)::
 
 Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (pure math the engine
 needs) loads nothing else.
+
+Run as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while runpy imports this package), a SIGINT
+handler turns Ctrl-C during the command line's start-up into one line and exit status 130 (no traceback)
+until ``zckpt.cli.app.main`` restores Python's own; the console script guards its imports itself.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _startup_interrupt(signum: int, frame: object) -> None:
+    """SIGINT before the command line is running: one line, exit 130, nothing written yet."""
+    _os.write(2, b"error: interrupted; nothing was written\n")
+    _os._exit(130)
+
+
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _signal.signal(_signal.SIGINT, _startup_interrupt)
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,8 @@
 
 ``main`` is the console-script entry point: it imports the app under a Ctrl-C guard, so an interrupt during
 start-up (importing typer and torch takes a moment) is one line and exit status 130, never a traceback.
+``python -m zckpt.cli.app`` runs the app module's imports before any function of ours: ``zckpt/__init__``
+installs a SIGINT handler for that case, which ``app.main`` replaces with Python's own.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 
+from zckpt import _startup_interrupt
 from zckpt.cli._output import Output
 
 EXIT_ERROR = 2
@@ -81,6 +82,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt as e:
             stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
             Output.error(f"{stopped}; no partial output was left behind")
+            _said.interrupted = True
             raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
         except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
             if debug:
@@ -105,18 +107,27 @@ def main() -> None:
     0.5 s per invocation, and nothing is left to clean up by then (outputs are fsynced and renamed,
     temporary files removed, the process group destroyed here). ``ZCKPT_FAST_EXIT=0`` keeps the normal
     interpreter exit (for embedding or debugging)."""
+    if signal.getsignal(signal.SIGINT) is _startup_interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
     try:
         app()
         code: object = 0
     except SystemExit as e:
         code = e.code
+        if code == EXIT_INTERRUPTED and not _said.interrupted:  # typer's silent Ctrl-C exit (while parsing
+            Output.error("interrupted (outputs are published whole or not at all)")  # or after the command)
     except KeyboardInterrupt:  # before or between commands (argument parsing, start-up)
         Output.error("interrupted; nothing was written")
         code = EXIT_INTERRUPTED
     if os.environ.get("ZCKPT_FAST_EXIT", "1") == "0":
         raise SystemExit(code)
     _fast_exit(code)
+
+
+class _said:  # noqa: N801 - a namespace, not a type
+    interrupted = False
+    """``_guarded`` reported the interrupt already."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -141,10 +141,16 @@ class _Files:
         self, r: int, key: str, e: HeaderEntry, dt: torch.dtype, start: int, n: int, padding: int = 0
     ) -> Piece:
         """Elements ``[start, start + n)`` stored at ``e`` of rank ``r``'s file; checked against the tensor's
-        CRC-32 when the manifest records one (reads inside ``zckpt.io.checks.session`` verify it)."""
-        f = str(self.td / L.rank_file(r))
-        crc = self.man.crc32.get(L.rank_file(r), {}).get(key)
-        check = None if crc is None else Checked(f, e.begin, e.end - e.begin, crc, f"tensor {key!r:.80}")
+        CRC-32 when the manifest records one, else (a manifest written before per-tensor CRCs) against the
+        file's sha256 (reads inside ``zckpt.io.checks.session`` verify either)."""
+        name = L.rank_file(r)
+        f = str(self.td / name)
+        crc = self.man.crc32.get(name, {}).get(key)
+        if crc is not None:
+            check = Checked(f, e.begin, e.end - e.begin, crc, f"tensor {key!r:.80}")
+        else:
+            sha, size = self.man.files[name]
+            check = Checked(f, 0, size, None, "the manifest's sha256 of the file", sha256=sha)
         return Piece(f, e.begin, dt, start, n, rank=r, padding=padding, check=check)
 
     def take(self, r: int, key: str, dtype: str, shape: tuple[int, ...]) -> HeaderEntry:
