@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 from zlib import crc32 as _zlib_crc32
 
 import torch
@@ -32,6 +35,9 @@ from zckpt.model import Checked
 _BUF = 8 << 20
 HOLD_BYTES = 64 << 20
 """Bytes of one file held while they wait for the sha256 to reach them; beyond, the gap is read."""
+ASYNC_BYTES = 64 << 20
+"""Bytes of stable memory queued for a file's sha256 thread before the reader waits for it."""
+_ASYNC_MIN = 1 << 20
 GAP_READ = 4 << 20
 """A gap this small (a safetensors header, padding) is read from disk at once rather than waited for."""
 
@@ -103,7 +109,9 @@ class _Record:
 
 
 class _Digest:
-    """A whole file's sha256, fed in order (see the module doc)."""
+    """A whole file's sha256, fed in order (see the module doc). Views of the file's mapping (``stable``) are
+    hashed on a thread of the digest's own, in order, while the caller goes on (at most ``ASYNC_BYTES``
+    queued; their pages dropped again once hashed); other bytes are hashed before ``add`` returns."""
 
     def __init__(self, check: Checked) -> None:
         self.check = check
@@ -112,8 +120,44 @@ class _Digest:
         self.held: dict[int, bytes] = {}
         self.held_bytes = 0
         self.lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: deque[tuple[Future[None], int]] = deque()
+        self._queued_bytes = 0
 
-    def add(self, lo: int, data: memoryview) -> None:
+    def _update(self, data: Any, stable: bool = False) -> None:
+        """``sha.update(data)`` after every update queued before it; ``stable``: ``data`` is the mapping's
+        bytes at ``self.at``."""
+        n = memoryview(data).nbytes
+        if not stable or n < _ASYNC_MIN:
+            self._drain(0)
+            self.sha.update(data)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-digest")
+        self._queued.append((self._pool.submit(self._hash_mapped, data, self.at), n))
+        self._queued_bytes += n
+        self._drain(ASYNC_BYTES)
+
+    def _hash_mapped(self, data: Any, at: int) -> None:
+        """Hash bytes of the file's mapping at ``at``, then drop its pages again (the reader released them
+        already; hashing faulted them back in)."""
+        self.sha.update(data)
+        storage.release(self.check.file, self.check.start + at, memoryview(data).nbytes)
+
+    def _drain(self, keep: int) -> None:
+        while self._queued and self._queued_bytes > keep:
+            done, n = self._queued.popleft()
+            done.result()
+            self._queued_bytes -= n
+
+    def close(self) -> None:
+        with self.lock:
+            self._drain(0)
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def add(self, lo: int, data: memoryview, stable: bool = False) -> None:
         with self.lock:
             hi = lo + len(data)
             if hi <= self.at:
@@ -126,7 +170,7 @@ class _Digest:
                         self.held[lo] = bytes(data)
                     return
                 self._advance(lo)
-            self.sha.update(data[self.at - lo :])
+            self._update(data[self.at - lo :], stable)
             self.at = hi
             self._advance(None)
 
@@ -139,7 +183,7 @@ class _Digest:
                 blob = self.held.pop(start)
                 self.held_bytes -= len(blob)
                 if start + len(blob) > self.at:
-                    self.sha.update(memoryview(blob)[self.at - start :])
+                    self._update(memoryview(blob)[self.at - start :])
                     self.at = start + len(blob)
             if to is None or self.at >= to:
                 return
@@ -147,12 +191,13 @@ class _Digest:
             step = min(_BUF, nxt - self.at)
             buf = torch.empty(step, dtype=torch.uint8)
             storage.read_into(self.check.file, self.check.start + self.at, buf)
-            self.sha.update(buf.numpy())  # type: ignore[arg-type]
+            self._update(buf.numpy())
             self.at += step
 
     def finish(self) -> None:
         with self.lock:
             self._advance(self.check.size)
+            self._drain(0)
             got = self.sha.hexdigest()
         if got != self.check.sha256:
             raise CorruptCheckpoint(
@@ -171,15 +216,16 @@ class Session:
         self._records: dict[Checked, _Record] = {}
         self._digests: dict[Checked, _Digest] = {}
 
-    def consumed(self, check: Checked, byte_offset: int, data: memoryview) -> None:
-        """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record)."""
+    def consumed(self, check: Checked, byte_offset: int, data: memoryview, stable: bool = False) -> None:
+        """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record); ``stable``: it is a
+        view of the file's mapping (``storage.view``), valid after the call: a sha256 may hash it later."""
         lo = byte_offset - check.start
         if lo < 0 or lo + len(data) > check.size or not len(data):
             return
         if check.sha256 is not None:
             with self._lock:
                 d = self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
-            d.add(lo, data)
+            d.add(lo, data, stable)
             return
         crc = crc32(data)
         with self._lock:
@@ -190,8 +236,12 @@ class Session:
         with self._lock:
             todo = list(self._records.items())
             digests = list(self._digests.values())
-        for d in digests:
-            d.finish()
+        try:
+            for d in digests:
+                d.finish()
+        finally:
+            for d in digests:
+                d.close()
         for check, rec in todo:
             for lo, hi in _gaps(rec, check.size):
                 for a in range(lo, hi, _BUF):
@@ -240,13 +290,16 @@ def session(enabled: bool = True) -> Iterator[Session | None]:
             _active = outer
 
 
-def consumed(check: Checked | None, byte_offset: int, data: torch.Tensor | memoryview) -> None:
-    """Report bytes just read (a no-op outside a session or for bytes without a checksum)."""
+def consumed(
+    check: Checked | None, byte_offset: int, data: torch.Tensor | memoryview, stable: bool = False
+) -> None:
+    """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
+    of the file's mapping (``storage.view``), valid after the call, so hashing it may finish later."""
     s = _active
     if s is None or check is None:
         return
     mv = data if isinstance(data, memoryview) else memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
-    s.consumed(check, byte_offset, mv.cast("B"))
+    s.consumed(check, byte_offset, mv.cast("B"), stable)
 
 
 @contextlib.contextmanager

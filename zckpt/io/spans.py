@@ -161,5 +161,5 @@ def _view(s: Span, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
     else:
         at = p.byte_offset + skip * p.dtype.itemsize
         v = storage.view(p.file, at, hi - lo, p.dtype)
-        checks.consumed(p.check, at, v)
+        checks.consumed(p.check, at, v, stable=True)  # a view of the file's mapping
     return v if v.dtype == dtype else v.to(dtype)
