@@ -589,3 +589,30 @@ def test_corrupt_checkpoint_is_the_error_type(tmp_path: Path) -> None:
     f.write_bytes(CRAFTED_ST["offsets_past_end"])
     with pytest.raises(CorruptCheckpoint):
         open_checkpoint(f)
+
+
+# ---- metadata that disagrees with itself (found by fuzz seed 3) ------------------------------------------
+def test_native_partitioned_optim_state_shaped_unlike_its_param(tmp_path: Path) -> None:
+    """A manifest giving a partitioned optimizer state another shape than its param (with the same chunk
+    size, so the rank files' headers agree) is refused naming the manifest."""
+    nat = tmp_path / "nat"
+    import zckpt
+
+    zckpt.reshard(fixture("ds", DS2), nat, world=2, to="native", progress=False)
+    mf = next(nat.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    o = next(o for o in m["optim_states"] if o["partitioned"] and o["shape"] and o["shape"][0] % 2 == 1)
+    o["shape"] = [o["shape"][0] + 1, *o["shape"][1:]]  # same ceil(n/2) chunk on each rank
+    mf.write_text(json.dumps(m))
+    with pytest.raises(CorruptCheckpoint, match="manifest.json.*partitioned with shape"):
+        open_checkpoint(nat)
+
+
+@pytest.mark.parametrize("bad", ["12", -1, True, [68]])
+def test_hf_index_total_size_not_a_byte_count(bad: object, tmp_path: Path) -> None:
+    d = make_hf_folder(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    j = json.loads(idx.read_text())
+    j["metadata"]["total_size"] = bad
+    idx.write_text(json.dumps(j))
+    run_all(d, tmp_path, "model.safetensors.index.json", "total_size")

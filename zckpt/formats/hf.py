@@ -112,7 +112,16 @@ def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     ):
         raise CorruptCheckpoint(f"{path}: index has no valid weight_map", path=str(path))
     md = idx.get("metadata") or {}
-    tied = md.get(_flat.TIED_KEY) or {} if isinstance(md, dict) else None
+    if not isinstance(md, dict):
+        raise CorruptCheckpoint(
+            f"{path}: index metadata is {type(md).__name__}, not an object", path=str(path)
+        )
+    total = md.get("total_size")
+    if total is not None and (type(total) is not int or total < 0):  # noqa: E721 - bool is not a size
+        raise CorruptCheckpoint(
+            f"{path}: index metadata.total_size is {total!r:.40}, not a byte count", path=str(path)
+        )
+    tied = md.get(_flat.TIED_KEY) or {}
     return dict(wm), _flat.tied_map(tied, f"metadata.{_flat.TIED_KEY}", path)
 
 

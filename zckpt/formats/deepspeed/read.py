@@ -108,6 +108,13 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
     m0 = _model0(td, model_files, trust_pickle)
     buffer_names = _names(m0.get("buffer_names"))
     module = m0["module"]
+    for name, t in module.items():  # a state dict holds tensors (and modules' own ``_extra_state`` objects)
+        if not isinstance(t.value, TensorRef) and not str(name).endswith("_extra_state"):
+            raise CorruptCheckpoint(
+                f"{m0.file}: `module` entry {name!r:.80} is {type(t.value).__name__}, not a tensor",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )
     if not optim_files:
         body = _zero0(td, model_files, m0, module, buffer_names)
     else:

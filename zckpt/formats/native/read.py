@@ -216,7 +216,15 @@ def _entries(files: _Files) -> list[TensorEntry]:
             )
         pieces = files.pieces(L.tensor_key(t.role, t.name), t.dtype, t.shape, t.partitioned)
         out.append(TensorEntry(t.name, t.shape, parse_dtype(t.dtype), t.role, pieces))
+    shapes = {t.name: t.shape for t in man.tensors}
     for o in man.optim_states:
+        if o.partitioned and o.shape != shapes.get(o.param, o.shape):  # partitioned = shaped like its param
+            raise CorruptCheckpoint(
+                f"{files.td / L.MANIFEST}: optimizer state {o.state!r:.40} of {o.param!r:.80} is partitioned "
+                f"with shape {list(o.shape)}, but the param's shape is {list(shapes[o.param])}",
+                hint="the manifest was altered or is damaged",
+                path=str(files.td / L.MANIFEST),
+            )
         pieces = files.pieces(L.optim_key(o.state, o.param), o.dtype, o.shape, o.partitioned)
         out.append(
             TensorEntry(
