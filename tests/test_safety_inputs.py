@@ -616,3 +616,19 @@ def test_hf_index_total_size_not_a_byte_count(bad: object, tmp_path: Path) -> No
     j["metadata"]["total_size"] = bad
     idx.write_text(json.dumps(j))
     run_all(d, tmp_path, "model.safetensors.index.json", "total_size")
+
+
+def test_output_through_a_link_into_the_input_folder(tmp_path: Path) -> None:
+    """An output reaching the input's folder through a symbolic link the input was not named through is
+    refused before anything is written; the same folder named through the input's own link, or a link to
+    an ancestor, is an ordinary path."""
+    real = tmp_path / "real"
+    real.mkdir()
+    src = make_safetensors(real)
+    (tmp_path / "alias").symlink_to(real)
+    r = cli("consolidate", src, tmp_path / "alias" / "m.safetensors")
+    assert_one_line_error(r, "symbolic link", str(tmp_path / "alias"))
+    assert sorted(p.name for p in real.iterdir()) == ["model.safetensors"]
+    assert cli("consolidate", tmp_path / "alias" / src.name, tmp_path / "alias" / "m.safetensors").code == 0
+    (tmp_path / "up").symlink_to(tmp_path)
+    assert cli("consolidate", src, tmp_path / "up" / "real" / "m2.safetensors").code == 0

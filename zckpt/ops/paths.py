@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from zckpt.errors import OutputExists
@@ -29,3 +30,25 @@ def check_overlap(meta: CheckpointMeta, out: Path) -> None:
             hint="write the output somewhere else",
             path=str(out),
         )
+    folder = src if src.is_dir() else src.parent
+    given = Path(os.path.abspath(meta.save_dir or meta.path))
+    link = _link_into(out, folder, {given, *given.parents})
+    if link is not None:
+        raise OutputExists(
+            f"{out}: reaches the input's folder {folder} through the symbolic link {link}",
+            hint="write the output somewhere else, or name the folder itself if writing there is meant",
+            path=str(out),
+        )
+
+
+def _link_into(out: Path, folder: Path, ours: set[Path]) -> Path | None:
+    """A symbolic link on ``out``'s path (``out`` included) that points at ``folder`` or inside it, other
+    than the links the input was named through (``ours``); links to an ancestor of ``folder`` (``/tmp ->
+    /private/tmp``) are ordinary paths, not this."""
+    p = Path(os.path.abspath(out))
+    for q in (p, *p.parents):
+        if q.is_symlink() and q not in ours:
+            t = q.resolve()
+            if t == folder or folder in t.parents:
+                return q
+    return None

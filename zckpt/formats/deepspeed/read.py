@@ -348,6 +348,15 @@ def _value_repr(n: Node, key: str) -> str:
     return repr(to_json(n.value.get(key)))  # plain JSON values: repr never fails (a torch.Size's can)
 
 
+def _module_kinds(n: Node) -> str:
+    """The names of a model-states file's ``module`` entries and whether each is a tensor (shapes may differ
+    between ranks: ZeRO-3 keeps placeholders)."""
+    m = n.value.get("module")
+    if not isinstance(m, dict):
+        return type(m).__name__
+    return repr([(str(k), isinstance(v, TensorRef)) for k, v in m.items()])
+
+
 def _cross_check(models: list[Node], osds: list[Node]) -> None:
     """Files of one save agree: same DeepSpeed version, config, step and loss scale everywhere."""
     for key in ("ds_version", "global_steps", "param_shapes", "frozen_param_shapes", "buffer_names"):
@@ -365,6 +374,14 @@ def _cross_check(models: list[Node], osds: list[Node]) -> None:
                 hint="files of two saves are mixed, or one was altered",
                 path=odd.file,
             )
+    pair = _odd_one(models, _module_kinds)
+    if pair:
+        odd, ref = pair
+        raise ShardMismatch(
+            f"{odd.file}: its `module` entries (names or kinds) differ from {Path(ref.file).name}'s",
+            hint="files of two saves are mixed, or one was altered",
+            path=odd.file,
+        )
     sigs = {id(o): _signature(o) for o in osds}
     pair = _odd_one(osds, lambda o: repr(sigs[id(o)]))
     if pair:

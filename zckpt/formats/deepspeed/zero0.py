@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from zckpt.errors import ShardMismatch
+from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
 from zckpt.io import storage
@@ -177,6 +177,41 @@ def _states_by_slot(
     return out, None
 
 
+def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
+    """The optimizer block's containers have the types torch and DeepSpeed give them: anything else is a
+    damaged or altered file, refused naming it (a fallback would drop names or roles silently)."""
+
+    def bad(where: str, what: object, want: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(
+            f"{file}: optimizer {where} is {type(what).__name__}, expected {want}",
+            hint="the file was altered or is damaged",
+            path=file,
+        )
+
+    if not isinstance(inner, dict):
+        raise bad("optimizer_state_dict", inner, "a dict")
+    pgs = inner.get("param_groups", [])
+    if not isinstance(pgs, list):
+        raise bad("param_groups", pgs, "a list")
+    for g, pg in enumerate(pgs):
+        if not isinstance(pg, dict):
+            raise bad(f"param_groups[{g}]", pg, "a dict")
+        ps = pg.get("params", [])
+        if not isinstance(ps, list) or not all(type(i) is int for i in ps):  # noqa: E721 - not bool
+            raise bad(f"param_groups[{g}].params", ps, "a list of ints")
+    st = inner.get("state") or {}
+    if not isinstance(st, dict) or not all(isinstance(v, dict) for v in st.values()):
+        raise bad("state", st, "a dict of per-param dicts")
+    groups = opt.get("fp32_groups")
+    if groups is not None:
+        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            raise bad("fp32_groups", groups, "a list of lists of tensors")
+        for g, grp in enumerate(groups):
+            for i, t in enumerate(grp):
+                if not isinstance(t, TensorRef):
+                    raise bad(f"fp32_groups[{g}][{i}]", t, "a tensor")
+
+
 def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, str]) -> Zero0:
     z = Zero0()
     mfile = Path(m0.file)
@@ -192,6 +227,7 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
     inner: dict[str, Any] = {}
     if isinstance(opt, dict):
         inner = opt.get("optimizer_state_dict", opt)
+        _check_structure(opt, inner, str(mfile))
         z.opt_groups = [dict(pg) for pg in inner.get("param_groups", [])]
         for st in (inner.get("state") or {}).values():
             z.state_names += [k for k in st if k not in z.state_names]
