@@ -632,3 +632,15 @@ def test_output_through_a_link_into_the_input_folder(tmp_path: Path) -> None:
     assert cli("consolidate", tmp_path / "alias" / src.name, tmp_path / "alias" / "m.safetensors").code == 0
     (tmp_path / "up").symlink_to(tmp_path)
     assert cli("consolidate", src, tmp_path / "up" / "real" / "m2.safetensors").code == 0
+
+
+def test_flipped_bookkeeping_record_of_a_torch_zip(tmp_path: Path) -> None:
+    """A flipped byte in a record no tensor read covers (``version``) fails that record's CRC-32 at open."""
+    f = make_bin(tmp_path)
+    with zipfile.ZipFile(f) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/version"))
+    with open(f, "rb") as fh:
+        fh.seek(info.header_offset + 26)
+        n, m = struct.unpack("<HH", fh.read(4))
+    flip(f, info.header_offset + 30 + n + m, 1)
+    run_all(f, tmp_path, f.name)

@@ -51,6 +51,10 @@ _ZIP_ERRORS = (
 """What ``zipfile`` raises on a damaged archive (a flipped bit in a name, a bad CRC, a short record)."""
 
 
+_SMALL_RECORD = 1 << 20
+"""Records outside ``data/`` up to this size are read (and so CRC-checked) when an archive is opened."""
+
+
 def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked], zipfile.ZipFile]:
     zf = zipfile.ZipFile(f)
     infos = zf.infolist()
@@ -129,6 +133,11 @@ def _pickle_of(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checke
             info = zf.getinfo(prefix + "data.pkl")
             if info.file_size > size:
                 raise CorruptCheckpoint(f"{path}: data.pkl claims {info.file_size} bytes", path=path)
+            for other in zf.infolist():  # the small bookkeeping records (version, byteorder, serialization
+                # id...) are CRC-checked here, like data.pkl: no later read covers them
+                small = other.file_size <= _SMALL_RECORD and other.filename != info.filename
+                if small and not other.filename.startswith(prefix + "data/"):
+                    zf.read(other)
             return prefix, records, zf.read(info), {i.filename: i.CRC for i in zf.infolist()}
     except _ZIP_ERRORS as e:
         raise _damaged(path, e) from None
