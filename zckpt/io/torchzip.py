@@ -75,6 +75,14 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked]
         if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
             raise CorruptCheckpoint(f"{path}: broken zip record header for {info.filename!r:.80}", path=path)
         fields = _LOCAL_HEADER.unpack(head)
+        crc, size_l = fields[6], fields[8]  # 0 with a data descriptor, 0xFFFFFFFF with zip64 sizes
+        if (crc not in (0, info.CRC)) or (size_l not in (0, 0xFFFFFFFF, info.file_size)):
+            raise CorruptCheckpoint(
+                f"{path}: zip record {info.filename!r:.80}: its local header disagrees with the central "
+                "directory (size or CRC-32)",
+                hint="re-copy the file, or check the save finished",
+                path=path,
+            )
         start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if start + info.file_size > size:
             raise CorruptCheckpoint(
@@ -332,6 +340,7 @@ def check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
     try:
         with storage.open_regular(f) as fh, zipfile.ZipFile(fh) as zf:
             bad = zf.testzip()
+            records = len(zf.infolist())
     except ZckptError as e:
         return [problem_from(e, f)]
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
@@ -340,6 +349,7 @@ def check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
         return [Problem(str(f), f"zip records unreadable ({type(e).__name__}: {e})", "corrupt")]
     if bad is not None:
         return [Problem(str(f), f"zip record {bad} fails its CRC-32 check", "corrupt", "the file is damaged")]
+    ctx.checksums += records
     try:
         ctx.pickles[str(f)] = load_refs(str(f), trust_pickle=ctx.trust)
     except ZckptError as e:
