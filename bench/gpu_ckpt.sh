@@ -6,16 +6,8 @@
 # time with params and optimizer offloaded. PARTS picks what runs (default: all but e15s, in this order):
 #   disk e15s e15 e355 off355 tests d15 d355      (e15s: the engine's sync save and load only, at 1.5B)
 # Checkpoints go to CKPT_DIR (default ./ckpt-bench, on the disk under test) and are deleted as measured.
-# Wheels for what the GPU image lacks (DeepSpeed 0.19.8 built with DS_BUILD_OPS=0, pydantic...) in .whl/.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export DS_BUILD_OPS=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 LOG=${OUT:-/tmp}/gpu_ckpt.log
 CK=${CKPT_DIR:-$PWD/ckpt-bench}
 PARTS=${PARTS:-disk e15 e355 off355 tests d15 d355}

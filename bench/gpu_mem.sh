@@ -4,16 +4,8 @@
 # tokens, world 1): peak GPU memory and step time for the engine, DeepSpeed and plain PyTorch, each with one
 # more step under the allocator's recorder (--mem-trace: peak per phase, what is live at the peak, by line);
 # then the 355M GPT with params and optimizer offloaded (the copy stream's step time).
-# Wheels for what the GPU image lacks (DeepSpeed 0.19.8 built with DS_BUILD_OPS=0, pydantic...) in .whl/.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export DS_BUILD_OPS=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 LOG=${OUT:-/tmp}/gpu_mem.log
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
   python3 -c 'import torch; print("torch", torch.__version__)'; } 2>&1 | tee -a "$LOG"

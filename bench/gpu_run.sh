@@ -1,16 +1,8 @@
 #!/usr/bin/env bash
 # Engine on the lent GPU (tool `device`): CUDA parity tests at world 1, the demo model in fp16/bf16 with
 # and without offload, and the 355M step-time comparison (plain PyTorch / engine / DeepSpeed ZeRO-3).
-# Wheels for what the GPU image lacks (DeepSpeed built with DS_BUILD_OPS=0, pytest, typer) travel in .whl/.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export DS_BUILD_OPS=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 LOG=${OUT:-/tmp}/gpu.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())' | tee -a "$LOG"
