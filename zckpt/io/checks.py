@@ -231,17 +231,20 @@ class Session:
         with self._lock:
             self._records.setdefault(check, _Record()).add(lo, lo + len(data), crc)
 
+    def close(self) -> None:
+        """Stop the digests' hash threads (``session`` does, however the block ends)."""
+        with self._lock:
+            digests = list(self._digests.values())
+        for d in digests:
+            d.close()
+
     def finish(self) -> None:
         """Read what no read covered of each touched record, then compare every record's CRC-32."""
         with self._lock:
             todo = list(self._records.items())
             digests = list(self._digests.values())
-        try:
-            for d in digests:
-                d.finish()
-        finally:
-            for d in digests:
-                d.close()
+        for d in digests:
+            d.finish()
         for check, rec in todo:
             for lo, hi in _gaps(rec, check.size):
                 for a in range(lo, hi, _BUF):
@@ -288,6 +291,7 @@ def session(enabled: bool = True) -> Iterator[Session | None]:
     finally:
         with _active_lock:
             _active = outer
+        s.close()
 
 
 def consumed(
