@@ -10,9 +10,10 @@ Library API (each CLI command is also a function here)::
 Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (pure math the engine
 needs) loads nothing else.
 
-Run as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while runpy imports this package), a SIGINT
-handler turns Ctrl-C during the command line's start-up into one line and exit status 130 (no traceback)
-until ``zckpt.cli.app.main`` restores Python's own; the console script guards its imports itself.
+``guard_startup`` installs a SIGINT handler that turns Ctrl-C during the command line's start-up into one
+line and exit status 130 (no traceback) until ``zckpt.cli.app.main`` restores Python's own: at once when run
+as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while runpy imports this package), and from the console
+script's ``zckpt.cli.main``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ def _startup_interrupt(signum: int, frame: object) -> None:
     _os._exit(130)
 
 
-if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-    _signal.signal(_signal.SIGINT, _startup_interrupt)
+def guard_startup() -> None:
+    """Ctrl-C from now until the command line runs is ``_startup_interrupt`` (unless SIGINT is handled
+    already, or ignored)."""
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _startup_interrupt)
+
+
+if _sys.argv[:1] == ["-m"]:
+    guard_startup()
 
 import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
