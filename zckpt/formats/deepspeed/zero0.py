@@ -77,11 +77,9 @@ def _masters(opt: dict[str, Any]) -> list[list[TensorRef]] | str:
         if "fp32_groups_flat" in opt:
             return "fp32 masters are stored flat per group (FP16_Optimizer fused); not mapped to names"
         return "no fp32_groups in the optimizer state"
-    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-        return f"fp32_groups is {type(groups).__name__}, expected a list of lists of tensors"
-    for g, grp in enumerate(groups):
+    for g, grp in enumerate(groups):  # lists of tensors (``_check_structure``)
         for i, t in enumerate(grp):
-            if not isinstance(t, TensorRef) or t.dtype != torch.float32 or not t.is_contiguous:
+            if t.dtype != torch.float32 or not t.is_contiguous:
                 return f"fp32_groups[{g}][{i}] is not a contiguous fp32 tensor"
     return groups
 
