@@ -4,6 +4,7 @@ rank file or a torch .bin is refused by consolidate, reshard and diff (nothing w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -180,13 +181,23 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     params = {k: e for k, e in read_header(rank1).tensors.items() if k.startswith("param/")}
     big = max(params.items(), key=lambda kv: kv[1].numel)[0]
     sha, crc = "does not match the sha256", "fails its CRC-32 check"
-    old = tmp_path / "nat-old"  # a manifest from before per-tensor CRCs: the file's sha256 is checked instead
+    old = tmp_path / "nat-old"  # a version-1 manifest (no per-tensor CRCs): the file sha256 is checked
     shutil.copytree(nat, old)
     mf = next(old.glob("*/manifest.json"))
     m = json.loads(mf.read_text())
-    for rec in m["files"].values():
-        del rec["crc32"]
+    for name, rec in m["files"].items():
+        del rec["crc32"], rec["sha256_blocks"]
+        rec["sha256"] = hashlib.sha256((mf.parent / name).read_bytes()).hexdigest()
+    m["version"] = 1
     mf.write_text(json.dumps(m))
+    no_crc = tmp_path / "nat-nocrc"  # a version-2 manifest without its CRCs: nothing would check the tensors
+    shutil.copytree(nat, no_crc)
+    mf2 = next(no_crc.glob("*/manifest.json"))
+    m2 = json.loads(mf2.read_text())
+    del m2["files"][rank1.name]["crc32"]
+    mf2.write_text(json.dumps(m2))
+    code, msg = _cli("consolidate", no_crc, tmp_path / "nc.safetensors", "--no-progress")
+    assert code == 2 and "records no CRC-32" in msg and rank1.name in msg, msg
     old1 = old / rank1.relative_to(nat)
     cases = [(hf, st, sorted(read_header(st).tensors)[0], sha), (hf, st, None, sha), (nat, rank1, big, crc),
              (old, old1, big, sha)]  # fmt: skip

@@ -243,8 +243,10 @@ def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
     man = json.loads((td / "manifest.json").read_text())
     ranks = sorted(td.glob("rank_*.safetensors"))
     assert r.ok and r.format == "native" and r.world_size == 3 and len(ranks) == 3, r.to_text()
-    for f in ranks:  # the manifest's hashes, checked independently of zckpt
-        assert man["files"][f.name]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    for f in ranks:  # the manifest's per-block hashes, checked independently of zckpt
+        blocks, raw = man["files"][f.name]["sha256_blocks"], f.read_bytes()
+        b = blocks["block"]
+        assert blocks["sha256"] == [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
     assert r.checksums >= 3
     _check_json(r)
     # flipped byte in a checksummed rank file (tensor data, so the header still parses): one line

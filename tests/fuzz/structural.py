@@ -394,8 +394,23 @@ def _files_edit(how: str) -> Callable[[dict[str, Any], random.Random, Base, Path
         if how == "bytes":
             rec["bytes"] = rng.choice((rec["bytes"] + 1, rec["bytes"] - 8, -1, 2**63, "10", None))
             return f"files[{name}].bytes -> {rec['bytes']!r}"
-        rec["sha256"] = rng.choice(("0" * 64, rec["sha256"][::-1], "not-hex", None, 7))
-        return f"files[{name}].sha256 -> {rec['sha256']!r:.20}"
+        if "sha256" in rec:  # a version-1 manifest: one whole-file digest
+            rec["sha256"] = rng.choice(("0" * 64, rec["sha256"][::-1], "not-hex", None, 7))
+            return f"files[{name}].sha256 -> {rec['sha256']!r:.20}"
+        blocks = rec["sha256_blocks"]
+        i = rng.randrange(len(blocks["sha256"]))
+        what = rng.choice(("digest", "count", "block", "both"))
+        if what == "digest":
+            blocks["sha256"][i] = rng.choice(("0" * 64, blocks["sha256"][i][::-1], "not-hex", None, 7))
+            return f"files[{name}].sha256_blocks[{i}] -> {blocks['sha256'][i]!r:.20}"
+        if what == "count":
+            blocks["sha256"] = blocks["sha256"] + ["0" * 64] if rng.random() < 0.5 else blocks["sha256"][1:]
+            return f"files[{name}].sha256_blocks: {len(blocks['sha256'])} digests"
+        if what == "block":
+            blocks["block"] = rng.choice((blocks["block"] // 2, blocks["block"] * 2, 0, -1, "64", None))
+            return f"files[{name}].sha256_blocks.block -> {blocks['block']!r}"
+        rec["sha256"] = "0" * 64
+        return f"files[{name}]: both sha256 and sha256_blocks"
 
     return edit
 
@@ -414,7 +429,7 @@ def _tied_edit(how: str) -> Callable[[dict[str, Any], random.Random, Base, Path]
 def _manifest_ops() -> list[Op]:
     edits: dict[str, Callable[[dict[str, Any], random.Random, Base, Path], str]] = {
         **{f"field-{k}": _field(k) for k in ("wrong-type", "missing", "negative", "huge-int", "null")},
-        "version-unknown": _set("version", (2, 99, "1", 1.5, -1, None, True)),
+        "version-unknown": _set("version", (3, 99, "1", 1.5, -1, None, True)),
         "format-other": _set("format", ("zckpt-native2", "", None, 1)),
         "world-size-huge": _set("world_size", (10**12, 2**62, 10**12 + 0.5)),
         "world-mismatch": _world_mismatch,

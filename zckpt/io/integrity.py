@@ -3,7 +3,8 @@
 ``Problem`` is one thing wrong with one file; ``VerifyContext`` carries what one verify run accumulates
 (the checksums compared, each file's sha256 computed once, pickles already parsed, files already found
 broken). Checksums: ``<file>.sha256`` sidecars (``sha256sum`` format, written by ``HashingSink``) and
-digests recorded by a format's own manifest, both compared through ``compare_sha``.
+digests recorded by a format's own manifest, compared through ``compare_sha`` (whole file) or
+``compare_digest`` (whole file or per block).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.io import storage
+from zckpt.io.digest import FileDigest, block_digests
 
 SIDECAR = ".sha256"
 BUF_BYTES = 8 << 20
@@ -92,6 +94,33 @@ def compare_sha(f: Path, want: str, where: str, ctx: VerifyContext) -> list[Prob
             )
         ]
     return []
+
+
+def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: VerifyContext) -> list[Problem]:
+    """The file against a digest ``want`` recorded in ``where``: a whole-file sha256 (``compare_sha``), or
+    each block's, computed on several threads; every damaged block is named by its byte range."""
+    if want.sha256 is not None:
+        return compare_sha(f, want.sha256, where, ctx)
+    if str(f) in ctx.broken:
+        return []
+    ctx.checksums += len(want.blocks)
+    try:
+        got = block_digests(f, want.block, size)
+    except EOFError:
+        return [Problem(str(f), f"shorter than the {size} bytes {where} records", "truncated")]
+    bad = [i for i, (g, w) in enumerate(zip(got, want.blocks, strict=True)) if g != w]
+    if not bad:
+        return []
+    lo, hi = bad[0] * want.block, min(size, (bad[0] + 1) * want.block)
+    more = f" and {len(bad) - 1} more of its {len(got)} blocks" if len(bad) > 1 else ""
+    return [
+        Problem(
+            str(f),
+            f"sha256 of bytes [{lo}, {hi}) (block {bad[0]}){more} does not match the one recorded in {where}",
+            "checksum",
+            "the file changed after it was written (bit rot, partial copy, or edited)",
+        )
+    ]
 
 
 def sidecar_digest(f: Path) -> str | Problem | None:

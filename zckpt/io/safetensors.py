@@ -9,8 +9,8 @@ encoder and ``plan_file`` the layout it implies (where each tensor's bytes start
 ``write_file`` streams ``WriteItem``s after it (``zckpt.io.pipeline``; in-memory host tensors are written
 straight from their memory), ``write_views`` writes a file already laid out in memory (a snapshot),
 ``StreamWriter`` takes in-memory tensors one at a time in a declared order. Every file goes through
-``HashingSink`` (sha256, durable, ``O_DIRECT`` tuned by ``WriteOptions``); ``FileRecord`` is what a writer
-reports of it.
+``HashingSink`` (sha256, whole or per block; durable; ``O_DIRECT`` tuned by ``WriteOptions``);
+``FileRecord`` is what a writer reports of it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.io import pipeline, storage
+from zckpt.io.digest import FileDigest
 from zckpt.io.direct_io import WriteOptions
 from zckpt.io.integrity import Problem, problem_from
 from zckpt.io.items import WriteItem, tensor_bytes
@@ -78,10 +79,10 @@ class Header:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A written file: its name (relative to its folder), sha256, size in bytes and tensor CRC-32s."""
+    """A written file: its name (relative to its folder), digest, size in bytes and tensor CRC-32s."""
 
     name: str
-    sha256: str
+    digest: FileDigest
     bytes: int
     crc32: Mapping[str, int] = field(default_factory=dict)
     """Each tensor's CRC-32, when the writer was asked for them (``crc=True`` / a ``plan``)."""
@@ -234,12 +235,14 @@ def write_file(
     opts: WriteOptions | None = None,
     on_stats: Callable[[dict[str, Any]], None] | None = None,
     crc: bool = False,
+    block: int | None = None,
 ) -> FileRecord:
     """Stream ``items`` into a new safetensors file at ``path`` (which must not exist): header first, then
     each tensor in bounded chunks (a whole in-memory host tensor of the output dtype straight from its
-    memory); with ``sidecar`` also ``<path>.sha256``; with ``crc`` each tensor's CRC-32 in the record."""
+    memory); with ``sidecar`` also ``<path>.sha256``; with ``crc`` each tensor's CRC-32 in the record; with
+    ``block`` the record's digest is per ``block`` bytes (``zckpt.io.digest``: computed on several cores)."""
     plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
-    sink = HashingSink(path, opts, plan.regions() if crc else ())
+    sink = HashingSink(path, opts, plan.regions() if crc else (), block)
     try:
         sink.write(plan.header)
         run: list[WriteItem] = []
@@ -267,7 +270,7 @@ def write_file(
 
 def _record(path: Path, sink: HashingSink, plan: FilePlan | None) -> FileRecord:
     crcs = dict(zip(plan.names, sink.crcs, strict=True)) if plan is not None else {}
-    return FileRecord(path.name, sink.hexdigest(), sink.tell(), crcs)
+    return FileRecord(path.name, sink.digest(), sink.tell(), crcs)
 
 
 def _host_bytes(it: WriteItem) -> memoryview | None:
@@ -287,11 +290,13 @@ def write_views(
     opts: WriteOptions | None = None,
     on_stats: Callable[[dict[str, Any]], None] | None = None,
     plan: FilePlan | None = None,
+    block: int | None = None,
 ) -> FileRecord:
     """A new file at ``path`` made of ``views`` in order (a file laid out in memory, e.g. by ``plan_file``):
     the views must stay unchanged until this returns, which lets aligned memory go to the device without
-    a copy while it is hashed. Given the ``plan`` of that layout, each tensor's CRC-32 is in the record."""
-    sink = HashingSink(path, opts, plan.regions() if plan is not None else ())
+    a copy while it is hashed. Given the ``plan`` of that layout, each tensor's CRC-32 is in the record;
+    ``block``: as for ``write_file``."""
+    sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block)
     try:
         for v in views:
             sink.write(v, stable=True)
@@ -340,7 +345,7 @@ class StreamWriter:
         except BaseException:
             self.abort()
             raise
-        return FileRecord(self.path.name, self._sink.hexdigest(), self._sink.tell())
+        return FileRecord(self.path.name, self._sink.digest(), self._sink.tell())
 
     def abort(self) -> None:
         """Remove the file (also when closing it fails: a full disk fails the final flush)."""

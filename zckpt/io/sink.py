@@ -16,18 +16,17 @@ where the time went.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from zckpt.io import direct_io
-from zckpt.io.checks import crc32
+from zckpt.io.digest import FileDigest, StreamHasher
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
 """Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
@@ -68,20 +67,16 @@ class HashingSink(io.RawIOBase):
         path: Path,
         opts: direct_io.WriteOptions | None = None,
         crc_regions: Sequence[tuple[int, int]] = (),
+        block: int | None = None,
     ) -> None:
         super().__init__()
         self.path = path
-        self._regions = list(crc_regions)
-        """Byte ranges ``[begin, end)`` (sorted, disjoint) whose CRC-32 is computed as they are hashed."""
-        self.crcs = [0] * len(self._regions)
-        self._region = 0
-        self._hashed = 0
+        self._hasher = StreamHasher(block, crc_regions)
+        """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
         self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._direct: direct_io.DirectWriter | None = None
-        self._sha = hashlib.sha256()
         self._pos = 0
-        self._hasher: ThreadPoolExecutor | None = None
         opts = opts or direct_io.WriteOptions()
         if opts.direct and direct_io.enabled():
             try:
@@ -90,7 +85,6 @@ class HashingSink(io.RawIOBase):
                 self._direct = None
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
         self._t_open = time.perf_counter()
-        self._hash_s = 0.0
         self._fsync_s = 0.0
         self._wall_s = 0.0
 
@@ -118,39 +112,19 @@ class HashingSink(io.RawIOBase):
                 finally:
                     done.result()
         else:
-            self._flush_hashes()
             self._put(mv)
-            self._update(mv)
+            self._hasher.update(mv)
         self._pos += len(mv)
         return len(mv)
 
     def _queue_hash(self, mv: memoryview) -> Future[None]:
-        """Hash ``mv`` on the hash thread (one thread: in the order queued)."""
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash")
-        return self._hasher.submit(self._update, mv)
+        """Hash ``mv`` on the hash threads (in stream order); the future completes once it is hashed."""
+        return self._hasher.queue(mv)
 
-    def _update(self, mv: memoryview) -> None:
-        t0 = time.perf_counter()
-        self._sha.update(mv)
-        if self._regions:
-            self._crc(mv)
-        self._hashed += len(mv)
-        self._hash_s += time.perf_counter() - t0  # one hash thread (or the caller), in order: no race
-
-    def _crc(self, mv: memoryview) -> None:
-        """Fold ``mv`` (the bytes at ``_hashed``) into the CRC-32 of each region it overlaps."""
-        lo, hi = self._hashed, self._hashed + len(mv)
-        while self._region < len(self._regions):
-            b, e = self._regions[self._region]
-            if b >= hi:
-                return
-            s, t = max(b, lo), min(e, hi)
-            if s < t:
-                self.crcs[self._region] = crc32(mv[s - lo : t - lo], self.crcs[self._region])
-            if e > hi:
-                return
-            self._region += 1
+    @property
+    def crcs(self) -> list[int]:
+        """The CRC-32 of each ``crc_regions`` range (valid after ``close()``)."""
+        return self._hasher.crcs
 
     def _flush_hashes(self) -> None:
         """Wait for queued hashes (before hashing on this thread, and at close)."""
@@ -166,7 +140,7 @@ class HashingSink(io.RawIOBase):
         return {
             "bytes": self._pos,
             "wall_s": round(self._wall_s, 4),
-            "hash_s": round(self._hash_s, 4),
+            "hash_s": round(self._hasher.busy_s, 4),
             "device_write_s": round(self._direct.busy_s, 4) if self._direct is not None else None,
             "fsync_s": round(self._fsync_s, 4),
             "direct": self._direct is not None and self._direct._direct,
@@ -179,8 +153,15 @@ class HashingSink(io.RawIOBase):
     def seek(self, *args: object) -> int:
         raise io.UnsupportedOperation("HashingSink is write-only and sequential")
 
+    def digest(self) -> FileDigest:
+        """What was written: its sha256, whole or per block (valid after ``close()``)."""
+        return self._hasher.digest()
+
     def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+        """The whole file's sha256 (a sink made without ``block``)."""
+        d = self._hasher.digest()
+        assert d.sha256 is not None, "a block digest has no single hex digest"
+        return d.sha256
 
     def close(self) -> None:
         try:
@@ -196,8 +177,7 @@ class HashingSink(io.RawIOBase):
                         self._fsync_s = time.perf_counter() - t0
                 finally:  # a failed flush (disk full) must still release the file
                     self._f.close()
-                    if self._hasher is not None:
-                        self._hasher.shutdown()  # waits for queued hashes, even after an error
+                    self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
                     self._wall_s = time.perf_counter() - self._t_open
         finally:
@@ -210,8 +190,7 @@ class HashingSink(io.RawIOBase):
         if self.closed:
             return
         with contextlib.suppress(Exception):
-            if self._hasher is not None:
-                self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher.close(wait=False)
             if self._direct is not None:
                 self._direct.drop()
             self._f.close()

@@ -318,7 +318,7 @@ class DcpWriter(CheckpointWriter):
             sink.close()
         sink.write_sidecar()
         on_file(name, sink.tell())
-        return [DcpRecord(name, sink.hexdigest(), sink.tell(), stored=tuple(stored))]
+        return [DcpRecord(name, sink.digest(), sink.tell(), stored=tuple(stored))]
 
     def finish(
         self, ckpt: Checkpoint, plan: WritePlan, out: Path, records: Sequence[FileRecord], on_file: OnFile

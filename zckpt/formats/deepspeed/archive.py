@@ -91,4 +91,4 @@ class Archive:
         finally:
             sink.close()
         sink.write_sidecar()
-        return FileRecord(path.name, sink.hexdigest(), sink.tell())
+        return FileRecord(path.name, sink.digest(), sink.tell())

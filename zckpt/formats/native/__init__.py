@@ -17,7 +17,7 @@ from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.native import layout
 from zckpt.formats.native.read import detect, load_manifest, read, resolve
 from zckpt.formats.native.write import NativeWriter
-from zckpt.io.integrity import Problem, VerifyContext, compare_sha
+from zckpt.io.integrity import Problem, VerifyContext, compare_digest
 
 
 class NativeFormat(Format):
@@ -32,7 +32,7 @@ class NativeFormat(Format):
         return read(path, tag=tag)
 
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
-        """Every file the manifest lists present, of the recorded size and sha256; no rank file the manifest
+        """Every file the manifest lists present, of the recorded size and digest; no rank file the manifest
         does not list; one rank file per rank of the recorded world size."""
         try:
             td = resolve(path, ctx.tag)[1]
@@ -40,7 +40,7 @@ class NativeFormat(Format):
         except ZckptError:
             return []  # the reader already reported it
         out: list[Problem] = []
-        for name, (sha, size) in sorted(man.files.items()):
+        for name, (digest, size) in sorted(man.files.items()):
             f = td / name
             if not f.is_file():
                 out.append(Problem(str(f), "missing (listed in manifest.json)", "missing"))
@@ -50,7 +50,7 @@ class NativeFormat(Format):
                     Problem(str(f), f"{f.stat().st_size} bytes but manifest.json records {size}", kind)
                 )
             elif str(f) not in ctx.broken:
-                out += compare_sha(f, sha, layout.MANIFEST, ctx)
+                out += compare_digest(f, digest, size, layout.MANIFEST, ctx)
         for f in sorted(td.glob("rank_*.safetensors")):
             if f.name not in man.files:
                 out.append(

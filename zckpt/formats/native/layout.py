@@ -7,6 +7,7 @@ which checks every field's type and range (a manifest is input: it may be damage
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,16 +15,19 @@ from typing import Any
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._flat import tied_map
 from zckpt.formats._schema import Node
+from zckpt.io.digest import FileDigest
 from zckpt.model import DTYPES, Role
 
 FORMAT_ID = "zckpt-native"
-VERSION = 1
+VERSION = 2
+"""2: rank files carry per-block sha256s (``sha256_blocks``); 1 (still read): one whole-file ``sha256``."""
 MANIFEST = "manifest.json"
 MAX_WORLD = 1 << 20
 """Largest world size a manifest may claim (a bound for hostile input, far above any real run)."""
 CLIENT_REF = "__tensor__"
 """``client_state`` JSON: ``{"__tensor__": "client/<path>"}`` stands for a tensor in rank 0's file."""
 RNG_KEYS = ("torch_cpu", "torch_cuda")
+_HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def rank_file(rank: int) -> str:
@@ -110,8 +114,8 @@ class Manifest:
     compute_dtype: str
     tensors: tuple[TensorSpec, ...]
     optim_states: tuple[OptimSpec, ...]
-    files: Mapping[str, tuple[str, int]]
-    """rank file name -> (sha256, bytes)."""
+    files: Mapping[str, tuple[FileDigest, int]]
+    """rank file name -> (digest, bytes)."""
     crc32: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """rank file name -> {tensor key: CRC-32 of its bytes}: reads verify each tensor they touch."""
     tied: Mapping[str, str] = field(default_factory=dict)
@@ -144,11 +148,13 @@ class Manifest:
             "rng": list(self.rng),
             "client_state": self.client_state,
             "config": self.config,
-            "files": {
-                n: {"sha256": s, "bytes": b, **({"crc32": dict(self.crc32[n])} if n in self.crc32 else {})}
-                for n, (s, b) in sorted(self.files.items())
-            },
+            "files": {n: self._file_json(n) for n in sorted(self.files)},
         }
+
+    def _file_json(self, name: str) -> dict[str, Any]:
+        digest, size = self.files[name]
+        crcs = {"crc32": dict(self.crc32[name])} if name in self.crc32 else {}
+        return {**_digest_json(digest), "bytes": size, **crcs}
 
     @classmethod
     def from_json(cls, raw: Any, file: str) -> Manifest:
@@ -164,7 +170,8 @@ class Manifest:
             raise m["partition_world"].fail(f"1 or the world size {world}")
         files, crcs = {}, {}
         for name, rec in m["files"].items():
-            files[name] = (rec["sha256"].as_str(max_len=64), rec["bytes"].as_int(lo=0))
+            size = rec["bytes"].as_int(lo=0)
+            files[name] = (_digest(rec, size), size)
             if rec.get("crc32") is not None:
                 crcs[name] = {k: v.as_int(lo=0, hi=0xFFFFFFFF) for k, v in rec["crc32"].items()}
         return cls(
@@ -188,6 +195,33 @@ class Manifest:
             config=m.value.get("config"),
             version=version,
         )
+
+
+def _digest_json(d: FileDigest) -> dict[str, Any]:
+    if d.sha256 is not None:
+        return {"sha256": d.sha256}
+    return {"sha256_blocks": {"block": d.block, "sha256": list(d.blocks)}}
+
+
+def _hex(n: Node) -> str:
+    h = n.as_str(max_len=64)
+    if not _HEX.fullmatch(h):
+        raise n.fail("a sha256 hex digest")
+    return h.lower()
+
+
+def _digest(rec: Node, size: int) -> FileDigest:
+    """A rank file's ``sha256`` (version 1) or ``sha256_blocks`` (one digest per ``block`` bytes)."""
+    blocks = rec.get("sha256_blocks")
+    if blocks is None:
+        return FileDigest(sha256=_hex(rec["sha256"]))
+    if rec.has("sha256"):
+        raise rec.fail("one of sha256 and sha256_blocks, not both")
+    block = blocks["block"].as_int(lo=4096, hi=1 << 40)
+    digests = tuple(_hex(h) for h in blocks["sha256"])
+    if len(digests) != -(-size // block):
+        raise blocks["sha256"].fail(f"{-(-size // block)} digests ({size} bytes in {block}-byte blocks)")
+    return FileDigest(block=block, blocks=digests)
 
 
 def _dtype(n: Node | None, default: str) -> str:

@@ -128,12 +128,20 @@ class _Files:
         self.headers = _headers(td, man)
         self.used: list[set[str]] = [set() for _ in self.headers]
         for r, h in enumerate(self.headers):
-            stray = sorted(set(man.crc32.get(L.rank_file(r), {})) - set(h.tensors))
+            crcs = man.crc32.get(L.rank_file(r), {})
+            stray = sorted(set(crcs) - set(h.tensors))
             if stray:
                 raise ShardMismatch(
                     f"{td / L.MANIFEST}: records a CRC-32 for {stray[0]!r:.80}, which {L.rank_file(r)} "
                     "does not hold",
                     hint="the manifest and the rank files come from different saves",
+                    path=str(td / L.MANIFEST),
+                )
+            unchecked = sorted(set(h.tensors) - set(crcs))
+            if unchecked and man.files[L.rank_file(r)][0].sha256 is None:
+                raise CorruptCheckpoint(  # only version 1's whole-file sha256 can stand in for the CRCs
+                    f"{td / L.MANIFEST}: records no CRC-32 for {unchecked[0]!r:.80} of {L.rank_file(r)}",
+                    hint="the manifest was edited or damaged; restore it from a good copy",
                     path=str(td / L.MANIFEST),
                 )
 
@@ -142,15 +150,16 @@ class _Files:
     ) -> Piece:
         """Elements ``[start, start + n)`` stored at ``e`` of rank ``r``'s file; checked against the tensor's
         CRC-32 when the manifest records one, else (a manifest written before per-tensor CRCs) against the
-        file's sha256 (reads inside ``zckpt.io.checks.session`` verify either)."""
+        file's sha256 (reads inside ``zckpt.io.checks.session`` verify either). A block-digest file
+        records a CRC-32 for every tensor (``_Files`` refuses one without)."""
         name = L.rank_file(r)
         f = str(self.td / name)
         crc = self.man.crc32.get(name, {}).get(key)
         if crc is not None:
             check = Checked(f, e.begin, e.end - e.begin, crc, f"tensor {key!r:.80}")
         else:
-            sha, size = self.man.files[name]
-            check = Checked(f, 0, size, None, "the manifest's sha256 of the file", sha256=sha)
+            digest, size = self.man.files[name]
+            check = Checked(f, 0, size, None, "the manifest's sha256 of the file", sha256=digest.sha256)
         return Piece(f, e.begin, dt, start, n, rank=r, padding=padding, check=check)
 
     def take(self, r: int, key: str, dtype: str, shape: tuple[int, ...]) -> HeaderEntry:

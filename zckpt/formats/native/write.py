@@ -34,6 +34,7 @@ from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors
+from zckpt.io.digest import BLOCK_BYTES
 from zckpt.io.direct_io import WriteOptions
 from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.io.safetensors import FilePlan, FileRecord
@@ -101,9 +102,10 @@ def write_rank(
     opts: WriteOptions | None = None,
     on_stats: Any = None,
 ) -> FileRecord:
-    """One rank file: ``items`` streamed into ``path`` (which must not exist)."""
+    """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest per
+    ``BLOCK_BYTES`` block, hashed on several cores."""
     return safetensors.write_file(path, items, metadata=_METADATA, on_bytes=on_bytes, sidecar=False,
-                                  opts=opts, on_stats=on_stats, crc=True)  # fmt: skip
+                                  opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES)  # fmt: skip
 
 
 def rank_plan(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> FilePlan:
@@ -123,7 +125,7 @@ def write_rank_views(
     """One rank file already laid out in memory by ``rank_plan`` (header at 0, each tensor at its
     offset): ``views`` in order, unchanged until this returns. Byte for byte (and record for record)
     what ``write_rank`` writes for the same tensors."""
-    return safetensors.write_views(path, views, opts, on_stats, plan=plan)
+    return safetensors.write_views(path, views, opts, on_stats, plan=plan, block=BLOCK_BYTES)
 
 
 # ---- the manifest --------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ def build_manifest(
         compute_dtype=dtype_name(PRECISIONS.get(precision, torch.float32)),
         tensors=tuple(tensors),
         optim_states=tuple(optim_states),
-        files={r.name: (r.sha256, r.bytes) for r in records},
+        files={r.name: (r.digest, r.bytes) for r in records},
         crc32={r.name: dict(r.crc32) for r in records if r.crc32},
         tied=dict(tied),
         optimizer=optimizer_json(state),
