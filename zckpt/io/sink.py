@@ -1,14 +1,15 @@
 """``HashingSink``: the one way an output file is written.
 
-A write-only, non-seekable file wrapper that computes the sha256 of every byte written and makes the file
-durable: at ``close()`` (fsync), or, inside an active ``zckpt.io.staging.Staging`` folder of this process,
-at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed. Each
-tensor file ``F`` gets a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``) covering the
-whole file. The bytes go to the device with ``O_DIRECT`` where the filesystem allows
-(``zckpt.io.direct_io``, tuned by ``WriteOptions``), not through the page cache.
+A write-only, non-seekable file wrapper that computes the digest of every byte written
+(``zckpt.io.digest``: the whole file's sha256, or with ``block`` one per block, on several threads) and makes
+the file durable: at ``close()`` (fsync), or, inside an active ``zckpt.io.staging.Staging`` folder of this
+process, at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed.
+A whole-file digest can become a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``). The
+bytes go to the device with ``O_DIRECT`` where the filesystem allows (``zckpt.io.direct_io``, tuned by
+``WriteOptions``), not through the page cache.
 
 ``write(b, stable=True)`` is for callers whose bytes stay unchanged until ``close()`` (a snapshot): the
-hash is queued on the hash thread without waiting and aligned memory goes to the device without a copy,
+hash is queued on the hash threads without waiting and aligned memory goes to the device without a copy,
 so hashing and device writes run side by side over the whole file, not chunk by chunk. ``stats()`` says
 where the time went.
 """
