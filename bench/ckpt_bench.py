@@ -8,7 +8,7 @@ asynchronous saves) and DeepSpeed (synchronous and decoupled).
 
 Engine: one engine built with ``checkpoint.writer.decoupled``; a synchronous save (the background writer
 set aside for it), then an asynchronous save of the same state (training steps run while it is written,
-each timed), the files of the two compared (the manifests' sha256 of every rank file), ``zckpt verify`` on
+each timed), the files of the two compared (the manifests' digests of every rank file), ``zckpt verify`` on
 the asynchronous one (``--verify``), a second asynchronous save after a few steps (steady state: the
 snapshot buffer is reused), then a load of it after dropping the page cache. DeepSpeed: one engine built
 with ``checkpoint.writer.decoupled`` (type ``fast`` when its async-I/O op builds here, else ``python``); a

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16 checkpoints on the lent GPU (world 1, GPT, bf16, ZeRO-3, client AdamW): the disk's raw sequential
 # O_DIRECT write/read bandwidth (dd, 4 GiB, and a Python probe with random data, 1 and 2 writes in flight),
-# sha256 speed of one core, then `bench/ckpt_bench.py` for the engine (sync save, async save, load) and
+# sha256 speed of one core and of 4 threads, then `bench/ckpt_bench.py` for the engine (sync save, async save, load) and
 # DeepSpeed (sync save, load, decoupled save) at 1.5B and 355M, the engine's CUDA tests and the 355M step
 # time with params and optimizer offloaded. PARTS picks what runs (default: all but e15s, in this order):
 #   disk e15s e15 e355 off355 tests d15 d355      (e15s: the engine's sync save and load only, at 1.5B)
@@ -61,6 +61,10 @@ t = time.perf_counter()
 for _ in range(8):
     h.update(b)
 print(f"PROBE sha256 one core: {8 * len(b) / (time.perf_counter() - t) / 1e9:.3f} GB/s", flush=True)
+t = time.perf_counter()
+with ThreadPoolExecutor(4) as pool:  # zckpt.io.digest's lanes: 4 threads, one sha256 per block each
+    list(pool.map(lambda i: hashlib.sha256(b).digest(), range(8)))
+print(f"PROBE sha256 4 threads: {8 * len(b) / (time.perf_counter() - t) / 1e9:.3f} GB/s", flush=True)
 EOF
 fi
 
