@@ -143,7 +143,7 @@ def engine_async(eng: Any, step: Callable[[], float], d: Path, tag: str, base: f
     return dict(blocked_s=blocked, total_s=st["total_s"], write_s=w["wall_s"], gb=gb,
                 write_gbs=gb / max(w["wall_s"], 1e-9), hash_s=w["hash_s"], device_write_s=w["device_write_s"],
                 fsync_s=w["fsync_s"], direct=w["direct"], copied_gb=w["copied_bytes"] / 1e9,
-                steps_during=len(during),
+                steps_during=len(during), steps_during_s=[round(s, 4) for s in during],
                 step_after_s=during[0] if during else None,
                 step_during_median_s=statistics.median(during) if during else None,
                 step_after_over_base=(during[0] / base) if during else None, wait_after_steps_s=t_wait,

@@ -32,7 +32,11 @@ _READ = 8 << 20
 
 
 def lanes() -> int:
-    """Threads a block digest is computed on: enough to outrun a fast disk, not the whole machine."""
+    """Threads a block digest is computed on: enough to outrun a fast disk, not the whole machine
+    (``ZCKPT_HASH_THREADS`` overrides)."""
+    env = os.environ.get("ZCKPT_HASH_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     return max(1, min(4, os.cpu_count() or 1))
 
 
