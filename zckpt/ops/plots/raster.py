@@ -22,7 +22,7 @@ _HA = {"left": "l", "center": "m", "right": "r"}
 
 
 def png(scene: Scene) -> bytes:
-    """The PNG bytes of ``scene`` (RGB, 8 bits, zlib level 6)."""
+    """The PNG bytes of ``scene`` (RGB, 8 bits; zlib level 3: as fast as 1 and nearly as small as 6)."""
     from PIL import Image, ImageDraw
 
     im = Image.new("RGB", (round(scene.width), round(scene.height)), (255, 255, 255))
@@ -50,7 +50,7 @@ def png(scene: Scene) -> bytes:
         elif isinstance(it, Text):
             _text(im, draw, it)
     buf = io.BytesIO()
-    im.save(buf, format="png", compress_level=6)
+    im.save(buf, format="png", compress_level=3)
     return buf.getvalue()
 
 
