@@ -13,7 +13,9 @@ neighbours), so every chunk takes diff's full float64 path (no bit-identical fas
 
 Each run is its own process (``python -m zckpt.cli.app diff A B --no-progress [--plot F]``), runs alternate
 so that machine load hits them alike; per variant the median and best wall time and the peak RSS
-(``wait4``'s ``ru_maxrss``) are printed as a Markdown table, with the in-process split (diff vs drawing).
+(``wait4``'s ``ru_maxrss``) are printed as a Markdown table, with the paired overhead (each round's run
+minus that round's plain diff: median and range, steadier than a difference of medians when the load of a
+shared machine drifts) and the in-process split (diff vs drawing).
 """
 
 from __future__ import annotations
@@ -113,18 +115,23 @@ def measure(repeat: int) -> None:
             runs[k].append(_run(["diff", *args]))
     ref_wall = statistics.median(w for w, _, _ in runs["diff"])
     ref_cpu = statistics.median(c for _, c, _ in runs["diff"])
-    print("| variant | median wall s | best wall s | walls s | median CPU s | peak RSS MiB | wall vs plain "
-          "| CPU vs plain |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = ("variant", "median wall s", "best wall s", "walls s", "median CPU s",
+            "peak RSS MiB: median (max)", "wall vs plain", "CPU vs plain",
+            "paired wall overhead s: median (range)")  # fmt: skip
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     for k, rs in runs.items():
         walls = [w for w, _, _ in rs]
         med, cpu = statistics.median(walls), statistics.median(c for _, c, _ in rs)
-        print(f"| `{k}` | {med:.2f} | {min(walls):.2f} | {' '.join(f'{w:.1f}' for w in walls)} | {cpu:.2f} | "
-              f"{max(r for _, _, r in rs):.0f} | {100 * (med / ref_wall - 1):+.1f}% | "
-              f"{100 * (cpu / ref_cpu - 1):+.1f}% |")  # fmt: skip
+        paired = [w - p for w, (p, _, _) in zip(walls, runs["diff"], strict=True)]
+        print(f"| `{k}` | {med:.2f} | {min(walls):.2f} | {' '.join(f'{w:.2f}' for w in walls)} | {cpu:.2f} | "
+              f"{statistics.median(r for _, _, r in rs):.0f} ({max(r for _, _, r in rs):.0f}) | "
+              f"{100 * (med / ref_wall - 1):+.1f}% | "
+              f"{100 * (cpu / ref_cpu - 1):+.1f}% | {statistics.median(paired):+.3f} "
+              f"({min(paired):+.2f} .. {max(paired):+.2f}) |")  # fmt: skip
     d, png, html = _in_process()
     print(
-        f"\nin one process: diff {d:.2f} s, then .plot(png) {png:.2f} s (matplotlib import included), "
-        f".plot(html) {html:.2f} s"
+        f"\nin one process: diff {d:.2f} s, then .plot(png) {png:.3f} s (Pillow's import included), "
+        f".plot(html) {html:.3f} s"
     )
 
 

@@ -1,11 +1,12 @@
-"""Issue 18's pictures, checked structurally (never by pixels): the figure data built from ``diff`` /
-``inspect`` results (cells, markers, bars, byte stacks), the drawn figures read back from matplotlib's
-objects (axes labels, tick labels, image arrays, marker texts, bar heights), the files written (PNG, SVG,
-self-contained HTML), the name tables, the new norm statistics, and the CLI's ``--plot`` surface."""
+"""Issue 18's pictures, checked structurally (never by pixel snapshots): the figure data built from ``diff``
+/ ``inspect`` results (cells, markers, bars, byte stacks), the drawn figures read back (the diff scene's
+panels: tick labels, cell values, marker letters, bar widths; the inspect figure's matplotlib objects), the
+diff colours against matplotlib's for the same scale, one probe of the PNG (the hot cell's pixel), the files
+written (PNG, SVG, self-contained HTML with inline SVG), the name tables, the new norm statistics, and the
+CLI's ``--plot`` surface."""
 
 from __future__ import annotations
 
-import base64
 import math
 import re
 import sys
@@ -170,30 +171,66 @@ def _labels(ticks: list[object]) -> list[str]:
 
 
 def test_diff_figure_reads_back_from_the_grid(tmp_path: Path) -> None:
-    from zckpt.ops.plots.draw import diff_figure
+    from zckpt.ops.plots.diff_scene import diff_scene
 
     ca, cb, _, _ = _pair(tmp_path)
     d = diff_plot(diff(ca, cb, progress=False))
-    ax = _axes(diff_figure(d))
+    ax = diff_scene(d).panels
     rel = ax["rel"]
-    assert _labels(rel.get_xticklabels()) == list(d.layers.cols)
-    assert _labels(rel.get_yticklabels()) == list(d.layers.rows)
-    img = rel.images[0]
-    arr = img.get_array()
+    assert list(rel.xticks) == list(d.layers.cols)
+    assert list(rel.yticks) == list(d.layers.rows)
+    arr = rel.values
+    assert arr is not None and rel.vmin is not None
     i, j = d.layers.rows.index("2"), d.layers.cols.index("up")
     assert arr[i, j] == pytest.approx(d.layers.cell("2", "up").rel)
-    vmin = img.norm.vmin
     others = [arr[r, c] for r in range(arr.shape[0]) for c in range(arr.shape[1]) if (r, c) != (i, j)]
-    assert all(np.ma.is_masked(v) or v < vmin for v in others)  # white (unchanged) or grey (no value)
-    assert np.ma.is_masked(arr[d.layers.rows.index("1"), d.layers.cols.index("k")])
-    texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in rel.texts}
-    assert texts[(d.layers.cols.index("k"), d.layers.rows.index("1"))] == "A"
-    assert texts[(d.layers.cols.index("o"), d.layers.rows.index("3"))] == "S"
-    assert _labels(ax["strip_rel"].get_xticklabels()) == list(d.strip.cols)
-    assert _labels(ax["top"].get_yticklabels()) == [NUDGED]
-    (bar,) = ax["top"].patches
-    assert bar.get_width() == pytest.approx(d.top[0].rel)
+    assert all(np.isnan(v) or v < rel.vmin for v in others)  # white (unchanged) or grey (no value)
+    assert np.isnan(arr[d.layers.rows.index("1"), d.layers.cols.index("k")])
+    assert rel.marks[(d.layers.cols.index("k"), d.layers.rows.index("1"))] == "A"
+    assert rel.marks[(d.layers.cols.index("o"), d.layers.rows.index("3"))] == "S"
+    assert list(ax["strip_rel"].xticks) == list(d.strip.cols)
+    assert list(ax["top"].yticks) == [NUDGED]
+    (width,) = ax["top"].values  # type: ignore[misc]
+    assert width == pytest.approx(d.top[0].rel)
     assert {"cos", "strip_cos", "colorbar_rel", "colorbar_cos"} <= set(ax)
+
+
+def test_colours_are_matplotlibs() -> None:
+    """The diff figure's colours (no matplotlib) equal matplotlib's for the same log scale: the colour map's
+    colour inside, white for 0 (unchanged), black for inf, grey for no value."""
+    import matplotlib
+    from matplotlib.colors import LogNorm
+
+    from zckpt.ops.plots.colours import colours, log_range
+    from zckpt.ops.plots.draw import NO_VALUE, drawable
+
+    g = np.random.default_rng(0)
+    grid = (10.0 ** g.uniform(-9, 1, (7, 9))).tolist()
+    grid[0][:3] = [0.0, math.inf, math.nan]
+    lo, hi = log_range([grid])
+    for name in ("viridis", "plasma"):
+        cm = matplotlib.colormaps[name].with_extremes(bad=NO_VALUE, under="#ffffff", over="#000000")
+        norm = LogNorm(lo, hi)
+        want = np.round(np.asarray(cm(norm(drawable(grid, norm))))[..., :3] * 255).astype(np.uint8)
+        assert (colours(np.array(grid), lo, hi, name) == want).all()
+
+
+def test_png_cells_are_the_scene_colours(tmp_path: Path) -> None:
+    """The PNG's pixel at the nudged cell's centre is that cell's colour (the top of the scale)."""
+    from PIL import Image
+
+    from zckpt.ops.plots.colours import lut
+
+    ca, cb, _, _ = _pair(tmp_path)
+    r = diff(ca, cb, progress=False)
+    d = diff_plot(r)
+    png = Image.open(r.plot(tmp_path / "d.png")).convert("RGB")
+    from zckpt.ops.plots.diff_scene import diff_scene
+
+    x, y, w, h = diff_scene(d).panels["rel"].box
+    i, j = d.layers.rows.index("2"), d.layers.cols.index("up")
+    at = (round(x + (j + 0.5) * w / len(d.layers.cols)), round(y + (i + 0.5) * h / len(d.layers.rows)))
+    assert png.getpixel(at) == tuple(int(c) for c in lut("viridis")[255])
 
 
 def test_files_png_svg_and_self_contained_html(tmp_path: Path) -> None:
@@ -202,14 +239,17 @@ def test_files_png_svg_and_self_contained_html(tmp_path: Path) -> None:
     png = r.plot(tmp_path / "d.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
     svg = r.plot(tmp_path / "d.svg").read_text()
-    assert "<svg" in svg
+    assert svg.startswith("<?xml") and "<svg" in svg
     page = r.plot(tmp_path / "d.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)  # nothing fetched: opens offline
     assert "<script" not in page
-    m = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert m and base64.b64decode(m.group(1))[:4] == b"\x89PNG"
+    picture = page[page.index("<svg") : page.index("</svg>")]
+    assert f"<title>1 / k: ||B-A||/||A|| -\nonly in A\n{MISSING}</title>" in picture  # the cell's tooltip
     assert NUDGED in page and MISSING in page  # the tensor table and the only-in-A table
     assert not list(tmp_path.glob(".*tmp*"))
+    import xml.dom.minidom
+
+    xml.dom.minidom.parseString(svg)  # well-formed
 
 
 def test_plot_refuses_bad_suffix_and_missing_matplotlib(

@@ -99,7 +99,7 @@ def command(
     """
     from zckpt.ops.diff import diff
 
-    check_plot(plot, preload=True)
+    check_plot(plot, preload=series is not None)  # the series figure is matplotlib's; diff's is not
     if series is not None:
         if a is not None or b is not None:
             raise ZckptError("--series RUN_DIR compares the run's own checkpoints: give no A B with it")

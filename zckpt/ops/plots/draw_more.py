@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from zckpt.ops.plots.draw import FONT, heat, log_norm, mark, new_figure, short, ticks
+from zckpt.ops.plots.draw import FONT, heat, log_norm, mark, new_figure, ticks
 from zckpt.ops.plots.grids import InspectPlot
+from zckpt.ops.plots.names import short
 from zckpt.ops.plots.series_grid import SeriesPlot
 
 UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))

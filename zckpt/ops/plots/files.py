@@ -1,10 +1,12 @@
-"""Writing a figure: ``.png`` / ``.svg`` as matplotlib saves them, ``.html`` as one self-contained page (the
-picture embedded as a ``data:`` PNG, the tables inline, no script, no external resource: it opens offline).
+"""Writing a figure to ``.png``, ``.svg`` or ``.html`` (one self-contained page: the picture inline, the
+tables after it, no script, no external resource: it opens offline).
 
 The entry points the operations call (``plot_diff``, ``plot_inspect``, ``plot_series``) check the path and
 that matplotlib is there first (``check``: one ``ZckptError`` line saying what to install), build the
-figure's data (``grids``), draw it (``draw``, ``draw_more``) and write it beside ``path`` under a temporary
-name, then rename it over ``path`` (an existing plot is replaced).
+figure's data (``grids``), draw it and write it beside ``path`` under a temporary name, then rename it over
+``path`` (an existing plot is replaced). The diff figure is a ``Scene`` (``diff_scene``) that ``raster``
+paints into a PNG and ``svg`` writes as SVG (inline SVG in its page), without importing matplotlib; the
+inspect and series figures are matplotlib's (``draw_more``), saved by it, their page embedding a PNG.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def check(path: str | Path) -> Path:
 
 
 def preload() -> threading.Thread:
-    """Import matplotlib on a daemon thread (while a long diff runs): drawing later does not wait for it."""
+    """Import matplotlib on a daemon thread (while a run's series of diffs works): drawing the series figure
+    later does not wait for it. (The diff figure does not need matplotlib.)"""
     t = threading.Thread(target=_import_all, name="zckpt-plot-preload", daemon=True)
     t.start()
     return t
@@ -61,11 +64,22 @@ def _import_all() -> None:
 def plot_diff(r: DiffResult, path: str | Path, *, top: int = 20) -> Path:
     """Draw ``r`` (``zckpt.ops.plots.grids.diff_plot``) to ``path``."""
     p = check(path)
-    from zckpt.ops.plots.draw import diff_figure
+    from zckpt.ops.plots.diff_scene import diff_scene
     from zckpt.ops.plots.grids import diff_plot
 
     data = diff_plot(r, top)
-    return save(diff_figure(data), p, data.title, (data.summary, *data.notes), diff_tables(r))
+    scene = diff_scene(data)
+    suffix = p.suffix.lower()
+    if suffix == ".png":
+        from zckpt.ops.plots.raster import png
+
+        return _write(p, png(scene))
+    from zckpt.ops.plots.svg import svg
+
+    if suffix == ".svg":
+        return _write(p, svg(scene).encode("utf-8"))
+    picture = svg(scene, standalone=False)
+    return _write(p, page(data.title, (data.summary, *data.notes), picture, diff_tables(r)).encode("utf-8"))
 
 
 def plot_inspect(r: InspectReport, path: str | Path) -> Path:
@@ -89,14 +103,18 @@ def plot_series(s: SeriesResult, path: str | Path) -> Path:
 def save(fig: Any, path: Path, title: str, lines: Sequence[str], tables: Sequence[Table]) -> Path:
     """Write ``fig`` to ``path`` by its suffix (``.html``: with ``lines`` and ``tables``), atomically."""
     suffix = path.suffix.lower()
+    buf = io.BytesIO()
     if suffix == ".html":
-        buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)
-        data = page(title, lines, buf.getvalue(), tables).encode("utf-8")
-    else:
-        buf = io.BytesIO()
-        fig.savefig(buf, format=suffix[1:], dpi=DPI, metadata=_metadata(suffix))
-        data = buf.getvalue()
+        img = base64.b64encode(buf.getvalue()).decode("ascii")
+        picture = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{img}">'
+        return _write(path, page(title, lines, picture, tables).encode("utf-8"))
+    fig.savefig(buf, format=suffix[1:], dpi=DPI, metadata=_metadata(suffix))
+    return _write(path, buf.getvalue())
+
+
+def _write(path: Path, data: bytes) -> Path:
+    """``data`` to ``path`` through a temporary name beside it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_bytes(data)
@@ -114,20 +132,20 @@ def _metadata(suffix: str) -> dict[str, Any]:
     return {"Software": None}
 
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}img{max-width:100%;height:auto}
+_CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}img,svg{max-width:100%;height:auto}
 table{border-collapse:collapse;font-size:12px;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 6px}
 th{background:#f3f3f3;position:sticky;top:0}td{font-family:ui-monospace,monospace}.n{color:#666}"""
 
 
-def page(title: str, lines: Sequence[str], png: bytes, tables: Sequence[Table]) -> str:
-    """One self-contained HTML page: title, text lines, the PNG inline, then the tables."""
+def page(title: str, lines: Sequence[str], picture: str, tables: Sequence[Table]) -> str:
+    """One self-contained HTML page: title, text lines, the picture (an ``<img>`` with a ``data:`` PNG or an
+    inline ``<svg>``), then the tables."""
     e = html.escape
-    img = base64.b64encode(png).decode("ascii")
     parts = [
         f"<!doctype html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>",
         f"<style>{_CSS}</style></head><body>\n<h1>{e(title)}</h1>",
         *(f"<p>{e(x)}</p>" for x in lines),
-        f'<img alt="{e(title)}" src="data:image/png;base64,{img}">',
+        picture,
     ]
     for t in tables:
         parts.append(f"<h2>{e(t.title)}</h2>")

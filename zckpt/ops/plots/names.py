@@ -120,3 +120,12 @@ def shown(path: object) -> str:
         if not rel.startswith(".."):
             return rel
     return p
+
+
+MAX_LABEL = 48
+"""Characters of a tensor name shown in a picture."""
+
+
+def short(text: str, n: int = MAX_LABEL) -> str:
+    """Cut long names from the left (their end says most: ``...layers.31.mlp.down_proj.weight``)."""
+    return text if len(text) <= n else "…" + text[-(n - 1) :]
