@@ -9,8 +9,8 @@ asynchronous saves) and DeepSpeed (synchronous and decoupled).
 Engine: one engine built with ``checkpoint.writer.decoupled``; a synchronous save (the background writer
 set aside for it), then an asynchronous save of the same state (training steps run while it is written,
 each timed), the files of the two compared (the manifests' digests of every rank file), ``zckpt verify`` on
-the asynchronous one (``--verify``), a second asynchronous save after a few steps (steady state: the
-snapshot buffer is reused), then a load of it after dropping the page cache. DeepSpeed: one engine built
+the asynchronous one (``--verify``), ``--steady N`` more asynchronous saves, each after a few steps (steady
+state: the snapshot buffer is reused), then a load of it after dropping the page cache. DeepSpeed: one engine built
 with ``checkpoint.writer.decoupled`` (type ``fast`` when its async-I/O op builds here, else ``python``); a
 synchronous save through its default ``TorchCheckpointEngine`` (swapped in for it) with the ``sync`` that
 makes it durable timed separately, a load of it after dropping the page cache, then a decoupled save
@@ -177,11 +177,17 @@ def run_engine(args: argparse.Namespace) -> None:
         t_v, rep = timed(lambda: verify(d, tag="async"))
         emit("zckpt verify async", ok=rep.ok, s=t_v)
     shutil.rmtree(d / "sync")
-    for _ in range(3):
-        step()
-    emit("engine async save (steady)", **engine_async(eng, step, d, "async2", base))
     shutil.rmtree(d / "async")
-    engine_load(eng, step, d, "async2")
+    last = "async"
+    for i in range(args.steady):  # the snapshot buffers are reused from here on
+        for _ in range(3):
+            step()
+        tag = f"async{i + 2}"
+        emit("engine async save (steady)", n=i + 1, **engine_async(eng, step, d, tag, base))
+        if i + 1 < args.steady:
+            shutil.rmtree(d / tag)
+        last = tag
+    engine_load(eng, step, d, last)
 
 
 def engine_load(eng: Any, step: Callable[[], float], d: Path, tag: str) -> None:
@@ -249,6 +255,7 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="checkpoint folder (on the disk under test; deleted)")
     ap.add_argument("--verify", action="store_true", help="zckpt verify the asynchronous checkpoint")
     ap.add_argument("--sync-only", action="store_true", help="engine: a synchronous save and its load only")
+    ap.add_argument("--steady", type=int, default=1, help="engine: how many steady-state async saves")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (root)")
     args = ap.parse_args()
     ARGS.drop_caches = args.drop_caches
