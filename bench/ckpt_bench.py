@@ -10,8 +10,9 @@ Engine: one engine built with ``checkpoint.writer.decoupled``; a synchronous sav
 set aside for it), then an asynchronous save of the same state (training steps run while it is written,
 each timed), the files of the two compared (the manifests' digests of every rank file), ``zckpt verify`` on
 the asynchronous one (``--verify``), ``--steady N`` more asynchronous saves, each after a few steps (steady
-state: the snapshot buffer is reused), then a load of it after dropping the page cache. DeepSpeed: one engine built
-with ``checkpoint.writer.decoupled`` (type ``fast`` when its async-I/O op builds here, else ``python``); a
+state: the snapshot buffer is reused), then a load of the last after dropping the page cache (one per value of
+``--load-depths``, reads in flight, with ``--sync-only``'s load too). DeepSpeed: one engine built with
+``checkpoint.writer.decoupled`` (type ``fast`` when its async-I/O op builds here, else ``python``); a
 synchronous save through its default ``TorchCheckpointEngine`` (swapped in for it) with the ``sync`` that
 makes it durable timed separately, a load of it after dropping the page cache, then a decoupled save
 (the next step waits for its commit). Checkpoints are deleted as soon as they are measured (disk space).
@@ -165,7 +166,7 @@ def run_engine(args: argparse.Namespace) -> None:
          hash_s=w["hash_s"], device_write_s=w["device_write_s"], fsync_s=w["fsync_s"],
          direct=w["direct"])  # fmt: skip
     if args.sync_only:
-        engine_load(eng, step, d, "sync")
+        engine_load(eng, step, d, "sync", args.load_depths)
         return
     emit("engine async save (first)", **engine_async(eng, step, d, "async", base))
     ms, ma = (json.loads((d / t / "manifest.json").read_text()) for t in ("sync", "async"))
@@ -187,14 +188,19 @@ def run_engine(args: argparse.Namespace) -> None:
         if i + 1 < args.steady:
             shutil.rmtree(d / tag)
         last = tag
-    engine_load(eng, step, d, last)
+    engine_load(eng, step, d, last, args.load_depths)
 
 
-def engine_load(eng: Any, step: Callable[[], float], d: Path, tag: str) -> None:
-    dropped = drop_caches()
-    t_load, _ = timed(lambda: eng.load_checkpoint(str(d), tag=tag))
-    gb = du(d / tag) / 1e9
-    emit("engine load", s=t_load, gb=gb, read_gbs=gb / t_load, caches_dropped=dropped, step_after_s=step())
+def engine_load(eng: Any, step: Callable[[], float], d: Path, tag: str, depths: list[int]) -> None:
+    """A load after dropping the page cache; with ``--load-depths``, one per number of reads in flight."""
+    reads = importlib.import_module("engine.checkpoint.reads")
+    for depth in depths or [reads.DEPTH]:
+        reads.DEPTH = depth
+        dropped = drop_caches()
+        t_load, _ = timed(lambda: eng.load_checkpoint(str(d), tag=tag))
+        gb = du(d / tag) / 1e9
+        emit("engine load", s=t_load, gb=gb, read_gbs=gb / t_load, caches_dropped=dropped,
+             step_after_s=step(), stats=eng.load_stats)  # fmt: skip
     eng.destroy()
     shutil.rmtree(d, ignore_errors=True)
 
@@ -256,6 +262,12 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="zckpt verify the asynchronous checkpoint")
     ap.add_argument("--sync-only", action="store_true", help="engine: a synchronous save and its load only")
     ap.add_argument("--steady", type=int, default=1, help="engine: how many steady-state async saves")
+    ap.add_argument(
+        "--load-depths",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="engine: load once per value, with that many reads in flight (e.g. 3,1,2)",
+    )
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (root)")
     args = ap.parse_args()
     ARGS.drop_caches = args.drop_caches

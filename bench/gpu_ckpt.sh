@@ -5,7 +5,8 @@
 # DeepSpeed (sync save, load, decoupled save) at 1.5B and 355M, the engine's CUDA tests and the 355M step
 # time with params and optimizer offloaded. PARTS picks what runs (default: all but e15s, in this order):
 #   disk e15s e15 e355 off355 tests d15 d355      (e15s: the engine's sync save and load only, at 1.5B)
-# STEADY=N: N steady-state async saves at $BIG (default 1).
+# STEADY=N: N steady-state async saves at $BIG (default 1). LOAD_DEPTHS=3,1,2: e15s loads once per number of
+# reads in flight.
 # Checkpoints go to CKPT_DIR (default ./ckpt-bench, on the disk under test) and are deleted as measured.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -77,7 +78,7 @@ bench() {  # seconds, label, args...
     | grep -E '^(CKPT|CKPTSUM|\[engine checkpoint\])|Error|error|Traceback|GB written|created checkpoint' | tee -a "$LOG"
   rm -rf "$CK/run"
 }
-has e15s && bench "${T_E15S:-110}" "engine $BIG, sync save + load only" --impl engine --size "$BIG" --micro 4 --sync-only
+has e15s && bench "${T_E15S:-110}" "engine $BIG, sync save + load only" --impl engine --size "$BIG" --micro 4 --sync-only ${LOAD_DEPTHS:+--load-depths "$LOAD_DEPTHS"}
 has e15 && bench "${T_E15:-330}" "engine $BIG" --impl engine --size "$BIG" --micro 4 --verify --steady "${STEADY:-1}"
 has e355 && bench "${T_E355:-150}" "engine $MID" --impl engine --size "$MID" --micro 8 --verify
 if has off355; then

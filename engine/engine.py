@@ -124,6 +124,8 @@ class Engine:
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self.checkpoint_stats: dict[str, Any] = {}
         """Timings of the last finished save (``engine.checkpoint.save``)."""
+        self.load_stats: dict[str, Any] = {}
+        """Timings of the last ``load_checkpoint`` (``engine.checkpoint.load``): total and tensor reads."""
         self.checkpointer: AsyncSaver | None = (
             AsyncSaver(self) if config.checkpoint.writer.decoupled else None
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,7 @@ def load(
 
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
     vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded."""
+    t0 = time.perf_counter()
     ckpt = _open(Path(load_dir), tag)
     if ckpt is None:
         return None, None
@@ -101,7 +103,10 @@ def load(
         _queue_model(eng, ckpt, reads)
         if load_optimizer_states:
             load_optimizer(eng, ckpt, reads.add)
+        t_read = time.perf_counter()
+        nbytes = reads.bytes
         reads.run()
+        t_read = time.perf_counter() - t_read
         _finish_model(eng, ckpt)
         if load_optimizer_states:
             _load_scaler(eng, st.loss_scaler)
@@ -110,7 +115,10 @@ def load(
         _load_counters(eng, st.counters)
         if st.rng:  # DeepSpeed saves no RNG state: then the process's is left alone, as DeepSpeed does
             _load_rng(st.rng[eng.comm.rank % len(st.rng)])
-        return ckpt.meta.path, _client_join(st.client_state, ckpt)
+        client = _client_join(st.client_state, ckpt)
+        eng.load_stats = {"path": str(ckpt.meta.path), "total_s": time.perf_counter() - t0,
+                          "read": {"bytes": nbytes, "wall_s": t_read, **reads.stats}}  # fmt: skip
+        return ckpt.meta.path, client
     finally:
         ckpt.close()
 

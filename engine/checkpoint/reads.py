@@ -16,6 +16,7 @@ the buffer is reused), else into a host temporary that is cast into the destinat
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -55,6 +56,9 @@ class ReadPlan:
         self._segs: dict[str, list[_Seg]] = {}
         self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes = 0
+        self.stats: dict[str, float | int | bool] = {}
+        """After ``run``: bytes read from storage (gaps between extents included), reads in flight, seconds
+        spent waiting on storage reads and on host-to-device copies, and whether ``O_DIRECT`` was used."""
 
     def add(self, entry: TensorEntry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements ``[lo, hi)`` of ``entry`` into ``out`` (1-D, ``hi - lo`` elements, any dtype and device)
@@ -77,12 +81,16 @@ class ReadPlan:
         files = {path: sorted(segs, key=lambda s: s.off) for path, segs in self._segs.items()}
         chunks = {path: _chunks(segs) for path, segs in files.items()}
         size = max((b - a for cs in chunks.values() for a, b in cs), default=0)
+        waits = _Waits()
         if size:
             cuda = any(s.dst.device.type == "cuda" for segs in files.values() for s in segs)
             bufs = [_buffer(size, cuda) for _ in range(DEPTH + 1)]
             with ThreadPoolExecutor(DEPTH, thread_name_prefix="engine-read") as pool:
                 for path, segs in files.items():
-                    _read_file(path, segs, chunks[path], bufs, pool)
+                    _read_file(path, segs, chunks[path], bufs, pool, waits)
+        self.stats = {"storage_bytes": sum(b - a for cs in chunks.values() for a, b in cs), "depth": DEPTH,
+                      "wait_read_s": round(waits.read_s, 4), "wait_copy_s": round(waits.copy_s, 4),
+                      "direct": waits.direct}  # fmt: skip
         for dst, tmp in self._casts:
             dst.copy_(tmp)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -123,6 +131,15 @@ def _cut(a: int, b: int) -> list[tuple[int, int]]:
     return [(x, min(b, x + CHUNK)) for x in range(a, b, CHUNK)]
 
 
+@dataclass
+class _Waits:
+    """Where ``run``'s caller thread waited: on storage reads, on host-to-device copies out of a buffer."""
+
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    direct: bool = True
+
+
 class _Events:
     """Per buffer: the host-to-device copies out of it (a CUDA event), waited for before it is refilled."""
 
@@ -135,10 +152,12 @@ class _Events:
             ev.record()
             self._ev[i] = ev
 
-    def wait(self, i: int) -> None:
+    def wait(self, i: int, waits: _Waits) -> None:
         ev, self._ev[i] = self._ev[i], None
         if ev is not None:
+            t = time.perf_counter()
             ev.synchronize()
+            waits.copy_s += time.perf_counter() - t
 
 
 def _read_file(
@@ -147,17 +166,21 @@ def _read_file(
     chunks: list[tuple[int, int]],
     bufs: list[torch.Tensor],
     pool: ThreadPoolExecutor,
+    waits: _Waits,
 ) -> None:
     """Read ``chunks`` of ``path`` (``DEPTH`` in flight, into ``bufs`` in turn), scatter into ``segs``."""
     fd = storage.open_fd(path)
     dfd = direct_io.open_direct(path)
+    waits.direct &= dfd is not None
     events = _Events(len(bufs))
     pending: list[tuple[int, int, int, Future[int]]] = []
     cursor = [0]  # first segment that may still overlap a chunk
 
     def drain() -> None:
         a, b, i, fut = pending.pop(0)
+        t = time.perf_counter()
         got = fut.result()
+        waits.read_s += time.perf_counter() - t
         _scatter(path, segs, cursor, a, b, got, bufs[i])
         events.record(i)
 
@@ -166,7 +189,7 @@ def _read_file(
             i = k % len(bufs)
             if len(pending) == len(bufs) - 1:
                 drain()
-            events.wait(i)
+            events.wait(i, waits)
             view = memoryview(bufs[i].numpy()).cast("B")[: b - a]  # type: ignore[arg-type]
             pending.append((a, b, i, pool.submit(direct_io.read_direct, dfd, fd, a, view)))
         while pending:
