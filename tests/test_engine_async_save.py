@@ -5,7 +5,8 @@ config's ``checkpoint.writer`` block), ``zckpt verify``, and resuming next to an
 Checked: training goes on while the file is written and ``latest`` moves only once it is complete; a new
 save and a load of the same folder wait for the one in flight; an error in the background surfaces on the
 next save, on ``wait_for_checkpoint()``, ``destroy()`` and at interpreter exit, and leaves ``latest``
-alone; the snapshot memory is allocated once and reused; world 2 (gloo) saves over the side group, and
+alone; the snapshot memory is allocated once and reused; ``load_stats`` counts exactly the bytes of the
+masters and moments; world 2 (gloo) saves over the side group, and
 a failure on one rank fails the save on both; SIGKILL during the background write leaves ``latest`` on
 the previous checkpoint (here, world 1, forked; under torchrun with a restart in
 ``tests/test_fault_tolerance.py``); at world 2 with ~100M params the save call blocks for at most 0.35x a
@@ -19,6 +20,7 @@ import errno
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -71,6 +73,22 @@ def _sync_save(eng: Any, d: Path, tag: str) -> None:
         eng.checkpointer = saver
 
 
+def _load_stats_match_the_file(st: dict[str, Any], rank_file: Path) -> None:
+    """``load_stats``: the tensor reads are exactly the file's masters and Adam moments (its safetensors
+    header's byte ranges), read whole from storage, within the load's time."""
+    raw = rank_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    want = sum(
+        v["data_offsets"][1] - v["data_offsets"][0]
+        for k, v in header.items()
+        if k.startswith(("param/", "optim/exp_avg/", "optim/exp_avg_sq/"))
+    )
+    assert st["path"] == str(rank_file.parent) and st["read"]["bytes"] == want > 0
+    assert want <= st["read"]["storage_bytes"] <= len(raw) + 4096
+    assert 0 <= st["read"]["wait_read_s"] <= st["read"]["wall_s"] <= st["total_s"]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_same_files_as_sync_verify_and_resume(stage: int, tmp_path: Path) -> None:
     ref, _ = R.train(0, 1, R.config(stage), 3)
@@ -90,6 +108,7 @@ def test_same_files_as_sync_verify_and_resume(stage: int, tmp_path: Path) -> Non
     _, want = R.train(0, 1, R.config(stage), 2, first=3, engine_=ref)
     fresh, _ = R.train(0, 1, _cfg(stage), 0)
     path, _ = fresh.load_checkpoint(str(tmp_path / "a"), tag="t")
+    _load_stats_match_the_file(fresh.load_stats, tmp_path / "a" / "t" / "rank_00000.safetensors")
     _, got = R.train(0, 1, _cfg(stage), 2, first=3, engine_=fresh)
     assert path is not None and got == want
     for e in (eng, fresh):
