@@ -95,10 +95,21 @@ def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[st
     return entries, _flat.tied_map(tied, _flat.TIED_KEY, path), h.metadata
 
 
+MAX_INDEX = 64 << 20
+"""Bytes of a shard index read at most (a model of 100k tensors indexes them in a few MB)."""
+
+
 def _read_json(path: Path) -> Any:
     try:
         with storage.open_regular(path) as f:
-            return json.loads(f.read())
+            raw = f.read(MAX_INDEX + 1)
+        if len(raw) > MAX_INDEX:
+            raise CorruptCheckpoint(
+                f"{path}: {os.stat(path).st_size} bytes, too big for a shard index (at most {MAX_INDEX})",
+                hint="the file is damaged or not an index",
+                path=str(path),
+            )
+        return json.loads(raw)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpoint(f"{path}: unreadable JSON ({type(e).__name__})", path=str(path)) from None
 

@@ -55,6 +55,22 @@ _SMALL_RECORD = 1 << 20
 """Records outside ``data/`` up to this size are read (and so CRC-checked) when an archive is opened."""
 
 
+def _stored(where: str, info: zipfile.ZipInfo, path: str | None = None) -> None:
+    """A record torch wrote: stored (uncompressed), so its central directory's two sizes are equal (a
+    bigger uncompressed size would still pass ``zipfile``'s CRC check, reading only the stored bytes)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise Unsupported(
+            f"{where}: record {info.filename!r:.80} is compressed; torch never writes that", path=path
+        )
+    if info.compress_size != info.file_size:
+        raise CorruptCheckpoint(
+            f"{where}: zip record {info.filename!r:.80} is stored but its central directory gives it "
+            f"{info.compress_size} bytes stored and {info.file_size} uncompressed",
+            hint="the file is damaged: re-copy it, or check the save finished",
+            path=path,
+        )
+
+
 def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked], zipfile.ZipFile]:
     zf = zipfile.ZipFile(f)
     infos = zf.infolist()
@@ -66,10 +82,7 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked]
     prefix = pkl[0][: -len("data.pkl")]
     out: dict[str, Checked] = {}
     for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise Unsupported(
-                f"{path}: record {info.filename!r:.80} is compressed; torch never writes that", path=path
-            )
+        _stored(path, info, path)
         f.seek(info.header_offset)
         head = f.read(_LOCAL_HEADER.size)
         if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
@@ -262,8 +275,7 @@ def _fresh(obj: Any) -> Any:
 
 def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInfo) -> tuple[int, int, int]:
     """(data offset inside the archive, size, CRC-32) of one stored record, from its local header."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise Unsupported(f"{where}: record {info.filename!r:.80} is compressed; torch never writes that")
+    _stored(where, info)
     if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
         raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
     head = os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset)

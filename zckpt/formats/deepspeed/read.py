@@ -137,14 +137,24 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
 
 
 def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
-    """Every tensor in ``module`` must be accounted for: a param, frozen param, buffer or tied alias. A
-    renamed ``buffer_names``/``frozen_param_shapes``/``shared_params`` leaves some unexplained."""
-    known = {e.name for e in body.entries} | set(body.tied)
+    """Every tensor in ``module`` must be accounted for: a param, frozen param, buffer or tied alias, of that
+    param's shape (ZeRO-3's empty placeholders aside). A renamed ``buffer_names``/``frozen_param_shapes``/
+    ``shared_params`` leaves some unexplained; swapped tensors disagree with ``param_shapes``."""
+    shapes = {e.name: e.shape for e in body.entries if e.role is not Role.OPTIM}
     for name, t in module.items():
-        if isinstance(t.value, TensorRef) and name not in known:
+        if not isinstance(t.value, TensorRef):
+            continue
+        if name not in shapes and name not in body.tied:
             raise CorruptCheckpoint(
                 f"{m0.file}: module tensor {name!r:.80} is neither a trainable param, a "
                 "frozen param, a buffer nor a tied alias",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )
+        if name in shapes and t.value.numel and tuple(t.value.shape) != tuple(shapes[name]):
+            raise CorruptCheckpoint(
+                f"{m0.file}: module tensor {name!r:.80} has shape {list(t.value.shape)} but the "
+                f"checkpoint records {list(shapes[name])} for it",
                 hint="the file was altered or is damaged",
                 path=m0.file,
             )

@@ -16,8 +16,10 @@ the mapping is not unique and the reader falls back to the 16-bit module weights
 why in ``meta.extra["zero0_note"]``; it never guesses.
 
 Cost: unlike every other reader, this reads tensor bytes at open time (each 16-bit param once, each fp32
-master once; optimizer states only to settle a tie). That is acceptable only here: ZeRO-0 is a single
-file, and the matching holds at most one tensor per param group plus one param in memory at a time.
+master once; optimizer states only to settle a tie), and checks the CRC-32 of every record it read before
+trusting the result: a damaged record is refused by name instead of changing the matching. That is
+acceptable only here: ZeRO-0 is a single file, and the matching holds at most one tensor per param group
+plus one param in memory at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
-from zckpt.io import storage
+from zckpt.io import checks, storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.model import Piece, Role, TensorEntry, dtype_name, precision_of
 from zckpt.state import to_json
@@ -50,9 +52,12 @@ class Zero0:
 
 
 def _load(ref: TensorRef) -> torch.Tensor:
+    """The tensor's values, reported to the checksum session (``read_zero0`` compares the records' CRC-32s
+    before it trusts the matching it did with them)."""
     out = torch.empty(ref.numel, dtype=ref.dtype)
     if ref.numel:
         storage.read_into(ref.file, ref.byte_offset, out)
+        checks.consumed(ref.check, ref.byte_offset, out)
     return out.view(tuple(ref.shape))
 
 
@@ -244,13 +249,14 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
         why = masters if isinstance(masters, str) else None
     if why is None:
         assert not isinstance(masters, str)
-        res = _match(params, masters)
-        if isinstance(res, str):
-            why = res
-        else:
-            got, digest = res
-            states, state_note = _states_by_slot(inner, masters)
-            why = _tie_problem(params, masters, got, digest, states)
+        with checks.verifying():  # a flipped bit must fail its record's CRC, not the matching
+            res = _match(params, masters)
+            if isinstance(res, str):
+                why = res
+            else:
+                got, digest = res
+                states, state_note = _states_by_slot(inner, masters)
+                why = _tie_problem(params, masters, got, digest, states)
     if why is not None:
         z.entries = [whole(n, r, Role.PARAM) for n, r in params.items()]
         z.extra["zero0_note"] = (
