@@ -37,8 +37,10 @@ from _safety import (
 )
 from safetensors.torch import load_file, save_file
 
+from tests.fuzz import pickles
 from zckpt.errors import CorruptCheckpoint, ZckptError
 from zckpt.formats import open_checkpoint
+from zckpt.io.torchzip import load_archive
 
 TIME_LIMIT_S = 20.0  # generous: the test machine is shared; a hang or a huge allocation takes far longer
 
@@ -487,6 +489,15 @@ def _zip_case(tmp: Path, name: str) -> Path:
         while not data[pos + 46 : pos + 46 + len(rec.filename)].startswith(rec.filename.encode()):
             pos = data.find(b"PK\x01\x02", pos + 4)
         struct.pack_into("<II", data, pos + 20, 0x7FFFFFFF, 0x7FFFFFFF)
+    elif name in ("stored_size_grown", "stored_csize_grown"):
+        # one size of the central entry of a small bookkeeping record grows: zipfile's CRC check still passes
+        # (it reads only min(sizes) bytes), torch's reader would not; zckpt must refuse the record
+        ver = next(i for i in infos if i.filename.endswith("/version"))
+        pos = data.find(b"PK\x01\x02", cd)
+        while not data[pos + 46 : pos + 46 + len(ver.filename)].startswith(ver.filename.encode()):
+            pos = data.find(b"PK\x01\x02", pos + 4)
+        at = pos + (24 if name == "stored_size_grown" else 20)
+        struct.pack_into("<I", data, at, struct.unpack_from("<I", data, at)[0] + 8)
     elif name == "eocd_count_huge":
         struct.pack_into("<HH", data, eocd + 8, 0xFFFF, 0xFFFF)
     elif name == "cd_offset_garbage":
@@ -530,7 +541,8 @@ def _zip_case(tmp: Path, name: str) -> Path:
     return f
 
 
-ZIP_CASES = ["local_header_signature", "record_offset_past_end", "record_size_huge", "eocd_count_huge",
+ZIP_CASES = ["local_header_signature", "record_offset_past_end", "record_size_huge", "stored_size_grown",
+             "stored_csize_grown", "eocd_count_huge",
              "cd_offset_garbage", "compressed_record", "storage_record_missing", "storage_record_short",
              "pkl_garbage", "pkl_truncated", "pkl_bytes_bomb", "pkl_not_dict",
              "pkl_memo_missing"]  # fmt: skip
@@ -644,3 +656,40 @@ def test_flipped_bookkeeping_record_of_a_torch_zip(tmp_path: Path) -> None:
         n, m = struct.unpack("<HH", fh.read(4))
     flip(f, info.header_offset + 30 + n + m, 1)
     run_all(f, tmp_path, f.name)
+
+
+def test_sparse_huge_shard_index(tmp_path: Path) -> None:
+    """A 64 GiB (sparse) shard index is refused by its size, not read into memory."""
+    d = make_hf_folder(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    with open(idx, "r+b") as f:
+        f.truncate(64 << 30)
+    run_all(d, tmp_path, "model.safetensors.index.json", "too big")
+
+
+def test_swapped_module_tensors_of_a_deepspeed_file(tmp_path: Path) -> None:
+    """Two ``module`` tensors of different shapes swapped in a ZeRO-2 model-states pickle (nothing reads them
+    for the weights, so only the cross-check against ``param_shapes`` can notice): every command refuses."""
+    ck, td = _ds(tmp_path, DS2)
+    f = td / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    walk = pickles.walk(obj, 3)
+    mod = [(p, v) for p, v in walk if len(p) == 2 and p[0] == ("key", "module") and pickles.is_tensor(v)]
+    shape = {p: tuple(pickles.rebuild_args(v)[2]) for p, v in mod}
+    a, b = next((a, b) for a, _ in mod for b, _ in mod if shape[a] != shape[b])
+    ta, tb = pickles.get_at(obj, a), pickles.get_at(obj, b)
+    obj = pickles.set_at(pickles.set_at(obj, a, tb), b, ta)
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, "shape")
+
+
+def test_flipped_module_weight_of_a_zero0_file(tmp_path: Path) -> None:
+    """ZeRO-0 names its fp32 masters by comparing them with the 16-bit ``module`` weights: a flipped bit in a
+    weight must fail that record's CRC-32, not turn into "masters not matched" and a checkpoint without an
+    optimizer."""
+    ck = copy_case(fixture("ds", "s0_bf16_w2").name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = load_archive(str(f))[1]
+    t = max((v for v in obj["module"].values() if v.numel), key=lambda v: v.numel)
+    flip(f, t.byte_offset + t.dtype.itemsize * (t.numel // 2), 1)
+    run_all(ck, tmp_path, f.name, "CRC-32")
