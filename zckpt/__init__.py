@@ -11,9 +11,9 @@ Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (p
 needs) loads nothing else.
 
 ``guard_startup`` installs a SIGINT handler that turns Ctrl-C during the command line's start-up into one
-line and exit status 130 (no traceback) until ``zckpt.cli.app.main`` restores Python's own: at once when run
-as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while runpy imports this package), and from the console
-script's ``zckpt.cli.main``.
+line and exit status 130 (no traceback) until a command has imported torch and restores Python's own
+(``zckpt.cli.app._leave_startup``): at once when run as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while
+runpy imports this package), and from the console script's ``zckpt.cli.main``.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         from zckpt.errors import ZckptError
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
+        _leave_startup()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("always" if debug else "default")
@@ -95,6 +96,18 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _leave_startup() -> None:
+    """Import torch while Ctrl-C still means ``_startup_interrupt`` (exit 130, nothing written), then let it
+    raise ``KeyboardInterrupt`` for ``_guarded``: an interrupt inside torch's C++ start-up, where a Python
+    exception cannot unwind, aborts the process (``terminate called after throwing ... error_already_set``,
+    SIGABRT) or leaves torch half-imported. Commands import torch lazily, so ``--help`` stays fast. SIGTERM
+    keeps its default action until then too."""
+    importlib.import_module("torch")
+    if signal.getsignal(signal.SIGINT) is _startup_interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
+
+
 for _module in COMMANDS:
     _mod = importlib.import_module(_module)
     app.command(name=_mod.NAME)(_guarded(_mod.command))
@@ -107,9 +120,6 @@ def main() -> None:
     0.5 s per invocation, and nothing is left to clean up by then (outputs are fsynced and renamed,
     temporary files removed, the process group destroyed here). ``ZCKPT_FAST_EXIT=0`` keeps the normal
     interpreter exit (for embedding or debugging)."""
-    if signal.getsignal(signal.SIGINT) is _startup_interrupt:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
     try:
         app()
         code: object = 0
