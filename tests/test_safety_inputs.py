@@ -693,3 +693,27 @@ def test_flipped_module_weight_of_a_zero0_file(tmp_path: Path) -> None:
     t = max((v for v in obj["module"].values() if v.numel), key=lambda v: v.numel)
     flip(f, t.byte_offset + t.dtype.itemsize * (t.numel // 2), 1)
     run_all(ck, tmp_path, f.name, "CRC-32")
+
+
+@pytest.mark.parametrize("bad", [[], None, "x"])
+def test_hf_index_metadata_not_an_object(bad: object, tmp_path: Path) -> None:
+    """transformers indexes ``metadata`` as an object: a list or null there is a damaged index."""
+    d = make_hf_folder(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    j = json.loads(idx.read_text())
+    j["metadata"] = bad
+    idx.write_text(json.dumps(j))
+    runs = run_all(d, tmp_path, "model.safetensors.index.json", "metadata")
+    assert "not listed" not in runs["verify"].stdout  # the shards are not blamed for the index
+
+
+def test_optimizer_partition_replaced_by_a_number(tmp_path: Path) -> None:
+    """One rank's ``exp_avg_sq`` partition replaced by a float (NaN) in a ZeRO-2 optimizer file: a scalar
+    where the other rank holds elements is refused, not kept as a scalar state or dropped."""
+    ck, td = _ds(tmp_path, DS2)
+    f = td / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, v in pickles.walk(obj, 8) if p[-1] == ("key", "exp_avg_sq") and pickles.is_tensor(v))
+    obj = pickles.set_at(obj, path, float("nan"))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, "exp_avg_sq")

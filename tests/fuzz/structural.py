@@ -407,7 +407,14 @@ def _files_edit(how: str) -> Callable[[dict[str, Any], random.Random, Base, Path
             blocks["sha256"] = blocks["sha256"] + ["0" * 64] if rng.random() < 0.5 else blocks["sha256"][1:]
             return f"files[{name}].sha256_blocks: {len(blocks['sha256'])} digests"
         if what == "block":
-            blocks["block"] = rng.choice((blocks["block"] // 2, blocks["block"] * 2, 0, -1, "64", None))
+            # another block size describes the same bytes when the file fits in one block either way (then the
+            # one digest is the whole file's): pick sizes that change which bytes a digest covers
+            size = rec["bytes"] if isinstance(rec.get("bytes"), int) else 0
+            smaller = 4096 if size > 8192 else 2048  # 2048: below the smallest block the reader accepts
+            while smaller * 4 < size:
+                smaller *= 2
+            bigger = blocks["block"] * 2 if len(blocks["sha256"]) > 1 else smaller
+            blocks["block"] = rng.choice((smaller, bigger, 0, -1, "64", None))
             return f"files[{name}].sha256_blocks.block -> {blocks['block']!r}"
         rec["sha256"] = "0" * 64
         return f"files[{name}]: both sha256 and sha256_blocks"

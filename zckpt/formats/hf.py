@@ -122,7 +122,7 @@ def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         for v in wm.values()
     ):
         raise CorruptCheckpoint(f"{path}: index has no valid weight_map", path=str(path))
-    md = idx.get("metadata") or {}
+    md = idx.get("metadata", {})  # absent is fine; null or [] would break transformers' loader
     if not isinstance(md, dict):
         raise CorruptCheckpoint(
             f"{path}: index metadata is {type(md).__name__}, not an object", path=str(path)
@@ -279,11 +279,13 @@ def verify_index(p: Path) -> list[Problem]:
     out = []
     indexes = sorted(p.glob("*.index.json"))
     listed: set[str] = set()
+    readable = True
     for idx in indexes:
         try:
             wm, _ = _read_index(idx)
         except CorruptCheckpoint:
-            continue  # the reader reports an unreadable index
+            readable = False  # the reader reports an unreadable index
+            continue
         names = set(wm.values())
         listed |= names
         counts = {m["n"] for f in names if (m := _SHARD_RE.match(f))}
@@ -299,7 +301,7 @@ def verify_index(p: Path) -> list[Problem]:
                         "inconsistent",
                     )
                 )
-    if indexes:
+    if indexes and readable:  # with an index unreadable, every shard would look unlisted
         for f in sorted(p.iterdir()):
             if _SHARD_RE.match(f.name) and not f.name.endswith(".sha256") and f.name not in listed:
                 why = "shard file not listed in the index (stale from another save?)"

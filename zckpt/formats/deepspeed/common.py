@@ -214,16 +214,43 @@ def optim_entries(
                         hint="model and optimizer files come from different runs, or the file was altered",
                         path=v.file,
                     )
+        _same_kind_everywhere(s, states, flats, scalars)
         for name in lay.shapes:
             runs, slot = lay.runs[name], lay.slot_of[name]
             r0 = runs[0].rank if runs else 0
-            if any(f[slot] is not None for f in flats) and all(
-                flats[run.rank][run.slot] is not None for run in runs
-            ):
+            if any(f[slot] is not None for f in flats):
+                lost = next((run.rank for run in runs if flats[run.rank][run.slot] is None), None)
+                if lost is not None:
+                    raise ShardMismatch(
+                        f"{_file_of(states, lost)}: holds no optimizer state {s!r:.40} for group {slot}, "
+                        "which the other ranks keep as a flat partition",
+                        hint="files of different runs are mixed, or the file was altered",
+                        path=_file_of(states, lost),
+                    )
                 out += lay.entries(flats, Role.OPTIM, s, [name])
             elif (r0, slot) in scalars:
                 out.append(scalar_entry(name, s, scalars[(r0, slot)], r0))
     return out, names
+
+
+def _file_of(states: list[dict[int, Node]], rank: int) -> str:
+    return next((st.file for st in states[rank].values()), f"rank {rank}'s optimizer file")
+
+
+def _same_kind_everywhere(
+    s: str, states: list[dict[int, Node]], flats: list[list[Any]], scalars: dict[tuple[int, int], Any]
+) -> None:
+    """One state of one group is a flat partition on every rank or a scalar on every rank: a scalar where
+    the other ranks hold elements (a partition replaced by a number) would drop or misplace them."""
+    for r, slot in scalars:
+        other = next((q for q, f in enumerate(flats) if slot < len(f) and f[slot] is not None), None)
+        if other is not None:
+            raise ShardMismatch(
+                f"{_file_of(states, r)}: optimizer state {s!r:.40} of group {slot} is a scalar here but "
+                f"a flat partition in {Path(_file_of(states, other)).name}",
+                hint="files of different runs are mixed, or the file was altered",
+                path=_file_of(states, r),
+            )
 
 
 def tied_from_module(module: Node, skip: set[str]) -> dict[str, str]:
