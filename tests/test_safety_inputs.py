@@ -717,3 +717,25 @@ def test_optimizer_partition_replaced_by_a_number(tmp_path: Path) -> None:
     obj = pickles.set_at(obj, path, float("nan"))
     pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
     run_all(ck, tmp_path, f.name, "exp_avg_sq")
+
+
+def test_zero0_param_missing_one_optimizer_state(tmp_path: Path) -> None:
+    """ZeRO-0: one param's ``exp_avg`` removed from the torch optimizer state. Dropping ``exp_avg`` for every
+    param (a note, exit 0) would hand a resumed run fresh moments: the file is refused instead."""
+    ck = copy_case(fixture("ds", "s0_bf16_w2").name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("key", "exp_avg") and p[-2] == ("key", 1))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.delete_at(obj, path))})
+    run_all(ck, tmp_path, f.name, "exp_avg")
+
+
+def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
+    """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
+    not an AttributeError from printing the damaged record."""
+    ck, td = _ds(tmp_path, DS2)
+    f = td / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("state", "start"))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.delete_at(obj, path))})
+    run_all(ck, tmp_path, f.name, "fragment_address")

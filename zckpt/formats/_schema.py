@@ -18,7 +18,10 @@ _MAX_SHOWN = 60
 
 
 def _show(v: Any) -> str:
-    text = repr(v)
+    try:
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - a damaged stand-in record (a field missing) cannot print itself
+        text = f"a damaged {type(v).__name__}"
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 

@@ -180,6 +180,22 @@ def _states_by_slot(
     return out, None
 
 
+def _check_state_keys(states: dict[tuple[int, int], dict[str, Any]], file: str) -> None:
+    """A torch optimizer keeps the same states for every param it has stepped (a param never stepped has
+    none): a param missing one the others hold is a damaged file, not a state to drop for all."""
+    kinds = {(g, i): frozenset(st) for (g, i), st in states.items() if st}
+    if len(set(kinds.values())) <= 1:
+        return
+    common = max(set(kinds.values()), key=lambda k: sum(v == k for v in kinds.values()))
+    (g, i), odd = next((slot, k) for slot, k in kinds.items() if k != common)
+    raise CorruptCheckpoint(
+        f"{file}: optimizer state of fp32_groups[{g}][{i}] holds {sorted(odd)}, the other params "
+        f"{sorted(common)}",
+        hint="the file was altered or is damaged",
+        path=file,
+    )
+
+
 def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
     """The optimizer block's containers have the types torch and DeepSpeed give them: anything else is a
     damaged or altered file, refused naming it (a fallback would drop names or roles silently)."""
@@ -256,6 +272,7 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
             else:
                 got, digest = res
                 states, state_note = _states_by_slot(inner, masters)
+                _check_state_keys(states, str(mfile))
                 why = _tie_problem(params, masters, got, digest, states)
     if why is not None:
         z.entries = [whole(n, r, Role.PARAM) for n, r in params.items()]

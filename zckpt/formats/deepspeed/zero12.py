@@ -133,7 +133,7 @@ def _check_slices(osd: Node, g: int, lay: Layout, names: list[str], r: int, shap
     for n, a in list(maps)[g].items():
         start, numel = getattr(a.value, "start", None), getattr(a.value, "numel", None)
         if not isinstance(start, int) or not isinstance(numel, int):
-            raise a.fail("a fragment_address")
+            raise a.fail("a fragment_address with int start and numel")
         if numel:
             theirs[n] = (start, numel)
     if ours != theirs:
