@@ -664,7 +664,7 @@ def test_sparse_huge_shard_index(tmp_path: Path) -> None:
     idx = d / "model.safetensors.index.json"
     with open(idx, "r+b") as f:
         f.truncate(64 << 30)
-    run_all(d, tmp_path, "model.safetensors.index.json", "too big")
+    run_all(d, tmp_path, "model.safetensors.index.json", "larger than")
 
 
 def test_swapped_module_tensors_of_a_deepspeed_file(tmp_path: Path) -> None:

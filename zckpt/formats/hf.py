@@ -101,14 +101,7 @@ MAX_INDEX = 64 << 20
 
 def _read_json(path: Path) -> Any:
     try:
-        with storage.open_regular(path) as f:
-            raw = f.read(MAX_INDEX + 1)
-        if len(raw) > MAX_INDEX:
-            raise CorruptCheckpoint(
-                f"{path}: {os.stat(path).st_size} bytes, too big for a shard index (at most {MAX_INDEX})",
-                hint="the file is damaged or not an index",
-                path=str(path),
-            )
+        raw = storage.read_capped(path, MAX_INDEX, "a shard index", "the file is damaged or not an index")
         return json.loads(raw)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpoint(f"{path}: unreadable JSON ({type(e).__name__})", path=str(path)) from None

@@ -48,6 +48,18 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     return os.fdopen(open_fd(os.fspath(path)), "rb")
 
 
+def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
+    """All of a file that is small by nature (an index, a trainer state): more than ``limit`` bytes is
+    refused naming it, never read into memory."""
+    with open_regular(path) as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise CorruptCheckpoint(
+            f"{path}: larger than {limit >> 20} MiB; not {what}", hint=hint, path=str(path)
+        )
+    return raw
+
+
 def _map(path: str) -> tuple[mmap.mmap, int]:
     with _lock:
         hit = _maps.get(path)

@@ -159,14 +159,8 @@ def _map_rng(rng: Mapping[str, Path], old: int, new: int) -> tuple[dict[str, Pat
 
 
 def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
-    with storage.open_regular(path) as fh:
-        raw = fh.read(MAX_STATE_BYTES + 1)
-    if len(raw) > MAX_STATE_BYTES:
-        raise CorruptCheckpoint(
-            f"{path}: larger than {MAX_STATE_BYTES >> 20} MiB; not a trainer state",
-            hint="restore the trainer_state.json the Trainer wrote",
-            path=str(path),
-        )
+    hint = "restore the trainer_state.json the Trainer wrote"
+    raw = storage.read_capped(path, MAX_STATE_BYTES, "a trainer state", hint)
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -174,7 +168,7 @@ def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise CorruptCheckpoint(
             f"{path}: not a JSON object; the Trainer cannot resume from this folder",
-            hint="restore the trainer_state.json the Trainer wrote",
+            hint=hint,
             path=str(path),
         )
     return raw, doc
