@@ -103,10 +103,7 @@ def load(
         _queue_model(eng, ckpt, reads)
         if load_optimizer_states:
             load_optimizer(eng, ckpt, reads.add)
-        t_read = time.perf_counter()
-        nbytes = reads.bytes
         reads.run()
-        t_read = time.perf_counter() - t_read
         _finish_model(eng, ckpt)
         if load_optimizer_states:
             _load_scaler(eng, st.loss_scaler)
@@ -116,8 +113,8 @@ def load(
         if st.rng:  # DeepSpeed saves no RNG state: then the process's is left alone, as DeepSpeed does
             _load_rng(st.rng[eng.comm.rank % len(st.rng)])
         client = _client_join(st.client_state, ckpt)
-        eng.load_stats = {"path": str(ckpt.meta.path), "total_s": time.perf_counter() - t0,
-                          "read": {"bytes": nbytes, "wall_s": t_read, **reads.stats}}  # fmt: skip
+        took = time.perf_counter() - t0
+        eng.load_stats = {"path": str(ckpt.meta.path), "total_s": took, "read": reads.stats}
         return ckpt.meta.path, client
     finally:
         ckpt.close()

@@ -57,8 +57,9 @@ class ReadPlan:
         self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes = 0
         self.stats: dict[str, float | int | bool] = {}
-        """After ``run``: bytes read from storage (gaps between extents included), reads in flight, seconds
-        spent waiting on storage reads and on host-to-device copies, and whether ``O_DIRECT`` was used."""
+        """After ``run``: the bytes asked for and the seconds ``run`` took, the bytes read from storage (gaps
+        between extents included), reads in flight, seconds spent waiting on storage reads and on
+        host-to-device copies, and whether ``O_DIRECT`` was used."""
 
     def add(self, entry: TensorEntry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements ``[lo, hi)`` of ``entry`` into ``out`` (1-D, ``hi - lo`` elements, any dtype and device)
@@ -78,6 +79,7 @@ class ReadPlan:
 
     def run(self) -> None:
         """Perform every recorded read."""
+        t0 = time.perf_counter()
         files = {path: sorted(segs, key=lambda s: s.off) for path, segs in self._segs.items()}
         chunks = {path: _chunks(segs) for path, segs in files.items()}
         size = max((b - a for cs in chunks.values() for a, b in cs), default=0)
@@ -88,13 +90,14 @@ class ReadPlan:
             with ThreadPoolExecutor(DEPTH, thread_name_prefix="engine-read") as pool:
                 for path, segs in files.items():
                     _read_file(path, segs, chunks[path], bufs, pool, waits)
-        self.stats = {"storage_bytes": sum(b - a for cs in chunks.values() for a, b in cs), "depth": DEPTH,
-                      "wait_read_s": round(waits.read_s, 4), "wait_copy_s": round(waits.copy_s, 4),
-                      "direct": waits.direct}  # fmt: skip
         for dst, tmp in self._casts:
             dst.copy_(tmp)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+        self.stats = {"bytes": self.bytes, "wall_s": time.perf_counter() - t0,
+                      "storage_bytes": sum(b - a for cs in chunks.values() for a, b in cs), "depth": DEPTH,
+                      "wait_read_s": round(waits.read_s, 4), "wait_copy_s": round(waits.copy_s, 4),
+                      "direct": waits.direct}  # fmt: skip
         self._segs.clear()
         self._casts.clear()
 

@@ -81,7 +81,7 @@ class HashingSink(io.RawIOBase):
         opts = opts or direct_io.WriteOptions()
         if opts.direct and direct_io.enabled():
             try:
-                self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._queue_hash)
+                self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._hasher.queue)
             except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
                 self._direct = None
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
@@ -100,10 +100,10 @@ class HashingSink(io.RawIOBase):
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
         if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
             time.sleep(float(os.environ[_TEST_DELAY_ENV]))
-        if self._direct is not None:  # it hands every byte to the hash thread itself (``_queue_hash``)
+        if self._direct is not None:  # it hands every byte to the hash threads itself (``_hasher.queue``)
             self._direct.write(mv, stable)
         elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
-            done = self._queue_hash(mv)
+            done = self._hasher.queue(mv)
             if stable:  # the hash thread runs on through the queue; close() waits for it
                 self._hashing.append(done)
                 self._put(mv)
@@ -118,17 +118,13 @@ class HashingSink(io.RawIOBase):
         self._pos += len(mv)
         return len(mv)
 
-    def _queue_hash(self, mv: memoryview) -> Future[None]:
-        """Hash ``mv`` on the hash threads (in stream order); the future completes once it is hashed."""
-        return self._hasher.queue(mv)
-
     @property
     def crcs(self) -> list[int]:
         """The CRC-32 of each ``crc_regions`` range (valid after ``close()``)."""
         return self._hasher.crcs
 
     def _flush_hashes(self) -> None:
-        """Wait for queued hashes (before hashing on this thread, and at close)."""
+        """Wait for the queued hashes of stable writes (at close)."""
         while self._hashing:
             self._hashing.pop(0).result()
 

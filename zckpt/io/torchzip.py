@@ -71,6 +71,28 @@ def _stored(where: str, info: zipfile.ZipInfo, path: str | None = None) -> None:
         )
 
 
+def _data_start(where: str, info: zipfile.ZipInfo, head: bytes, length: int, path: str | None = None) -> int:
+    """Where a record's bytes start in its archive of ``length`` bytes, from its local header ``head``, which
+    must agree with the central directory (torch writes 0s there and a data descriptor after the data)."""
+    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise CorruptCheckpoint(f"{where}: broken zip record header for {info.filename!r:.80}", path=path)
+    fields = _LOCAL_HEADER.unpack(head)
+    crc, size_l = fields[6], fields[8]  # 0 with a data descriptor, 0xFFFFFFFF with zip64 sizes
+    if (crc not in (0, info.CRC)) or (size_l not in (0, 0xFFFFFFFF, info.file_size)):
+        raise CorruptCheckpoint(
+            f"{where}: zip record {info.filename!r:.80}: its local header disagrees with the central "
+            "directory (size or CRC-32)",
+            hint="re-copy the file, or check the save finished",
+            path=path,
+        )
+    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if start + info.file_size > length:
+        raise CorruptCheckpoint(
+            f"{where}: record {info.filename!r:.80} runs past the end of its archive", path=path
+        )
+    return start
+
+
 def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked], zipfile.ZipFile]:
     zf = zipfile.ZipFile(f)
     infos = zf.infolist()
@@ -84,23 +106,7 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked]
     for info in infos:
         _stored(path, info, path)
         f.seek(info.header_offset)
-        head = f.read(_LOCAL_HEADER.size)
-        if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-            raise CorruptCheckpoint(f"{path}: broken zip record header for {info.filename!r:.80}", path=path)
-        fields = _LOCAL_HEADER.unpack(head)
-        crc, size_l = fields[6], fields[8]  # 0 with a data descriptor, 0xFFFFFFFF with zip64 sizes
-        if (crc not in (0, info.CRC)) or (size_l not in (0, 0xFFFFFFFF, info.file_size)):
-            raise CorruptCheckpoint(
-                f"{path}: zip record {info.filename!r:.80}: its local header disagrees with the central "
-                "directory (size or CRC-32)",
-                hint="re-copy the file, or check the save finished",
-                path=path,
-            )
-        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        if start + info.file_size > size:
-            raise CorruptCheckpoint(
-                f"{path}: record {info.filename!r:.80} runs past the end of the file", path=path
-            )
+        start = _data_start(path, info, f.read(_LOCAL_HEADER.size), size, path)
         out[info.filename] = Checked(path, start, info.file_size, info.CRC, f"zip record {info.filename}")
     return prefix, out, zf
 
@@ -278,13 +284,7 @@ def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInf
     _stored(where, info)
     if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
         raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
-    head = os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset)
-    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-        raise CorruptCheckpoint(f"{where}: broken zip record header for {info.filename!r:.80}")
-    fields = _LOCAL_HEADER.unpack(head)
-    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-    if start + info.file_size > length:
-        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} runs past the end of its archive")
+    start = _data_start(where, info, os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset), length)
     return start, info.file_size, info.CRC
 
 
