@@ -244,6 +244,22 @@ def run_deepspeed(args: argparse.Namespace) -> None:
     eng.destroy()
 
 
+def save_only(args: argparse.Namespace) -> None:
+    """A real DeepSpeed checkpoint to measure converters on: ``--steps`` steps, then one synchronous save
+    through DeepSpeed's default ``TorchCheckpointEngine`` into ``--dir`` (kept), fsynced."""
+    t_init, (eng, step) = timed(lambda: build(args, "python"))
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    eng.checkpoint_engine = TorchCheckpointEngine(eng._config)
+    steps = [step() for _ in range(args.steps)]
+    t_save, _ = timed(lambda: eng.save_checkpoint(args.dir))
+    t_sync, _ = timed(os.sync)
+    print("CKPT " + json.dumps({"what": "deepspeed save-only", "init_s": t_init, "steps_s": steps,
+                                "save_s": t_save, "sync_s": t_sync, "gb": du(Path(args.dir)) / 1e9}),
+          flush=True)  # fmt: skip
+    eng.destroy()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["engine", "deepspeed"], required=True)
@@ -269,8 +285,14 @@ def main() -> None:
         help="engine: load once per value, with that many reads in flight (e.g. 3,1,2)",
     )
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (root)")
+    ap.add_argument("--save-only", action="store_true",
+                    help="DeepSpeed: train --steps steps, save one synchronous checkpoint into --dir and keep it "
+                         "(an input for bench/scale.py)")  # fmt: skip
     args = ap.parse_args()
     ARGS.drop_caches = args.drop_caches
+    if args.save_only:
+        save_only(args)
+        return
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
         (run_engine if args.impl == "engine" else run_deepspeed)(args)

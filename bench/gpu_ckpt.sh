@@ -30,44 +30,7 @@ if has disk; then
   dd if="$CK/dd.bin" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1 | tee -a "$LOG"
   rm -f "$CK/dd.bin"
   say "probe: random data, O_DIRECT, 64 MiB writes/reads, 1 and 2 in flight, 4 GiB each"
-  timeout 120 python3 - "$CK/probe.bin" <<'EOF' 2>&1 | tee -a "$LOG"
-import hashlib, mmap, os, sys, time
-from concurrent.futures import ThreadPoolExecutor
-path, total, bs = sys.argv[1], 4 << 30, 64 << 20
-bufs = [mmap.mmap(-1, bs) for _ in range(2)]
-for b in bufs:
-    b.write(os.urandom(bs))
-for depth in (1, 2):
-    for mode in ("write", "read"):
-        if mode == "read":
-            os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if mode == "write" else os.O_RDONLY
-        fd = os.open(path, flags | os.O_DIRECT, 0o644)
-        t = time.perf_counter()
-        with ThreadPoolExecutor(depth) as pool:
-            futs = []
-            for i, off in enumerate(range(0, total, bs)):
-                if len(futs) >= depth:
-                    futs.pop(0).result()
-                fn = os.pwrite if mode == "write" else (lambda f, b, o: os.preadv(f, [b], o))
-                futs.append(pool.submit(fn, fd, bufs[i % depth], off))
-            for f in futs:
-                f.result()
-        if mode == "write":
-            os.fsync(fd)
-        os.close(fd)
-        print(f"PROBE {mode} depth {depth}: {total / (time.perf_counter() - t) / 1e9:.3f} GB/s", flush=True)
-os.unlink(path)
-h, b = hashlib.sha256(), os.urandom(256 << 20)
-t = time.perf_counter()
-for _ in range(8):
-    h.update(b)
-print(f"PROBE sha256 one core: {8 * len(b) / (time.perf_counter() - t) / 1e9:.3f} GB/s", flush=True)
-t = time.perf_counter()
-with ThreadPoolExecutor(4) as pool:  # zckpt.io.digest's lanes: 4 threads, one sha256 per block each
-    list(pool.map(lambda i: hashlib.sha256(b).digest(), range(8)))
-print(f"PROBE sha256 4 threads: {8 * len(b) / (time.perf_counter() - t) / 1e9:.3f} GB/s", flush=True)
-EOF
+  timeout 120 python3 bench/disk_probe.py "$CK" 2>&1 | tee -a "$LOG"
 fi
 
 TR="python3 -m torch.distributed.run --standalone --nproc_per_node 1"

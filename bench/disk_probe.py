@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The disk probe every GPU-host benchmark records beside its figures: sequential O_DIRECT write then read
+of random data (64 MiB requests, ``--depths`` requests in flight, the page cache dropped before each read;
+needs root for that), then sha256 on one core and on 4 threads (the block digest's lanes).
+
+    python bench/disk_probe.py DIR [--gib 4] [--depths 1,2] [--json OUT.json]
+
+One ``PROBE ...`` line per figure; with ``--json`` the figures as ``{"write_gbs": .., "read_gbs": ..,
+"write_gbs_d2": .., "read_gbs_d2": .., "sha256_1_gbs": .., "sha256_4_gbs": ..}`` (depth 1 unsuffixed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def _drop() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
+    folder.mkdir(parents=True, exist_ok=True)
+    path, total, bs = str(folder / "probe.bin"), gib << 30, 64 << 20
+    bufs = [mmap.mmap(-1, bs) for _ in range(max(depths))]
+    for b in bufs:
+        b.write(os.urandom(bs))
+    out: dict[str, float] = {}
+    for depth in depths:
+        for mode in ("write", "read"):
+            if mode == "read":
+                _drop()
+            flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if mode == "write" else os.O_RDONLY
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            t = time.perf_counter()
+            with ThreadPoolExecutor(depth) as pool:
+                futs = []
+                for i, off in enumerate(range(0, total, bs)):
+                    if len(futs) >= depth:
+                        futs.pop(0).result()
+                    if mode == "write":
+                        futs.append(pool.submit(os.pwrite, fd, bufs[i % depth], off))
+                    else:
+                        futs.append(pool.submit(os.preadv, fd, [bufs[i % depth]], off))
+                for f in futs:
+                    f.result()
+            if mode == "write":
+                os.fsync(fd)
+            os.close(fd)
+            gbs = total / (time.perf_counter() - t) / 1e9
+            out[f"{mode}_gbs" + ("" if depth == 1 else f"_d{depth}")] = round(gbs, 3)
+            print(f"PROBE {mode} depth {depth}: {gbs:.3f} GB/s", flush=True)
+    os.unlink(path)
+    h, b = hashlib.sha256(), os.urandom(256 << 20)
+    t = time.perf_counter()
+    for _ in range(8):
+        h.update(b)
+    out["sha256_1_gbs"] = round(8 * len(b) / (time.perf_counter() - t) / 1e9, 3)
+    print(f"PROBE sha256 one core: {out['sha256_1_gbs']:.3f} GB/s", flush=True)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:  # zckpt.io.digest's lanes: 4 threads, one sha256 per block each
+        list(pool.map(lambda i: hashlib.sha256(b).digest(), range(8)))
+    out["sha256_4_gbs"] = round(8 * len(b) / (time.perf_counter() - t) / 1e9, 3)
+    print(f"PROBE sha256 4 threads: {out['sha256_4_gbs']:.3f} GB/s", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--gib", type=int, default=4)
+    ap.add_argument("--depths", default="1,2")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    res = probe(a.dir, a.gib, [int(d) for d in a.depths.split(",")])
+    if a.json:
+        a.json.write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

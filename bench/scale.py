@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Issue 22's scale benchmark on the lent GPU host: every command on a >= 1.5B real DeepSpeed ZeRO-3
+checkpoint (world 1 as saved, world 8 after ``zckpt reshard``) and a DCP copy, against its floor and its
+peer, in one call beside the disk probe.
+
+    bash bench/gpu_scale.sh                     # on the GPU host (sets up wheels, then runs this)
+    python bench/scale.py --dir /root/scale --out $OUT [--parts probe,make,w1,w8,dcp] [--repeat 3]
+        [--cores 16] [--cores-scan 1,4] [--cold] [--profile 'consolidate fp32,verify'] [--peers]
+
+Parts, in order (each reuses what an earlier call left in ``--dir`` when the machine stayed warm):
+``probe`` (``bench/disk_probe.py``: O_DIRECT write/read GB/s, sha256 GB/s), ``make`` (a real DeepSpeed 0.19.8
+ZeRO-3 bf16 save of GPT 1.5B, client AdamW, world 1, through ``bench/ckpt_bench.py --save-only``), ``w1``
+(jobs on it), ``w8`` (``zckpt reshard --world 8`` timed as the reshard row, then jobs on the copy), ``dcp``
+(``zckpt reshard --to dcp`` of the world-8 copy, then jobs on it). The jobs: consolidate ``--dtype fp32`` and
+default dtype, ``verify``, ``diff`` of the checkpoint against its fp32 consolidation, and with ``--peers``
+DeepSpeed's ``zero_to_fp32.py`` (+ ``sync``) and torch's ``dcp_to_torch_save`` (fsynced).
+
+Each job runs ``--repeat`` times on a warm page cache (its inputs read once first; the median is the
+figure), then once after ``drop_caches`` with ``--cold``. ``--cores N`` pins every command to cores
+``0..N-1`` (``taskset``); ``--cores-scan 1,4`` repeats the consolidate and verify jobs at those counts.
+Floor: the bytes the job must read at the probe's read speed and the bytes it must write at its write
+speed, overlapped (the larger of the two); ``of_floor`` = floor / wall. Peak RSS: the process tree's
+(``bench/run.py``'s ``measure``). ``--profile`` runs the named jobs once more under ``py-spy record``
+(raw folded stacks, idle threads included) into ``--out``.
+
+One ``SCALE {json}`` line per run, a ``SCALESUM`` line per job, and ``scale.md`` (the table) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from run import drop_caches, measure, size_of, warm  # noqa: E402
+
+PY = sys.executable
+ZCKPT = [PY, "-m", "zckpt.cli.app"]
+PYSPY = next((str(p) for p in (Path(sys.executable).parent / "py-spy", Path("/tmp/site/bin/py-spy")) if p.exists()),
+             shutil.which("py-spy") or "py-spy")
+
+
+@dataclass
+class Job:
+    name: str
+    input: str
+    cmd: list[str]
+    inputs: list[Path]
+    out: Path | None = None
+    in_bytes: int = 0  # what the job must read (0: measured from ``inputs`` after the first run)
+    out_bytes: int | None = None  # what it must write (None: the output's size)
+    ok_rc: tuple[int, ...] = (0,)
+    keep: bool = False
+    walls: list[float] = field(default_factory=list)
+    rss: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    probe: dict[str, float]
+    rows: list[dict] = field(default_factory=list)
+
+
+def tail_dir(d: Path) -> Path:
+    latest = d / "latest"
+    return d / latest.read_text().strip() if latest.exists() else d
+
+
+def masters_bytes(ck: Path) -> int:
+    """fp32 masters a ZeRO checkpoint holds: 4 bytes per param (params counted by ``zckpt inspect``)."""
+    r = subprocess.run([*ZCKPT, "inspect", str(ck), "--json"], capture_output=True, text=True, check=True)
+    info = json.loads(r.stdout)
+    n = info.get("num_params") or info.get("params") or sum(
+        t.get("numel", 0) for t in info.get("tensors", []) if t.get("role", "param") == "param"
+    )
+    return 4 * int(n)
+
+
+def env_for(cores: int) -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cuda", TOKENIZERS_PARALLELISM="false")
+
+
+def pinned(cmd: list[str], cores: int) -> list[str]:
+    return ["taskset", "-c", f"0-{cores - 1}", *cmd] if cores < (os.cpu_count() or 1) else cmd
+
+
+def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
+    a = ctx.args
+    res = []
+    for i in range(n):
+        if job.out is not None:
+            shutil.rmtree(job.out, ignore_errors=True) if job.out.is_dir() else job.out.unlink(missing_ok=True)
+        if cache == "cold":
+            drop_caches()
+        else:
+            warm(job.inputs)
+        r = measure(pinned(job.cmd, cores), ok_rc=job.ok_rc, env=env_for(cores))
+        out_b = size_of(job.out) if job.out is not None else 0
+        rec = {"job": job.name, "input": job.input, "cores": cores, "cache": cache, "run": i,
+               "wall_s": round(r.wall, 3), "rss_mb": round(r.rss_mb), "rc": r.rc, "out_gb": out_b / 1e9,
+               "io": r.io}  # fmt: skip
+        print("SCALE " + json.dumps(rec), flush=True)
+        if r.rc not in job.ok_rc:
+            print(r.tail, flush=True)
+        res.append((r, out_b))
+    ok = [(r, b) for r, b in res if r.rc in job.ok_rc]
+    if not ok:
+        return
+    wall = statistics.median(r.wall for r, _ in ok)
+    out_b = job.out_bytes if job.out_bytes is not None else ok[-1][1]
+    in_b = job.in_bytes or sum(size_of(p) for p in job.inputs)
+    floor = max(in_b / (ctx.probe["read_gbs"] * 1e9), out_b / (ctx.probe["write_gbs"] * 1e9))
+    row = {"job": job.name, "input": job.input, "cores": cores, "cache": cache, "runs": [round(r.wall, 2) for r, _ in ok],
+           "wall_s": round(wall, 2), "rss_mb": round(max(r.rss_mb for r, _ in ok)), "in_gb": round(in_b / 1e9, 2),
+           "out_gb": round(out_b / 1e9, 2), "floor_s": round(floor, 2), "of_floor": round(floor / wall, 2)}  # fmt: skip
+    print("SCALESUM " + json.dumps(row), flush=True)
+    ctx.rows.append(row)
+    (Path(a.out) / "scale.json").write_text(json.dumps({"probe": ctx.probe, "rows": ctx.rows}, indent=1))
+
+
+def profile(ctx: Ctx, job: Job) -> None:
+    if job.out is not None:
+        shutil.rmtree(job.out, ignore_errors=True) if job.out.is_dir() else job.out.unlink(missing_ok=True)
+    warm(job.inputs)
+    name = "".join(c if c.isalnum() else "-" for c in f"{job.input}-{job.name}")
+    dest = Path(ctx.args.out) / f"prof-{name}.txt"
+    t0 = time.perf_counter()
+    subprocess.run([PYSPY, "record", "-r", "50", "--idle", "-t", "-f", "raw", "-o", str(dest), "--", *job.cmd],
+                   env=env_for(16), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, check=False)  # fmt: skip
+    print(f"PROFILE {name}: {time.perf_counter() - t0:.1f} s -> {dest.name}", flush=True)
+
+
+def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job]:
+    a, d = ctx.args, Path(ctx.args.dir)
+    mb = masters_bytes(ck)
+    c32 = d / f"{label}-fp32.safetensors"
+    jobs = [
+        Job("consolidate fp32", label, [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress"],
+            [ck], c32, in_bytes=mb, keep=True),
+        Job("consolidate default", label, [*ZCKPT, "consolidate", str(ck), str(d / f"{label}-def.safetensors"),
+            "--no-progress"], [ck], d / f"{label}-def.safetensors", in_bytes=mb),
+        Job("verify", label, [*ZCKPT, "verify", str(ck)], [ck], out_bytes=0),
+        Job("diff vs fp32 consolidation", label, [*ZCKPT, "diff", str(ck), str(c32), "--no-progress"], [ck, c32],
+            in_bytes=2 * mb, out_bytes=0, ok_rc=(0, 1)),
+    ]  # fmt: skip
+    if a.peers and ds_script is not None:
+        jobs.append(Job("zero_to_fp32 + sync", label, [PY, str(HERE / "then_sync.py"), str(ds_script), str(ck),
+                        str(d / f"{label}-z2f"), "--safe_serialization"], [ck], d / f"{label}-z2f", in_bytes=mb))  # fmt: skip
+    if a.peers and label == "dcp":
+        jobs.append(Job("dcp_to_torch_save", label, [PY, str(HERE / "dcp_to_torch_save.py"), str(ck),
+                        str(d / "dcp-torch.pt")], [ck], d / "dcp-torch.pt", in_bytes=mb))  # fmt: skip
+    return jobs
+
+
+def run_set(ctx: Ctx, jobs: list[Job]) -> None:
+    a = ctx.args
+    for job in jobs:
+        run_job(ctx, job, a.cores, "warm", a.repeat)
+        if a.cold:
+            run_job(ctx, job, a.cores, "cold", 1)
+        if job.name in ("consolidate fp32", "verify"):
+            for c in a.cores_scan:
+                run_job(ctx, job, c, "warm", 1)
+        if job.name in a.profile:
+            profile(ctx, job)
+    for job in jobs:
+        if job.out is not None and job.out.exists():
+            shutil.rmtree(job.out) if job.out.is_dir() else job.out.unlink()
+        for side in job.out.parent.glob(job.out.name + ".*") if job.out is not None else []:
+            side.unlink()
+
+
+def reshard_job(src: Path, dst: Path, label: str, extra: list[str]) -> Job:
+    return Job(f"reshard {' '.join(extra)}".strip(), label,
+               [*ZCKPT, "reshard", str(src), str(dst), *extra, "--no-progress"], [src], dst)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--parts", default="probe,make,w1,w8,dcp")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--cores-scan", type=lambda v: [int(x) for x in v.split(",") if x], default=[])
+    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--peers", action="store_true")
+    ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
+    ap.add_argument("--size", default="1.5b")
+    a = ap.parse_args()
+    parts = a.parts.split(",")
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    pj = d / "probe.json"
+    if "probe" in parts or not pj.exists():
+        subprocess.run([PY, str(HERE / "disk_probe.py"), str(d / "probe"), "--depths", "1", "--json", str(pj)],
+                       check=True)  # fmt: skip
+    ctx = Ctx(a, json.loads(pj.read_text()))
+    ds1, w8, dcp = d / "ds-w1", d / "ds-w8", d / "dcp"
+    if "make" in parts and not (ds1 / "latest").exists():
+        t0 = time.perf_counter()
+        subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        str(HERE / "ckpt_bench.py"), "--impl", "deepspeed", "--size", a.size, "--micro", "4",
+                        "--steps", "2", "--save-only", "--dir", str(ds1)], check=True,
+                       env=dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"))  # fmt: skip
+        print(f"MADE {ds1}: {size_of(ds1) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
+    script = ds1 / "zero_to_fp32.py"
+    if "w1" in parts:
+        run_set(ctx, jobs_for(ctx, ds1, "ds-w1", script))
+    if "w8" in parts:
+        if not (w8 / "latest").exists():
+            job = reshard_job(ds1, w8, "ds-w1", ["--world", "8"])
+            run_job(ctx, job, a.cores, "warm", max(1, a.repeat))  # the last run's output stays: the world-8 copy
+            if "reshard --world 8" in a.profile:
+                profile(ctx, job)  # its output stays too
+        run_set(ctx, jobs_for(ctx, w8, "ds-w8", script))
+    if "dcp" in parts:
+        src = w8 if (w8 / "latest").exists() else ds1
+        if not (dcp / ".metadata").exists():
+            job = reshard_job(src, dcp, src.name, ["--world", "8", "--to", "dcp"])
+            run_job(ctx, job, a.cores, "warm", 1)
+        if "keep-w8" not in parts:
+            shutil.rmtree(w8, ignore_errors=True)
+        run_set(ctx, jobs_for(ctx, dcp, "dcp", None))
+    lines = ["| job | input | cores | cache | wall s (median) | runs | peak RSS MB | in GB | out GB | floor s | of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in ctx.rows:
+        lines.append(f"| {r['job']} | {r['input']} | {r['cores']} | {r['cache']} | {r['wall_s']} | "
+                     f"{' '.join(map(str, r['runs']))} | {r['rss_mb']} | {r['in_gb']} | {r['out_gb']} | "
+                     f"{r['floor_s']} | {r['of_floor']} |")  # fmt: skip
+    table = "\n".join(lines)
+    print(f"probe: {ctx.probe}\n{table}", flush=True)
+    (Path(a.out) / "scale.md").write_text(f"probe: {json.dumps(ctx.probe)}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
