@@ -9,9 +9,9 @@ digests recorded by a format's own manifest, compared through ``compare_sha`` (w
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,9 @@ from zckpt.errors import (
 )
 from zckpt.io import storage
 from zckpt.io.digest import FileDigest, block_digests
+from zckpt.io.scan import Scanner, sha256_file
 
 SIDECAR = ".sha256"
-BUF_BYTES = 8 << 20
 KINDS = ("missing", "truncated", "corrupt", "checksum", "stale", "inconsistent", "unsupported", "unsafe")
 
 
@@ -61,28 +61,37 @@ class VerifyContext:
     """Top-level objects of the torch zip files already parsed (for cross-file checks)."""
     broken: set[str] = field(default_factory=set)
     """Files already reported as structurally broken: their checksums are not compared too."""
+    scanner: Scanner | None = None
+    """The run's scan threads (``zckpt.io.scan``): files are checked side by side, big records in pieces."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def sha256(self, f: Path) -> str:
         """The file's sha256, computed once however many records (sidecar, manifest) name it."""
         key = str(f)
+        if self.scanner is not None:
+            return self.scanner.sha256(key).result()
         if key not in self.hashes:
             self.hashes[key] = sha256_file(f)
         return self.hashes[key]
 
+    def count(self, n: int) -> None:
+        """``n`` more checksums compared (thread-safe)."""
+        with self._lock:
+            self.checksums += n
 
-def sha256_file(f: Path) -> str:
-    h = hashlib.sha256()
-    with storage.open_regular(f) as fh:
-        while block := fh.read(BUF_BYTES):
-            h.update(block)
-    return h.hexdigest()
+    def crc_ranges(self, f: Path, ranges: list[tuple[int, int]]) -> list[int]:
+        """The CRC-32 of each ``(start, size)`` range of ``f``, in pieces on the scan threads."""
+        if self.scanner is not None:
+            return self.scanner.crc_ranges(f, ranges)
+        with Scanner(1) as s:
+            return s.crc_ranges(f, ranges)
 
 
 def compare_sha(f: Path, want: str, where: str, ctx: VerifyContext) -> list[Problem]:
     """The file's sha256 against the digest ``want`` recorded in ``where``."""
     if str(f) in ctx.broken:
         return []
-    ctx.checksums += 1
+    ctx.count(1)
     got = ctx.sha256(f)
     if got != want.lower():
         return [
@@ -103,7 +112,7 @@ def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: Verify
         return compare_sha(f, want.sha256, where, ctx)
     if str(f) in ctx.broken:
         return []
-    ctx.checksums += len(want.blocks)
+    ctx.count(len(want.blocks))
     try:
         got = block_digests(f, want.block, size)
     except EOFError:

@@ -23,6 +23,7 @@ still run over the files found on disk, so one run lists every damaged file.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import safetensors, storage, torchzip
+from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
+from zckpt.io.scan import Scanner
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -107,7 +109,10 @@ def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = Fal
         except ZckptError as e:
             problems.append(problem_from(e, p))
     try:
-        return _verify(p, fmt, ckpt, problems, VerifyContext(trust=trust_pickle, tag=tag))
+        with Scanner() as scanner:
+            return _verify(
+                p, fmt, ckpt, problems, VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
+            )
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -119,8 +124,11 @@ def _verify(
     name = fmt.name if fmt is not None else None
     files = [Path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
-    for f in files:
-        file_problems += _check_file(f, ctx)
+    with ThreadPoolExecutor(
+        max(1, min(len(files), scan.threads())), thread_name_prefix="zckpt-verify"
+    ) as pool:
+        for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
+            file_problems += found
     if ckpt is not None:
         file_problems += _check_pieces(ckpt)
     file_problems += orphan_sidecars(p, files)

@@ -11,6 +11,7 @@ chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no st
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
 from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
 from zckpt.formats.dcp.read import load_folder, pieces
-from zckpt.io import safetensors, spans
+from zckpt.io import safetensors, scan, spans
 from zckpt.io.integrity import SIDECAR, Problem, VerifyContext, check_sidecar, problem_from
 from zckpt.io.torchzip import check_archive_at
 from zckpt.model import Role, TensorEntry
@@ -43,6 +44,7 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
     per_file: dict[str, list[Problem]] = {}
     sizes: dict[str, int] = {}
     blobs: set[tuple[str, int]] = set()
+    todo: list[tuple[str, StorageKey, StorageInfo]] = []
     with Files(md.folder) as files:
         for key, info in sorted(md.storage.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
             try:
@@ -62,9 +64,16 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
                 bad.append(Problem(f, f"{_item(key, info)} ends past the end of the file ({sizes[f]} bytes)",
                                    "truncated", "re-copy the file, or check the save finished"))  # fmt: skip
                 continue
-            why = _check_item(files, info, blobs, ctx)
+            files.open(info)  # opened here, once: the checks below share the descriptors across threads
+            todo.append((f, key, info))
+        # every item's archive checked side by side (big records in pieces on the scan threads), in order
+        with ThreadPoolExecutor(
+            max(1, min(len(todo), scan.threads())), thread_name_prefix="zckpt-dcp"
+        ) as pool:
+            whys = list(pool.map(lambda t: _check_item(files, t[2], blobs, ctx), todo))
+        for (f, key, info), why in zip(todo, whys, strict=True):
             if why is not None:
-                bad.append(Problem(f, f"{_item(key, info)}: {why}", "corrupt", "the file is damaged"))
+                per_file[f].append(Problem(f, f"{_item(key, info)}: {why}", "corrupt", "the file is damaged"))
     for f, bad in per_file.items():
         if bad:
             ctx.broken.add(f)
@@ -82,8 +91,8 @@ def _check_item(
     if info.transforms or head == ZSTD_MAGIC:
         return None  # compressed items: the reader reports them as unsupported
     if head == ZIP_MAGIC:
-        ctx.checksums += 1
-        return check_archive_at(f, fd, info.offset, info.length)
+        ctx.count(1)
+        return check_archive_at(f, fd, info.offset, info.length, ctx)
     if (f, info.offset) not in blobs:
         blobs.add((f, info.offset))
         try:
