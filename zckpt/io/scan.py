@@ -43,7 +43,7 @@ def _buf() -> memoryview:
     b = getattr(_local, "buf", None)
     if b is None:
         b = _local.buf = memoryview(bytearray(_READ))
-    return b  # type: ignore[no-any-return]
+    return b
 
 
 def _crc_piece(fd: int, lo: int, n: int) -> int:
@@ -66,22 +66,23 @@ def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: Thread
     jobs: list[list[tuple[Future[int], int]]] = []
     try:
         for start, size in ranges:
-            pieces = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
-            jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in pieces])
+            cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
+            jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
         out = []
-        for pieces in jobs:
+        for job in jobs:
             crc = 0
-            for f, n in pieces:
-                crc = crc32_combine(crc, f.result(), n)
+            for fut, n in job:
+                crc = crc32_combine(crc, fut.result(), n)
             out.append(crc)
         return out
     finally:  # no piece may still read the descriptor once it is closed
-        for f, _ in (x for pieces in jobs for x in pieces):
-            f.cancel()
-        for f, _ in (x for pieces in jobs for x in pieces):
-            if not f.cancelled():
+        futs = [fut for job in jobs for fut, _ in job]
+        for fut in futs:
+            fut.cancel()
+        for fut in futs:
+            if not fut.cancelled():
                 with contextlib.suppress(BaseException):
-                    f.result()
+                    fut.result()
         os.close(fd)
 
 
