@@ -35,21 +35,60 @@ if TYPE_CHECKING:
     from zckpt.io.items import WriteItem
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Sink(Protocol):
     def write(self, b: memoryview) -> int: ...
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+_sharing = 1
+"""Output files being written at once by ``each_file``: they share the reader threads."""
+
+
 def default_workers() -> int:
     env = os.environ.get("ZCKPT_WORKERS")
     if env:
-        return max(1, int(env))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores - 1))  # the writer and the hasher need a core too
+        return max(1, int(env) // _sharing)
+    return max(1, min(4, _cores() - 1) // _sharing)  # the writer and the hasher need a core too
+
+
+def files_in_flight(n: int) -> int:
+    """Output files ``each_file`` writes at once: one per 4 usable cores (a file's stream has a reader, a
+    writer, a hasher and a device writer), at most 4 and at most ``n``; ``ZCKPT_FILES`` overrides. On 2 cores:
+    1, one file after another as before."""
+    env = os.environ.get("ZCKPT_FILES", "")
+    k = int(env) if env.isdigit() and int(env) > 0 else min(4, _cores() // 4)
+    return max(1, min(n, k))
+
+
+def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
+    """``write(job)`` for every job (one output file, or one rank's files, each), ``files_in_flight`` at
+    once, results in order. A file's sha256 is one sequential stream on one core (1.1-1.4 GB/s with SHA-NI),
+    slower than an NVMe disk: streams side by side are what let a many-file output reach the disk's speed.
+    The first error is raised once the files already started have stopped."""
+    global _sharing
+    k = files_in_flight(len(jobs))
+    if k <= 1:
+        return [write(j) for j in jobs]
+    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-file") as pool:
+        _sharing = k
+        futures = [pool.submit(write, j) for j in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        finally:
+            _sharing = 1
 
 
 @dataclass(frozen=True)

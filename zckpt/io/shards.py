@@ -11,6 +11,7 @@ from typing import Any
 
 from zckpt.errors import KeyMappingError
 from zckpt.io.items import WriteItem
+from zckpt.io.pipeline import each_file
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -81,11 +82,11 @@ def write_sharded(
     rank, world = part
     shards = plan_shards(items, max_shard_size)
     names = shard_names(base, len(shards))
-    written = []
-    for k, (name, shard) in enumerate(zip(names, shards, strict=True)):
-        if k % world == rank:
-            write_one(folder / name, shard)
-            written.append(name)
+    mine = [
+        (name, shard) for k, (name, shard) in enumerate(zip(names, shards, strict=True)) if k % world == rank
+    ]
+    each_file(lambda job: write_one(folder / job[0], job[1]), mine)  # several shards at once on many cores
+    written = [name for name, _ in mine]
     if len(shards) > 1 and rank == 0:
         where = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
         where.update({a: where[o] for a, o in (aliases or {}).items() if o in where})

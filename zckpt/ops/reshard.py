@@ -35,6 +35,7 @@ from zckpt.errors import Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.io import checks
+from zckpt.io.pipeline import each_file
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
 from zckpt.ops import group as zgroup
@@ -231,7 +232,9 @@ def _write_units(
             written.append((name, nbytes))
             bar.update(nbytes)
 
-        with checks.verifying(verify_data):
-            for u in units:
-                records += job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file)
+        with checks.verifying(verify_data):  # several ranks' files at once on many cores
+            for recs in each_file(
+                lambda u: job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file), units
+            ):
+                records += recs
     return records, written
