@@ -141,37 +141,63 @@ def engine_async(eng: Any, step: Callable[[], float], d: Path, tag: str, base: f
     st = eng.checkpoint_stats
     w = st["write"]
     gb = w["bytes"] / 1e9
-    return dict(blocked_s=blocked, total_s=st["total_s"], write_s=w["wall_s"], gb=gb,
-                write_gbs=gb / max(w["wall_s"], 1e-9), hash_s=w["hash_s"], device_write_s=w["device_write_s"],
-                fsync_s=w["fsync_s"], direct=w["direct"], copied_gb=w["copied_bytes"] / 1e9,
-                steps_during=len(during), steps_during_s=[round(s, 4) for s in during],
-                step_after_s=during[0] if during else None,
-                step_during_median_s=statistics.median(during) if during else None,
-                step_after_over_base=(during[0] / base) if during else None, wait_after_steps_s=t_wait,
-                staging_gib=st["staging_bytes"] / 2**30, staging_alloc_s=st["staging_alloc_s"],
-                checkpoint_gb=du(d / tag) / 1e9)  # fmt: skip
+    return dict(
+        blocked_s=blocked,
+        total_s=st["total_s"],
+        write_s=w["wall_s"],
+        gb=gb,
+        write_gbs=gb / max(w["wall_s"], 1e-9),
+        hash_s=w["hash_s"],
+        device_write_s=w["device_write_s"],
+        fsync_s=w["fsync_s"],
+        direct=w["direct"],
+        copied_gb=w["copied_bytes"] / 1e9,
+        steps_during=len(during),
+        steps_during_s=[round(s, 4) for s in during],
+        step_after_s=during[0] if during else None,
+        step_during_median_s=statistics.median(during) if during else None,
+        step_after_over_base=(during[0] / base) if during else None,
+        wait_after_steps_s=t_wait,
+        staging_gib=st["staging_bytes"] / 2**30,
+        staging_alloc_s=st["staging_alloc_s"],
+        checkpoint_gb=du(d / tag) / 1e9,
+    )
 
 
 def run_engine(args: argparse.Namespace) -> None:
     t_init, (eng, step) = timed(lambda: build(args, "fast"))
-    emit("init", s=t_init, staging_gib=eng.checkpointer.staging.nbytes / 2**30,
-         staging_alloc_s=eng.checkpointer.staging.alloc_s)  # fmt: skip
+    emit(
+        "init",
+        s=t_init,
+        staging_gib=eng.checkpointer.staging.nbytes / 2**30,
+        staging_alloc_s=eng.checkpointer.staging.alloc_s,
+    )
     base = baseline(step, args)
     d = Path(args.dir)
     saver, eng.checkpointer = eng.checkpointer, None  # a synchronous save of the same engine
     t_sync, _ = timed(lambda: eng.save_checkpoint(str(d), tag="sync"))
     eng.checkpointer = saver
     w = eng.checkpoint_stats["write"]
-    emit("engine sync save", s=t_sync, gb=du(d / "sync") / 1e9, write_gbs=w["bytes"] / 1e9 / t_sync,
-         hash_s=w["hash_s"], device_write_s=w["device_write_s"], fsync_s=w["fsync_s"],
-         direct=w["direct"])  # fmt: skip
+    emit(
+        "engine sync save",
+        s=t_sync,
+        gb=du(d / "sync") / 1e9,
+        write_gbs=w["bytes"] / 1e9 / t_sync,
+        hash_s=w["hash_s"],
+        device_write_s=w["device_write_s"],
+        fsync_s=w["fsync_s"],
+        direct=w["direct"],
+    )
     if args.sync_only:
         engine_load(eng, step, d, "sync", args.load_depths)
         return
     emit("engine async save (first)", **engine_async(eng, step, d, "async", base))
     ms, ma = (json.loads((d / t / "manifest.json").read_text()) for t in ("sync", "async"))
-    emit("engine async vs sync", identical_files=ms["files"] == ma["files"],
-         manifest_keys_differing=sorted(k for k in ms if k not in ("tag",) and ms[k] != ma[k]))  # fmt: skip
+    emit(
+        "engine async vs sync",
+        identical_files=ms["files"] == ma["files"],
+        manifest_keys_differing=sorted(k for k in ms if k not in ("tag",) and ms[k] != ma[k]),
+    )
     if args.verify:
         from zckpt.ops.verify import verify
 
@@ -199,8 +225,15 @@ def engine_load(eng: Any, step: Callable[[], float], d: Path, tag: str, depths: 
         dropped = drop_caches()
         t_load, _ = timed(lambda: eng.load_checkpoint(str(d), tag=tag))
         gb = du(d / tag) / 1e9
-        emit("engine load", s=t_load, gb=gb, read_gbs=gb / t_load, caches_dropped=dropped,
-             step_after_s=step(), stats=eng.load_stats)  # fmt: skip
+        emit(
+            "engine load",
+            s=t_load,
+            gb=gb,
+            read_gbs=gb / t_load,
+            caches_dropped=dropped,
+            step_after_s=step(),
+            stats=eng.load_stats,
+        )
     eng.destroy()
     shutil.rmtree(d, ignore_errors=True)
 
@@ -237,9 +270,16 @@ def run_deepspeed(args: argparse.Namespace) -> None:
     blocked, _ = timed(lambda: eng.save_checkpoint(str(d), tag="dec"))
     after = [step() for _ in range(3)]
     t_flush, _ = timed(os.sync)
-    emit("deepspeed decoupled save", blocked_s=blocked, step_after_s=after[0], steps_after=after,
-         step_after_over_base=after[0] / base, sync_after_s=t_flush, gb=du(d / "dec") / 1e9,
-         writer_type=kind)  # fmt: skip
+    emit(
+        "deepspeed decoupled save",
+        blocked_s=blocked,
+        step_after_s=after[0],
+        steps_after=after,
+        step_after_over_base=after[0] / base,
+        sync_after_s=t_flush,
+        gb=du(d / "dec") / 1e9,
+        writer_type=kind,
+    )
     shutil.rmtree(d, ignore_errors=True)
     eng.destroy()
 
@@ -254,9 +294,20 @@ def save_only(args: argparse.Namespace) -> None:
     steps = [step() for _ in range(args.steps)]
     t_save, _ = timed(lambda: eng.save_checkpoint(args.dir))
     t_sync, _ = timed(os.sync)
-    print("CKPT " + json.dumps({"what": "deepspeed save-only", "init_s": t_init, "steps_s": steps,
-                                "save_s": t_save, "sync_s": t_sync, "gb": du(Path(args.dir)) / 1e9}),
-          flush=True)  # fmt: skip
+    print(
+        "CKPT "
+        + json.dumps(
+            {
+                "what": "deepspeed save-only",
+                "init_s": t_init,
+                "steps_s": steps,
+                "save_s": t_save,
+                "sync_s": t_sync,
+                "gb": du(Path(args.dir)) / 1e9,
+            }
+        ),
+        flush=True,
+    )
     eng.destroy()
 
 
@@ -285,9 +336,12 @@ def main() -> None:
         help="engine: load once per value, with that many reads in flight (e.g. 3,1,2)",
     )
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (root)")
-    ap.add_argument("--save-only", action="store_true",
-                    help="DeepSpeed: train --steps steps, save one synchronous checkpoint into --dir and keep it "
-                         "(an input for bench/scale.py)")  # fmt: skip
+    ap.add_argument(
+        "--save-only",
+        action="store_true",
+        help="DeepSpeed: train --steps steps, save one synchronous checkpoint into --dir and keep it "
+        "(an input for bench/scale.py)",
+    )
     args = ap.parse_args()
     ARGS.drop_caches = args.drop_caches
     if args.save_only:

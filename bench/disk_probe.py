@@ -12,6 +12,7 @@ One ``PROBE ...`` line per figure; with ``--json`` the figures as ``{"write_gbs"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import mmap
@@ -23,10 +24,8 @@ from pathlib import Path
 
 def _drop() -> None:
     os.sync()
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
 
 
 def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:

@@ -45,8 +45,10 @@ from run import drop_caches, measure, size_of, warm  # noqa: E402
 
 PY = sys.executable
 ZCKPT = [PY, "-m", "zckpt.cli.app"]
-PYSPY = next((str(p) for p in (Path(sys.executable).parent / "py-spy", Path("/tmp/site/bin/py-spy")) if p.exists()),
-             shutil.which("py-spy") or "py-spy")
+PYSPY = next(
+    (str(p) for p in (Path(sys.executable).parent / "py-spy", Path("/tmp/site/bin/py-spy")) if p.exists()),
+    shutil.which("py-spy") or "py-spy",
+)
 
 
 @dataclass
@@ -80,8 +82,10 @@ def masters_bytes(ck: Path) -> int:
     """fp32 masters a ZeRO checkpoint holds: 4 bytes per param (params counted by ``zckpt inspect``)."""
     r = subprocess.run([*ZCKPT, "inspect", str(ck), "--json"], capture_output=True, text=True, check=True)
     info = json.loads(r.stdout)
-    n = info.get("num_params") or info.get("params") or sum(
-        t.get("numel", 0) for t in info.get("tensors", []) if t.get("role", "param") == "param"
+    n = (
+        info.get("num_params")
+        or info.get("params")
+        or sum(t.get("numel", 0) for t in info.get("tensors", []) if t.get("role", "param") == "param")
     )
     return 4 * int(n)
 
@@ -99,16 +103,27 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     res = []
     for i in range(n):
         if job.out is not None:
-            shutil.rmtree(job.out, ignore_errors=True) if job.out.is_dir() else job.out.unlink(missing_ok=True)
+            shutil.rmtree(job.out, ignore_errors=True) if job.out.is_dir() else job.out.unlink(
+                missing_ok=True
+            )
         if cache == "cold":
             drop_caches()
         else:
             warm(job.inputs)
         r = measure(pinned(job.cmd, cores), ok_rc=job.ok_rc, env=env_for(cores))
         out_b = size_of(job.out) if job.out is not None else 0
-        rec = {"job": job.name, "input": job.input, "cores": cores, "cache": cache, "run": i,
-               "wall_s": round(r.wall, 3), "rss_mb": round(r.rss_mb), "rc": r.rc, "out_gb": out_b / 1e9,
-               "io": r.io}  # fmt: skip
+        rec = {
+            "job": job.name,
+            "input": job.input,
+            "cores": cores,
+            "cache": cache,
+            "run": i,
+            "wall_s": round(r.wall, 3),
+            "rss_mb": round(r.rss_mb),
+            "rc": r.rc,
+            "out_gb": out_b / 1e9,
+            "io": r.io,
+        }
         print("SCALE " + json.dumps(rec), flush=True)
         if r.rc not in job.ok_rc:
             print(r.tail, flush=True)
@@ -120,9 +135,19 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     out_b = job.out_bytes if job.out_bytes is not None else ok[-1][1]
     in_b = job.in_bytes or sum(size_of(p) for p in job.inputs)
     floor = max(in_b / (ctx.probe["read_gbs"] * 1e9), out_b / (ctx.probe["write_gbs"] * 1e9))
-    row = {"job": job.name, "input": job.input, "cores": cores, "cache": cache, "runs": [round(r.wall, 2) for r, _ in ok],
-           "wall_s": round(wall, 2), "rss_mb": round(max(r.rss_mb for r, _ in ok)), "in_gb": round(in_b / 1e9, 2),
-           "out_gb": round(out_b / 1e9, 2), "floor_s": round(floor, 2), "of_floor": round(floor / wall, 2)}  # fmt: skip
+    row = {
+        "job": job.name,
+        "input": job.input,
+        "cores": cores,
+        "cache": cache,
+        "runs": [round(r.wall, 2) for r, _ in ok],
+        "wall_s": round(wall, 2),
+        "rss_mb": round(max(r.rss_mb for r, _ in ok)),
+        "in_gb": round(in_b / 1e9, 2),
+        "out_gb": round(out_b / 1e9, 2),
+        "floor_s": round(floor, 2),
+        "of_floor": round(floor / wall, 2),
+    }
     print("SCALESUM " + json.dumps(row), flush=True)
     ctx.rows.append(row)
     (Path(a.out) / "scale.json").write_text(json.dumps({"probe": ctx.probe, "rows": ctx.rows}, indent=1))
@@ -135,8 +160,13 @@ def profile(ctx: Ctx, job: Job) -> None:
     name = "".join(c if c.isalnum() else "-" for c in f"{job.input}-{job.name}")
     dest = Path(ctx.args.out) / f"prof-{name}.txt"
     t0 = time.perf_counter()
-    subprocess.run([PYSPY, "record", "-r", "50", "--idle", "-t", "-f", "raw", "-o", str(dest), "--", *job.cmd],
-                   env=env_for(16), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, check=False)  # fmt: skip
+    subprocess.run(
+        [PYSPY, "record", "-r", "50", "--idle", "-t", "-f", "raw", "-o", str(dest), "--", *job.cmd],
+        env=env_for(16),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        check=False,
+    )
     print(f"PROFILE {name}: {time.perf_counter() - t0:.1f} s -> {dest.name}", flush=True)
 
 
@@ -145,20 +175,56 @@ def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job
     mb = masters_bytes(ck)
     c32 = d / f"{label}-fp32.safetensors"
     jobs = [
-        Job("consolidate fp32", label, [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress"],
-            [ck], c32, in_bytes=mb, keep=True),
-        Job("consolidate default", label, [*ZCKPT, "consolidate", str(ck), str(d / f"{label}-def.safetensors"),
-            "--no-progress"], [ck], d / f"{label}-def.safetensors", in_bytes=mb),
+        Job(
+            "consolidate fp32",
+            label,
+            [*ZCKPT, "consolidate", str(ck), str(c32), "--dtype", "fp32", "--no-progress"],
+            [ck],
+            c32,
+            in_bytes=mb,
+            keep=True,
+        ),
+        Job(
+            "consolidate default",
+            label,
+            [*ZCKPT, "consolidate", str(ck), str(d / f"{label}-def.safetensors"), "--no-progress"],
+            [ck],
+            d / f"{label}-def.safetensors",
+            in_bytes=mb,
+        ),
         Job("verify", label, [*ZCKPT, "verify", str(ck)], [ck], out_bytes=0),
-        Job("diff vs fp32 consolidation", label, [*ZCKPT, "diff", str(ck), str(c32), "--no-progress"], [ck, c32],
-            in_bytes=2 * mb, out_bytes=0, ok_rc=(0, 1)),
-    ]  # fmt: skip
+        Job(
+            "diff vs fp32 consolidation",
+            label,
+            [*ZCKPT, "diff", str(ck), str(c32), "--no-progress"],
+            [ck, c32],
+            in_bytes=2 * mb,
+            out_bytes=0,
+            ok_rc=(0, 1),
+        ),
+    ]
     if a.peers and ds_script is not None:
-        jobs.append(Job("zero_to_fp32 + sync", label, [PY, str(HERE / "then_sync.py"), str(ds_script), str(ck),
-                        str(d / f"{label}-z2f"), "--safe_serialization"], [ck], d / f"{label}-z2f", in_bytes=mb))  # fmt: skip
+        jobs.append(
+            Job(
+                "zero_to_fp32 + sync",
+                label,
+                [PY, str(HERE / "then_sync.py"), str(ds_script), str(ck), str(d / f"{label}-z2f")],
+                [ck],
+                d / f"{label}-z2f",
+                in_bytes=mb,
+            )
+        )
     if a.peers and label == "dcp":
-        jobs.append(Job("dcp_to_torch_save", label, [PY, str(HERE / "dcp_to_torch_save.py"), str(ck),
-                        str(d / "dcp-torch.pt")], [ck], d / "dcp-torch.pt", in_bytes=mb))  # fmt: skip
+        jobs.append(
+            Job(
+                "dcp_to_torch_save",
+                label,
+                [PY, str(HERE / "dcp_to_torch_save.py"), str(ck), str(d / "dcp-torch.pt")],
+                [ck],
+                d / "dcp-torch.pt",
+                in_bytes=mb,
+            )
+        )
     return jobs
 
 
@@ -181,8 +247,13 @@ def run_set(ctx: Ctx, jobs: list[Job]) -> None:
 
 
 def reshard_job(src: Path, dst: Path, label: str, extra: list[str]) -> Job:
-    return Job(f"reshard {' '.join(extra)}".strip(), label,
-               [*ZCKPT, "reshard", str(src), str(dst), *extra, "--no-progress"], [src], dst)  # fmt: skip
+    return Job(
+        f"reshard {' '.join(extra)}".strip(),
+        label,
+        [*ZCKPT, "reshard", str(src), str(dst), *extra, "--no-progress"],
+        [src],
+        dst,
+    )
 
 
 def main() -> None:
@@ -204,16 +275,48 @@ def main() -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     pj = d / "probe.json"
     if "probe" in parts or not pj.exists():
-        subprocess.run([PY, str(HERE / "disk_probe.py"), str(d / "probe"), "--depths", "1", "--json", str(pj)],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [PY, str(HERE / "disk_probe.py"), str(d / "probe"), "--depths", "1", "--json", str(pj)],
+            check=True,
+        )
     ctx = Ctx(a, json.loads(pj.read_text()))
+    # an installed package has its bytecode compiled at install time; a fresh copy of the repo has none
+    subprocess.run(
+        [PY, "-m", "compileall", "-q", str(HERE.parent / "zckpt"), *sys.path[1:]],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    t0 = time.perf_counter()
+    subprocess.run([*ZCKPT, "--help"], check=True, stdout=subprocess.DEVNULL)
+    print(f"START-UP zckpt --help: {time.perf_counter() - t0:.2f} s", flush=True)
     ds1, w8, dcp = d / "ds-w1", d / "ds-w8", d / "dcp"
     if "make" in parts and not (ds1 / "latest").exists():
         t0 = time.perf_counter()
-        subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                        str(HERE / "ckpt_bench.py"), "--impl", "deepspeed", "--size", a.size, "--micro", "4",
-                        "--steps", "2", "--save-only", "--dir", str(ds1)], check=True,
-                       env=dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"))  # fmt: skip
+        subprocess.run(
+            [
+                PY,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "1",
+                str(HERE / "ckpt_bench.py"),
+                "--impl",
+                "deepspeed",
+                "--size",
+                a.size,
+                "--micro",
+                "4",
+                "--steps",
+                "2",
+                "--save-only",
+                "--dir",
+                str(ds1),
+            ],
+            check=True,
+            env=dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"),
+        )
         print(f"MADE {ds1}: {size_of(ds1) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
     script = ds1 / "zero_to_fp32.py"
     if "w1" in parts:
@@ -221,7 +324,9 @@ def main() -> None:
     if "w8" in parts:
         if not (w8 / "latest").exists():
             job = reshard_job(ds1, w8, "ds-w1", ["--world", "8"])
-            run_job(ctx, job, a.cores, "warm", max(1, a.repeat))  # the last run's output stays: the world-8 copy
+            run_job(
+                ctx, job, a.cores, "warm", max(1, a.repeat)
+            )  # the last run's output stays: the world-8 copy
             if "reshard --world 8" in a.profile:
                 profile(ctx, job)  # its output stays too
         run_set(ctx, jobs_for(ctx, w8, "ds-w8", script))
@@ -233,12 +338,17 @@ def main() -> None:
         if "keep-w8" not in parts:
             shutil.rmtree(w8, ignore_errors=True)
         run_set(ctx, jobs_for(ctx, dcp, "dcp", None))
-    lines = ["| job | input | cores | cache | wall s (median) | runs | peak RSS MB | in GB | out GB | floor s | of floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| job | input | cores | cache | wall s (median) | runs | peak RSS MB | in GB | out GB | floor s "
+        "| of floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in ctx.rows:
-        lines.append(f"| {r['job']} | {r['input']} | {r['cores']} | {r['cache']} | {r['wall_s']} | "
-                     f"{' '.join(map(str, r['runs']))} | {r['rss_mb']} | {r['in_gb']} | {r['out_gb']} | "
-                     f"{r['floor_s']} | {r['of_floor']} |")  # fmt: skip
+        lines.append(
+            f"| {r['job']} | {r['input']} | {r['cores']} | {r['cache']} | {r['wall_s']} | "
+            f"{' '.join(map(str, r['runs']))} | {r['rss_mb']} | {r['in_gb']} | {r['out_gb']} | "
+            f"{r['floor_s']} | {r['of_floor']} |"
+        )
     table = "\n".join(lines)
     print(f"probe: {ctx.probe}\n{table}", flush=True)
     (Path(a.out) / "scale.md").write_text(f"probe: {json.dumps(ctx.probe)}\n\n{table}\n")
