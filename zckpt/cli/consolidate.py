@@ -43,7 +43,7 @@ Examples:
 \b
   zckpt consolidate out/ model.safetensors
   zckpt consolidate out/ hf-model/ --dtype bf16 --max-shard-size 5GB
-  zckpt consolidate out/ pytorch_model.bin --keep-fp32 '*norm*' --exclude-frozen
+  zckpt consolidate out/ model.bin --keep-fp32 '*norm*' --exclude-frozen
 """
 
 
