@@ -130,3 +130,41 @@ def test_usage_error_is_plain_text() -> None:
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("Usage: python -m zckpt consolidate [OPTIONS] CKPT OUT\n"), res.stderr
     assert "Error: Invalid value for '--dtype'" in res.stderr and "╭" not in res.stderr, res.stderr
+
+
+_SLOW_TORCH = """
+import os, sys, time
+from pathlib import Path
+
+class _SlowTorch:  # the first ``import torch`` announces itself, then takes 30 s
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            Path(os.environ["SLOW_TORCH_FLAG"]).write_text("importing torch")
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, _SlowTorch())
+"""
+
+
+@pytest.mark.parametrize("module", ["zckpt", "zckpt.cli"])
+def test_python_m_keeps_the_startup_guard(module: str, tmp_path: Path) -> None:
+    """Ctrl-C while `python -m zckpt inspect` starts (torch importing) is the start-up guard's: one line, exit
+    130, as for the console script (tests/test_cli.py). The slow import is planted by a sitecustomize, so
+    the interpreter runs the real `-m` path."""
+    import signal
+    import time
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_TORCH)
+    flag = tmp_path / "flag"
+    env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SLOW_TORCH_FLAG": str(flag)}
+    argv = [sys.executable, "-m", module, "inspect", str(FIXTURE)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert flag.exists(), proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "error: interrupted; nothing was written\n" and out == "", err
