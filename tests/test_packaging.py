@@ -131,12 +131,15 @@ def test_installed_wheel_runs(wheel: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fresh_venv_pip_install(tmp_path: Path) -> None:
     """The README's user install, for real: an empty venv, `pip install SRC` (build isolation, dependencies
-    from the package index), then the CLI. No dev tool comes along. Needs the index (PyPI or a mirror):
-    without one this fails, it does not skip."""
+    from the package index), then the CLI. No dev tool comes along. The versions are held to
+    constraints.txt, which only caps versions and adds no package: the same wheels as `make setup` (pip's
+    cache; torch's CPU build, not a CUDA download). Needs the index: without it this fails, never skips."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    pip = _run(py, "-m", "pip", "install", "-q", _copy_source(tmp_path / "src"), cwd=tmp_path, env=CLEAN_ENV)
+    src = _copy_source(tmp_path / "src")
+    pins = ROOT / "constraints.txt"
+    pip = _run(py, "-m", "pip", "install", "-q", "-c", pins, src, cwd=tmp_path, env=CLEAN_ENV)
     assert pip.returncode == 0, pip.stderr[-3000:]
     listed = _run(py, "-m", "pip", "list", "--format", "json", cwd=tmp_path, env=CLEAN_ENV).stdout
     installed = {_name(d["name"]) for d in json.loads(listed)}
