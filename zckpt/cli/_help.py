@@ -73,6 +73,8 @@ class Formatter(_ClickFormatter):
 
 
 class Context(_ClickContext):
+    """click's context, formatting help with ``Formatter``."""
+
     formatter_class = Formatter
 
 

@@ -127,7 +127,7 @@ def command(
 ) -> None:
     """Compare two checkpoints of any formats, tensor by tensor.
 
-    Streamed, in bounded memory. Exit status 0: equal within tolerance, 1: different, 2: error.
+    Streamed chunk by chunk, in bounded memory for any tensor size.
     """
     from zckpt.ops.diff import diff
 

@@ -24,10 +24,7 @@ EXIT_PROBLEMS = 1
 def command(
     ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
 ) -> None:
-    """Check a checkpoint's integrity without a trainer.
-
-    Exit status 0 only when it is clean.
-    """
+    """Check a checkpoint's integrity without a trainer."""
     from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)
