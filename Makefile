@@ -1,5 +1,7 @@
 # zckpt developer loop. Every target that runs code depends on `setup`, which builds .venv/ once
-# (and again only when pyproject.toml or constraints.txt change).
+# (and again only when pyproject.toml or constraints.txt change), with the dev tools (the `dev` extra).
+# A user install has no target here: `pipx install .` or `pip install .` (README §Install) already puts
+# the command where pip/pipx put every tool, into the environment the user chose.
 PY        ?= python3
 VENV      := .venv
 VPY       := $(VENV)/bin/python

@@ -10,57 +10,60 @@ import typer
 CkptArg = Annotated[
     Path,
     typer.Argument(
-        readable=False,
-        help="Checkpoint: a DeepSpeed folder (holding `latest`) or tag folder, a torch DCP folder (holding "
-        ".metadata; torchtitan's step-N parent, accelerate's pair), a .safetensors/.bin/.pt file, or an HF "
-        "model folder.",
-        show_default=False,
+        readable=False, metavar="CKPT", help="Checkpoint folder or file (see below).", show_default=False
     ),
 ]
 OutArg = Annotated[
     Path,
     typer.Argument(
         readable=False,
-        help="Output: NAME.safetensors, NAME.bin, or a folder (HF layout, with the model's config files).",
+        metavar="OUT",
+        help="NAME.safetensors, NAME.bin, or a folder (HF layout).",
         show_default=False,
     ),
 ]
 TagOpt = Annotated[
     str | None,
-    typer.Option("--tag", help="Checkpoint tag to read (e.g. global_step100) instead of `latest`."),
+    typer.Option("--tag", metavar="TAG", help="Tag to read (e.g. global_step100) instead of `latest`."),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 TrustPickleOpt = Annotated[
     bool,
-    typer.Option(
-        "--trust-pickle",
-        help="Let pickles load classes outside zckpt's allowlist. Runs code from the file: only for "
-        "files you made.",
-    ),
+    typer.Option("--trust-pickle", help="Unpickle any class (runs code: only files you made)."),
 ]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output if it exists.")]
 ProgressOpt = Annotated[
-    bool, typer.Option("--progress/--no-progress", help="Show a progress bar (only on a terminal).")
+    bool, typer.Option("--progress/--no-progress", help="Show a progress bar (on a terminal).")
 ]
 VerifyDataOpt = Annotated[
     bool,
     typer.Option(
         "--verify-data/--no-verify-data",
-        help="Check the checksums the input records over the bytes read (zip CRC-32s); damaged data is an "
-        "error, nothing is written.",
+        help="Check the input's zip CRC-32s as it is read; damaged data is an error.",
     ),
 ]
 PlotOpt = Annotated[
     Path | None,
     typer.Option(
         "--plot",
-        help="Also draw it: FILE.png, FILE.svg or FILE.html (one self-contained page with the tables). Needs "
-        "matplotlib: pip install 'zckpt[plot]'.",
+        help="Also draw it: FILE.png, .svg or .html. Needs pip install 'zckpt[plot]'.",
         metavar="FILE",
         show_default=False,
         readable=False,
     ),
 ]
+
+INPUTS = (
+    "CKPT is a DeepSpeed folder (holding `latest`) or tag folder, a torch DCP folder (holding .metadata; "
+    "torchtitan's step-N parent, accelerate's pair), a .safetensors, .bin or .pt file, or an HF model "
+    "folder."
+)
+"""The epilog paragraph naming what a ``CKPT`` argument may be (shared by the commands that take one)."""
+PICKLES = (
+    "Pickles load only allowlisted classes; --trust-pickle lets them load any class, which runs code from "
+    "the file."
+)
+"""The epilog paragraph saying what --trust-pickle allows."""
 
 
 def check_plot(path: Path | None, *, preload: bool = False) -> None:

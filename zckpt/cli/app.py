@@ -1,8 +1,11 @@
 """Composition root of the ``zckpt`` command line.
 
-Each command lives in its own module exposing ``NAME`` and ``command`` (a plain function whose
-parameters are typer ``Annotated`` aliases from ``_options``); adding a command is one line in
-``COMMANDS``. Every command runs under ``_guarded``: a ``ZckptError`` (or an OS error) prints
+Each command lives in its own module exposing ``NAME``, ``command`` (a plain function whose
+parameters are typer ``Annotated`` aliases from ``_options``; its docstring is the help's description)
+and ``EPILOG`` (the details printed after the options); adding a command is one line in ``COMMANDS``.
+Help is plain text that fits 80 columns (``_help``); ``zckpt --version`` prints ``zckpt X.Y.Z``.
+
+Every command runs under ``_guarded``: a ``ZckptError`` (or an OS error) prints
 ``error: <message>`` and ``hint: <hint>`` on stderr and exits 2, without a traceback unless
 ``ZCKPT_DEBUG=1``; Ctrl-C exits 130 (writers have already removed their temporary files). Exit
 status 1 is left to commands for a negative answer (``diff``: "different"), 0 is success.
@@ -18,11 +21,12 @@ import signal
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from zckpt import _startup_interrupt
+from zckpt import __version__, _startup_interrupt
+from zckpt.cli._help import Command, Group
 from zckpt.cli._output import Output
 
 EXIT_ERROR = 2
@@ -40,11 +44,31 @@ COMMANDS = (
 
 app = typer.Typer(
     name="zckpt",
+    cls=Group,
     help="Inspect, consolidate, reshard, diff and verify sharded (ZeRO, FSDP-style) training checkpoints.",
+    epilog="Run 'zckpt COMMAND --help' for a command's options. Errors print one line and exit 2; "
+    "ZCKPT_DEBUG=1 shows the traceback.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help, as pip, git and the hf CLI print it (see _help)
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:  # `zckpt 0.1.0`: the program's name and version, as `pip --version` and `git --version` start
+        typer.echo(f"zckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Options of ``zckpt`` itself (before the command)."""
 
 
 def _one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
@@ -110,7 +134,7 @@ def _leave_startup() -> None:
 
 for _module in COMMANDS:
     _mod = importlib.import_module(_module)
-    app.command(name=_mod.NAME)(_guarded(_mod.command))
+    app.command(name=_mod.NAME, cls=Command, epilog=_mod.EPILOG)(_guarded(_mod.command))
 
 
 def main() -> None:

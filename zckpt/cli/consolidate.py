@@ -13,6 +13,8 @@ from typing import Annotated
 import typer
 
 from zckpt.cli._options import (
+    INPUTS,
+    PICKLES,
     CkptArg,
     JsonOpt,
     OutArg,
@@ -25,6 +27,24 @@ from zckpt.cli._options import (
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "consolidate"
+EPILOG = f"""--dtype auto writes the run's training precision (DeepSpeed bf16/fp16 -> that dtype), else
+each tensor's own dtype; --keep-fp32 keeps matching tensors in fp32 whatever --dtype says.
+
+Without --format, OUT's suffix decides; a folder gets safetensors in the HF layout (shards and an
+index with --max-shard-size, plus the model's config files). --workers reader threads overlap reads
+and casts with writes. Under torchrun the ranks split the output shards between them.
+
+{INPUTS}
+
+{PICKLES}
+
+Examples:
+
+\b
+  zckpt consolidate out/ model.safetensors
+  zckpt consolidate out/ hf-model/ --dtype bf16 --max-shard-size 5GB
+  zckpt consolidate out/ model.bin --keep-fp32 '*norm*' --exclude-frozen
+"""
 
 
 class Dtype(str, enum.Enum):
@@ -41,29 +61,28 @@ class Format(str, enum.Enum):
 
 DtypeOpt = Annotated[
     Dtype,
-    typer.Option("--dtype", help="Output dtype of floating tensors; auto = the run's training precision "
-                 "(DeepSpeed bf16/fp16 -> that dtype), else each tensor's own."),
-]  # fmt: skip
+    typer.Option("--dtype", metavar="[auto|fp32|bf16|fp16]", help="Dtype of floating tensors (see below)."),
+]
 KeepFp32Opt = Annotated[
     list[str] | None,
-    typer.Option("--keep-fp32", help="Glob of tensor names kept in fp32 (repeatable), e.g. '*norm*'.",
+    typer.Option("--keep-fp32", metavar="GLOB", help="Keep tensors matching GLOB in fp32 (repeatable).",
                  show_default=False),
 ]  # fmt: skip
 MaxShardOpt = Annotated[
     str | None,
-    typer.Option("--max-shard-size", help="Split into shards of at most this size (e.g. 5GB) with an index."),
+    typer.Option("--max-shard-size", metavar="SIZE", help="Split into shards of at most SIZE (e.g. 5GB)."),
 ]
 FormatOpt = Annotated[
     Format | None,
-    typer.Option("--format", help="Output format; default from OUT's suffix (a folder gets safetensors)."),
+    typer.Option("--format", metavar="[safetensors|bin]", help="Output format (default: from OUT)."),
 ]
 WorkersOpt = Annotated[
     int | None,
-    typer.Option("--workers", min=1, show_default=False,
-                 help="Reader threads overlapping reads/casts with writes (default: cores - 1, 1 to 4)."),
+    typer.Option("--workers", min=1, show_default=False, metavar="N",
+                 help="Reader threads (default: cores - 1, 1 to 4)."),
 ]  # fmt: skip
 ExcludeFrozenOpt = Annotated[
-    bool, typer.Option("--exclude-frozen", help="Leave out frozen (requires_grad=False) parameters.")
+    bool, typer.Option("--exclude-frozen", help="Leave out frozen (requires_grad=False) params.")
 ]
 
 
@@ -83,10 +102,11 @@ def command(
     json: JsonOpt = False,
     workers: WorkersOpt = None,
 ) -> None:
-    """Write one loadable model (safetensors or .bin, file or HF folder) from a checkpoint.
+    """Consolidate a checkpoint into one loadable model.
 
-    Streams tensor by tensor; trainable params come from the fp32 masters; tied weights are stored
-    once in safetensors and recorded as aliases.
+    Writes safetensors or .bin, as one file or an HF folder. Streams tensor by tensor: trainable
+    parameters come from the fp32 masters; tied weights are stored once in safetensors and recorded
+    as aliases.
     """
     from zckpt.ops import group as dist
     from zckpt.ops.consolidate import consolidate

@@ -10,67 +10,104 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, PlotOpt, ProgressOpt, TrustPickleOpt, VerifyDataOpt, check_plot
+from zckpt.cli._options import (
+    INPUTS,
+    PICKLES,
+    JsonOpt,
+    PlotOpt,
+    ProgressOpt,
+    TrustPickleOpt,
+    VerifyDataOpt,
+    check_plot,
+)
 from zckpt.cli._output import Output
 from zckpt.errors import ZckptError
 
 NAME = "diff"
 EXIT_DIFFERENT = 1
+EPILOG = f"""Reports keys only in A or B, shape and dtype mismatches, and per tensor the max abs and max
+rel difference, relative L2, cosine similarity, fraction changed and NaN/Inf counts. Values are
+compared in float64 after exact upcasting (integers exactly), so the same values stored in bf16 and
+in fp32 are equal unless --strict-dtype. A tensor differs when |a-b| > atol + rtol*|b| anywhere.
 
-SideArg = Annotated[
+--plot FILE draws layer x role heatmaps of ||B-A||/||A|| and cosine, with the most-changed tensors.
+--series RUN_DIR diffs each consecutive pair of the checkpoints in RUN_DIR instead (global_stepN,
+checkpoint-N, step-N; by step; one pair open at a time); --plot then draws layer x step.
+
+Exit status: 0 equal within tolerance, 1 different, 2 error; with --series, 0 (a report, not a
+verdict).
+
+{INPUTS.replace("CKPT is", "A and B are each")}
+
+{PICKLES}
+
+Examples:
+
+\b
+  zckpt diff out/ model.safetensors --atol 1e-6
+  zckpt diff A B --keys 'layers.0.*' --map module.= --top 10
+  zckpt diff --series out/ --plot series.png
+"""
+
+SideAArg = Annotated[
+    Path | None,
+    typer.Argument(readable=False, metavar="A", help="Checkpoint A (folder or file).", show_default=False),
+]
+SideBArg = Annotated[
     Path | None,
     typer.Argument(
-        readable=False, help="A checkpoint of any supported format (folder or file).", show_default=False
+        readable=False, metavar="B", help="Checkpoint B, the reference for --rtol.", show_default=False
     ),
 ]
 SeriesOpt = Annotated[
     Path | None,
     typer.Option("--series", metavar="RUN_DIR", show_default=False, readable=False,
-                 help="Instead of A B: diff each consecutive pair of the checkpoints in RUN_DIR "
-                 "(global_stepN, checkpoint-N, step-N; by step), one pair open at a time; --plot draws "
-                 "layer x step."),
+                 help="Instead of A B: diff a run's consecutive checkpoints."),
 ]  # fmt: skip
 PLOT_TOP = 20
-AtolOpt = Annotated[
-    float, typer.Option("--atol", min=0.0, help="Absolute tolerance: |a-b| <= atol + rtol*|b|.")
+AtolOpt = Annotated[float, typer.Option("--atol", min=0.0, metavar="ATOL", help="Absolute tolerance.")]
+RtolOpt = Annotated[
+    float, typer.Option("--rtol", min=0.0, metavar="RTOL", help="Relative tolerance (B is the reference).")
 ]
-RtolOpt = Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance (B is the reference).")]
 OptimOpt = Annotated[
     bool,
-    typer.Option("--include-optimizer", help="Also compare optimizer states when both sides have them."),
+    typer.Option("--include-optimizer", help="Also compare optimizer states (if both have them)."),
 ]
 KeysOpt = Annotated[
     list[str] | None,
-    typer.Option("--keys", help="Only compare keys matching this glob (repeatable), e.g. 'layers.0.*'.",
+    typer.Option("--keys", metavar="GLOB", help="Only compare keys matching GLOB (repeatable).",
                  show_default=False),
 ]  # fmt: skip
 MapOpt = Annotated[
     list[str] | None,
-    typer.Option("--map", help="Rename A's key prefix OLD to NEW before matching (repeatable); "
-                 "'module.=' strips `module.`.", show_default=False, metavar="OLD=NEW"),
+    typer.Option("--map", help="Rename A's key prefix OLD to NEW (repeatable; 'module.=' strips it).",
+                 show_default=False, metavar="OLD=NEW"),
 ]  # fmt: skip
 TopOpt = Annotated[
     int | None,
     typer.Option(
-        "--top", min=0, help="Show the K most-changed tensors (default: the differing ones, max 20)."
+        "--top", min=0, metavar="K", help="Show the K most-changed tensors (default: differing, max 20)."
     ),
 ]
 StrictDtypeOpt = Annotated[
     bool,
-    typer.Option("--strict-dtype", help="Count dtype-only differences (same values stored in another dtype, "
-                 "e.g. bf16 vs fp32) as differences; by default they are reported but values decide."),
-]  # fmt: skip
+    typer.Option("--strict-dtype", help="Count a dtype-only difference as a difference."),
+]
 IgnoreDtypeOpt = Annotated[
     bool,
     typer.Option("--ignore-dtype", hidden=True, help="The default now (kept for old scripts); no effect."),
 ]
-TagAOpt = Annotated[str | None, typer.Option("--tag-a", help="Tag of checkpoint A (instead of `latest`).")]
-TagBOpt = Annotated[str | None, typer.Option("--tag-b", help="Tag of checkpoint B (instead of `latest`).")]
+TagAOpt = Annotated[
+    str | None, typer.Option("--tag-a", metavar="TAG", help="Tag of A to read instead of `latest`.")
+]
+TagBOpt = Annotated[
+    str | None, typer.Option("--tag-b", metavar="TAG", help="Tag of B to read instead of `latest`.")
+]
 
 
 def command(
-    a: SideArg = None,
-    b: SideArg = None,
+    a: SideAArg = None,
+    b: SideBArg = None,
     atol: AtolOpt = 0.0,
     rtol: RtolOpt = 0.0,
     include_optimizer: OptimOpt = False,
@@ -88,14 +125,9 @@ def command(
     plot: PlotOpt = None,
     series: SeriesOpt = None,
 ) -> None:
-    """Compare two checkpoints of any formats, tensor by tensor (streamed, bounded memory).
+    """Compare two checkpoints of any formats, tensor by tensor.
 
-    Reports keys only in A or B, shape and dtype mismatches, and per tensor max abs / max rel
-    difference, relative L2, cosine similarity, fraction changed and NaN/Inf counts, compared in
-    float64 after exact upcasting (integers exactly), so the same values stored in bf16 and in fp32 are
-    equal unless --strict-dtype. Exit status: 0 equal within tolerance, 1 different, 2 error.
-    --plot FILE draws layer x role heatmaps of ||B-A||/||A|| and cosine with the top changed tensors.
-    --series RUN_DIR diffs a run's consecutive checkpoints instead (exit 0).
+    Streamed chunk by chunk, in bounded memory for any tensor size.
     """
     from zckpt.ops.diff import diff
 

@@ -6,13 +6,20 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, PlotOpt, TagOpt, TrustPickleOpt, check_plot
+from zckpt.cli._options import INPUTS, PICKLES, CkptArg, JsonOpt, PlotOpt, TagOpt, TrustPickleOpt, check_plot
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "inspect"
-StatsOpt = Annotated[
-    bool, typer.Option("--stats", help="Also stream every tensor: min/max/mean/std/norm, NaN/Inf counts.")
-]
+EPILOG = f"""Prints the format, ZeRO stage, world size, precision, tensors by role, one row per tensor,
+tied and frozen parameters and the optimizer's states. --stats reads every tensor (min, max, mean,
+std, norm, NaN and Inf counts); --plot FILE draws stored bytes by rank x kind and parameters per
+layer.
+
+{INPUTS}
+
+{PICKLES}
+"""
+StatsOpt = Annotated[bool, typer.Option("--stats", help="Also read every tensor for value statistics.")]
 
 
 def command(
@@ -26,10 +33,9 @@ def command(
     ] = False,
     plot: PlotOpt = None,
 ) -> None:
-    """Show what a checkpoint holds (reads metadata only, no tensor data).
+    """Show what a checkpoint holds.
 
-    Format, stage, world size, precision, tensors by role, one row per tensor, tied and frozen
-    params, optimizer states. --plot FILE draws stored bytes by rank x kind and parameters per layer.
+    Reads its metadata only: no tensor data unless --stats.
     """
     from zckpt.ops.inspect import inspect
 

@@ -16,10 +16,42 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt, VerifyDataOpt
+from zckpt.cli._options import (
+    PICKLES,
+    JsonOpt,
+    OverwriteOpt,
+    ProgressOpt,
+    TagOpt,
+    TrustPickleOpt,
+    VerifyDataOpt,
+)
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "reshard"
+EPILOG = f"""Rewrites the masters, every optimizer state, frozen params, buffers, ties, scheduler, loss
+scaler, counters, client state and RNG. The output is a complete folder (`latest` + tag) that the
+trainer loads at the new world size as is: native (this package's engine) or DeepSpeed ZeRO-1/2/3
+(DeepSpeed's own load_checkpoint, no universal conversion). --to dcp writes a torch DCP folder
+(torchtitan layout) that dcp.load + set_state_dict load into FSDP2 at any world size.
+
+SRC is a checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed, or a torch DCP
+folder (holding .metadata); default: the current folder. DST must not be inside SRC; default: the
+sibling folder <SRC>-world<N> (from inside a tag folder, the save folder's sibling).
+
+An HF Trainer checkpoint-N folder comes out complete: every other file copied, RNG files mapped to
+the new ranks; the notes say what changed, e.g. the per-device batch to resume with. Streamed tensor
+by tensor into a temporary folder, renamed at the end. Under torchrun the processes split the rank
+files between them.
+
+{PICKLES}
+
+Examples:
+
+\b
+  zckpt reshard out/ out8/ --world 8
+  zckpt reshard ds-run/ dcp-ckpt/ --world 8 --to dcp
+  cd out && zckpt reshard --world 8
+"""
 
 
 class Target(str, enum.Enum):
@@ -30,27 +62,25 @@ class Target(str, enum.Enum):
 
 SrcArg = Annotated[
     Path,
-    typer.Argument(
-        readable=False,
-        help="Checkpoint folder (holding `latest`) or tag folder, native or DeepSpeed ZeRO-1/2/3, or a torch "
-        "DCP folder (holding .metadata); an HF Trainer checkpoint-N folder comes out complete (side files "
-        "copied, RNG files mapped).",
-    ),
+    typer.Argument(readable=False, metavar="SRC", help="Checkpoint folder (see below)."),
 ]
 DstArg = Annotated[
     Path | None,
     typer.Argument(
-        readable=False,
-        help="Output checkpoint folder (must not be inside SRC); with --to dcp the DCP folder itself. "
-        "Default: sibling <SRC>-world<N>.",
+        readable=False, metavar="DST", help="Output folder (default: <SRC>-world<N>).", show_default=False
     ),
 ]
-WorldOpt = Annotated[int, typer.Option("--world", "-w", min=1, help="New data-parallel world size.")]
-ToOpt = Annotated[Target | None, typer.Option("--to", help="Output format; default: the source's.")]
+WorldOpt = Annotated[
+    int, typer.Option("--world", "-w", min=1, metavar="N", help="New data-parallel world size.")
+]
+ToOpt = Annotated[
+    Target | None,
+    typer.Option("--to", metavar="[native|deepspeed|dcp]", help="Output format (default: the source's)."),
+]
 StageOpt = Annotated[
     int | None,
     typer.Option(
-        "--stage", min=0, max=3, help="ZeRO stage of the output (DeepSpeed: 1-3); default: the source's."
+        "--stage", min=0, max=3, metavar="STAGE", help="ZeRO stage of the output (default: the source's)."
     ),
 ]
 
@@ -68,15 +98,9 @@ def command(
     verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
 ) -> None:
-    """Rewrite a sharded checkpoint for WORLD ranks: masters, every optimizer state, frozen params,
-    buffers, ties, scheduler, loss scaler, counters, client state and RNG.
+    """Rewrite a sharded checkpoint for another world size.
 
-    The output is a complete folder (`latest` + tag) the trainer loads at the new world size as is:
-    native (this package's engine) or DeepSpeed ZeRO-1/2/3 (DeepSpeed's own load_checkpoint, no
-    universal conversion); --to dcp writes a torch DCP folder (torchtitan layout) that dcp.load +
-    set_state_dict load into FSDP2 at any world size. Streamed tensor by tensor; written to a temporary
-    folder, renamed at the end. An HF Trainer checkpoint-N folder keeps every other file (RNG files mapped
-    to the new ranks); the notes say what changed, e.g. the per-device batch to resume with.
+    Optimizer states, scheduler, RNG and client state included; see below.
     """
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard

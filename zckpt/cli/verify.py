@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import INPUTS, PICKLES, CkptArg, JsonOpt, TagOpt, TrustPickleOpt
 from zckpt.cli._output import Output
 
 NAME = "verify"
+EPILOG = f"""Checks that every file is present and readable, no stray or stale rank files, a consistent
+world size and partition sizes, intact safetensors headers and zip CRC-32s, and recomputes recorded
+checksums (.sha256 sidecars, manifests). Prints one line per problem, naming the file.
+
+Exit status: 0 clean, 1 problems found, 2 error.
+
+{INPUTS}
+
+{PICKLES}
+"""
 EXIT_PROBLEMS = 1
 
 
 def command(
     ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
 ) -> None:
-    """Check a checkpoint's integrity without a trainer; exit 0 only when clean.
-
-    Every file present and readable, no stray or stale rank files, consistent world size and
-    partition sizes, safetensors headers and zip CRC-32s intact, recorded checksums (.sha256
-    sidecars, manifests) recomputed. One line per problem, naming the file.
-    """
+    """Check a checkpoint's integrity without a trainer."""
     from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)
