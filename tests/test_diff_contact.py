@@ -156,7 +156,7 @@ def test_dtype_summary_agrees_with_table(tmp_path: Path) -> None:
     table = r.to_text().splitlines()[2:]
     assert sorted(line.split()[0] for line in table if line.endswith("values")) == sorted(valued)
     only_values = _st(tmp_path / "c.safetensors", {**ref, "fc1.weight": ref["fc1.weight"].bfloat16()})
-    assert "1 dtype mismatches (values differ too)" in diff(TOY_REF, only_values, progress=False).summary()
+    assert "1 dtype mismatch (values differ too)" in diff(TOY_REF, only_values, progress=False).summary()
 
 
 def _twenty(tmp_path: Path, differing: int) -> tuple[Path, Path]:

@@ -128,9 +128,10 @@ class DiffResult:
         verdict = "EQUAL" if self.equal else "DIFFERENT"
         parts = [f"{self.compared} tensors compared, {self.differing} differ"]
         if self.shape_mismatches:
-            parts.append(f"{self.shape_mismatches} shape mismatches")
+            parts.append(f"{self.shape_mismatches} shape mismatch{'es' * (self.shape_mismatches != 1)}")
         if self.dtype_mismatches:
-            parts.append(f"{self.dtype_mismatches} dtype mismatches{self._dtype_note()}")
+            n = self.dtype_mismatches
+            parts.append(f"{n} dtype mismatch{'es' * (n != 1)}{self._dtype_note()}")
         if self.aliases_matched:
             n = len(self.aliases_matched)
             parts.append(f"{n} tied alias{'es' * (n != 1)} matched via {'their' if n != 1 else 'its'} owner")
