@@ -7,7 +7,6 @@ against its bf16 consolidation, and a pair whose changes span nine decades) and 
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -43,6 +42,22 @@ def _overlap(p: Quad, q: Quad) -> bool:
     return True
 
 
+def _near(texts: list[tuple[Text, Quad]]) -> list[tuple[tuple[Text, Quad], tuple[Text, Quad]]]:
+    """The pairs whose axis-aligned boxes overlap (sweep over x): the only ones the exact test needs."""
+    boxes = sorted(
+        (min(p[0] for p in q), max(p[0] for p in q), min(p[1] for p in q), max(p[1] for p in q), i)
+        for i, (_, q) in enumerate(texts)
+    )
+    out = []
+    for k, (_, x1, y0, y1, i) in enumerate(boxes):
+        for bx0, _, by0, by1, j in boxes[k + 1 :]:
+            if bx0 >= x1:
+                break
+            if by0 < y1 and y0 < by1:
+                out.append((texts[i], texts[j]))
+    return out
+
+
 def _texts(s: Scene) -> list[tuple[Text, Quad]]:
     return [(t, text_corners(t)) for t in s.items if isinstance(t, Text) and t.text.strip()]
 
@@ -52,7 +67,7 @@ def _check(s: Scene, top_notes: list[str]) -> None:
     for t, q in texts:
         xs, ys = [p[0] for p in q], [p[1] for p in q]
         assert min(xs) >= 0 and max(xs) <= s.width and min(ys) >= 0 and max(ys) <= s.height, t
-    clashes = [(a.text, b.text) for (a, p), (b, q) in itertools.combinations(texts, 2) if _overlap(p, q)]
+    clashes = [(a.text, b.text) for (a, p), (b, q) in _near(texts) if _overlap(p, q)]
     assert not clashes, clashes
     for name in ("colorbar_rel", "colorbar_cos"):
         if name in s.panels:
@@ -185,3 +200,39 @@ def test_tick_arithmetic() -> None:
         m * 10.0**k for k in range(-9, 2) for m in (1.0, 2.0, 5.0) if m * 10.0**k <= 10.0
     ]  # labels of no width: all of 1, 2, 5
     assert text_width("8.88e-88", 10) > text_width("1e-3", 10) > 0
+
+
+def test_many_layers_and_long_names(tmp_path: Path) -> None:
+    """Hand-made: 64 layers of 11 roles (one unknown, long-named: the ``other`` column), 20 long-named
+    non-layer modules, changes from 1e-11 to 1: every label placed, none overlapping, all inside."""
+    g = torch.Generator().manual_seed(0)
+    roles = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+             "block_sparse_moe.experts.0.w1", "something_unusual_with_a_long_name")  # fmt: skip
+    a = {f"model.layers.{i}.{r}.weight": torch.randn(4, generator=g) for i in range(64) for r in roles}
+    a |= {
+        f"model.extra_module_with_a_rather_long_name_{m}.weight": torch.randn(3, generator=g)
+        for m in range(20)
+    }
+    b = {k: v.double() * (1 + 10.0 ** -(i % 12)) for i, (k, v) in enumerate(a.items())}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    s, notes = _figure(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert len(s.panels["rel"].yticks) == 64 and len(s.panels["strip_rel"].xticks) == 20
+    _check(s, notes)
+
+
+def test_the_overlap_check_itself() -> None:
+    """The checker finds a clash when there is one: two labels on one spot, a label over its neighbour;
+    turned labels side by side (the heat maps' 45-degree role names) do not clash."""
+
+    def clashes(*ts: Text) -> int:
+        texts = _texts(Scene(1000, 1000, items=list(ts)))
+        return sum(_overlap(p, q) for (_, p), (_, q) in _near(texts))
+
+    assert clashes(Text(100, 100, "1e-03"), Text(100, 100, "2e-03")) == 1
+    assert clashes(Text(100, 100, "1e-03"), Text(100 + text_width("1e-03", 11) - 2, 100, "2e-03")) == 1
+    assert clashes(Text(100, 100, "1e-03"), Text(100 + text_width("1e-03", 11) + 2, 100, "2e-03")) == 0
+    side = [Text(100 + 36 * i, 100, "attn_norm", ha="right", va="top", rotate=45) for i in range(3)]
+    assert clashes(*side) == 0
+    assert clashes(*side, Text(100, 100, "attn_norm", ha="right", va="top", rotate=45)) >= 1

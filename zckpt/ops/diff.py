@@ -240,9 +240,12 @@ def diff(
 
     Args:
         atol, rtol: an element is unchanged when ``|a-b| <= atol + rtol*|b|`` (B is the reference).
-        include_optimizer: also compare optimizer states when both sides have them.
-        keys: fnmatch globs; only matching keys are compared or listed.
-        map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys.
+        include_optimizer: also compare optimizer states when both sides have them (neither side:
+            ``KeyMappingError``; one side: the model is compared and ``notes`` says so).
+        keys: fnmatch globs; only matching keys are compared or listed. A glob matching no key of A or B
+            is a ``KeyMappingError``.
+        map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys; an entry that renames
+            no key of A is a ``KeyMappingError``.
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
         strict_dtype: count dtype-only differences (same values in another dtype) as differences.
         progress: tqdm bar on stderr (only when stderr is a terminal).
