@@ -262,8 +262,8 @@ def _colorbar(s: Scene, label: str, box: Box, lo: float, hi: float, cmap: str) -
         return py(v) - SMALL / 2, py(v) + SMALL / 2
 
     ends = list(zip((lo, hi), end_labels(lo, hi), strict=True))
-    inside = [(v, tlabel(v)) for v in fitting_log_ticks(lo, hi, extent, 0.3 * SMALL)]
-    ticks = thin(ends + inside, extent, 0.3 * SMALL, fixed=2)
+    inside = [(v, tlabel(v)) for v in fitting_log_ticks(lo, hi, extent, 0.6 * SMALL)]
+    ticks = thin(ends + inside, extent, 0.6 * SMALL, fixed=2)
     for v, lab in ticks:
         s.add(
             Line(x + w, py(v), x + w + TICK, py(v)),
