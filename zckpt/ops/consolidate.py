@@ -59,6 +59,7 @@ from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
 from zckpt.ops.paths import check_overlap
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.select import require_globs
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def plan(
             elif target is not None:
                 out = target
         items.append(WriteItem(e.name, e, out))
+    floating = [it.name for it in items if it.entry.dtype.is_floating_point]
+    require_globs("--keep-fp32", keep_fp32, floating, f"{ckpt.meta.path} (floating tensors)")
     kept = {it.name for it in items}
     tied = {a: o for a, o in ckpt.meta.tied.items() if o in kept}
     return items, tied

@@ -3,16 +3,32 @@
 What is compared
     Model tensors (params, frozen params, buffers) of both sides, matched by key after the
     ``map`` renames; with ``include_optimizer`` also optimizer states (``"<param>:<state>"``) when
-    *both* sides have some. ``keys`` globs restrict the comparison. Tied aliases appear in the key
-    lists (only-in-A / only-in-B) but a pair of tensors is compared once: when a key resolves to the
-    same (owner in A, owner in B) pair as an earlier key it is skipped and counted in ``tied_skipped``.
+    *both* sides have some. ``keys`` globs restrict the comparison. A pair of tensors is compared once:
+    when a key resolves to the same (owner in A, owner in B) pair as an earlier key it is skipped and
+    counted in ``tied_skipped``.
+
+Tied aliases
+    A recorded alias (``meta.tied``: ``lm_head.weight`` -> ``transformer.wte.weight``) that the other
+    side lacks is matched via its owner when the other side holds the owner (HF's and safetensors'
+    convention: a tied weight is stored once, ``save_model`` drops the alias): A's alias is compared
+    with B's owner, which is then usually a repeat of the owners' own pair (skipped). Those keys are
+    not "only in" a side; ``aliases_matched`` lists them. An alias whose owner the other side lacks
+    stays one-sided; an alias name the other side stores as a tensor of its own is compared with it.
+    The pairing is ``zckpt.ops.diff_keys``.
+
+Selecting options
+    A ``keys`` glob that matches no key of either side, a ``map`` entry that renames no key of A, and
+    ``include_optimizer`` when neither side holds optimizer states are errors (``KeyMappingError``),
+    never an empty comparison that reads as equal (``zckpt.ops.select``). ``include_optimizer`` with
+    optimizer states on one side only compares the model tensors and says so in ``notes``.
 
 Key mapping
     ``map`` entries ``OLD=NEW`` rename **A's** keys into B's namespace: a key of A that starts with
     ``OLD`` has that prefix replaced by ``NEW`` (first matching entry wins), so ``module.=`` strips
     DeepSpeed/DDP's ``module.`` and ``=model.`` adds a prefix. ``keys`` globs (fnmatch) match the
     mapped key or, for optimizer states, its parameter name. Reported ``key`` is A's original key;
-    ``key_b`` is B's key when it differs.
+    ``key_b`` is B's key when it differs; the text report shows a renamed key that is only in A as
+    ``A's key -> its name in B's namespace``, as its table does.
 
 Precision
     Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype), then
@@ -36,12 +52,12 @@ Equality
     The result is equal when no key is only on one side, no shapes differ and no compared element
     changed. A dtype-only difference (a tensor stored in bf16 on one side and fp32 on the other, with the
     same values after exact upcasting, as DeepSpeed's frozen params against zero_to_fp32's output) is
-    reported (``dtype_mismatches``) but is not a difference unless ``strict_dtype``.
+    reported (``dtype_mismatches``; ``dtype_only`` of them hold the same values) but is not a difference
+    unless ``strict_dtype``.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,8 +68,9 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
 from zckpt.io import checks
-from zckpt.model import STATE_SEP, Role
-from zckpt.ops.diff_values import Pair, Pending, TensorDiff, Work, chunk_stream, compare
+from zckpt.model import Role
+from zckpt.ops.diff_keys import match_keys, rename
+from zckpt.ops.diff_values import Pending, TensorDiff, Work, chunk_stream, compare
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.stats import CHUNK
 
@@ -95,6 +112,11 @@ class DiffResult:
     tensors: tuple[TensorDiff, ...]
     top: int | None = None
     maps: tuple[tuple[str, str], ...] = field(default=())
+    dtype_only: int = 0
+    """Dtype mismatches whose values are the same (the others differ in value too)."""
+    aliases_matched: tuple[tuple[str, str, str], ...] = field(default=())
+    """``(side, alias, owner)``: a tied alias of ``side`` ("A" or "B") the other side lacks, matched via
+    the owner it holds (names in each side's own namespace)."""
     notes: tuple[str, ...] = field(default=())
     """What explains a difference, when zckpt can tell (e.g. the only missing tensors are frozen params)."""
 
@@ -106,13 +128,31 @@ class DiffResult:
         verdict = "EQUAL" if self.equal else "DIFFERENT"
         parts = [f"{self.compared} tensors compared, {self.differing} differ"]
         if self.shape_mismatches:
-            parts.append(f"{self.shape_mismatches} shape mismatches")
+            parts.append(f"{self.shape_mismatches} shape mismatch{'es' * (self.shape_mismatches != 1)}")
         if self.dtype_mismatches:
-            ign = "" if self.strict_dtype else " (same values: not a difference without --strict-dtype)"
-            parts.append(f"{self.dtype_mismatches} dtype mismatches{ign}")
+            n = self.dtype_mismatches
+            parts.append(f"{n} dtype mismatch{'es' * (n != 1)}{self._dtype_note()}")
+        if self.aliases_matched:
+            n = len(self.aliases_matched)
+            parts.append(f"{n} tied alias{'es' * (n != 1)} matched via {'their' if n != 1 else 'its'} owner")
         parts.append(f"{len(self.only_in_a)} only in A, {len(self.only_in_b)} only in B")
         tol = f"atol={self.atol:g}, rtol={self.rtol:g}"
         return f"{', '.join(parts)}: {verdict} ({tol}, compared in {PRECISION})"
+
+    def _dtype_note(self) -> str:
+        """What the dtype mismatches are: the same values (not a difference unless ``strict_dtype``) or
+        also different values (then the table lists them under ``values``)."""
+        if self.strict_dtype:
+            return ""
+        same, n = self.dtype_only, self.dtype_mismatches
+        if same == n:
+            return " (same values: not a difference without --strict-dtype)"
+        if same == 0:
+            return " (values differ too)"
+        return (
+            f" ({same} with the same values: not a difference without --strict-dtype; "
+            f"{n - same} differ in value)"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -135,6 +175,8 @@ class DiffResult:
                 "differing": self.differing,
                 "shape_mismatches": self.shape_mismatches,
                 "dtype_mismatches": self.dtype_mismatches,
+                "dtype_only": self.dtype_only,
+                "aliases_matched": len(self.aliases_matched),
                 "only_in_a": len(self.only_in_a),
                 "only_in_b": len(self.only_in_b),
                 "tied_skipped": self.tied_skipped,
@@ -142,6 +184,7 @@ class DiffResult:
             },
             "only_in_a": list(self.only_in_a),
             "only_in_b": list(self.only_in_b),
+            "aliases_matched": [{"side": s, "alias": a, "owner": o} for s, a, o in self.aliases_matched],
             "notes": list(self.notes),
             "tensors": [t.to_json() for t in self.tensors],
         }
@@ -150,18 +193,19 @@ class DiffResult:
         """Human report: the summary line, keys on one side only, and the most-changed table
         (``top`` rows; by default the differing tensors, at most 20)."""
         lines = [self.summary()]
-        for label, ks in (("only in A", self.only_in_a), ("only in B", self.only_in_b)):
+        only_a = tuple(k if (m := rename(k, self.maps)) == k else f"{k} -> {m}" for k in self.only_in_a)
+        for label, ks in (("only in A", only_a), ("only in B", self.only_in_b)):
             if ks:
-                shown = ", ".join(ks[:max_keys])
-                more = f" ... (+{len(ks) - max_keys} more)" if len(ks) > max_keys else ""
-                lines.append(f"{label}: {shown}{more}")
+                extra = f" ... (+{len(ks) - max_keys} more)" if len(ks) > max_keys else ""
+                lines.append(f"{label}: {', '.join(ks[:max_keys])}{extra}")
         lines.extend(f"note: {n}" for n in self.notes)
         rows = list(self.tensors) if top is not None else [t for t in self.tensors if t.differs]
-        limit = top if top is not None else 20
-        if rows[:limit]:
-            lines.append(_table(rows[:limit]))
-        if len(rows) > limit:
-            lines.append(f"... {len(rows) - limit} more (use --top K or --json)")
+        shown = rows[: top if top is not None else 20]
+        if shown:
+            lines.append(_table(shown))
+        more = self.differing - sum(t.differs for t in shown)  # differing tensors the table leaves out
+        if more > 0:
+            lines.append(f"... {more} more differ (use --top K or --json)")
         return "\n".join(lines)
 
     def plot(self, path: str | Path, *, top: int = 20) -> Path:
@@ -196,9 +240,12 @@ def diff(
 
     Args:
         atol, rtol: an element is unchanged when ``|a-b| <= atol + rtol*|b|`` (B is the reference).
-        include_optimizer: also compare optimizer states when both sides have them.
-        keys: fnmatch globs; only matching keys are compared or listed.
-        map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys.
+        include_optimizer: also compare optimizer states when both sides have them (neither side:
+            ``KeyMappingError``; one side: the model is compared and ``notes`` says so).
+        keys: fnmatch globs; only matching keys are compared or listed. A glob matching no key of A or B
+            is a ``KeyMappingError``.
+        map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys; an entry that renames
+            no key of A is a ``KeyMappingError``.
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
         strict_dtype: count dtype-only differences (same values in another dtype) as differences.
         progress: tqdm bar on stderr (only when stderr is a terminal).
@@ -247,24 +294,6 @@ def _parse_map(m: str | tuple[str, str]) -> tuple[str, str]:
     return old, new
 
 
-def _rename(key: str, maps: tuple[tuple[str, str], ...]) -> str:
-    for old, new in maps:
-        if key.startswith(old):
-            return new + key[len(old) :]
-    return key
-
-
-def _selected(key: str, globs: Sequence[str] | None) -> bool:
-    if not globs:
-        return True
-    name = key.split(STATE_SEP, 1)[0]
-    return any(fnmatch.fnmatchcase(key, g) or fnmatch.fnmatchcase(name, g) for g in globs)
-
-
-def _keys(c: Checkpoint, with_optim: bool) -> list[str]:
-    return list(c) + (c.optim_keys() if with_optim else [])
-
-
 def _diff(
     ca: Checkpoint,
     cb: Checkpoint,
@@ -278,32 +307,8 @@ def _diff(
     progress: bool,
     chunk: int,
 ) -> DiffResult:
-    with_optim = include_optimizer and bool(ca.optim_keys()) and bool(cb.optim_keys())
-    a_of: dict[str, str] = {}  # key in B's namespace -> A's key
-    for k in _keys(ca, with_optim):
-        m = _rename(k, maps)
-        if m in a_of:
-            raise KeyMappingError(
-                f"--map sends both {a_of[m]!r} and {k!r} to {m!r}", hint="use more specific OLD prefixes"
-            )
-        a_of[m] = k
-    b_keys = [k for k in _keys(cb, with_optim) if _selected(k, globs)]
-    b_set = set(b_keys)
-    only_a = tuple(a_of[m] for m in a_of if m not in b_set and _selected(m, globs))
-    only_b = tuple(k for k in b_keys if k not in a_of)
-    pairs: list[Pair] = []
-    seen: set[tuple[str, str]] = set()
-    tied_skipped = 0
-    for kb in b_keys:
-        if kb not in a_of:
-            continue
-        ea, eb = ca.entry(a_of[kb]), cb.entry(kb)
-        if (ea.key, eb.key) in seen:
-            tied_skipped += 1
-            continue
-        seen.add((ea.key, eb.key))
-        pairs.append((a_of[kb], kb, ea, eb))
-
+    m = match_keys(ca, cb, globs, maps, include_optimizer)
+    pairs = list(m.pairs)
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
     results: list[TensorDiff] = []
@@ -316,21 +321,23 @@ def _diff(
             results.append(compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, work, bar))
     results.sort(key=TensorDiff.sort_key)
     return DiffResult(
-        notes=_notes(ca, cb, only_a, only_b, results),
+        notes=_notes(ca, cb, m.only_a, m.only_b, results) + m.notes,
         a=_side(ca),
         b=_side(cb),
         atol=atol,
         rtol=rtol,
         strict_dtype=strict_dtype,
         include_optimizer=include_optimizer,
-        optimizer_compared=with_optim,
-        only_in_a=only_a,
-        only_in_b=only_b,
+        optimizer_compared=m.with_optim,
+        only_in_a=m.only_a,
+        only_in_b=m.only_b,
         compared=len(results),
         differing=sum(t.differs for t in results),
         shape_mismatches=sum("shape" in t.reasons for t in results),
         dtype_mismatches=sum(t.dtype_a != t.dtype_b for t in results),
-        tied_skipped=tied_skipped,
+        dtype_only=sum(t.dtype_a != t.dtype_b and t.shape_a == t.shape_b and not t.changed for t in results),
+        aliases_matched=m.aliases,
+        tied_skipped=m.tied_skipped,
         tensors=tuple(results if top is None else results[:top]),
         top=top,
         maps=maps,

@@ -91,14 +91,21 @@ class VerifyReport:
 
 
 def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = False) -> VerifyReport:
-    """Check a checkpoint's integrity (see the module docstring). Raises only when ``path`` does
-    not exist; every other failure is reported as a ``Problem``."""
+    """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
+    ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
+    file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
+    unrecognisable but damaged checkpoint included, is reported as a ``Problem``."""
     p = Path(path)
     if not p.exists():
         raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
     problems: list[Problem] = []
     try:
         fmt: Format | None = formats.detect(p)
+    except UnknownFormat as e:
+        if _nothing_to_check(p):  # not a checkpoint at all: the error ``inspect`` gives (exit 2)
+            raise
+        fmt = None
+        problems.append(problem_from(e, p))
     except ZckptError as e:
         fmt = None
         problems.append(problem_from(e, p))
@@ -163,6 +170,11 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
             seen.add(key)
             out.append(q)
     return out
+
+
+def _nothing_to_check(p: Path) -> bool:
+    """No format recognises ``p`` and it holds no tensor file: a text file, an empty or unrelated folder."""
+    return p.suffix not in TENSOR_SUFFIXES if p.is_file() else not _files_on_disk(p)
 
 
 def _files_on_disk(p: Path) -> list[Path]:

@@ -4,7 +4,7 @@ rank x kind, parameters per layer) and a run's series (layer x step heatmap of t
 Light on import: nothing is drawn or imported until a figure is (``files.check`` first says what to install
 when matplotlib is missing). Modules: ``names`` (layer/role tables), ``grids`` / ``series_grid`` (the figure
 data: pure, typed, what the tests check); the diff figure as plain data, ``scene`` / ``diff_scene`` /
-``colours``, written by ``raster`` (PNG through Pillow) and ``svg``, without matplotlib; ``draw`` /
-``draw_more`` (the inspect and series figures: matplotlib, Agg, no display); ``files`` (writing ``.png`` /
-``.svg`` / self-contained ``.html``).
+``colours`` / ``fonts`` (labels placed by their painted widths), written by ``raster`` (PNG through Pillow)
+and ``svg``, without matplotlib; ``draw`` / ``draw_more`` (the inspect and series figures: matplotlib, Agg,
+no display); ``files`` (writing ``.png`` / ``.svg`` / self-contained ``.html``).
 """

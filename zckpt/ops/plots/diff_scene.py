@@ -4,8 +4,16 @@ then the top-N changed tensors as bars on a log axis. ``raster`` and ``svg`` wri
 
 Colours: ``colours``' log scale per panel pair (heat and its strip share one), white = exactly unchanged,
 grey = no value, black = infinite; cell letters from ``grids.MARKS`` in black or white for contrast. The
-layout is fixed, in inches as matplotlib's figure was (``_Layout``), and text widths are estimated from
-the character count, so nothing is measured while drawing.
+layout is in inches as matplotlib's figure was (``_Layout``), sized by the labels' real widths
+(``fonts.text_width``), so no label leaves its panel and none overlaps another:
+
+- a colour bar labels both ends of its scale (with the digits that tell them apart: ``1.07e-03`` /
+  ``2.13e-03``) and the densest even set of 1-2-5 / decade ticks in between whose labels do not touch them or
+  each other, over any range (one value: ``hi/10 .. hi``; tiny or huge ranges);
+- the bars' log axis keeps the densest even tick set whose labels fit (1-2-5, each decade, every n-th decade)
+  inside the panel, and reaches far enough right that each bar's numbers (``0.0021 cos 0.99998 D``) end
+  inside the panel; the panel widens so that they take at most about half of it;
+- the figure is at least as wide as its title, summary and legend lines.
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ import math
 import numpy as np
 
 from zckpt.ops.plots.colours import colours, light, log_range, lut
-from zckpt.ops.plots.grids import MARKS, DiffPlot, Heat
-from zckpt.ops.plots.names import MAX_LABEL, short
+from zckpt.ops.plots.fonts import text_width
+from zckpt.ops.plots.grids import MARKS, Bar, DiffPlot, Heat
+from zckpt.ops.plots.names import short
 from zckpt.ops.plots.scene import (
     DPI,
     FONT,
@@ -29,7 +38,9 @@ from zckpt.ops.plots.scene import (
     Rect,
     Scene,
     Text,
-    log_ticks,
+    end_labels,
+    fitting_log_ticks,
+    thin,
 )
 from zckpt.ops.plots.scene import tick_label as tlabel
 
@@ -39,29 +50,56 @@ SMALL = 7 * PT
 BAR = "#3b6ea8"
 LEGEND = ("white: unchanged   grey: no tensor / no value   black: inf   "
           + "   ".join(f"{k}: {v}" for k, v in MARKS.items()))  # fmt: skip
-CHAR = 0.062
-"""Inches per character of a tick label at 8 pt (DejaVu Sans, generous): the layout's text estimate."""
+BARS_W = 3.3
+"""Inches of the bars' axis, at least."""
+WIDEST_END = "8.88e-88"
+"""The widest colour-bar label the layout leaves room for (3 significant digits)."""
 Box = tuple[float, float, float, float]
+SIN45 = math.sqrt(0.5)
+
+
+def _inch(text: str, size: float = FONT, bold: bool = False) -> float:
+    """Width of ``text`` in inches, as painted."""
+    return text_width(text, size, bold) / DPI
+
+
+def bar_note(b: Bar) -> str:
+    """The numbers written after a bar: ``0.00213 cos 0.999998 D``."""
+    cos = "" if b.cosine is None else f"cos {b.cosine:.6g}"
+    return " ".join(t for t in ("inf" if math.isinf(b.rel) else f"{b.rel:.3g}", cos, b.marks) if t)
 
 
 class _Layout:
-    """Boxes in inches, top-down; ``box`` turns one into pixels."""
+    """Boxes in inches, top-down; ``box`` turns one into pixels (``left`` centres the panels in a figure
+    widened for its title)."""
 
     def __init__(self, d: DiffPlot) -> None:
         rows, cols, mods = d.layers.rows, d.layers.cols, d.strip.cols
-        self.ylab = 0.45 + CHAR * max((len(r) for r in (*rows, "non-layer")), default=4)
+        tick = (TICK + PAD) / DPI
+        col_w = max((_inch(short(c, 28)) for c in cols), default=0.0)
+        turned = SIN45 * (col_w + FONT / DPI)  # a 45-degree label's reach, down and to the left
         self.heat_w = max(1.8, 0.36 * len(cols), 0.24 * len(mods))
-        self.bar_lab = 0.2 + CHAR * min(MAX_LABEL, max((len(b.key) for b in d.top), default=8))
+        cell = self.heat_w / len(cols) if cols else 0.0
+        row_w = max(_inch(short(r, 28)) for r in (*rows, "non-layer"))
+        self.ylab = max(tick + row_w + 4 * PT / DPI + 1.2 * FONT / DPI + 0.15, turned - cell / 2 + 0.15)
+        self.bar_lab = 0.2 + max((_inch(short(b.key)) for b in d.top), default=_inch("x" * 8))
         self.heat_h = max(1.0, 0.2 * len(rows)) if rows else 1.0
-        self.xlab = 0.45 + 0.72 * CHAR * max((len(c) for c in cols), default=4)
+        self.xlab = tick + turned + 4 * PT / DPI + 1.3 * FONT / DPI + 0.1
         self.strip_h = 0.32 if mods else 0.0
-        self.strip_lab = (0.15 + CHAR * min(28, max(len(m) for m in mods))) if mods else 0.0
+        self.strip_lab = (0.15 + tick + max(_inch(short(m, 28)) for m in mods)) if mods else 0.0
         self.top = 0.75
         stack = 0.3 + self.heat_h + self.xlab + self.strip_h + self.strip_lab
         self.bars_h = max(0.22 * len(d.top) + 0.1, 1.0)
+        note = max((_inch(bar_note(b), SMALL) for b in d.top), default=0.0) + 0.3 * SMALL / DPI + 0.1
+        self.bars_w = max(BARS_W, note / 0.55)  # the numbers after a bar take at most ~55% of the axis
         self.height = self.top + max(stack, 0.3 + self.bars_h + 0.5) + 0.45
-        self.panel = self.ylab + self.heat_w + 0.95  # heat + its colorbar and labels
-        self.width = 2 * self.panel + self.bar_lab + 3.6
+        self.panel = self.ylab + self.heat_w + 0.32 + _inch(WIDEST_END, SMALL) + 0.15  # heat + colour bar
+        content = 2 * self.panel + self.bar_lab + self.bars_w + 0.3
+        lines = [_inch(t, TITLE) for t in (d.title, d.summary)] + [
+            _inch("   ".join([LEGEND, *d.notes]), SMALL)
+        ]
+        self.width = max(content, max(lines) + 0.4)
+        self.left = (self.width - content) / 2
 
     @staticmethod
     def box(x: float, y_top: float, w: float, h: float) -> Box:
@@ -84,7 +122,7 @@ def diff_scene(d: DiffPlot) -> Scene:
     )):  # fmt: skip
         label = "rel" if what == "rel" else "cos"
         grid, sgrid = d.layers.values(what), d.strip.values(what)
-        x = col * lay.panel + lay.ylab
+        x = lay.left + col * lay.panel + lay.ylab
         lo, hi = log_range([grid, sgrid])
         if not any(v > 0 for g in (grid, sgrid) for row in g for v in row):  # NaN > 0 is False
             title += "\n(all white: nothing changed)"
@@ -97,13 +135,8 @@ def diff_scene(d: DiffPlot) -> Scene:
             span = (y_strip + lay.strip_h if d.strip.cols else y_heat + lay.heat_h) - y_heat
             box = lay.box(x + lay.heat_w + 0.12, y_heat, 0.13, span)
             _colorbar(s, f"colorbar_{label}", box, lo, hi, name)
-    _bars(s, lay.box(2 * lay.panel + lay.bar_lab, y_heat, 3.3, lay.bars_h), d)
+    _bars(s, lay.box(lay.left + 2 * lay.panel + lay.bar_lab, y_heat, lay.bars_w, lay.bars_h), d)
     return s
-
-
-def _width(text: str, size: float = FONT) -> float:
-    """Estimated width in pixels of ``text`` at ``size`` (DejaVu Sans: ~0.6 em per character)."""
-    return 0.6 * size * len(text)
 
 
 def _title(s: Scene, box: Box, title: str) -> None:
@@ -189,13 +222,13 @@ class _Heat:
         cw, ch = w / len(self.h.cols), h / len(self.h.rows)
         p.xticks = tuple(short(c, 28) for c in self.h.cols)
         _xticks(s, box, [x + (j + 0.5) * cw for j in range(len(self.h.cols))], list(p.xticks), 45)
-        drop = TICK + PAD + 0.71 * (_width(max(p.xticks, key=len)) + FONT) + 4 * PT
+        drop = TICK + PAD + SIN45 * (max(text_width(t, FONT) for t in p.xticks) + FONT) + 4 * PT
         s.add(Text(x + w / 2, y + h + drop, "role", FONT, "center", "top"))
         if every:
             rows = list(range(0, len(self.h.rows), every))
             p.yticks = tuple(short(self.h.rows[i], 28) for i in rows)
             _yticks(s, box, [y + (i + 0.5) * ch for i in rows], list(p.yticks))
-            left = x - TICK - PAD - _width(max(p.yticks, key=len)) - 4 * PT
+            left = x - TICK - PAD - max(text_width(t, FONT) for t in p.yticks) - 4 * PT
             s.add(Text(left, y + h / 2, "layer", FONT, "right", "center", rotate=90))
 
     def strip(self, s: Scene, label: str, box: Box) -> None:
@@ -220,15 +253,23 @@ def _colorbar(s: Scene, label: str, box: Box, lo: float, hi: float, cmap: str) -
     outline = ((x, y + tri), (x + w / 2, y), (x + w, y + tri), (x + w, y + h - tri), (x + w / 2, y + h),
                (x, y + h - tri))  # fmt: skip
     s.add(Poly(outline, None))
-    ticks = log_ticks(lo, hi)
     a, span = math.log10(lo), math.log10(hi) - math.log10(lo)
-    for v in ticks:
-        py = y + tri + inner * (1 - (math.log10(v) - a) / span)
+
+    def py(v: float) -> float:
+        return y + tri + inner * (1 - (math.log10(v) - a) / span)
+
+    def extent(v: float, _: str) -> tuple[float, float]:
+        return py(v) - SMALL / 2, py(v) + SMALL / 2
+
+    ends = list(zip((lo, hi), end_labels(lo, hi), strict=True))
+    inside = [(v, tlabel(v)) for v in fitting_log_ticks(lo, hi, extent, 0.6 * SMALL)]
+    ticks = thin(ends + inside, extent, 0.6 * SMALL, fixed=2)
+    for v, lab in ticks:
         s.add(
-            Line(x + w, py, x + w + TICK, py),
-            Text(x + w + TICK + PAD, py, tlabel(v), SMALL, "left", "center"),
+            Line(x + w, py(v), x + w + TICK, py(v)),
+            Text(x + w + TICK + PAD, py(v), lab, SMALL, "left", "center"),
         )
-    s.panels[label] = Panel(label, box, yticks=tuple(tlabel(v) for v in ticks), vmin=lo, vmax=hi)
+    s.panels[label] = Panel(label, box, yticks=tuple(lab for _, lab in ticks), vmin=lo, vmax=hi)
 
 
 def _bars(s: Scene, box: Box, d: DiffPlot) -> None:
@@ -244,8 +285,16 @@ def _bars(s: Scene, box: Box, d: DiffPlot) -> None:
     finite = [b.rel for b in bars if math.isfinite(b.rel)]
     cap = max(finite) * 10 if finite else 1.0
     widths = [b.rel if math.isfinite(b.rel) else cap for b in bars]
-    lo, hi = min(widths) / 3, max(widths) * 30
-    a, span = math.log10(lo), math.log10(hi) - math.log10(lo)
+    notes = [bar_note(b) for b in bars]
+    lo = min(widths) / 3
+    a = math.log10(lo)
+    # the axis reaches far enough right that every bar's numbers end inside the panel
+    room = [w - 0.3 * SMALL - text_width(t, SMALL) - PAD for t in notes]
+    span = max(
+        [math.log10(max(widths) * 30) - a]
+        + [(math.log10(v) - a) * w / r for v, r in zip(widths, room, strict=True)]
+    )
+    hi = 10 ** (a + span)
     n = len(bars)
     y0, y1 = -0.4 - 0.05 * (n - 0.2), n - 0.6 + 0.05 * (n - 0.2)  # matplotlib's 5% margins
 
@@ -256,15 +305,26 @@ def _bars(s: Scene, box: Box, d: DiffPlot) -> None:
         return y + h * (i - y0) / (y1 - y0)
 
     bh = 0.8 * h / (y1 - y0)
-    for i, (b, wd) in enumerate(zip(bars, widths, strict=True)):
-        cos = "" if b.cosine is None else f"cos {b.cosine:.6g}"
-        note = " ".join(t for t in ("inf" if math.isinf(b.rel) else f"{b.rel:.3g}", cos, b.marks) if t)
+    for i, (wd, note) in enumerate(zip(widths, notes, strict=True)):
         s.add(Rect(x, py(i) - bh / 2, px(wd) - x, bh, BAR), Text(px(wd) + 0.3 * SMALL, py(i), note, SMALL))
     s.add(Rect(x, y, w, h, None, "#000000"))
     labels = [short(b.key) for b in bars]
     _yticks(s, box, [py(i) for i in range(n)], labels)
-    ticks = log_ticks(lo, hi)
+
+    def extent(v: float, lab: str) -> tuple[float, float]:
+        half = text_width(lab, SMALL) / 2
+        return px(v) - half, px(v) + half
+
+    fits = [v for v in fitting_log_ticks(lo, hi, extent, 0.8 * SMALL)]
+    ticks = [v for v in fits if extent(v, tlabel(v))[0] >= x and extent(v, tlabel(v))[1] <= x + w]
     _xticks(s, box, [px(v) for v in ticks], [tlabel(v) for v in ticks], 0, SMALL)
     s.panels["top"] = Panel(
-        "top", box, title, yticks=tuple(labels), values=np.array(widths), vmin=lo, vmax=hi
+        "top",
+        box,
+        title,
+        xticks=tuple(tlabel(v) for v in ticks),
+        yticks=tuple(labels),
+        values=np.array(widths),
+        vmin=lo,
+        vmax=hi,
     )

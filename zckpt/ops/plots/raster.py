@@ -1,5 +1,5 @@
 """Painting a ``Scene`` into a PNG with Pillow (matplotlib's own dependency) and matplotlib's DejaVu Sans
-fonts, read from its package folder without importing it: a few hundredths of a second for the diff figure.
+fonts (``fonts``): a few hundredths of a second for the diff figure.
 
 Text is anchored as the scene says (``Text.ha`` / ``va``); rotated text is drawn upright into a mask, turned
 and pasted so that its turned box meets the anchor. Cells are scaled up nearest-neighbour. No timestamp or
@@ -8,17 +8,12 @@ version goes into the file: the same scene gives the same bytes.
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import os
-from functools import lru_cache
 from typing import Any
 
 from zckpt.ops.plots.colours import rgb
+from zckpt.ops.plots.fonts import HA, VA, font, painted_size
 from zckpt.ops.plots.scene import Cells, Line, Poly, Rect, Scene, Text
-
-_VA = {"top": "a", "center": "m", "bottom": "d"}
-_HA = {"left": "l", "center": "m", "right": "r"}
 
 
 def png(scene: Scene) -> bytes:
@@ -55,9 +50,9 @@ def png(scene: Scene) -> bytes:
 
 
 def _text(im: Any, draw: Any, t: Text) -> None:
-    f = font(round(t.size * 4) / 4, t.bold)
+    f = font(painted_size(t.size), t.bold)
     if not t.rotate:
-        draw.text((t.x, t.y), t.text, font=f, fill=t.colour, anchor=_HA[t.ha] + _VA[t.va])
+        draw.text((t.x, t.y), t.text, font=f, fill=t.colour, anchor=HA[t.ha] + VA[t.va])
         return
     from PIL import Image, ImageDraw
 
@@ -69,18 +64,3 @@ def _text(im: Any, draw: Any, t: Text) -> None:
     x = t.x - {"left": 0, "center": w / 2, "right": w}[t.ha]
     y = t.y - {"top": 0, "center": h / 2, "bottom": h}[t.va]
     im.paste(rgb(t.colour), (round(x), round(y)), mask)
-
-
-@lru_cache(maxsize=16)
-def font(size: float, bold: bool = False) -> Any:
-    """DejaVu Sans at ``size`` pixels, from matplotlib's package data (Pillow's default font without it)."""
-    from PIL import ImageFont
-
-    spec = importlib.util.find_spec("matplotlib")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(
-            folder, "mpl-data", "fonts", "ttf", "DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf"
-        )
-        if os.path.isfile(path):
-            return ImageFont.truetype(path, size)
-    return ImageFont.load_default(size)

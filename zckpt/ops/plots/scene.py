@@ -10,6 +10,7 @@ per axes-like part (``rel``, ``cos``, ``strip_rel``, ``strip_cos``, ``colorbar_r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -132,6 +133,54 @@ def log_ticks(lo: float, hi: float, numticks: int = 9) -> list[float]:
     return out
 
 
-def tick_label(v: float) -> str:
-    """``1e-03``: plain labels at the decades."""
-    return f"{v:.0e}"
+def tick_label(v: float, digits: int = 1) -> str:
+    """``1e-03`` at the decades and their 2s and 5s; with more ``digits``, ``1.3e-06`` (trailing zeros of
+    the mantissa dropped: ``1e-06``, not ``1.0e-06``)."""
+    text = f"{v:.{max(0, digits - 1)}e}"
+    mant, exp = text.split("e")
+    if "." in mant:
+        mant = mant.rstrip("0").rstrip(".")
+    return f"{mant}e{exp}"
+
+
+def end_labels(lo: float, hi: float) -> tuple[str, str]:
+    """Labels of a scale's two ends with the fewest significant digits (2 to 8) that tell them apart."""
+    for digits in range(2, 9):
+        a, b = tick_label(lo, digits), tick_label(hi, digits)
+        if a != b:
+            return a, b
+    return a, b
+
+
+def thin(candidates: list[tuple[float, str]], extent: Callable[[float, str], tuple[float, float]],
+         gap: float, fixed: int = 0) -> list[tuple[float, str]]:  # fmt: skip
+    """Keep the ticks whose labels do not overlap: ``candidates`` in priority order (the first ``fixed``
+    always kept), ``extent(value, label)`` the label's span along the axis, ``gap`` the space kept between
+    two labels. A label that repeats a kept one is dropped."""
+    kept: list[tuple[float, str]] = []
+    spans: list[tuple[float, float]] = []
+    for i, (v, lab) in enumerate(candidates):
+        lo, hi = extent(v, lab)
+        clash = any(lo < b + gap and a < hi + gap for a, b in spans) or any(lab == k for _, k in kept)
+        if i < fixed or not clash:
+            kept.append((v, lab))
+            spans.append((lo, hi))
+    return sorted(kept)
+
+
+def fitting_log_ticks(lo: float, hi: float, extent: Callable[[float, str], tuple[float, float]],
+                      gap: float) -> list[float]:  # fmt: skip
+    """The densest evenly spaced log ticks over ``lo..hi`` whose labels (``tick_label``) do not overlap:
+    1, 2 and 5 times each decade, else each decade, else every 2nd, 3rd, ... decade (matplotlib's
+    ``LogLocator`` thins the same way); ``extent(value, label)`` is a label's span along the axis."""
+    k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    sets = [[m * 10.0**k for k in range(k0, k1 + 1) for m in (1.0, 2.0, 5.0)]]
+    sets += [
+        [10.0**k for k in range(k0, k1 + 1) if (k - k0) % stride == 0] for stride in range(1, k1 - k0 + 2)
+    ]
+    for vals in sets:
+        ticks = [v for v in vals if lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)]
+        cands = [(v, tick_label(v)) for v in ticks]
+        if ticks and len(thin(cands, extent, gap)) == len(cands):
+            return ticks
+    return []
