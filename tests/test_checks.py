@@ -166,7 +166,7 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     hf = tmp_path / "hf"
     zckpt.consolidate(src, hf, progress=False)
     st = next(hf.glob("*.safetensors"))
-    assert (hf / (st.name + ".sha256")).is_file()
+    assert (hf / (st.name + ".sha256.json")).is_file()
     nat = tmp_path / "nat"
     zckpt.reshard(src, nat, world=2, to="native", progress=False)
     rank1 = next(nat.glob("*/rank_00001.safetensors"))
@@ -180,7 +180,7 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
 
     params = {k: e for k, e in read_header(rank1).tensors.items() if k.startswith("param/")}
     big = max(params.items(), key=lambda kv: kv[1].numel)[0]
-    sha, crc = "does not match the sha256", "fails its CRC-32 check"
+    sha, crc = "match the sha256", "fails its CRC-32 check"
     old = tmp_path / "nat-old"  # a version-1 manifest (no per-tensor CRCs): the file sha256 is checked
     shutil.copytree(nat, old)
     mf = next(old.glob("*/manifest.json"))

@@ -71,8 +71,10 @@ def _check_json(r: VerifyReport) -> None:
 def test_clean_safetensors_with_sidecar(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     _write_st(f)
-    side = f.with_name(f.name + ".sha256").read_text().split()
-    assert side == [hashlib.sha256(f.read_bytes()).hexdigest(), f.name]  # independent of our code
+    side = json.loads(f.with_name(f.name + ".sha256.json").read_text())  # block digests (16 MiB blocks)
+    raw, b = f.read_bytes(), side["block"]
+    assert side["file"] == f.name and side["size"] == len(raw) and b == 16 << 20
+    assert side["sha256"] == [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
     r = verify(f)
     assert r.ok and r.checksums == 1 and r.format == "hf", r.to_text()
     assert r.to_text().endswith("OK")

@@ -89,7 +89,8 @@ class Role(str, enum.Enum):
 class Checked:
     """A stored byte range whose checksum is recorded: ``size`` bytes at ``start`` of ``file`` with CRC-32
     ``crc32`` (a zip record), or a whole file with its ``sha256`` (a ``.sha256`` sidecar, a native
-    manifest's digest); ``what`` names it. Pieces inside it carry it so reads can verify it."""
+    manifest's digest) or its ``blocks``' sha256s (a ``.sha256.json`` sidecar); ``what`` names it. Pieces
+    inside it carry it so reads can verify it."""
 
     file: str
     start: int
@@ -97,6 +98,9 @@ class Checked:
     crc32: int | None
     what: str
     sha256: str | None = None
+    block: int = 0
+    """With ``blocks``: the file's sha256 per ``block`` bytes (a ``.sha256.json`` sidecar), not whole."""
+    blocks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,7 @@ from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import integrity, safetensors, storage
-from zckpt.io.integrity import Problem, VerifyContext
+from zckpt.io.integrity import SIDECARS, Problem, VerifyContext
 from zckpt.io.items import WriteItem
 from zckpt.io.shards import planned_names, write_sharded
 from zckpt.io.staging import Staging
@@ -64,15 +64,30 @@ _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
 def _sidecar_check(path: Path) -> Checked | None:
-    """The whole-file sha256 of ``<path>.sha256``, verified as the file's tensors are read."""
+    """The whole-file sha256 of ``<path>.sha256``, or the block sha256s of ``<path>.sha256.json``, verified as
+    the file's tensors are read."""
     digest = integrity.sidecar_digest(path)
     if isinstance(digest, Problem):
         raise CorruptCheckpoint(
             str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
         )
-    if digest is None:
+    if digest is not None:
+        return Checked(str(path), 0, os.stat(path).st_size, None, "checksum sidecar", sha256=digest)
+    blocks = integrity.block_sidecar_digest(path)
+    if isinstance(blocks, Problem):
+        raise CorruptCheckpoint(
+            str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
+        )
+    if blocks is None:
         return None
-    return Checked(str(path), 0, os.stat(path).st_size, None, "checksum sidecar", sha256=digest)
+    d, size = blocks
+    if size != os.stat(path).st_size:
+        raise CorruptCheckpoint(
+            f"{path}: {os.stat(path).st_size} bytes, but its block-digest sidecar records {size}",
+            hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
+            path=str(path),
+        )
+    return Checked(str(path), 0, size, None, "block-digest sidecar", block=d.block, blocks=d.blocks)
 
 
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
@@ -296,7 +311,7 @@ def verify_index(p: Path) -> list[Problem]:
                 )
     if indexes and readable:  # with an index unreadable, every shard would look unlisted
         for f in sorted(p.iterdir()):
-            if _SHARD_RE.match(f.name) and not f.name.endswith(".sha256") and f.name not in listed:
+            if _SHARD_RE.match(f.name) and not f.name.endswith(SIDECARS) and f.name not in listed:
                 why = "shard file not listed in the index (stale from another save?)"
                 out.append(Problem(str(f), why, "stale", "move it away"))
     return out

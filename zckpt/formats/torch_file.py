@@ -28,6 +28,7 @@ from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import storage, torchzip
+from zckpt.io.digest import BLOCK_BYTES, FileDigest
 from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.shards import planned_names, write_sharded
@@ -199,8 +200,9 @@ def write_file(
     *,
     tied: Mapping[str, str] | None = None,
     on_bytes: Callable[[int], None] | None = None,
-) -> str:
-    """Stream ``items`` into a new torch zip file (plus ``.sha256`` sidecar); returns the sha256."""
+) -> FileDigest:
+    """Stream ``items`` into a new torch zip file (plus its ``.sha256.json`` block-digest sidecar); returns
+    its digest."""
     slots = {
         it.name: TensorSlot(StorageSlot(str(i), it.dtype, it.numel), it.shape) for i, it in enumerate(items)
     }
@@ -209,7 +211,7 @@ def write_file(
     for alias, owner in aliases.items():
         sd[alias] = slots[owner]
     roles = {it.name: it.role.value for it in items if it.role is not Role.PARAM}
-    sink = HashingSink(path)
+    sink = HashingSink(path, block=BLOCK_BYTES)  # its sidecar: block digests, hashed on several cores
     try:
         zw = TorchZipWriter(sink)
         zw.write_header_records(dumps(sd))
@@ -228,7 +230,7 @@ def write_file(
     finally:
         sink.close()
     sink.write_sidecar()
-    return sink.hexdigest()
+    return sink.digest()
 
 
 class BinWriter(ModelWriter):
@@ -241,7 +243,7 @@ class BinWriter(ModelWriter):
     ) -> list[str]:
         """Aliases are listed in the index beside their owner (the ``.bin`` convention)."""
 
-        def one(p: Path, shard: list[WriteItem]) -> str:
+        def one(p: Path, shard: list[WriteItem]) -> FileDigest:
             return write_file(p, shard, tied=opts.tied, on_bytes=opts.on_bytes)
 
         return write_sharded(folder, base, items, opts.max_shard_size, one, aliases=opts.tied, part=opts.part)

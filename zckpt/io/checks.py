@@ -116,6 +116,9 @@ class _Digest:
     def __init__(self, check: Checked) -> None:
         self.check = check
         self.sha = hashlib.sha256()
+        self._in_block = 0  # bytes of the current block hashed (block digests)
+        self._block_i = 0  # the current block
+        self._bad: list[int] = []  # blocks whose sha256 differs
         self.at = 0
         self.held: dict[int, bytes] = {}
         self.held_bytes = 0
@@ -130,7 +133,7 @@ class _Digest:
         n = memoryview(data).nbytes
         if not stable or n < _ASYNC_MIN:
             self._drain(0)
-            self.sha.update(data)
+            self._feed(data)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-digest")
@@ -141,8 +144,29 @@ class _Digest:
     def _hash_mapped(self, data: Any, at: int) -> None:
         """Hash bytes of the file's mapping at ``at``, then drop its pages again (the reader released them
         already; hashing faulted them back in)."""
-        self.sha.update(data)
+        self._feed(data)
         storage.release(self.check.file, self.check.start + at, memoryview(data).nbytes)
+
+    def _feed(self, data: Any) -> None:
+        """The next bytes of the file into the sha256: the whole file's, or (block digests) the current
+        block's, compared with the recorded one when the block is complete."""
+        if not self.check.blocks:
+            self.sha.update(data)
+            return
+        mv, pos = memoryview(data).cast("B"), 0
+        while pos < len(mv):
+            take = mv[pos : pos + self.check.block - self._in_block]
+            self.sha.update(take)
+            self._in_block += len(take)
+            pos += len(take)
+            if self._in_block == self.check.block:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        i = self._block_i
+        if i >= len(self.check.blocks) or self.sha.hexdigest() != self.check.blocks[i]:
+            self._bad.append(i)
+        self.sha, self._in_block, self._block_i = hashlib.sha256(), 0, i + 1
 
     def _drain(self, keep: int) -> None:
         while self._queued and self._queued_bytes > keep:
@@ -198,7 +222,24 @@ class _Digest:
         with self.lock:
             self._advance(self.check.size)
             self._drain(0)
-            got = self.sha.hexdigest()
+            if self.check.blocks:
+                if self._in_block:
+                    self._end_block()
+                got = ""
+            else:
+                got = self.sha.hexdigest()
+        if self.check.blocks:
+            if self._bad:
+                lo = self._bad[0] * self.check.block
+                hi = min(self.check.size, lo + self.check.block)
+                raise CorruptCheckpoint(
+                    f"{self.check.file}: bytes [{lo}, {hi}) do not match the sha256 in its "
+                    f"{self.check.what} ({len(self._bad)} of {len(self.check.blocks)} blocks differ); the "
+                    "file changed after the save",
+                    hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
+                    path=self.check.file,
+                )
+            return
         if got != self.check.sha256:
             raise CorruptCheckpoint(
                 f"{self.check.file}: does not match the sha256 in its {self.check.what} (recorded "
@@ -222,7 +263,7 @@ class Session:
         lo = byte_offset - check.start
         if lo < 0 or lo + len(data) > check.size or not len(data):
             return
-        if check.sha256 is not None:
+        if check.sha256 is not None or check.blocks:
             with self._lock:
                 d = self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
             d.add(lo, data, stable)

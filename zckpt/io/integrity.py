@@ -9,6 +9,7 @@ digests recorded by a format's own manifest, compared through ``compare_sha`` (w
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -26,10 +27,19 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.io import storage
-from zckpt.io.digest import FileDigest, block_digests
+from zckpt.io.digest import BLOCK_SIDECAR, FileDigest, block_digests
 from zckpt.io.scan import Scanner, sha256_file
 
 SIDECAR = ".sha256"
+SIDECARS = (SIDECAR, BLOCK_SIDECAR)
+"""Every sidecar suffix zckpt writes: ``sha256sum`` lines and block digests (``zckpt.io.digest``)."""
+
+
+def sidecar_suffix(name: str) -> str:
+    """The sidecar suffix ``name`` ends with, or ``""`` when it is no sidecar."""
+    return next((s for s in SIDECARS if name.endswith(s)), "")
+
+
 KINDS = ("missing", "truncated", "corrupt", "checksum", "stale", "inconsistent", "unsupported", "unsafe")
 
 
@@ -150,12 +160,61 @@ def sidecar_digest(f: Path) -> str | Problem | None:
     return fields[0].lower()
 
 
+def block_sidecar_digest(f: Path) -> tuple[FileDigest, int] | Problem | None:
+    """The block digests and size that ``<f>.sha256.json`` records for ``f``
+    (``zckpt.io.digest.write_block_sidecar``); None when there is none; a ``Problem`` naming the sidecar when
+    it is not one for ``f``."""
+    side = f.with_name(f.name + BLOCK_SIDECAR)
+    if not side.is_file():
+        return None
+    try:
+        doc = json.loads(
+            storage.read_capped(side, 64 << 20, "a block-digest sidecar", "restore or delete it")
+        )
+    except (OSError, UnicodeDecodeError, ValueError, CorruptCheckpoint) as e:
+        return Problem(str(side), f"unreadable checksum sidecar ({str(e)[:100]})", "corrupt")
+    size, block = (doc.get("size"), doc.get("block")) if isinstance(doc, dict) else (None, None)
+    digests = doc.get("sha256") if isinstance(doc, dict) else None
+    ok = (
+        type(size) is int and size >= 0 and type(block) is int and block > 0 and isinstance(digests, list)
+        and len(digests) == -(-size // block)
+        and all(isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in digests)
+    )  # fmt: skip
+    if not ok:
+        return Problem(
+            str(side), "not a block-digest sidecar (size, block and one sha256 per block)", "corrupt"
+        )
+    if doc.get("file") != f.name:
+        return Problem(
+            str(side), f"checksum sidecar names {doc.get('file')!r:.80}, not {f.name!r}", "inconsistent"
+        )
+    assert isinstance(block, int) and isinstance(size, int) and isinstance(digests, list)
+    return FileDigest(block=block, blocks=tuple(digests)), size
+
+
 def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
-    """``f`` against its ``<f>.sha256`` sidecar, when it has one."""
+    """``f`` against its sidecars, when it has them: ``<f>.sha256`` (``sha256sum``) and ``<f>.sha256.json``
+    (block digests, checked on several cores)."""
+    out: list[Problem] = []
     want = sidecar_digest(f)
-    if want is None or isinstance(want, Problem):
-        return [want] if want else []
-    return compare_sha(f, want, f.name + SIDECAR, ctx)
+    if isinstance(want, Problem):
+        out.append(want)
+    elif want is not None:
+        out += compare_sha(f, want, f.name + SIDECAR, ctx)
+    blocks = block_sidecar_digest(f)
+    if isinstance(blocks, Problem):
+        out.append(blocks)
+    elif blocks is not None:
+        digest, size = blocks
+        have = f.stat().st_size
+        if have != size:
+            kind = "truncated" if have < size else "corrupt"
+            msg = f"{have} bytes, but {f.name + BLOCK_SIDECAR} records {size}"
+            hint = "the file changed after it was written (partial copy, or edited)"
+            out.append(Problem(str(f), msg, kind, hint))
+        else:
+            out += compare_digest(f, digest, size, f.name + BLOCK_SIDECAR, ctx)
+    return out
 
 
 def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
@@ -164,8 +223,8 @@ def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
     folders = {f.parent for f in files} | ({p} if p.is_dir() else set())
     out = []
     for d in sorted(folders):
-        for side in sorted(d.glob(f"*{SIDECAR}")):
-            target = side.with_name(side.name[: -len(SIDECAR)])
+        for side in sorted([*d.glob(f"*{SIDECAR}"), *d.glob(f"*{BLOCK_SIDECAR}")]):
+            target = side.with_name(side.name[: -len(sidecar_suffix(side.name))])
             if not target.exists() and target.resolve() not in known:
                 out.append(
                     Problem(str(target), f"missing (its checksum sidecar {side.name} exists)", "missing")

@@ -28,7 +28,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.io import pipeline, storage
-from zckpt.io.digest import FileDigest
+from zckpt.io.digest import BLOCK_BYTES, FileDigest
 from zckpt.io.direct_io import WriteOptions
 from zckpt.io.integrity import Problem, problem_from
 from zckpt.io.items import WriteItem, tensor_bytes
@@ -239,9 +239,12 @@ def write_file(
 ) -> FileRecord:
     """Stream ``items`` into a new safetensors file at ``path`` (which must not exist): header first, then
     each tensor in bounded chunks (a whole in-memory host tensor of the output dtype straight from its
-    memory); with ``sidecar`` also ``<path>.sha256``; with ``crc`` each tensor's CRC-32 in the record; with
+    memory); with ``sidecar`` also ``<path>.sha256.json`` (block digests, ``BLOCK_BYTES`` unless ``block``
+    says otherwise); with ``crc`` each tensor's CRC-32 in the record; with
     ``block`` the record's digest is per ``block`` bytes (``zckpt.io.digest``: computed on several cores)."""
     plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
+    if sidecar and block is None:  # a block-digest sidecar: hashed on several cores as it is written
+        block = BLOCK_BYTES
     sink = HashingSink(path, opts, plan.regions() if crc else (), block)
     try:
         sink.write(plan.header)

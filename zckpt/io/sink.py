@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.io import direct_io
-from zckpt.io.digest import FileDigest, StreamHasher
+from zckpt.io.digest import FileDigest, StreamHasher, write_block_sidecar
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
 """Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
@@ -194,7 +194,12 @@ class HashingSink(io.RawIOBase):
         io.RawIOBase.close(self)
 
     def write_sidecar(self) -> Path:
-        """Write ``<file>.sha256`` (``sha256sum`` format) next to the file; call after ``close()``."""
+        """Write the sidecar next to the file (call after ``close()``): ``<file>.sha256.json`` for a sink
+        made with ``block`` (``zckpt.io.digest.write_block_sidecar``), else ``<file>.sha256`` (``sha256sum``
+        format)."""
+        d = self._hasher.digest()
+        if d.sha256 is None:
+            return write_block_sidecar(self.path, d, self._pos, durable=self._durable_now)
         side = self.path.with_name(self.path.name + ".sha256")
         with open(side, "x") as f:
             f.write(f"{self.hexdigest()}  {self.path.name}\n")

@@ -26,6 +26,9 @@ from types import TracebackType
 
 from zckpt.errors import OutputExists, WriteFailed
 from zckpt.io import sink
+from zckpt.io.digest import BLOCK_SIDECAR
+
+_SIDECARS = (".sha256", BLOCK_SIDECAR)
 
 _WRITE_HINTS = {
     errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
@@ -138,7 +141,10 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
     """Files of an earlier sharded output ``dest`` (``model-0000k-of-0000n.safetensors``, their sidecars,
     ``dest``'s index) that a new output with files ``keep`` does not overwrite."""
     stem, dot, suffix = dest.name.partition(".")
-    rx = re.compile(rf"^{re.escape(stem)}(?:{_SHARD})?{re.escape(dot + suffix)}(?:\.sha256|\.index\.json)?$")
+    rx = re.compile(
+        rf"^{re.escape(stem)}(?:{_SHARD})?{re.escape(dot + suffix)}"
+        r"(?:\.sha256|\.sha256\.json|\.index\.json)?$"
+    )
     try:
         return [f for f in dest.parent.iterdir() if rx.match(f.name) and f.name not in keep and f.is_file()]
     except OSError:
@@ -212,12 +218,15 @@ class Staging:
         else:
             final = []
             # shards of a file OUT have other names: check them too (a sidecar follows its file)
-            self.expect([n for n in names if not n.endswith(".sha256")])
+            self.expect([n for n in names if not n.endswith(_SIDECARS)])
             stale = stale_shards(self.dest, set(names)) if self.overwrite else []
             # an old sidecar must never sit beside a new file (a kill between the two renames below)
             for n in names:
-                if n.endswith(".sha256"):
+                if n.endswith(_SIDECARS):
                     (self.dest.parent / n).unlink(missing_ok=True)
+                else:  # nor one of the other kind (an output of an earlier zckpt)
+                    for side in _SIDECARS:
+                        (self.dest.parent / (n + side)).unlink(missing_ok=True)
             for n in names:  # sorted: each file before its sidecar
                 move(self.dir / n, self.dest.parent / n, replace=self.overwrite)
                 final.append(self.dest.parent / n)

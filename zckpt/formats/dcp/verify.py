@@ -25,7 +25,7 @@ from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
 from zckpt.formats.dcp.read import load_folder, pieces
 from zckpt.io import safetensors, scan, spans
-from zckpt.io.integrity import SIDECAR, Problem, VerifyContext, check_sidecar, problem_from
+from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 from zckpt.io.torchzip import check_archive_at
 from zckpt.model import Role, TensorEntry
 
@@ -116,7 +116,7 @@ def _tiling(md: DcpMetadata) -> list[Problem]:
 
 def _strays(md: DcpMetadata) -> list[Problem]:
     named = {Path(i.file).name for i in md.storage.values()} | {METADATA}
-    named |= {n + SIDECAR for n in named}
+    named |= {n + side for n in named for side in SIDECARS}
     out = []
     for f in sorted(md.folder.iterdir()):
         if f.is_file() and f.name not in named:
