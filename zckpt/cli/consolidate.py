@@ -118,3 +118,5 @@ def command(
         o.text(f"  {f}")
     if res.tied:
         o.text("tied: " + ", ".join(f"{a} -> {w}" for a, w in res.tied.items()))
+    if res.kept:
+        o.text("kept (not written by zckpt): " + ", ".join(res.kept))

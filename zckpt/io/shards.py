@@ -52,6 +52,23 @@ def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | N
     return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
 
 
+HF_WEIGHT_BASES = ("model.safetensors", "pytorch_model.bin")
+"""The weight files zckpt writes into an HF folder (transformers' SAFE_WEIGHTS_NAME, WEIGHTS_NAME)."""
+
+
+def family(bases: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a file name belongs to the model files written under one of ``bases``: the base itself, its
+    shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the ``.sha256`` sidecars
+    of these. What ``--overwrite`` of an HF folder replaces, and nothing else (transformers'
+    ``save_pretrained`` removes only stale shards of its own weights name the same way)."""
+    alts = []
+    for b in bases:
+        stem, dot, suffix = b.partition(".")
+        alts.append(rf"{re.escape(stem)}(?:-\d{{5}}-of-\d{{5}})?{re.escape(dot + suffix)}(?:\.index\.json)?")
+    rx = re.compile(rf"^(?:{'|'.join(alts)})(?:\.sha256)?$")
+    return lambda name: rx.match(name) is not None
+
+
 def shard_names(base: str, n: int) -> list[str]:
     """``model.safetensors`` -> ``model-00001-of-00003.safetensors`` ... (just ``base`` when n == 1)."""
     if n == 1:

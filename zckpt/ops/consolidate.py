@@ -52,7 +52,7 @@ from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
-from zckpt.io.shards import parse_size, plan_shards, planned_names
+from zckpt.io.shards import HF_WEIGHT_BASES, family, parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_precision
 from zckpt.ops import group as zgroup
@@ -75,6 +75,8 @@ class ConsolidateResult:
     """Output dtype name -> number of tensors written in it."""
     copied: tuple[str, ...] = ()
     """HF config/tokenizer files copied from beside the checkpoint."""
+    kept: tuple[str, ...] = ()
+    """Files of an existing output folder that zckpt did not write, kept by ``overwrite``."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,7 +88,14 @@ class ConsolidateResult:
             "tied": dict(self.tied),
             "dtypes": dict(self.dtypes),
             "copied": list(self.copied),
+            "kept": list(self.kept),
         }
+
+
+_OWNS = family(HF_WEIGHT_BASES)
+"""What ``overwrite`` of an HF folder replaces: the weight files zckpt writes there (either format's shard
+set, index and sidecars; a stale set of the other format would shadow the new one in ``from_pretrained``);
+the HF files copied in replace their namesakes; every other file is kept (``zckpt.io.staging``)."""
 
 
 def _writers() -> list[ModelWriter]:
@@ -226,7 +235,9 @@ def consolidate(
             extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
             st = (
-                stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite)) if g.rank == 0 else None
+                stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
+                if g.rank == 0
+                else None
             )
             if st is not None:
                 st.expect(planned_names(base, items, shard))
@@ -236,11 +247,11 @@ def consolidate(
         staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        files = _write(g, p, Path(staging), st, progress, workers, verify_data)
-    return _result(out, p, files)
+        files, kept = _write(g, p, Path(staging), st, progress, workers, verify_data)
+    return _result(out, p, files, kept)
 
 
-def _result(out: Path, p: _Plan, files: list[Path]) -> ConsolidateResult:
+def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> ConsolidateResult:
     counts: dict[str, int] = {}
     for it in p.items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
@@ -254,6 +265,7 @@ def _result(out: Path, p: _Plan, files: list[Path]) -> ConsolidateResult:
         tied=p.tied,
         dtypes=counts,
         copied=tuple(f.name for f in p.extras),
+        kept=kept,
     )
 
 
@@ -281,7 +293,7 @@ def _write(
     progress: bool,
     workers: int | None,
     verify_data: bool,
-) -> list[Path]:
+) -> tuple[list[Path], tuple[str, ...]]:
     """Every rank writes its shards (rank 0 also the index), then rank 0 adds the HF files and publishes."""
     mine = sum(it.nbytes for s in plan_shards(p.items, p.shard)[g.rank :: g.world] for it in s)
 
@@ -293,11 +305,11 @@ def _write(
 
     g.step("consolidate: writing shards", write)
 
-    def publish() -> list[str] | None:
+    def publish() -> tuple[list[str], list[str]] | None:
         if st is None:
             return None
         hf_files.copy(p.extras, st.dir, {it.dtype for it in p.items if it.role is not Role.BUFFER})
-        return [str(f) for f in st.commit()]
+        return [str(f) for f in st.commit()], st.kept
 
-    final = g.step("consolidate: publishing the output", publish)
-    return [Path(f) for f in g.broadcast(final)]
+    final, kept = g.broadcast(g.step("consolidate: publishing the output", publish))
+    return [Path(f) for f in final], tuple(kept)

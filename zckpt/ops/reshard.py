@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,32 @@ class ReshardResult:
     bytes_written: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+_CHECKPOINT_FILE = re.compile(
+    r"^(?:latest|\.metadata|__\d+_\d+\.distcp"  # the tag pointer; a DCP folder's files
+    r"|[^/]+/(?:manifest\.json|rank_\d{5}\.safetensors"  # a tag folder: native, then DeepSpeed
+    r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt|mp_rank_\d+_model_states\.pt)"
+    r")(?:\.sha256)?$"
+)
+"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag)."""
+
+
+def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
+    """What ``--overwrite`` may replace in an existing DST: the files of a checkpoint reshard writes
+    (``_CHECKPOINT_FILE``: rank files of any world size, so no stale rank file survives to pass for part
+    of the new set), and for an HF Trainer output the files it copies in and the RNG files of any rank.
+    Anything else in DST refuses the run before any work, naming the files (never delete a file zckpt did
+    not write; ``zckpt.io.staging``)."""
+    copied = set(side.copies) | {trainer_files.TRAINER_STATE} if side is not None else set()
+    rng = re.compile(r"^rng_state(?:_\d+)?\.pth$")
+
+    def owns(rel: str) -> bool:
+        return bool(_CHECKPOINT_FILE.match(rel)) or (
+            side is not None and (rel in copied or bool(rng.match(rel)))
+        )
+
+    return owns
 
 
 def default_dst(src: Path, world: int) -> Path:
@@ -182,7 +210,9 @@ def reshard(
 
         def make_staging() -> Staging | None:
             return (
-                stack.enter_context(Staging(job.dst, is_dir=True, overwrite=overwrite))
+                stack.enter_context(
+                    Staging(job.dst, is_dir=True, overwrite=overwrite, owns=_owns(job.side), foreign="refuse")
+                )
                 if g.rank == 0
                 else None
             )
