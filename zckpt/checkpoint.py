@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from zckpt.errors import CorruptCheckpoint, KeyMappingError
+from zckpt.errors import CorruptCheckpoint, MissingKey
 from zckpt.io import spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
@@ -75,7 +75,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         try:
             return self.entries[owner]
         except KeyError:
-            raise KeyMappingError(
+            raise MissingKey(  # a KeyError: ``ck.get(name, default)`` and ``except KeyError`` work (Mapping)
                 f"{self.meta.path}: no tensor {key!r}", hint="`zckpt inspect` lists the keys"
             ) from None
 

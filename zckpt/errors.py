@@ -3,12 +3,12 @@
 The CLI prints ``str(err)`` on one line and ``hint: ...`` when the error carries a hint; tracebacks
 only with ``ZCKPT_DEBUG=1``.
 
-Where a builtin exception means the same thing, the error also subclasses it (Python's own convention,
-followed by pip's and huggingface_hub's errors), so plain ``except`` clauses work: ``MissingKey`` is a
-``KeyError`` (``Checkpoint`` is a ``Mapping``: ``ck.get(name, default)``), ``InvalidArgument`` a
+Where a builtin exception means the same thing, the error also subclasses it (as huggingface_hub's
+``LocalEntryNotFoundError`` is a ``FileNotFoundError``), so plain ``except`` clauses work: ``MissingKey``
+is a ``KeyError`` (``Checkpoint`` is a ``Mapping``: ``ck.get(name, default)``), ``InvalidArgument`` a
 ``ValueError`` (bad dtype, size, format names), ``PathNotFound`` a ``FileNotFoundError`` and
-``OutputNotWritable`` a ``PermissionError``. Messages stay plain text (``MissingKey`` does not quote its
-message as ``KeyError`` does).
+``PermissionDenied`` (``OutputNotWritable`` for outputs) a ``PermissionError``. Messages stay plain text
+(``MissingKey`` does not quote its message as ``KeyError`` does).
 """
 
 from __future__ import annotations
@@ -66,9 +66,13 @@ class Unsupported(ZckptError):
     """A valid checkpoint using a feature zckpt does not handle (yet)."""
 
 
+class PermissionDenied(ZckptError, PermissionError):
+    """The operating system refused access to a path (a ``PermissionError``)."""
+
+
 class WriteFailed(ZckptError):
     """Writing an output failed (disk full, file too large, I/O error); its temporary files were removed."""
 
 
-class OutputNotWritable(WriteFailed, PermissionError):
+class OutputNotWritable(WriteFailed, PermissionDenied):
     """The output's folder refuses the write (no permission); nothing was written (a ``PermissionError``)."""

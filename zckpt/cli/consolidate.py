@@ -27,22 +27,17 @@ from zckpt.cli._output import Output, human_bytes
 NAME = "consolidate"
 
 
-class Dtype(str, enum.Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
 class Format(str, enum.Enum):
     safetensors = "safetensors"
     bin = "bin"
 
 
-DtypeOpt = Annotated[
-    Dtype,
-    typer.Option("--dtype", help="Output dtype of floating tensors; auto = the run's training precision "
-                 "(DeepSpeed bf16/fp16 -> that dtype), else each tensor's own."),
+DtypeOpt = Annotated[  # a string: zckpt.model.parse_output_dtype reads torch's and HF's names too
+    str,
+    typer.Option("--dtype", metavar="<auto|fp32|bf16|fp16>",
+                 help="Output dtype of floating tensors; auto = params in the run's training precision "
+                 "(DeepSpeed bf16/fp16 -> that dtype), else their own; buffers as stored. "
+                 "Also bfloat16, float32..."),
 ]  # fmt: skip
 KeepFp32Opt = Annotated[
     list[str] | None,
@@ -70,7 +65,7 @@ ExcludeFrozenOpt = Annotated[
 def command(
     ckpt: CkptArg,
     out: OutArg,
-    dtype: DtypeOpt = Dtype.auto,
+    dtype: DtypeOpt = "auto",
     keep_fp32: KeepFp32Opt = None,
     max_shard_size: MaxShardOpt = None,
     tag: TagOpt = None,
@@ -95,7 +90,7 @@ def command(
     res = consolidate(
         ckpt,
         out,
-        dtype=dtype.value,
+        dtype=dtype,
         keep_fp32=tuple(keep_fp32 or ()),
         max_shard_size=max_shard_size,
         tag=tag,

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import UnknownFormat
+from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, UnknownFormat
 from zckpt.formats.base import Format
 
 _MODULES = (
@@ -47,7 +47,7 @@ def detect(path: str | Path) -> Format:
     """The format that recognises ``path``."""
     p = Path(path)
     if not p.exists():
-        raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
+        raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
         raise UnknownFormat(f"{p}: not a file or folder (a FIFO, device or socket)", path=str(p))
     fmts = registry().values()
@@ -63,6 +63,8 @@ def detect(path: str | Path) -> Format:
             )
         try:
             children = sorted(p.iterdir())
+        except PermissionError as e:
+            raise PermissionDenied(f"{p}: cannot list the folder ({e.strerror})", path=str(p)) from None
         except OSError as e:
             raise UnknownFormat(f"{p}: cannot list the folder ({e.strerror})", path=str(p)) from None
         if not children:
@@ -94,7 +96,7 @@ def detect(path: str | Path) -> Format:
 def get(name: str) -> Format:
     reg = registry()
     if name not in reg:
-        raise UnknownFormat(f"unknown format {name!r}; known: {', '.join(reg)}")
+        raise InvalidArgument(f"unknown format {name!r}; known: {', '.join(reg)}")
     return reg[name]
 
 

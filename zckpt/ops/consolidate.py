@@ -5,12 +5,15 @@ written straight to the output, so peak memory is a few chunks, whatever the mod
 come from the checkpoint's PARAM entries, which readers point at the fp32 masters where the format keeps
 them.
 
-Output dtype (``dtype=``): ``fp32`` / ``bf16`` / ``fp16`` cast every floating tensor (a torch cast of
-the stored value, bit-exact with ``tensor.to(dtype)``); ``auto`` uses the checkpoint's training
-precision when the format records one (a bf16 or fp16 DeepSpeed run -> that dtype, an fp32 run ->
-fp32) and otherwise keeps each tensor's own dtype. ``keep_fp32`` globs (fnmatch, on names) keep
-matching floating tensors fp32. Non-floating tensors (int64 step counters, masks) always keep their
-dtype.
+Output dtype (``dtype=``, any spelling ``zckpt.model.parse_output_dtype`` reads: ``bf16``, ``bfloat16``,
+``torch.bfloat16``...). The default ``auto`` keeps what the model had: floating **parameters** (trainable
+and frozen) are written in the checkpoint's training precision when the format records one (a bf16 or
+fp16 DeepSpeed run -> that dtype, an fp32 run -> fp32; else each its own dtype), and **buffers keep their
+stored dtype** (an fp32 ``pos_scale`` of a bf16 run stays fp32, as in DeepSpeed's own ``save_16bit_model``
+output). An explicit ``fp32`` / ``bf16`` / ``fp16`` is asked for: it casts every floating tensor, buffers
+included, as torch's ``module.to(dtype)`` does (a torch cast of the stored value, bit-exact with
+``tensor.to(dtype)``). ``keep_fp32`` globs (fnmatch, on names) keep matching floating tensors fp32.
+Non-floating tensors (int64 step counters, masks) always keep their dtype.
 
 Layout: ``OUT`` with a model writer's suffix (``.safetensors``; ``.bin``/``.pt``/``.pth``) -> one file (or
 ``OUT``-stem shards + index when ``max_shard_size`` splits it); any other ``OUT`` is a folder in the HF
@@ -47,14 +50,14 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError
+from zckpt.errors import InvalidArgument
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
-from zckpt.io.shards import HF_WEIGHT_BASES, family, parse_size, plan_shards, planned_names
+from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
-from zckpt.model import PRECISIONS, Role, dtype_name, parse_precision
+from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
 from zckpt.ops.paths import check_overlap
@@ -107,35 +110,39 @@ def _layout(out: Path, format: str | None) -> tuple[ModelWriter, bool]:
     writers = _writers()
     kinds = {w.kind: w for w in writers}
     if format is not None and format not in kinds:
-        raise KeyMappingError(f"unknown output format {format!r}; choose one of {', '.join(kinds)}")
+        raise InvalidArgument(f"unknown output format {format!r}; choose one of {', '.join(kinds)}")
     by_suffix = next((w for w in writers if out.suffix in w.suffixes), None)
     if by_suffix is None:
         if out.suffix and not out.is_dir():
-            raise KeyMappingError(
+            raise InvalidArgument(
                 f"{out}: cannot tell the output format from {out.suffix!r}",
                 hint="name it *.safetensors or *.bin, or give a folder for the HF layout",
             )
         return kinds[format or "safetensors"], True
     if format is not None and format != by_suffix.kind:
-        raise KeyMappingError(f"{out}: --format {format} does not match the file suffix {out.suffix!r}")
+        raise InvalidArgument(f"{out}: --format {format} does not match the file suffix {out.suffix!r}")
     return by_suffix, False
 
 
-def _target_dtype(dtype: str, ckpt: Checkpoint) -> torch.dtype | None:
-    """The cast for floating tensors, or None to keep each tensor's dtype."""
-    if dtype in PRECISIONS:
-        return PRECISIONS[dtype]
-    if dtype != "auto":
-        raise KeyMappingError(f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or fp16")
+def _target_dtype(dtype: str | torch.dtype, ckpt: Checkpoint) -> tuple[torch.dtype | None, bool]:
+    """(the cast for floating params, or None to keep each tensor's dtype; whether buffers are cast too:
+    only when the dtype was asked for explicitly)."""
+    name = parse_output_dtype(dtype)
+    if name != "auto":
+        return PRECISIONS[name], True
     prec = parse_precision(ckpt.meta.precision) if ckpt.meta.precision else None
-    return PRECISIONS[prec] if prec else None
+    return (PRECISIONS[prec] if prec else None), False
 
 
 def plan(
-    ckpt: Checkpoint, *, dtype: str = "auto", keep_fp32: Sequence[str] = (), exclude_frozen: bool = False
+    ckpt: Checkpoint,
+    *,
+    dtype: str | torch.dtype = "auto",
+    keep_fp32: Sequence[str] = (),
+    exclude_frozen: bool = False,
 ) -> tuple[list[WriteItem], dict[str, str]]:
     """The tensors ``consolidate`` writes (owners only, in checkpoint order) and the kept tied aliases."""
-    target = _target_dtype(dtype, ckpt)
+    target, cast_buffers = _target_dtype(dtype, ckpt)
     items: list[WriteItem] = []
     for e in ckpt.model_entries():
         if exclude_frozen and e.role is Role.FROZEN:
@@ -144,7 +151,7 @@ def plan(
         if e.dtype.is_floating_point:
             if any(fnmatch.fnmatchcase(e.name, pat) for pat in keep_fp32):
                 out = torch.float32
-            elif target is not None:
+            elif target is not None and (cast_buffers or e.role is not Role.BUFFER):
                 out = target
         items.append(WriteItem(e.name, e, out))
     kept = {it.name for it in items}
@@ -175,7 +182,7 @@ def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Path,
     *,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     keep_fp32: Sequence[str] = (),
     max_shard_size: int | str | None = None,
     tag: str | None = None,
@@ -193,9 +200,13 @@ def consolidate(
     Args:
         ckpt_or_path: an open ``Checkpoint`` or a path ``zckpt.open`` understands.
         out: ``*.safetensors`` / ``*.bin`` file, or a folder (HF layout).
-        dtype (`str`, defaults to ``"auto"``): ``auto``, ``fp32``, ``bf16`` or ``fp16`` (see module doc).
+        dtype (`str` or `torch.dtype`, defaults to ``"auto"``): ``auto`` (parameters in the run's training
+            precision, buffers as stored), or ``fp32``/``bf16``/``fp16`` for every floating tensor; torch's
+            and transformers' names work too (``bfloat16``, ``torch.float16``; see module doc).
         keep_fp32: fnmatch globs of tensor names kept in fp32.
-        max_shard_size: split into shards of at most this size (``"5GB"`` or bytes), with an index.
+        max_shard_size: split into shards of at most this size, with an index: an ``int`` is bytes, a
+            string needs a unit (``"5GB"``, ``"500MB"``; ``zckpt.io.shards.parse_size``). A tensor larger
+            than the limit gets a shard of its own, with a warning.
         tag: checkpoint tag to read instead of ``latest``.
         exclude_frozen: leave out frozen (``requires_grad=False``) params.
         format (`str`, *optional*): ``safetensors`` or ``bin``; default from ``out``'s suffix.
@@ -212,6 +223,13 @@ def consolidate(
 
     Returns:
         A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
+
+    Raises:
+        InvalidArgument: (a ``ValueError``) a bad ``dtype``, ``max_shard_size`` or ``format``.
+        PathNotFound: (a ``FileNotFoundError``) the checkpoint path does not exist.
+        OutputExists: ``out`` exists and ``overwrite`` is false (with ``overwrite``, an HF folder keeps
+            every file zckpt does not write; see ``zckpt.io.staging``).
+        ZckptError: any other refusal (damaged input, unsupported feature), with a ``hint``.
 
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
@@ -276,6 +294,15 @@ def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: 
 
 
 def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
+    big = oversized(p.items, p.shard)
+    if big and g.rank == 0:  # transformers puts them in shards of their own silently; say so
+        top = max(big, key=lambda it: it.nbytes)
+        warnings.warn(
+            f"{out}: {len(big)} of {len(p.items)} tensors are larger than the shard limit of {p.shard} "
+            f"bytes (largest: {top.name}, {top.nbytes} bytes); each is written as a shard of its own, over "
+            "the limit",
+            stacklevel=3,
+        )
     n = len(plan_shards(p.items, p.shard))
     if g.world > 1 and g.rank == 0 and n < g.world:
         warnings.warn(

@@ -29,7 +29,7 @@ from typing import Any
 
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import UnknownFormat, ZckptError
+from zckpt.errors import PathNotFound, ZckptError
 from zckpt.formats.base import Format
 from zckpt.io import safetensors, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
@@ -93,7 +93,7 @@ def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = Fal
     not exist; every other failure is reported as a ``Problem``."""
     p = Path(path)
     if not p.exists():
-        raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
+        raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     problems: list[Problem] = []
     try:
         fmt: Format | None = formats.detect(p)
