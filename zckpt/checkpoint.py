@@ -57,6 +57,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     # -- Mapping -------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> torch.Tensor:
+        """``ckpt[name]``: read one model tensor (or optimizer state); a missing name raises
+        ``MissingKey``, a ``KeyError``."""
         return self.read(key)
 
     def __iter__(self) -> Iterator[str]:
@@ -80,6 +82,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             ) from None
 
     def optim_keys(self) -> list[str]:
+        """Keys of the optimizer states (``<param name>:<state>``), in checkpoint order."""
         return [k for k, e in self.entries.items() if e.role is Role.OPTIM]
 
     def model_entries(self) -> list[TensorEntry]:
@@ -92,6 +95,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return spans.read_entry(e, dtype)
 
     def close(self) -> None:
+        """Release the open files and maps (also on leaving a ``with`` block)."""
         storage.close_files(self.meta.files)
 
     def __enter__(self) -> Checkpoint:

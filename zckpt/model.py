@@ -115,6 +115,7 @@ class Role(str, enum.Enum):
 
     @property
     def is_model(self) -> bool:
+        """A model tensor (param, frozen param or buffer), not an optimizer state."""
         return self is not Role.OPTIM
 
 
@@ -253,21 +254,26 @@ class TensorEntry:
 
     @property
     def key(self) -> str:
+        """The checkpoint key: the name, or ``<name>:<state>`` for an optimizer state."""
         return self.name if self.state is None else f"{self.name}{STATE_SEP}{self.state}"
 
     @property
     def numel(self) -> int:
+        """Number of elements of the logical tensor."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the logical tensor in its dtype."""
         return self.numel * self.dtype.itemsize
 
     @property
     def stored_nbytes(self) -> int:
+        """Bytes its pieces occupy on disk (padding excluded)."""
         return sum(p.nbytes for p in self.pieces)
 
     def to_json(self) -> dict[str, Any]:
+        """This entry as JSON values (name, shape, dtype, role, pieces)."""
         return {
             "name": self.name,
             "state": self.state,

@@ -82,6 +82,7 @@ class ConsolidateResult:
     """Files of an existing output folder that zckpt did not write, kept by ``overwrite``."""
 
     def to_json(self) -> dict[str, Any]:
+        """This result as JSON values (what ``zckpt consolidate --json`` prints)."""
         return {
             "out": str(self.out),
             "format": self.format,

@@ -36,6 +36,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
+from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
@@ -169,7 +170,8 @@ def _job(
         ckpt.meta.stage,
         plan.stage,
         out_tag,
-        notes=list(plan.notes) + list(side.notes if side is not None else ()),
+        notes=[n for n in plan.notes if not (side is not None and side.batch_noted and is_batch_note(n))]
+        + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
     return _Job(ckpt, target.writer, plan, out, res, side)
 

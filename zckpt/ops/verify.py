@@ -55,9 +55,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No problem found."""
         return not self.problems
 
     def summary(self) -> str:
+        """One line: the verdict, what was checked and how much."""
         what = f"{self.format or 'unrecognised'} checkpoint"
         if self.tag:
             what += f" (tag {self.tag})"
@@ -70,10 +72,12 @@ class VerifyReport:
         return f"{self.path}: {what}: {counts}: {verdict}"
 
     def to_text(self) -> str:
+        """Every problem, one per line with its hint, as ``zckpt verify`` prints them."""
         lines = [str(p) + (f" (hint: {p.hint})" if p.hint else "") for p in self.problems]
         return "\n".join([*lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:
+        """This report as JSON values (what ``zckpt verify --json`` prints)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "ok": self.ok,
