@@ -201,17 +201,15 @@ def consolidate(
     Args:
         ckpt_or_path: an open ``Checkpoint`` or a path ``zckpt.open`` understands.
         out: ``*.safetensors`` / ``*.bin`` file, or a folder (HF layout).
-        dtype (`str` or `torch.dtype`, defaults to ``"auto"``): ``auto`` (parameters in the run's training
-            precision, buffers as stored), or ``fp32``/``bf16``/``fp16`` for every floating tensor; torch's
-            and transformers' names work too (``bfloat16``, ``torch.float16``; see module doc).
+        dtype: ``auto`` (params in the training precision, buffers as stored) or ``fp32``/``bf16``/``fp16``
+            for every floating tensor; also ``bfloat16``, ``torch.float16``, a ``torch.dtype`` (module doc).
         keep_fp32: fnmatch globs of tensor names kept in fp32.
-        max_shard_size: split into shards of at most this size, with an index: an ``int`` is bytes, a
-            string needs a unit (``"5GB"``, ``"500MB"``; ``zckpt.io.shards.parse_size``). A tensor larger
-            than the limit gets a shard of its own, with a warning.
+        max_shard_size: shards of at most this size + an index: ``int`` bytes or ``"5GB"`` (a unit is
+            required; ``zckpt.io.shards.parse_size``); a larger tensor gets its own shard, with a warning.
         tag: checkpoint tag to read instead of ``latest``.
         exclude_frozen: leave out frozen (``requires_grad=False``) params.
         format (`str`, *optional*): ``safetensors`` or ``bin``; default from ``out``'s suffix.
-        overwrite: replace an existing ``out``.
+        overwrite: replace an existing ``out`` (an HF folder keeps the files zckpt does not write).
         progress: show a tqdm bar (only on a terminal).
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
         workers: reader threads overlapping reads and casts with writes (safetensors output;
@@ -226,11 +224,9 @@ def consolidate(
         A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
 
     Raises:
-        InvalidArgument: (a ``ValueError``) a bad ``dtype``, ``max_shard_size`` or ``format``.
-        PathNotFound: (a ``FileNotFoundError``) the checkpoint path does not exist.
-        OutputExists: ``out`` exists and ``overwrite`` is false (with ``overwrite``, an HF folder keeps
-            every file zckpt does not write; see ``zckpt.io.staging``).
-        ZckptError: any other refusal (damaged input, unsupported feature), with a ``hint``.
+        InvalidArgument (``ValueError``): a bad ``dtype``, ``max_shard_size`` or ``format``;
+        PathNotFound (``FileNotFoundError``); OutputExists (``out`` exists, no ``overwrite``); other
+        ``ZckptError`` refusals (damaged input, unsupported feature), each with a ``hint``.
 
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
@@ -239,9 +235,7 @@ def consolidate(
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
-    if g.world > 1 and workers is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        workers = max(1, pipeline.default_workers() // max(1, local))
+    workers = _rank_workers(g, workers)
     with contextlib.ExitStack() as stack:
         ckpt = g.step("consolidate: opening the checkpoint", lambda: _open(ckpt_or_path, tag, trust_pickle))
         if not isinstance(ckpt_or_path, Checkpoint):
@@ -253,12 +247,9 @@ def consolidate(
             base = writer.base_name if is_dir else out.name
             extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
-            st = (
-                stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
-                if g.rank == 0
-                else None
-            )
-            if st is not None:
+            st: Staging | None = None
+            if g.rank == 0:
+                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
                 st.expect(planned_names(base, items, shard))
             return p, st
 
@@ -268,6 +259,14 @@ def consolidate(
         _warn_idle(g, out, p)
         files, kept = _write(g, p, Path(staging), st, progress, workers, verify_data)
     return _result(out, p, files, kept)
+
+
+def _rank_workers(g: zgroup.Group, workers: int | None) -> int | None:
+    """Reader threads per rank: the default is shared among the ranks of one host."""
+    if g.world > 1 and workers is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        return max(1, pipeline.default_workers() // max(1, local))
+    return workers
 
 
 def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> ConsolidateResult:
