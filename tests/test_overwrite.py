@@ -169,3 +169,37 @@ def test_cli_unwritable_output_one_line(tmp_path: Path) -> None:
         first.startswith(f"error: {tmp_path / 'f' / 'o.safetensors'}: cannot write here (")
         and "tmp-" not in first
     )
+
+
+def test_overwrite_keeps_files_without_renameat2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rename-twice fallback (no ``RENAME_EXCHANGE``) keeps the same files."""
+    from zckpt.io import staging
+
+    monkeypatch.setattr(staging, "_renameat2", lambda a, b, flags: False)
+    out = tmp_path / "hf"
+    out.mkdir()
+    mine = _user_files(out)
+    zckpt.consolidate(fixture("ds", DS), out, overwrite=True, progress=False)
+    assert all((out / n).read_bytes() == d for n, d in mine.items())
+    assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]
+
+
+def test_a_killed_swaps_old_folder_is_never_removed(tmp_path: Path) -> None:
+    """``.<out>.zckpt-tmp-<host>-<pid>-old`` of a dead process is the previous output (user files included):
+    the next run leaves it; staging folders of dead processes are removed as before."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(dead.stdout)
+    old = tmp_path / f".hf.zckpt-tmp-{socket.gethostname()}-{pid}-old"
+    tmp = tmp_path / f".hf.zckpt-tmp-{socket.gethostname()}-{pid}-abc123"
+    for d in (old, tmp):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    with pytest.warns(UserWarning, match="staging folder of a killed run"):
+        zckpt.consolidate(fixture("ds", DS), tmp_path / "hf", progress=False)
+    assert (old / "config.json").exists() and not tmp.exists()

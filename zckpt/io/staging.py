@@ -118,7 +118,10 @@ def _gone(pid: int) -> bool:
 
 
 def remove_stale(folder: Path) -> list[Path]:
-    """Staging folders in ``folder`` left by a killed zckpt process of this host; removed, and returned."""
+    """Staging folders in ``folder`` left by a killed zckpt process of this host; removed, and returned.
+
+    Not the ``-old`` folder of a swap without ``renameat2`` killed between its two renames: that is the
+    previous output itself (files the user put there included), so it is left in place."""
     host = re.escape(socket.gethostname())
     rx = re.compile(rf"^\..+{re.escape(_TMP_MARK)}{host}-(\d+)-")
     out: list[Path] = []
@@ -134,6 +137,7 @@ def remove_stale(folder: Path) -> list[Path]:
             and _gone(int(m.group(1)))
             and d.is_dir()
             and not d.is_symlink()
+            and not d.name.endswith("-old")
         ):
             shutil.rmtree(d, ignore_errors=True)
             out.append(d)
