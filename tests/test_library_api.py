@@ -213,3 +213,10 @@ def test_cli_oversized_warning_is_one_line(tmp_path: Path) -> None:
         f"warning: {tmp_path / 'o'}: 3 of 12 tensors are larger than the shard limit of 100 bytes (largest: "
         "emb.weight, 182 bytes); each is written as a shard of its own, over the limit"
     ]
+
+
+@pytest.mark.parametrize("kwargs", [{"world": 0}, {"world": 2, "to": "onnx"}, {"world": 2, "to": "hf"}])
+def test_bad_reshard_arguments_are_value_errors(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError) as ei:
+        zckpt.reshard(fixture("ds", DS), tmp_path / "o", progress=False, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(ei.value, InvalidArgument) and not (tmp_path / "o").exists()

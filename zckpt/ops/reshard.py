@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import Unsupported
+from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
@@ -148,7 +148,7 @@ def _job(
             )
         target = get(to or fmt.name)
         if target.writer is None:
-            raise Unsupported(
+            raise InvalidArgument(
                 f"cannot write format {target.name!r}; reshard writes 'native', 'deepspeed' or 'dcp'"
             )
         root = input_root(ckpt.meta)
@@ -199,7 +199,7 @@ def reshard(
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
     if world < 1:
-        raise Unsupported(f"world size must be >= 1, got {world}")
+        raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
     g = zgroup.group(distributed)
     dst_p = None if dst is None else Path(dst)
