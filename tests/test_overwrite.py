@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,16 @@ def test_a_killed_swaps_old_folder_is_never_removed(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="staging folder of a killed run"):
         zckpt.consolidate(fixture("ds", DS), tmp_path / "hf", progress=False)
     assert (old / "config.json").exists() and not tmp.exists()
+
+
+def test_kept_config_naming_another_dtype_is_warned(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "toy", "torch_dtype": "float32"}')
+    want = r"config.json \(kept, not written by zckpt\) names dtype float32; the weights are bfloat16"
+    with pytest.warns(UserWarning, match=want):
+        zckpt.consolidate(fixture("ds", DS), out, overwrite=True, progress=False)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"  # the user's, untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same dtype: nothing to say
+        zckpt.consolidate(fixture("ds", DS), out, overwrite=True, dtype="fp32", progress=False)

@@ -261,6 +261,20 @@ def consolidate(
     return _result(out, p, files, kept)
 
 
+def _warn_kept_config(st: Staging, written: str | None) -> None:
+    """A ``config.json`` kept from an earlier folder (none was copied in) that names another dtype than the
+    weights now written would make ``from_pretrained(dtype="auto")`` load them cast: say so."""
+    if "config.json" not in st.kept or written is None:
+        return
+    named = hf_files.kept_config_dtype(st.dest / "config.json")
+    if named is not None and named != written:
+        warnings.warn(
+            f"{st.dest / 'config.json'} (kept, not written by zckpt) names dtype {named}; the weights are "
+            f"{written}: from_pretrained(dtype='auto') loads them as {named}",
+            stacklevel=4,
+        )
+
+
 def _rank_workers(g: zgroup.Group, workers: int | None) -> int | None:
     """Reader threads per rank: the default is shared among the ranks of one host."""
     if g.world > 1 and workers is None:
@@ -335,8 +349,11 @@ def _write(
     def publish() -> tuple[list[str], list[str]] | None:
         if st is None:
             return None
-        hf_files.copy(p.extras, st.dir, {it.dtype for it in p.items if it.role is not Role.BUFFER})
-        return [str(f) for f in st.commit()], st.kept
+        weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
+        hf_files.copy(p.extras, st.dir, weights)
+        final = [str(f) for f in st.commit()]
+        _warn_kept_config(st, hf_files.weights_dtype(weights))
+        return final, st.kept
 
     final, kept = g.broadcast(g.step("consolidate: publishing the output", publish))
     return [Path(f) for f in final], tuple(kept)
