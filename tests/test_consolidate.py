@@ -299,11 +299,59 @@ def test_consolidate_deepspeed_fixture(tmp_path: Path, case: str) -> None:
         return
     zckpt.consolidate(FIXTURES / case, tmp_path / "auto.bin", progress=False)  # auto = training dtype
     got16 = torch.load(tmp_path / "auto.bin", weights_only=True)
-    for k, e in ref.items():
-        want = e.to(train) if e.is_floating_point() else e
+    for k, e in ref.items():  # params in the training dtype; buffers (fp32 pos_scale) as stored
+        want = e.to(train) if e.is_floating_point() and k not in info["buffers"] else e
         assert got16[k].dtype == want.dtype and torch.equal(got16[k], want), k
+    fp32_buffers = [k for k, b in info["buffers"].items() if b["dtype"] == "float32" and k in ref]
+    assert all(got16[k].dtype == torch.float32 for k in fp32_buffers)
     for alias, owner in info["tied"].items():
         assert got16[alias].untyped_storage().data_ptr() == got16[owner].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("case", [c for c in ds_cases() if "fp32" not in c and not c.startswith("gpt2")])
+def test_default_dtypes_match_deepspeeds_own_16bit_state(tmp_path: Path, case: str) -> None:
+    """Oracle: the module state dict DeepSpeed saved beside the masters (``save_16bit_model`` writes the same
+    ``module.state_dict()``): 16-bit params, fp32 ``pos_scale`` buffer, int64 ``position_ids``. The default
+    consolidate has every key in DeepSpeed's dtype; where DeepSpeed stored full values (ZeRO-0/1/2, not
+    ZeRO-3's empty placeholders) they are equal bit for bit."""
+    states = sorted((FIXTURES / case / "global_step3").glob("*model_states.pt"))[0]
+    theirs = torch.load(states, weights_only=True, map_location="cpu")["module"]
+    zckpt.consolidate(FIXTURES / case, tmp_path / "auto.bin", progress=False)
+    mine = torch.load(tmp_path / "auto.bin", weights_only=True)
+    assert set(mine) == set(theirs)
+    for k, t in theirs.items():
+        assert mine[k].dtype == t.dtype, k
+        if t.numel():
+            assert torch.equal(mine[k], t), k
+    assert theirs["pos_scale"].dtype == torch.float32 and theirs["emb.weight"].dtype != torch.float32
+
+
+def test_default_matches_deepspeeds_save_16bit_model_of_a_trainer_run(tmp_path: Path) -> None:
+    """Oracle: ``model.safetensors`` of an HF Trainer + DeepSpeed ZeRO-3 bf16 run, written by DeepSpeed's own
+    ``save_16bit_model`` (gathered weights); the default consolidate reproduces it tensor for tensor."""
+    ck = FIXTURES.parent / "trainer" / "trainer_z3off_w2" / "checkpoint-3"
+    zckpt.consolidate(ck, tmp_path / "hf", progress=False)
+    mine, theirs = load_file(tmp_path / "hf" / "model.safetensors"), load_file(ck / "model.safetensors")
+    assert set(mine) == set(theirs)
+    for k, t in theirs.items():
+        assert mine[k].dtype == t.dtype and torch.equal(mine[k], t), k
+
+
+def test_buffers_keep_their_dtype_unless_a_dtype_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(BUFFERS, "pos_scale", torch.linspace(0.5, 1.5, 5) / 3)  # an fp32 buffer of a bf16 run
+    ck = make_ckpt(tmp_path / "in")
+    zckpt.consolidate(ck, tmp_path / "auto.safetensors", progress=False)  # default: params bf16, buffers kept
+    _assert_same(
+        load_file(tmp_path / "auto.safetensors"),
+        {**_expected(torch.bfloat16), "pos_scale": BUFFERS["pos_scale"]},
+    )
+    for i, asked in enumerate(("bf16", "BFloat16", "torch.bfloat16", torch.bfloat16)):  # asked: every float
+        zckpt.consolidate(ck, tmp_path / f"{i}.safetensors", dtype=asked, progress=False)
+        _assert_same(load_file(tmp_path / f"{i}.safetensors"), _expected(torch.bfloat16))
+    zckpt.consolidate(ck, tmp_path / "k.safetensors", dtype="bf16", keep_fp32=["pos_*"], progress=False)
+    _assert_same(load_file(tmp_path / "k.safetensors"), _expected(torch.bfloat16, keep=("pos_scale",)))
 
 
 def test_file_out_checks_every_name_first(tmp_path: Path) -> None:

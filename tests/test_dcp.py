@@ -424,3 +424,18 @@ def test_one_file_of_a_dcp_folder_is_refused_naming_the_folder() -> None:
         with pytest.raises(KeyMappingError, match="one file of a DCP checkpoint") as e:
             zckpt.open(f)
         assert str(d) in (e.value.hint or "")
+
+
+def test_reshard_to_dcp_summary_has_no_zero_stage(tmp_path: Path) -> None:
+    """A DCP output has no ZeRO stage: the summary said "dcp ZeRO-3" (issue 25); ``--stage`` is refused."""
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    src = FIX / "fsdp2_w2" / "checkpoint"
+    r = CliRunner().invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--world", "3", "--to", "dcp"])
+    assert r.exit_code == 0, r.output
+    assert f"-> {tmp_path / 'o'} (dcp, world 3, tag reshard)" in r.stdout and "ZeRO" not in r.stdout
+    assert zckpt.reshard(src, tmp_path / "j", world=2, to="dcp", progress=False).stage is None
+    with pytest.raises(ValueError, match="a DCP checkpoint has no ZeRO stage"):
+        zckpt.reshard(src, tmp_path / "s", world=2, to="dcp", stage=2, progress=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_diff import validate
 
-from zckpt.errors import UnknownFormat
+from zckpt.errors import PathNotFound
 from zckpt.formats.hf import write_safetensors
 from zckpt.io.items import items_from_state_dict
 from zckpt.ops.verify import VerifyReport, verify
@@ -136,8 +136,12 @@ def test_torch_zip_crc_and_truncation(tmp_path: Path) -> None:
 
 
 def test_missing_path_raises(tmp_path: Path) -> None:
-    with pytest.raises(UnknownFormat):
+    with pytest.raises(PathNotFound) as ei:  # a FileNotFoundError, as Python's own open() raises
         verify(tmp_path / "nope")
+    assert (
+        isinstance(ei.value, FileNotFoundError)
+        and str(ei.value) == f"{tmp_path / 'nope'}: no such file or folder"
+    )
 
 
 # -- real DeepSpeed checkpoints: missing / stale / truncated / flipped rank files -------------------------

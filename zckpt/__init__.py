@@ -7,17 +7,18 @@ Library API (each CLI command is also a function here)::
     w = ckpt["emb.weight"]               # reads that one tensor
     zckpt.consolidate("out/", "model.safetensors", dtype="bf16")
 
-Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (pure math the engine
-needs) loads nothing else.
+The public names are ``__all__``; errors are in ``zckpt.errors`` (every one a ``ZckptError``, and where a
+builtin means the same, also that builtin: ``KeyError``, ``ValueError``, ``FileNotFoundError``,
+``PermissionError``). Names are bound on first use (``__getattr__``), so ``import zckpt.partition`` (pure
+math the engine needs) loads nothing else.
 
-``guard_startup`` installs a SIGINT handler that turns Ctrl-C during the command line's start-up into one
+``_guard_startup`` installs a SIGINT handler that turns Ctrl-C during the command line's start-up into one
 line and exit status 130 (no traceback) until a command has imported torch and restores Python's own
 (``zckpt.cli.app._leave_startup``): at once when run as ``python -m zckpt...`` (``sys.argv[0] == "-m"`` while
 runpy imports this package), and from the console script's ``zckpt.cli.main``.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: it would bind ``annotations`` in the public namespace
 import os as _os
 import signal as _signal
 import sys as _sys
@@ -29,7 +30,7 @@ def _startup_interrupt(signum: int, frame: object) -> None:
     _os._exit(130)
 
 
-def guard_startup() -> None:
+def _guard_startup() -> None:
     """Ctrl-C from now until the command line runs is ``_startup_interrupt`` (unless SIGINT is handled
     already, or ignored)."""
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
@@ -37,10 +38,10 @@ def guard_startup() -> None:
 
 
 if _sys.argv[:1] == ["-m"]:
-    guard_startup()
+    _guard_startup()
 
-import importlib  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
+import importlib as _importlib  # noqa: E402
+import typing as _typing  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Role": ("zckpt.model", "Role"),
     "TensorEntry": ("zckpt.model", "TensorEntry"),
     "ZckptError": ("zckpt.errors", "ZckptError"),
+    "errors": ("zckpt.errors", ""),
     "consolidate": ("zckpt.ops.consolidate", "consolidate"),
     "diff": ("zckpt.ops.diff", "diff"),
     "diff_series": ("zckpt.ops.series", "diff_series"),
@@ -61,10 +63,11 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 __all__ = [
     "Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "TrainingState", "ZckptError",
-    "consolidate", "diff", "diff_series", "inspect", "open", "reshard", "verify",
+    "consolidate", "diff", "diff_series", "errors", "inspect", "open", "reshard", "verify",
 ]  # fmt: skip
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
+    from zckpt import errors
     from zckpt.checkpoint import Checkpoint
     from zckpt.errors import ZckptError
     from zckpt.formats import open_checkpoint as open  # noqa: A004
@@ -78,15 +81,18 @@ if TYPE_CHECKING:
     from zckpt.state import CheckpointMeta, TrainingState
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
+    """Bind a public name on first use (PEP 562), importing only its module."""
     try:
         module, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'zckpt' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
+    mod = _importlib.import_module(module)
+    value = getattr(mod, attr) if attr else mod
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    """The public names and the module's dunders (no private helpers, no typing imports)."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from zckpt.errors import CorruptCheckpoint, KeyMappingError
+from zckpt.errors import CorruptCheckpoint, MissingKey
 from zckpt.io import spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
@@ -57,6 +57,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     # -- Mapping -------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> torch.Tensor:
+        """``ckpt[name]``: read one model tensor (or optimizer state); a missing name raises
+        ``MissingKey``, a ``KeyError``."""
         return self.read(key)
 
     def __iter__(self) -> Iterator[str]:
@@ -75,11 +77,12 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         try:
             return self.entries[owner]
         except KeyError:
-            raise KeyMappingError(
+            raise MissingKey(  # a KeyError: ``ck.get(name, default)`` and ``except KeyError`` work (Mapping)
                 f"{self.meta.path}: no tensor {key!r}", hint="`zckpt inspect` lists the keys"
             ) from None
 
     def optim_keys(self) -> list[str]:
+        """Keys of the optimizer states (``<param name>:<state>``), in checkpoint order."""
         return [k for k, e in self.entries.items() if e.role is Role.OPTIM]
 
     def model_entries(self) -> list[TensorEntry]:
@@ -92,6 +95,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return spans.read_entry(e, dtype)
 
     def close(self) -> None:
+        """Release the open files and maps (also on leaving a ``with`` block)."""
         storage.close_files(self.meta.files)
 
     def __enter__(self) -> Checkpoint:

@@ -2,6 +2,13 @@
 
 The CLI prints ``str(err)`` on one line and ``hint: ...`` when the error carries a hint; tracebacks
 only with ``ZCKPT_DEBUG=1``.
+
+Where a builtin exception means the same thing, the error also subclasses it (as huggingface_hub's
+``LocalEntryNotFoundError`` is a ``FileNotFoundError``), so plain ``except`` clauses work: ``MissingKey``
+is a ``KeyError`` (``Checkpoint`` is a ``Mapping``: ``ck.get(name, default)``), ``InvalidArgument`` a
+``ValueError`` (bad dtype, size, format names), ``PathNotFound`` a ``FileNotFoundError`` and
+``PermissionDenied`` (``OutputNotWritable`` for outputs) a ``PermissionError``. Messages stay plain text
+(``MissingKey`` does not quote its message as ``KeyError`` does).
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ class UnknownFormat(ZckptError):
     """No registered format recognises the path."""
 
 
+class PathNotFound(ZckptError, FileNotFoundError):
+    """The path given does not exist (a ``FileNotFoundError``)."""
+
+
 class CorruptCheckpoint(ZckptError):
     """A file is truncated, malformed or inconsistent with its neighbours."""
 
@@ -36,6 +47,17 @@ class KeyMappingError(ZckptError):
     """A key or key mapping does not fit the checkpoint."""
 
 
+class MissingKey(KeyMappingError, KeyError):
+    """No tensor of that name (a ``KeyError``, as ``Mapping`` lookups raise)."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # KeyError's str() would wrap the message in quotes
+
+
+class InvalidArgument(ZckptError, ValueError):
+    """An argument value zckpt cannot use: a dtype, a size, a format name (a ``ValueError``)."""
+
+
 class OutputExists(ZckptError):
     """The output path exists and --overwrite was not given."""
 
@@ -44,5 +66,13 @@ class Unsupported(ZckptError):
     """A valid checkpoint using a feature zckpt does not handle (yet)."""
 
 
+class PermissionDenied(ZckptError, PermissionError):
+    """The operating system refused access to a path (a ``PermissionError``)."""
+
+
 class WriteFailed(ZckptError):
     """Writing an output failed (disk full, file too large, I/O error); its temporary files were removed."""
+
+
+class OutputNotWritable(WriteFailed, PermissionDenied):
+    """The output's folder refuses the write (no permission); nothing was written (a ``PermissionError``)."""

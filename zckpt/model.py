@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zckpt.errors import CorruptCheckpoint, KeyMappingError
+from zckpt.errors import CorruptCheckpoint, InvalidArgument, KeyMappingError
 
 STATE_SEP = ":"
 
@@ -42,7 +42,15 @@ DTYPES: dict[str, torch.dtype] = {
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training precisions (DeepSpeed's names) and their compute dtypes."""
-_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+_PRECISION_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+OUTPUT_DTYPES = ("auto", *PRECISIONS)
+"""``consolidate(dtype=...)``'s choices (``parse_output_dtype`` reads every spelling of them)."""
 
 
 def precision_of(dtype: torch.dtype) -> str:
@@ -55,6 +63,31 @@ def parse_precision(name: str) -> str | None:
     key = name.lower().removeprefix("torch.")
     key = _PRECISION_ALIASES.get(key, key)
     return key if key in PRECISIONS else None
+
+
+def parse_output_dtype(dtype: str | torch.dtype) -> str:
+    """``auto``, ``fp32``, ``bf16`` or ``fp16`` for an output dtype in any spelling people type.
+
+    Accepts DeepSpeed's names (``fp32``, ``bf16``, ``fp16``), torch's (``float32``, ``bfloat16``,
+    ``float16``, ``half``, ``float``, with or without ``torch.``, or a ``torch.dtype``), and transformers'
+    ``torch_dtype`` values (``"bfloat16"``, ``"auto"``), in any case. The one parser behind the library's
+    ``dtype=`` and the CLI's ``--dtype``.
+
+    Raises:
+        InvalidArgument: (a ``ValueError``) for any other name or dtype.
+    """
+    if isinstance(dtype, torch.dtype):
+        got = next((k for k, v in PRECISIONS.items() if v == dtype), None)
+    elif isinstance(dtype, str):
+        got = "auto" if dtype.strip().lower() == "auto" else parse_precision(dtype.strip())
+    else:
+        got = None
+    if got is None:
+        raise InvalidArgument(
+            f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or fp16",
+            hint="torch's and transformers' names work too: float32, bfloat16, float16, torch.bfloat16",
+        )
+    return got
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,6 +115,7 @@ class Role(str, enum.Enum):
 
     @property
     def is_model(self) -> bool:
+        """A model tensor (param, frozen param or buffer), not an optimizer state."""
         return self is not Role.OPTIM
 
 
@@ -224,21 +258,26 @@ class TensorEntry:
 
     @property
     def key(self) -> str:
+        """The checkpoint key: the name, or ``<name>:<state>`` for an optimizer state."""
         return self.name if self.state is None else f"{self.name}{STATE_SEP}{self.state}"
 
     @property
     def numel(self) -> int:
+        """Number of elements of the logical tensor."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the logical tensor in its dtype."""
         return self.numel * self.dtype.itemsize
 
     @property
     def stored_nbytes(self) -> int:
+        """Bytes its pieces occupy on disk (padding excluded)."""
         return sum(p.nbytes for p in self.pieces)
 
     def to_json(self) -> dict[str, Any]:
+        """This entry as JSON values (name, shape, dtype, role, pieces)."""
         return {
             "name": self.name,
             "state": self.state,

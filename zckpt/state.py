@@ -135,25 +135,31 @@ class CheckpointMeta:
 
     @property
     def stage(self) -> int | None:
+        """ZeRO stage of the run that saved it (None: not a ZeRO checkpoint, e.g. DCP)."""
         return self.state.stage
 
     @property
     def precision(self) -> str | None:
+        """Training precision as recorded (``fp32``/``bf16``/``fp16``; None: not recorded)."""
         return self.state.precision
 
     @property
     def step(self) -> int | None:
+        """Optimizer steps taken (``global_steps``; None: not recorded)."""
         return self.state.counters.global_steps
 
     @property
     def optimizer(self) -> OptimizerState | None:
+        """The optimizer's class, param groups and state names (None: no optimizer state)."""
         return self.state.optimizer
 
     @property
     def config(self) -> Mapping[str, Any] | None:
+        """The training config saved with it (DeepSpeed's ``ds_config``; None: none)."""
         return self.state.config
 
     def to_json(self) -> dict[str, Any]:
+        """This manifest as JSON values (what ``zckpt inspect --json`` prints)."""
         out: dict[str, Any] = _describe({f.name: getattr(self, f.name) for f in fields(self)})
         return out
 

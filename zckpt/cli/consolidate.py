@@ -27,8 +27,11 @@ from zckpt.cli._options import (
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "consolidate"
-EPILOG = f"""--dtype auto writes the run's training precision (DeepSpeed bf16/fp16 -> that dtype), else
-each tensor's own dtype; --keep-fp32 keeps matching tensors in fp32 whatever --dtype says.
+EPILOG = f"""--dtype auto writes floating parameters in the run's training precision (DeepSpeed bf16/fp16 ->
+that dtype), else in their own dtype; buffers keep their stored dtype (as DeepSpeed's save_16bit_model).
+An explicit --dtype casts every floating tensor, buffers included (torch's module.to(dtype)); torch's and
+HF's names work too (bfloat16, float32, torch.float16). --keep-fp32 keeps matching tensors in fp32
+whatever --dtype says.
 
 Without --format, OUT's suffix decides; a folder gets safetensors in the HF layout (shards and an
 index with --max-shard-size, plus the model's config files). --workers reader threads overlap reads
@@ -47,20 +50,13 @@ Examples:
 """
 
 
-class Dtype(str, enum.Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
 class Format(str, enum.Enum):
     safetensors = "safetensors"
     bin = "bin"
 
 
-DtypeOpt = Annotated[
-    Dtype,
+DtypeOpt = Annotated[  # a string: zckpt.model.parse_output_dtype reads torch's and HF's names too
+    str,
     typer.Option("--dtype", metavar="[auto|fp32|bf16|fp16]", help="Dtype of floating tensors (see below)."),
 ]
 KeepFp32Opt = Annotated[
@@ -89,7 +85,7 @@ ExcludeFrozenOpt = Annotated[
 def command(
     ckpt: CkptArg,
     out: OutArg,
-    dtype: DtypeOpt = Dtype.auto,
+    dtype: DtypeOpt = "auto",
     keep_fp32: KeepFp32Opt = None,
     max_shard_size: MaxShardOpt = None,
     tag: TagOpt = None,
@@ -115,7 +111,7 @@ def command(
     res = consolidate(
         ckpt,
         out,
-        dtype=dtype.value,
+        dtype=dtype,
         keep_fp32=tuple(keep_fp32 or ()),
         max_shard_size=max_shard_size,
         tag=tag,
@@ -138,3 +134,5 @@ def command(
         o.text(f"  {f}")
     if res.tied:
         o.text("tied: " + ", ".join(f"{a} -> {w}" for a, w in res.tied.items()))
+    if res.kept:
+        o.text("kept (not written by zckpt): " + ", ".join(res.kept))

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import UnknownFormat
+from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, UnknownFormat
 from zckpt.formats.base import Format
 
 _MODULES = (
@@ -47,7 +47,7 @@ def detect(path: str | Path) -> Format:
     """The format that recognises ``path``."""
     p = Path(path)
     if not p.exists():
-        raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
+        raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
         raise UnknownFormat(f"{p}: not a file or folder (a FIFO, device or socket)", path=str(p))
     fmts = registry().values()
@@ -63,6 +63,8 @@ def detect(path: str | Path) -> Format:
             )
         try:
             children = sorted(p.iterdir())
+        except PermissionError as e:
+            raise PermissionDenied(f"{p}: cannot list the folder ({e.strerror})", path=str(p)) from None
         except OSError as e:
             raise UnknownFormat(f"{p}: cannot list the folder ({e.strerror})", path=str(p)) from None
         if not children:
@@ -94,13 +96,47 @@ def detect(path: str | Path) -> Format:
 def get(name: str) -> Format:
     reg = registry()
     if name not in reg:
-        raise UnknownFormat(f"unknown format {name!r}; known: {', '.join(reg)}")
+        raise InvalidArgument(f"unknown format {name!r}; known: {', '.join(reg)}")
     return reg[name]
 
 
 def open_checkpoint(
     path: str | Path, *, tag: str | None = None, format: str | None = None, trust_pickle: bool = False
 ) -> Checkpoint:
-    """Open any supported checkpoint lazily (metadata only; tensors are read on access)."""
+    """Open a checkpoint lazily: headers and metadata only; tensor bytes are read on access.
+
+    Args:
+        path: a DeepSpeed save folder (holding ``latest``) or tag folder, a torch DCP folder, a native
+            (zckpt engine) folder, an HF Trainer ``checkpoint-N``, an HF folder, a ``.safetensors`` file
+            or a torch ``.bin``/``.pt`` state dict.
+        tag: the tag (sub-folder) to read instead of the one ``latest`` names (``global_step100``,
+            torchtitan's ``step-100``).
+        format: skip detection and read ``path`` as this format (``deepspeed``, ``dcp``, ``native``,
+            ``hf``, ``torch``...); default: detected from the files.
+        trust_pickle: resolve pickled globals outside zckpt's allowlist (only for files you trust);
+            nothing is ever unpickled outside the allowlisted unpickler otherwise.
+
+    Returns:
+        A ``Checkpoint``: a ``Mapping`` of model tensors by state-dict name (``ckpt["emb.weight"]`` reads
+        that one tensor), with ``ckpt.meta`` (format, world size, stage, precision, step, ties) and the
+        optimizer states through ``optim_keys()`` / ``read(key)``. Close it (or use ``with``) to release
+        its files.
+
+    Raises:
+        PathNotFound: (a ``FileNotFoundError``) ``path`` does not exist.
+        PermissionDenied: (a ``PermissionError``) a file or folder cannot be read.
+        UnknownFormat: no format recognises ``path`` (the message says what was found instead).
+        InvalidArgument: (a ``ValueError``) an unknown ``format`` name.
+        CorruptCheckpoint: the files are truncated, malformed or inconsistent (``ShardMismatch`` for
+            missing or stale rank files).
+        UnsafePickle: a pickle asks for a global outside the allowlist (nothing was executed).
+
+    Example:
+        >>> import zckpt
+        >>> with zckpt.open("out/", tag="global_step100") as ckpt:
+        ...     print(ckpt.meta.format, ckpt.meta.world_size, len(ckpt))
+        ...     w = ckpt["emb.weight"]           # reads only this tensor's pieces
+        ...     ckpt.get("missing", None)        # a Mapping: None, no error
+    """
     fmt = get(format) if format is not None else detect(path)
     return fmt.read(Path(path), tag=tag, trust_pickle=trust_pickle)

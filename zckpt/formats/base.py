@@ -35,7 +35,8 @@ class WritePlan:
     """What a ``CheckpointWriter`` will write: the same on every process of a distributed run."""
 
     world: int
-    stage: int
+    stage: int | None
+    """ZeRO stage of the output; None for a format that has none (DCP: what FSDP2 loads at any world)."""
     tag: str
     units: int
     """Independent parts (rank files) to write; process ``i`` of ``n`` writes units ``i::n``."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import KeyMappingError
+from zckpt.errors import InvalidArgument
 from zckpt.io.items import WriteItem
 from zckpt.io.pipeline import each_file
 
@@ -18,17 +18,34 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(size: int | str) -> int:
-    """``5GB`` -> 5e9 bytes (decimal units as in transformers; ``GiB`` for binary)."""
+    """A shard size in bytes, as transformers' ``max_shard_size`` reads it: an ``int`` is bytes; a string
+    needs a unit, decimal (``5GB`` = 5e9, ``500MB``, ``300B``) or binary (``2GiB``).
+
+    A string without a unit is refused (transformers' ``convert_file_size_to_int`` refuses ``"5"`` too):
+    ``--max-shard-size 5`` is surely ``5GB`` mistyped, and taken as 5 bytes it would put every tensor in a
+    shard of its own. Raises ``InvalidArgument`` (a ``ValueError``)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise InvalidArgument(f"size must be an int (bytes) or a string like '5GB', got {size!r}")
     if isinstance(size, int):
         value = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
         if not m or m.group(2).upper() not in _UNITS:
-            raise KeyMappingError(f"cannot read size {size!r}", hint="write it like 5GB, 500MB or 2GiB")
+            raise InvalidArgument(f"cannot read size {size!r}", hint="write it like 5GB, 500MB or 2GiB")
+        if not m.group(2):
+            raise InvalidArgument(
+                f"size {size!r} has no unit",
+                hint=f"write {m.group(1)}GB, {m.group(1)}MB, or {m.group(1)}B for bytes",
+            )
         value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value <= 0:
-        raise KeyMappingError(f"size must be positive, got {size!r}")
+        raise InvalidArgument(f"size must be positive, got {size!r}")
     return value
+
+
+def oversized(items: Sequence[WriteItem], max_shard_size: int | None) -> list[WriteItem]:
+    """The tensors larger than ``max_shard_size``: each gets a shard of its own, over the limit."""
+    return [] if max_shard_size is None else [it for it in items if it.nbytes > max_shard_size]
 
 
 def plan_shards(items: Sequence[WriteItem], max_shard_size: int | None) -> list[list[WriteItem]]:
@@ -51,6 +68,23 @@ def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | N
     """The tensor files (and index) a sharded write of ``items`` under ``base`` produces."""
     n = len(plan_shards(items, max_shard_size))
     return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
+
+
+HF_WEIGHT_BASES = ("model.safetensors", "pytorch_model.bin")
+"""The weight files zckpt writes into an HF folder (transformers' SAFE_WEIGHTS_NAME, WEIGHTS_NAME)."""
+
+
+def family(bases: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a file name belongs to the model files written under one of ``bases``: the base itself, its
+    shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the ``.sha256`` /
+    ``.sha256.json`` sidecars of these. What ``--overwrite`` of an HF folder replaces, and nothing else (transformers'
+    ``save_pretrained`` removes only stale shards of its own weights name the same way)."""
+    alts = []
+    for b in bases:
+        stem, dot, suffix = b.partition(".")
+        alts.append(rf"{re.escape(stem)}(?:-\d{{5}}-of-\d{{5}})?{re.escape(dot + suffix)}(?:\.index\.json)?")
+    rx = re.compile(rf"^(?:{'|'.join(alts)})(?:\.sha256|\.sha256\.json)?$")
+    return lambda name: rx.match(name) is not None
 
 
 def shard_names(base: str, n: int) -> list[str]:

@@ -7,6 +7,15 @@ overwriting, swaps old and new in one ``RENAME_EXCHANGE`` (``publish_folder``, a
 writers racing for one output, one wins whole and the other fails. Staging folders are named
 ``.<dest>.zckpt-tmp-<host>-<pid>-<random>``; a later run into the same folder removes those whose process
 is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable.
+
+Overwriting never deletes a file zckpt did not write. The caller says which paths of an existing folder
+output are its own (``owns``: its shard set, index, sidecars, the files it copies in); any other file is
+either kept (``foreign="keep"``: hard-linked, or copied where links fail, into the staging folder before the
+swap, so the published folder holds the new output plus the user's files: transformers' ``save_pretrained``
+convention, which removes only stale shards of its own naming) or the run is refused before any work,
+naming them (``foreign="refuse"``: a training checkpoint folder, where a kept stray rank file would pass
+for part of the new set). The caller's own files that the new output does not rewrite (shards of a run
+with another shard count) are not kept, so nothing stale looks like part of the new set.
 """
 
 from __future__ import annotations
@@ -20,11 +29,11 @@ import shutil
 import socket
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from zckpt.errors import OutputExists, WriteFailed
+from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
 from zckpt.io import sink
 from zckpt.io.digest import BLOCK_SIDECAR
 
@@ -112,7 +121,10 @@ def _gone(pid: int) -> bool:
 
 
 def remove_stale(folder: Path) -> list[Path]:
-    """Staging folders in ``folder`` left by a killed zckpt process of this host; removed, and returned."""
+    """Staging folders in ``folder`` left by a killed zckpt process of this host; removed, and returned.
+
+    Not the ``-old`` folder of a swap without ``renameat2`` killed between its two renames: that is the
+    previous output itself (files the user put there included), so it is left in place."""
     host = re.escape(socket.gethostname())
     rx = re.compile(rf"^\..+{re.escape(_TMP_MARK)}{host}-(\d+)-")
     out: list[Path] = []
@@ -128,6 +140,7 @@ def remove_stale(folder: Path) -> list[Path]:
             and _gone(int(m.group(1)))
             and d.is_dir()
             and not d.is_symlink()
+            and not d.name.endswith("-old")
         ):
             shutil.rmtree(d, ignore_errors=True)
             out.append(d)
@@ -160,15 +173,36 @@ class Staging:
     error, KeyboardInterrupt — removes the temporary folder and everything in it.
     """
 
-    def __init__(self, dest: Path, *, is_dir: bool, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        dest: Path,
+        *,
+        is_dir: bool,
+        overwrite: bool = False,
+        owns: Callable[[str], bool] | None = None,
+        foreign: str = "keep",
+    ) -> None:
+        """``owns(relpath)`` (folder outputs): whether a path of an existing ``dest`` is this output's own,
+        replaced or removed by the new one; every other file is kept or refused (``foreign``: ``"keep"`` or
+        ``"refuse"``; module doc). ``None``: the old folder is replaced whole (only for folders nothing but
+        zckpt writes into)."""
         self.dest = dest
         self.is_dir = is_dir
         self.overwrite = overwrite
+        self.owns = owns
+        self.foreign = foreign
+        self.kept: list[str] = []
+        """Top-level names of an earlier ``dest`` kept by ``commit`` (files zckpt did not write)."""
         check_dest(dest, is_dir=is_dir, overwrite=overwrite)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        for d in remove_stale(dest.parent):
-            warnings.warn(f"removed {d}, the staging folder of a killed run", stacklevel=3)
-        self.dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_TMP_MARK}{_owner()}-", dir=dest.parent))
+        if is_dir and overwrite and owns is not None and foreign == "refuse":
+            _refuse_foreign(dest, owns)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            for d in remove_stale(dest.parent):
+                warnings.warn(f"removed {d}, the staging folder of a killed run", stacklevel=3)
+            self.dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_TMP_MARK}{_owner()}-", dir=dest.parent))
+        except OSError as e:  # name the path the user gave, not the staging folder's hidden name
+            raise _cannot_write(dest, e) from e
         if is_dir:  # mkdtemp makes it 0700; the folder becomes the output, so give it the usual mode
             umask = os.umask(0)
             os.umask(umask)
@@ -185,12 +219,12 @@ class Staging:
     ) -> None:
         if not self._done:
             self.abort()
-        if isinstance(ev, OSError) and ev.errno in _WRITE_HINTS:
-            raise WriteFailed(
-                f"{self.dest}: writing failed ({ev.strerror}); nothing was written, temporary files removed",
-                hint=_WRITE_HINTS[ev.errno],
-                path=str(self.dest),
-            ) from ev
+        if (
+            isinstance(ev, OSError)
+            and not isinstance(ev, WriteFailed)
+            and (ev.errno in _WRITE_HINTS or _inside(ev.filename, self.dir))
+        ):
+            raise _cannot_write(self.dest, ev) from ev
 
     def expect(self, names: Sequence[str]) -> None:
         """Fail now, before any work, if committing files ``names`` (file mode) would replace others."""
@@ -210,8 +244,10 @@ class Staging:
         """Make every staged file durable (fsync, folders included), then move them into place;
         returns their final paths."""
         self._release()
+        if self.is_dir and self.overwrite and self.owns is not None and self.dest.is_dir():
+            self.kept = _keep_foreign(self.dest, self.dir, self.owns)
         _fsync_tree(self.dir)
-        names = sorted(p.name for p in self.dir.iterdir())
+        names = sorted(p.name for p in self.dir.iterdir() if p.name not in self.kept)
         if self.is_dir:
             move(self.dir, self.dest, replace=self.overwrite)
             final = [self.dest / n for n in names]
@@ -236,6 +272,86 @@ class Staging:
         _fsync_dir(self.dest.parent)
         self._done = True
         return final
+
+
+def _inside(filename: object, folder: Path) -> bool:
+    """``filename`` (an OSError's) is ``folder`` or a path in it."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    f = os.path.abspath(os.fsdecode(filename))
+    d = os.path.abspath(folder)
+    return f == d or f.startswith(d + os.sep)
+
+
+def _cannot_write(dest: Path, e: OSError) -> WriteFailed:
+    """The error for a failed write of ``dest``, naming ``dest`` (never the staging folder's name)."""
+    what = e.strerror or str(e)
+    if e.errno in _WRITE_HINTS:
+        msg = f"{dest}: writing failed ({what}); nothing was written, temporary files removed"
+        return WriteFailed(msg, hint=_WRITE_HINTS[e.errno], path=str(dest))
+    cls = OutputNotWritable if e.errno in (errno.EACCES, errno.EPERM) else WriteFailed
+    hint = "check the folder exists and is writable, or write elsewhere"
+    return cls(f"{dest}: cannot write here ({what}); nothing was written", hint=hint, path=str(dest))
+
+
+def _foreign(dest: Path, owns: Callable[[str], bool]) -> list[str]:
+    """Paths under folder ``dest`` (relative, ``/``-separated; a folder holding none of ``owns``' paths is
+    one entry) that ``owns`` does not claim."""
+    out: list[str] = []
+
+    def walk(d: Path, rel: str) -> None:
+        for p in sorted(d.iterdir()):
+            r = f"{rel}{p.name}"
+            if owns(r):
+                continue
+            if p.is_dir() and not p.is_symlink() and any(owns(f"{r}/{q.name}") for q in p.iterdir()):
+                walk(p, r + "/")
+            else:
+                out.append(r)
+
+    walk(dest, "")
+    return out
+
+
+def _refuse_foreign(dest: Path, owns: Callable[[str], bool]) -> None:
+    """``--overwrite`` of a checkpoint folder that holds files zckpt did not write: refuse, naming them."""
+    if not dest.is_dir():
+        return
+    other = _foreign(dest, owns)
+    if other:
+        shown = ", ".join(other[:5]) + (f" (+{len(other) - 5} more)" if len(other) > 5 else "")
+        raise OutputExists(
+            f"{dest}: --overwrite replaces only the files of a checkpoint zckpt writes; it also holds "
+            f"{len(other)} other file(s): {shown}",
+            hint="move them out of the folder, or choose another output path",
+            path=str(dest),
+        )
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` at ``dst`` (no data copied; the old folder's removal leaves it intact), or copy it
+    where the filesystem refuses links."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _keep_foreign(dest: Path, staged: Path, owns: Callable[[str], bool]) -> list[str]:
+    """Put the files of the existing folder ``dest`` that ``owns`` does not claim (and the new output does
+    not replace) into ``staged``; returns their top-level names."""
+    new = {p.name for p in staged.iterdir()}
+    kept: list[str] = []
+    for p in sorted(dest.iterdir()):
+        if p.name in new or owns(p.name):
+            continue
+        target = staged / p.name
+        if p.is_dir() and not p.is_symlink():
+            shutil.copytree(p, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(p), str(target))
+        kept.append(p.name)
+    return kept
 
 
 def check_dest(dest: Path, *, is_dir: bool, overwrite: bool) -> None:

@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import torch
 
-from zckpt.errors import CorruptCheckpoint
+from zckpt.errors import CorruptCheckpoint, PermissionDenied
 
 _lock = threading.Lock()
 _maps: dict[str, tuple[mmap.mmap, int]] = {}
@@ -32,6 +32,8 @@ def open_fd(path: str) -> int:
     sockets and folders are refused without blocking (``O_NONBLOCK``): a checkpoint is made of files."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError as e:  # not damage: say so, as the PermissionError it is
+        raise PermissionDenied(f"{path}: cannot open ({e.strerror})", path=path) from None
     except OSError as e:
         raise CorruptCheckpoint(f"{path}: cannot open ({e.strerror})", path=path) from None
     mode = os.fstat(fd).st_mode

@@ -5,12 +5,15 @@ written straight to the output, so peak memory is a few chunks, whatever the mod
 come from the checkpoint's PARAM entries, which readers point at the fp32 masters where the format keeps
 them.
 
-Output dtype (``dtype=``): ``fp32`` / ``bf16`` / ``fp16`` cast every floating tensor (a torch cast of
-the stored value, bit-exact with ``tensor.to(dtype)``); ``auto`` uses the checkpoint's training
-precision when the format records one (a bf16 or fp16 DeepSpeed run -> that dtype, an fp32 run ->
-fp32) and otherwise keeps each tensor's own dtype. ``keep_fp32`` globs (fnmatch, on names) keep
-matching floating tensors fp32. Non-floating tensors (int64 step counters, masks) always keep their
-dtype.
+Output dtype (``dtype=``, any spelling ``zckpt.model.parse_output_dtype`` reads: ``bf16``, ``bfloat16``,
+``torch.bfloat16``...). The default ``auto`` keeps what the model had: floating **parameters** (trainable
+and frozen) are written in the checkpoint's training precision when the format records one (a bf16 or
+fp16 DeepSpeed run -> that dtype, an fp32 run -> fp32; else each its own dtype), and **buffers keep their
+stored dtype** (an fp32 ``pos_scale`` of a bf16 run stays fp32, as in DeepSpeed's own ``save_16bit_model``
+output). An explicit ``fp32`` / ``bf16`` / ``fp16`` is asked for: it casts every floating tensor, buffers
+included, as torch's ``module.to(dtype)`` does (a torch cast of the stored value, bit-exact with
+``tensor.to(dtype)``). ``keep_fp32`` globs (fnmatch, on names) keep matching floating tensors fp32.
+Non-floating tensors (int64 step counters, masks) always keep their dtype.
 
 Layout: ``OUT`` with a model writer's suffix (``.safetensors``; ``.bin``/``.pt``/``.pth``) -> one file (or
 ``OUT``-stem shards + index when ``max_shard_size`` splits it); any other ``OUT`` is a folder in the HF
@@ -47,14 +50,14 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError
+from zckpt.errors import InvalidArgument
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
-from zckpt.io.shards import parse_size, plan_shards, planned_names
+from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
-from zckpt.model import PRECISIONS, Role, dtype_name, parse_precision
+from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
 from zckpt.ops.paths import check_overlap
@@ -76,8 +79,11 @@ class ConsolidateResult:
     """Output dtype name -> number of tensors written in it."""
     copied: tuple[str, ...] = ()
     """HF config/tokenizer files copied from beside the checkpoint."""
+    kept: tuple[str, ...] = ()
+    """Files of an existing output folder that zckpt did not write, kept by ``overwrite``."""
 
     def to_json(self) -> dict[str, Any]:
+        """This result as JSON values (what ``zckpt consolidate --json`` prints)."""
         return {
             "out": str(self.out),
             "format": self.format,
@@ -87,7 +93,14 @@ class ConsolidateResult:
             "tied": dict(self.tied),
             "dtypes": dict(self.dtypes),
             "copied": list(self.copied),
+            "kept": list(self.kept),
         }
+
+
+_OWNS = family(HF_WEIGHT_BASES)
+"""What ``overwrite`` of an HF folder replaces: the weight files zckpt writes there (either format's shard
+set, index and sidecars; a stale set of the other format would shadow the new one in ``from_pretrained``);
+the HF files copied in replace their namesakes; every other file is kept (``zckpt.io.staging``)."""
 
 
 def _writers() -> list[ModelWriter]:
@@ -99,35 +112,39 @@ def _layout(out: Path, format: str | None) -> tuple[ModelWriter, bool]:
     writers = _writers()
     kinds = {w.kind: w for w in writers}
     if format is not None and format not in kinds:
-        raise KeyMappingError(f"unknown output format {format!r}; choose one of {', '.join(kinds)}")
+        raise InvalidArgument(f"unknown output format {format!r}; choose one of {', '.join(kinds)}")
     by_suffix = next((w for w in writers if out.suffix in w.suffixes), None)
     if by_suffix is None:
         if out.suffix and not out.is_dir():
-            raise KeyMappingError(
+            raise InvalidArgument(
                 f"{out}: cannot tell the output format from {out.suffix!r}",
                 hint="name it *.safetensors or *.bin, or give a folder for the HF layout",
             )
         return kinds[format or "safetensors"], True
     if format is not None and format != by_suffix.kind:
-        raise KeyMappingError(f"{out}: --format {format} does not match the file suffix {out.suffix!r}")
+        raise InvalidArgument(f"{out}: --format {format} does not match the file suffix {out.suffix!r}")
     return by_suffix, False
 
 
-def _target_dtype(dtype: str, ckpt: Checkpoint) -> torch.dtype | None:
-    """The cast for floating tensors, or None to keep each tensor's dtype."""
-    if dtype in PRECISIONS:
-        return PRECISIONS[dtype]
-    if dtype != "auto":
-        raise KeyMappingError(f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or fp16")
+def _target_dtype(dtype: str | torch.dtype, ckpt: Checkpoint) -> tuple[torch.dtype | None, bool]:
+    """(the cast for floating params, or None to keep each tensor's dtype; whether buffers are cast too:
+    only when the dtype was asked for explicitly)."""
+    name = parse_output_dtype(dtype)
+    if name != "auto":
+        return PRECISIONS[name], True
     prec = parse_precision(ckpt.meta.precision) if ckpt.meta.precision else None
-    return PRECISIONS[prec] if prec else None
+    return (PRECISIONS[prec] if prec else None), False
 
 
 def plan(
-    ckpt: Checkpoint, *, dtype: str = "auto", keep_fp32: Sequence[str] = (), exclude_frozen: bool = False
+    ckpt: Checkpoint,
+    *,
+    dtype: str | torch.dtype = "auto",
+    keep_fp32: Sequence[str] = (),
+    exclude_frozen: bool = False,
 ) -> tuple[list[WriteItem], dict[str, str]]:
     """The tensors ``consolidate`` writes (owners only, in checkpoint order) and the kept tied aliases."""
-    target = _target_dtype(dtype, ckpt)
+    target, cast_buffers = _target_dtype(dtype, ckpt)
     items: list[WriteItem] = []
     for e in ckpt.model_entries():
         if exclude_frozen and e.role is Role.FROZEN:
@@ -136,7 +153,7 @@ def plan(
         if e.dtype.is_floating_point:
             if any(fnmatch.fnmatchcase(e.name, pat) for pat in keep_fp32):
                 out = torch.float32
-            elif target is not None:
+            elif target is not None and (cast_buffers or e.role is not Role.BUFFER):
                 out = target
         items.append(WriteItem(e.name, e, out))
     floating = [it.name for it in items if it.entry.dtype.is_floating_point]
@@ -169,7 +186,7 @@ def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Path,
     *,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     keep_fp32: Sequence[str] = (),
     max_shard_size: int | str | None = None,
     tag: str | None = None,
@@ -187,13 +204,15 @@ def consolidate(
     Args:
         ckpt_or_path: an open ``Checkpoint`` or a path ``zckpt.open`` understands.
         out: ``*.safetensors`` / ``*.bin`` file, or a folder (HF layout).
-        dtype (`str`, defaults to ``"auto"``): ``auto``, ``fp32``, ``bf16`` or ``fp16`` (see module doc).
+        dtype: ``auto`` (params in the training precision, buffers as stored) or ``fp32``/``bf16``/``fp16``
+            for every floating tensor; also ``bfloat16``, ``torch.float16``, a ``torch.dtype`` (module doc).
         keep_fp32: fnmatch globs of tensor names kept in fp32.
-        max_shard_size: split into shards of at most this size (``"5GB"`` or bytes), with an index.
+        max_shard_size: shards of at most this size + an index: ``int`` bytes or ``"5GB"`` (a unit is
+            required; ``zckpt.io.shards.parse_size``); a larger tensor gets its own shard, with a warning.
         tag: checkpoint tag to read instead of ``latest``.
         exclude_frozen: leave out frozen (``requires_grad=False``) params.
         format (`str`, *optional*): ``safetensors`` or ``bin``; default from ``out``'s suffix.
-        overwrite: replace an existing ``out``.
+        overwrite: replace an existing ``out`` (an HF folder keeps the files zckpt does not write).
         progress: show a tqdm bar (only on a terminal).
         trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
         workers: reader threads overlapping reads and casts with writes (safetensors output;
@@ -207,6 +226,11 @@ def consolidate(
     Returns:
         A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
 
+    Raises:
+        InvalidArgument (``ValueError``): a bad ``dtype``, ``max_shard_size`` or ``format``;
+        PathNotFound (``FileNotFoundError``); OutputExists (``out`` exists, no ``overwrite``); other
+        ``ZckptError`` refusals (damaged input, unsupported feature), each with a ``hint``.
+
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
@@ -214,9 +238,7 @@ def consolidate(
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
-    if g.world > 1 and workers is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        workers = max(1, pipeline.default_workers() // max(1, local))
+    workers = _rank_workers(g, workers)
     with contextlib.ExitStack() as stack:
         ckpt = g.step("consolidate: opening the checkpoint", lambda: _open(ckpt_or_path, tag, trust_pickle))
         if not isinstance(ckpt_or_path, Checkpoint):
@@ -228,10 +250,9 @@ def consolidate(
             base = writer.base_name if is_dir else out.name
             extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
-            st = (
-                stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite)) if g.rank == 0 else None
-            )
-            if st is not None:
+            st: Staging | None = None
+            if g.rank == 0:
+                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
                 st.expect(planned_names(base, items, shard))
             return p, st
 
@@ -239,11 +260,33 @@ def consolidate(
         staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        files = _write(g, p, Path(staging), st, progress, workers, verify_data)
-    return _result(out, p, files)
+        files, kept = _write(g, p, Path(staging), st, progress, workers, verify_data)
+    return _result(out, p, files, kept)
 
 
-def _result(out: Path, p: _Plan, files: list[Path]) -> ConsolidateResult:
+def _warn_kept_config(st: Staging, written: str | None) -> None:
+    """A ``config.json`` kept from an earlier folder (none was copied in) that names another dtype than the
+    weights now written would make ``from_pretrained(dtype="auto")`` load them cast: say so."""
+    if "config.json" not in st.kept or written is None:
+        return
+    named = hf_files.kept_config_dtype(st.dest / "config.json")
+    if named is not None and named != written:
+        warnings.warn(
+            f"{st.dest / 'config.json'} (kept, not written by zckpt) names dtype {named}; the weights are "
+            f"{written}: from_pretrained(dtype='auto') loads them as {named}",
+            stacklevel=4,
+        )
+
+
+def _rank_workers(g: zgroup.Group, workers: int | None) -> int | None:
+    """Reader threads per rank: the default is shared among the ranks of one host."""
+    if g.world > 1 and workers is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        return max(1, pipeline.default_workers() // max(1, local))
+    return workers
+
+
+def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> ConsolidateResult:
     counts: dict[str, int] = {}
     for it in p.items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
@@ -257,6 +300,7 @@ def _result(out: Path, p: _Plan, files: list[Path]) -> ConsolidateResult:
         tied=p.tied,
         dtypes=counts,
         copied=tuple(f.name for f in p.extras),
+        kept=kept,
     )
 
 
@@ -267,6 +311,15 @@ def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: 
 
 
 def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
+    big = oversized(p.items, p.shard)
+    if big and g.rank == 0:  # transformers puts them in shards of their own silently; say so
+        top = max(big, key=lambda it: it.nbytes)
+        warnings.warn(
+            f"{out}: {len(big)} of {len(p.items)} tensors are larger than the shard limit of {p.shard} "
+            f"bytes (largest: {top.name}, {top.nbytes} bytes); each is written as a shard of its own, over "
+            "the limit",
+            stacklevel=3,
+        )
     n = len(plan_shards(p.items, p.shard))
     if g.world > 1 and g.rank == 0 and n < g.world:
         warnings.warn(
@@ -284,7 +337,7 @@ def _write(
     progress: bool,
     workers: int | None,
     verify_data: bool,
-) -> list[Path]:
+) -> tuple[list[Path], tuple[str, ...]]:
     """Every rank writes its shards (rank 0 also the index), then rank 0 adds the HF files and publishes."""
     mine = sum(it.nbytes for s in plan_shards(p.items, p.shard)[g.rank :: g.world] for it in s)
 
@@ -296,11 +349,14 @@ def _write(
 
     g.step("consolidate: writing shards", write)
 
-    def publish() -> list[str] | None:
+    def publish() -> tuple[list[str], list[str]] | None:
         if st is None:
             return None
-        hf_files.copy(p.extras, st.dir, {it.dtype for it in p.items if it.role is not Role.BUFFER})
-        return [str(f) for f in st.commit()]
+        weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
+        hf_files.copy(p.extras, st.dir, weights)
+        final = [str(f) for f in st.commit()]
+        _warn_kept_config(st, hf_files.weights_dtype(weights))
+        return final, st.kept
 
-    final = g.step("consolidate: publishing the output", publish)
-    return [Path(f) for f in g.broadcast(final)]
+    final, kept = g.broadcast(g.step("consolidate: publishing the output", publish))
+    return [Path(f) for f in final], tuple(kept)

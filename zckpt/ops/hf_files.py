@@ -51,17 +51,34 @@ def beside(path: Path, save_dir: str | None) -> list[Path]:
     return []
 
 
+def weights_dtype(dtypes: Iterable[torch.dtype]) -> str | None:
+    """The dtype ``config.json`` names for weights in ``dtypes``: the most common floating one."""
+    floats = Counter(d for d in dtypes if d.is_floating_point)
+    return dtype_name(floats.most_common(1)[0][0]) if floats else None
+
+
 def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
     """Copy ``files`` into ``dest``; ``config.json`` gets the weights' (most common floating) dtype."""
-    floats = Counter(d for d in dtypes if d.is_floating_point)
+    dtype = weights_dtype(dtypes)
     for f in files:
-        if f.name == "config.json" and floats:
-            _write_config(f, dest / f.name, dtype_name(floats.most_common(1)[0][0]))
+        if f.name == "config.json" and dtype is not None:
+            _write_config(f, dest / f.name, dtype)
         else:
             shutil.copy2(f, dest / f.name)
 
 
-def _write_config(src: Path, dst: Path, dtype: str) -> None:
+def kept_config_dtype(path: Path) -> str | None:
+    """The dtype a ``config.json`` that zckpt kept (did not write) names, if it names one (else None; an
+    unreadable one is not zckpt's to judge)."""
+    try:
+        cfg = _read_config(path)
+    except (CorruptCheckpoint, OSError):
+        return None
+    got = [v for k in _DTYPE_KEYS if isinstance(v := cfg.get(k), str)]
+    return got[0].removeprefix("torch.") if got else None
+
+
+def _read_config(src: Path) -> dict[str, object]:
     with storage.open_regular(src) as fh:
         raw = fh.read(MAX_CONFIG + 1)
     try:
@@ -72,6 +89,11 @@ def _write_config(src: Path, dst: Path, dtype: str) -> None:
         ) from None
     if not isinstance(cfg, dict) or len(raw) > MAX_CONFIG:
         raise CorruptCheckpoint(f"{src}: not an HF config (a JSON object)", path=str(src))
+    return cfg
+
+
+def _write_config(src: Path, dst: Path, dtype: str) -> None:
+    cfg = _read_config(src)
     present = [k for k in _DTYPE_KEYS if k in cfg] or ["dtype"]
     for k in present:
         cfg[k] = dtype

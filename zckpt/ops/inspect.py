@@ -92,6 +92,7 @@ class InspectReport:
         return sum(self.by_role[r].numel for r in (Role.PARAM.value, Role.FROZEN.value) if r in self.by_role)
 
     def to_json(self) -> dict[str, Any]:
+        """This report as JSON values (what ``zckpt inspect --json`` prints)."""
         d = asdict(self)
         d["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
         d["params"] = self.params

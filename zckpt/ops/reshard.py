@@ -25,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import Unsupported
+from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
+from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks
 from zckpt.io.pipeline import each_file
 from zckpt.io.safetensors import FileRecord
@@ -61,6 +64,32 @@ class ReshardResult:
     bytes_written: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+_CHECKPOINT_FILE = re.compile(
+    r"^(?:latest|\.metadata|__\d+_\d+\.distcp"  # the tag pointer; a DCP folder's files
+    r"|[^/]+/(?:manifest\.json|rank_\d{5}\.safetensors"  # a tag folder: native, then DeepSpeed
+    r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt|mp_rank_\d+_model_states\.pt)"
+    r")(?:\.sha256|\.sha256\.json)?$"
+)
+"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag)."""
+
+
+def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
+    """What ``--overwrite`` may replace in an existing DST: the files of a checkpoint reshard writes
+    (``_CHECKPOINT_FILE``: rank files of any world size, so no stale rank file survives to pass for part
+    of the new set), and for an HF Trainer output the files it copies in and the RNG files of any rank.
+    Anything else in DST refuses the run before any work, naming the files (never delete a file zckpt did
+    not write; ``zckpt.io.staging``)."""
+    copied = set(side.copies) | {trainer_files.TRAINER_STATE} if side is not None else set()
+    rng = re.compile(r"^rng_state(?:_\d+)?\.pth$")
+
+    def owns(rel: str) -> bool:
+        return bool(_CHECKPOINT_FILE.match(rel)) or (
+            side is not None and (rel in copied or bool(rng.match(rel)))
+        )
+
+    return owns
 
 
 def default_dst(src: Path, world: int) -> Path:
@@ -120,7 +149,7 @@ def _job(
             )
         target = get(to or fmt.name)
         if target.writer is None:
-            raise Unsupported(
+            raise InvalidArgument(
                 f"cannot write format {target.name!r}; reshard writes 'native', 'deepspeed' or 'dcp'"
             )
         root = input_root(ckpt.meta)
@@ -142,7 +171,8 @@ def _job(
         ckpt.meta.stage,
         plan.stage,
         out_tag,
-        notes=list(plan.notes) + list(side.notes if side is not None else ()),
+        notes=[n for n in plan.notes if not (side is not None and side.batch_noted and is_batch_note(n))]
+        + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
     return _Job(ckpt, target.writer, plan, out, res, side)
 
@@ -170,7 +200,7 @@ def reshard(
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
     if world < 1:
-        raise Unsupported(f"world size must be >= 1, got {world}")
+        raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
     g = zgroup.group(distributed)
     dst_p = None if dst is None else Path(dst)
@@ -183,7 +213,9 @@ def reshard(
 
         def make_staging() -> Staging | None:
             return (
-                stack.enter_context(Staging(job.dst, is_dir=True, overwrite=overwrite))
+                stack.enter_context(
+                    Staging(job.dst, is_dir=True, overwrite=overwrite, owns=_owns(job.side), foreign="refuse")
+                )
                 if g.rank == 0
                 else None
             )

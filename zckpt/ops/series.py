@@ -99,6 +99,7 @@ class SeriesResult:
     pairs: tuple[SeriesPair, ...]
 
     def to_json(self) -> dict[str, Any]:
+        """This result as JSON values (what ``zckpt diff --series --json`` prints)."""
         return {
             "run": self.run,
             "tags": [{"name": t.name, "step": t.step} for t in self.tags],
@@ -106,6 +107,7 @@ class SeriesResult:
         }
 
     def to_text(self) -> str:
+        """This result as the text ``zckpt diff --series`` prints."""
         lines = [f"{self.run}: {len(self.tags)} checkpoints, {len(self.pairs)} consecutive pairs"]
         for p in self.pairs:
             top = max(p.rows, key=lambda r: r.rel, default=None)

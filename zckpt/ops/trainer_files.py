@@ -57,6 +57,9 @@ class TrainerFiles:
     copies: Mapping[str, Path]
     trainer_state: bytes
     notes: tuple[str, ...]
+    batch_noted: bool = False
+    """A note says how the batch changes and what to resume with (the writer's own batch note is then
+    left out: one statement of one change)."""
 
     @property
     def digest(self) -> list[Any]:
@@ -91,7 +94,7 @@ def plan(meta: CheckpointMeta, world: int) -> TrainerFiles | None:
     }
     mapped, notes = _map_rng(rng, meta.world_size, world)
     copies.update(mapped)
-    state_bytes, state_notes = _trainer_state(save_dir / TRAINER_STATE, meta, world)
+    state_bytes, state_notes, batch_noted = _trainer_state(save_dir / TRAINER_STATE, meta, world)
     notes += state_notes
     dropped = sorted(f"{n}.sha256" for n in [*rng, TRAINER_STATE] if f"{n}.sha256" in copies)
     for n in dropped:  # a checksum of a file that is not copied as is would be wrong beside the output
@@ -99,7 +102,7 @@ def plan(meta: CheckpointMeta, world: int) -> TrainerFiles | None:
     skipped = [f"{d}/" for d in folders] + dropped
     if skipped:
         notes.append(f"HF Trainer folder: not copied: {', '.join(skipped)}")
-    return TrainerFiles(copies, state_bytes, tuple(notes))
+    return TrainerFiles(copies, state_bytes, tuple(notes), batch_noted)
 
 
 def _listing(save_dir: Path, tag: str | None) -> tuple[dict[str, Path], list[str]]:
@@ -174,9 +177,9 @@ def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
     return raw, doc
 
 
-def _trainer_state(path: Path, meta: CheckpointMeta, world: int) -> tuple[bytes, list[str]]:
-    """The output's ``trainer_state.json`` bytes (the source's, or with ``train_batch_size`` rewritten) and
-    the notes on the batch size and step."""
+def _trainer_state(path: Path, meta: CheckpointMeta, world: int) -> tuple[bytes, list[str], bool]:
+    """The output's ``trainer_state.json`` bytes (the source's, or with ``train_batch_size`` rewritten),
+    the notes on the batch size and step, and whether one of them is about the batch."""
     raw, doc = _read_state(path)
     notes: list[str] = []
     step = doc.get("global_step")
@@ -188,8 +191,8 @@ def _trainer_state(path: Path, meta: CheckpointMeta, world: int) -> tuple[bytes,
     new_micro, batch_notes = _batch(meta.config or {}, doc.get("train_batch_size"), meta.world_size, world)
     notes += batch_notes
     if new_micro is None:
-        return raw, notes
-    return _set_key(path, raw, doc, "train_batch_size", new_micro), notes
+        return raw, notes, bool(batch_notes)
+    return _set_key(path, raw, doc, "train_batch_size", new_micro), notes, bool(batch_notes)
 
 
 def _as_int(v: Any) -> int | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import UnknownFormat, ZckptError
+from zckpt.errors import PathNotFound, ZckptError
 from zckpt.formats.base import Format
 from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
@@ -57,9 +57,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No problem found."""
         return not self.problems
 
     def summary(self) -> str:
+        """One line: the verdict, what was checked and how much."""
         what = f"{self.format or 'unrecognised'} checkpoint"
         if self.tag:
             what += f" (tag {self.tag})"
@@ -72,10 +74,12 @@ class VerifyReport:
         return f"{self.path}: {what}: {counts}: {verdict}"
 
     def to_text(self) -> str:
+        """Every problem, one per line with its hint, as ``zckpt verify`` prints them."""
         lines = [str(p) + (f" (hint: {p.hint})" if p.hint else "") for p in self.problems]
         return "\n".join([*lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:
+        """This report as JSON values (what ``zckpt verify --json`` prints)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "ok": self.ok,
@@ -97,7 +101,7 @@ def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = Fal
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``."""
     p = Path(path)
     if not p.exists():
-        raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
+        raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     problems: list[Problem] = []
     try:
         fmt: Format | None = formats.detect(p)

@@ -30,7 +30,7 @@ import torch
 
 from zckpt import partition
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError
+from zckpt.errors import InvalidArgument, KeyMappingError
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
@@ -280,12 +280,16 @@ class DcpWriter(CheckpointWriter):
     """``zckpt reshard --to dcp`` (see the module doc)."""
 
     def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan:
+        if stage is not None:
+            raise InvalidArgument(
+                f"--stage {stage}: a DCP checkpoint has no ZeRO stage", hint="leave out --stage with --to dcp"
+            )
         p = _Planner(world)
         _model(p, ckpt)
         notes = _optimizer(p, ckpt) + _state(p, ckpt)
         return DcpPlan(
             world=world,
-            stage=3,
+            stage=None,  # not ZeRO: the summary must not call it "ZeRO-3"
             tag=tag,
             units=world,
             notes=tuple(notes),

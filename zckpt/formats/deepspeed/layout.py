@@ -55,6 +55,14 @@ def zero3_sub_groups(numels: list[int], world: int, sub_group_size: int | None) 
     return out
 
 
+_BATCH_NOTES = ("ds_config: train_micro_batch_size_per_gpu ", "global batch ")
+
+
+def is_batch_note(note: str) -> bool:
+    """``note`` is one of ``adjust_batch``'s (an HF Trainer output says the same in its own note)."""
+    return note.startswith(_BATCH_NOTES)
+
+
 def adjust_batch(cfg: dict[str, Any], old_world: int, new_world: int) -> tuple[dict[str, Any], str | None]:
     """``ds_config`` for the new world: keep the global batch (``train_batch_size``) and
     ``gradient_accumulation_steps``, recompute the micro batch when it divides; otherwise keep the micro

@@ -311,7 +311,7 @@ class _RankWriter:
             "clip_grad": t.clip_grad,
             "base_optimizer_state": {"state": states, "param_groups": pgs},
             "single_partition_of_fp32_groups": fp32,
-            "zero_stage": ZeroStageEnum(p.stage),
+            "zero_stage": ZeroStageEnum(p.stage or 0),  # a DeepSpeed plan always has a stage
             "group_paddings": pads,
             "param_alignment_paddings": [[0] * len(g) for g in p.groups],
             "partition_count": [p.world] * len(p.groups),
@@ -383,10 +383,10 @@ class _RankWriter:
             "optimizer": None,
             "param_shapes": [OrderedDict((n, torch.Size(ents[n].shape)) for n in g) for g in groups],
             "frozen_param_shapes": OrderedDict((n, torch.Size(ents[n].shape)) for n in frozen)
-            if p.stage >= 2
+            if (p.stage or 0) >= 2
             else None,
             "shared_params": tied if r == 0 else {},
-            "frozen_param_fragments": frags if p.stage >= 2 else None,
+            "frozen_param_fragments": frags if (p.stage or 0) >= 2 else None,
         }
         for k, v in t.top.items():
             obj[k] = f.convert(p.cfg if k == "ds_config" else v)

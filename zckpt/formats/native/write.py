@@ -301,7 +301,7 @@ class NativeWriter(CheckpointWriter):
         man = build_manifest(
             tag=plan.tag,
             world=plan.world,
-            stage=plan.stage,
+            stage=plan.stage or 0,  # a native plan always has a stage
             tensors=plan.tensors,
             optim_states=plan.optim_states,
             tied=ckpt.meta.tied,
