@@ -75,7 +75,7 @@ def test_consolidate_folder_overwrite_fewer_shards_leaves_no_stale_shard(tmp_pat
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert shards == sorted(set(index["weight_map"].values())) and len(shards) < len(many)
-    assert sorted(p.name for p in out.glob("*.sha256")) == [s + ".sha256" for s in shards]
+    assert sorted(p.name for p in out.glob("*.sha256*")) == [s + ".sha256.json" for s in shards]
     assert (out / "tokenizer.json").read_text() == "{}"
 
 

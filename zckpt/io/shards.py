@@ -77,8 +77,8 @@ HF_WEIGHT_BASES = ("model.safetensors", "pytorch_model.bin")
 def family(bases: Sequence[str]) -> Callable[[str], bool]:
     """Whether a file name belongs to the model files written under one of ``bases``: the base itself, its
     shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the ``.sha256`` /
-    ``.sha256.json`` sidecars of these. What ``--overwrite`` of an HF folder replaces, and nothing else (transformers'
-    ``save_pretrained`` removes only stale shards of its own weights name the same way)."""
+    ``.sha256.json`` sidecars of these. What ``--overwrite`` of an HF folder replaces, and nothing else
+    (transformers' ``save_pretrained`` removes only stale shards of its own weights name the same way)."""
     alts = []
     for b in bases:
         stem, dot, suffix = b.partition(".")

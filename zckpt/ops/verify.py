@@ -30,7 +30,7 @@ from typing import Any
 
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import PathNotFound, ZckptError
+from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
 from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
