@@ -234,3 +234,28 @@ def test_dcp_chunk_flip_refused(tmp_path: Path, case: str) -> None:
     assert not (tmp_path / "o.safetensors").exists()
     code, out = _cli("consolidate", ck, tmp_path / "o.safetensors", "--no-verify-data", "--no-progress")
     assert code == 0, out
+
+
+def test_block_sidecar_reads_check_each_block(tmp_path: Path) -> None:
+    """A file with a block-digest sidecar (``<file>.sha256.json``) is checked block by block as it is read:
+    the blocks here are 4 KiB (hashed with hashlib, independently of zckpt), so a flipped byte is named by
+    its block; a clean copy reads; verify names the same block."""
+    src = tmp_path / "m.safetensors"
+    zckpt.consolidate(fixture("ds", "gpt2_s3_bf16_w2"), src, dtype="fp32", progress=False)
+    raw = bytearray(src.read_bytes())
+    b = 4096
+    side = {"file": src.name, "size": len(raw), "block": b,
+            "sha256": [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]}  # fmt: skip
+    assert len(side["sha256"]) > 8
+    (tmp_path / "m.safetensors.sha256.json").write_text(json.dumps(side))
+    code, msg = _cli("diff", src, fixture("ds", "gpt2_s3_bf16_w2"), "--no-progress")
+    assert code == 0, msg
+    at = len(raw) - 3 * b - 5  # inside a tensor near the end: block len // b - 3 (or -4)
+    k = at // b
+    raw[at] ^= 0x01
+    src.write_bytes(bytes(raw))
+    code, msg = _cli("consolidate", src, tmp_path / "o.safetensors", "--no-progress")
+    assert code == 2 and f"block {k})" in msg and "m.safetensors" in msg, msg
+    assert not (tmp_path / "o.safetensors").exists()
+    r = zckpt.verify(src)
+    assert not r.ok and any(f"block {k}" in p.message for p in r.problems), r.to_text()

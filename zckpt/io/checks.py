@@ -17,6 +17,7 @@ Operations call ``finish`` before they publish anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 from collections import deque
@@ -116,9 +117,6 @@ class _Digest:
     def __init__(self, check: Checked) -> None:
         self.check = check
         self.sha = hashlib.sha256()
-        self._in_block = 0  # bytes of the current block hashed (block digests)
-        self._block_i = 0  # the current block
-        self._bad: list[int] = []  # blocks whose sha256 differs
         self.at = 0
         self.held: dict[int, bytes] = {}
         self.held_bytes = 0
@@ -133,7 +131,7 @@ class _Digest:
         n = memoryview(data).nbytes
         if not stable or n < _ASYNC_MIN:
             self._drain(0)
-            self._feed(data)
+            self.sha.update(data)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-digest")
@@ -144,29 +142,8 @@ class _Digest:
     def _hash_mapped(self, data: Any, at: int) -> None:
         """Hash bytes of the file's mapping at ``at``, then drop its pages again (the reader released them
         already; hashing faulted them back in)."""
-        self._feed(data)
+        self.sha.update(data)
         storage.release(self.check.file, self.check.start + at, memoryview(data).nbytes)
-
-    def _feed(self, data: Any) -> None:
-        """The next bytes of the file into the sha256: the whole file's, or (block digests) the current
-        block's, compared with the recorded one when the block is complete."""
-        if not self.check.blocks:
-            self.sha.update(data)
-            return
-        mv, pos = memoryview(data).cast("B"), 0
-        while pos < len(mv):
-            take = mv[pos : pos + self.check.block - self._in_block]
-            self.sha.update(take)
-            self._in_block += len(take)
-            pos += len(take)
-            if self._in_block == self.check.block:
-                self._end_block()
-
-    def _end_block(self) -> None:
-        i = self._block_i
-        if i >= len(self.check.blocks) or self.sha.hexdigest() != self.check.blocks[i]:
-            self._bad.append(i)
-        self.sha, self._in_block, self._block_i = hashlib.sha256(), 0, i + 1
 
     def _drain(self, keep: int) -> None:
         while self._queued and self._queued_bytes > keep:
@@ -222,24 +199,7 @@ class _Digest:
         with self.lock:
             self._advance(self.check.size)
             self._drain(0)
-            if self.check.blocks:
-                if self._in_block:
-                    self._end_block()
-                got = ""
-            else:
-                got = self.sha.hexdigest()
-        if self.check.blocks:
-            if self._bad:
-                lo = self._bad[0] * self.check.block
-                hi = min(self.check.size, lo + self.check.block)
-                raise CorruptCheckpoint(
-                    f"{self.check.file}: bytes [{lo}, {hi}) do not match the sha256 in its "
-                    f"{self.check.what} ({len(self._bad)} of {len(self.check.blocks)} blocks differ); the "
-                    "file changed after the save",
-                    hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
-                    path=self.check.file,
-                )
-            return
+            got = self.sha.hexdigest()
         if got != self.check.sha256:
             raise CorruptCheckpoint(
                 f"{self.check.file}: does not match the sha256 in its {self.check.what} (recorded "
@@ -247,6 +207,15 @@ class _Digest:
                 hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
                 path=self.check.file,
             )
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(check: Checked, i: int) -> Checked:
+    """Block ``i`` of a file checked by block digests, as a range checked by its own sha256."""
+    lo = i * check.block
+    n = min(check.block, check.size - lo)
+    what = f"{check.what} (bytes [{lo}, {lo + n}), block {i})"
+    return Checked(check.file, check.start + lo, n, None, what, sha256=check.blocks[i])
 
 
 class Session:
@@ -263,14 +232,24 @@ class Session:
         lo = byte_offset - check.start
         if lo < 0 or lo + len(data) > check.size or not len(data):
             return
-        if check.sha256 is not None or check.blocks:
-            with self._lock:
-                d = self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
-            d.add(lo, data, stable)
+        if check.blocks:  # each block its own sha256 stream: reads of different blocks hash side by side
+            pos, end, b = lo, lo + len(data), check.block
+            while pos < end:
+                i = pos // b
+                stop = min(end, (i + 1) * b)
+                self._digest(_block(check, i)).add(pos - i * b, data[pos - lo : stop - lo], stable)
+                pos = stop
+            return
+        if check.sha256 is not None:
+            self._digest(check).add(lo, data, stable)
             return
         crc = crc32(data)
         with self._lock:
             self._records.setdefault(check, _Record()).add(lo, lo + len(data), crc)
+
+    def _digest(self, check: Checked) -> _Digest:
+        with self._lock:
+            return self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
 
     def close(self) -> None:
         """Stop the digests' hash threads (``session`` does, however the block ends)."""
