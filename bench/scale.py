@@ -62,6 +62,7 @@ class Job:
     out_bytes: int | None = None  # what it must write (None: the output's size)
     ok_rc: tuple[int, ...] = (0,)
     keep: bool = False
+    peer: bool = False  # a peer tool: warm runs only, ``--peer-repeat`` of them
     walls: list[float] = field(default_factory=list)
     rss: list[float] = field(default_factory=list)
 
@@ -212,6 +213,7 @@ def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job
                 [ck],
                 d / f"{label}-z2f",
                 in_bytes=mb,
+                peer=True,
             )
         )
     if a.peers and label == "dcp":
@@ -223,6 +225,7 @@ def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job
                 [ck],
                 d / "dcp-torch.pt",
                 in_bytes=mb,
+                peer=True,
             )
         )
     return jobs
@@ -231,10 +234,10 @@ def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job
 def run_set(ctx: Ctx, jobs: list[Job]) -> None:
     a = ctx.args
     for job in jobs:
-        run_job(ctx, job, a.cores, "warm", a.repeat)
-        if a.cold:
+        run_job(ctx, job, a.cores, "warm", a.peer_repeat if job.peer else a.repeat)
+        if a.cold and not job.peer:
             run_job(ctx, job, a.cores, "cold", 1)
-        if job.name in ("consolidate fp32", "verify"):
+        if job.name in ("consolidate fp32", "verify") and job.input in a.scan_inputs:
             for c in a.cores_scan:
                 run_job(ctx, job, c, "warm", 1)
         if job.name in a.profile:
@@ -265,6 +268,13 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cores-scan", type=lambda v: [int(x) for x in v.split(",") if x], default=[])
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--peer-repeat", type=int, default=1)
+    ap.add_argument(
+        "--scan-inputs",
+        type=lambda v: v.split(","),
+        default=["ds-w8"],
+        help="inputs whose consolidate fp32 and verify also run at each --cores-scan count",
+    )
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
     ap.add_argument("--size", default="1.5b")
