@@ -126,10 +126,10 @@ def test_python_m_zckpt_runs_a_command() -> None:
 
 def test_usage_error_is_plain_text() -> None:
     """A bad option value: click's plain usage error (no box drawing), exit 2."""
-    res = _run("consolidate", "in.safetensors", "out.safetensors", "--dtype", "fp8")
+    res = _run("consolidate", "in.safetensors", "out.safetensors", "--format", "pdf")
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("Usage: python -m zckpt consolidate [OPTIONS] CKPT OUT\n"), res.stderr
-    assert "Error: Invalid value for '--dtype'" in res.stderr and "╭" not in res.stderr, res.stderr
+    assert "Error: Invalid value for '--format'" in res.stderr and "╭" not in res.stderr, res.stderr
 
 
 _SLOW_TORCH = """

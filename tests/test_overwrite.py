@@ -56,7 +56,7 @@ def test_consolidate_folder_overwrite_keeps_files_zckpt_did_not_write(tmp_path: 
     res = zckpt.consolidate(fixture("ds", DS), out, overwrite=True, progress=False)
     assert _listing(out) == sorted(
         ["README.md", "config.json", "mymodel.safetensors", "notes", "notes/eval.txt", "tokenizer.json",
-         "model.safetensors", "model.safetensors.sha256"]
+         "model.safetensors", "model.safetensors.sha256.json"]
     )  # fmt: skip
     for name, data in mine.items():
         assert (out / name).read_bytes() == data, name
