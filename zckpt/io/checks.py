@@ -174,6 +174,10 @@ class _Digest:
             self._update(data[self.at - lo :], stable)
             self.at = hi
             self._advance(None)
+            if self.at >= self.check.size and self._pool is not None:  # complete (a block): its thread goes
+                self._drain(0)
+                self._pool.shutdown()
+                self._pool = None
 
     def _advance(self, to: int | None) -> None:
         """Hash held bytes that now continue the hash, then (``to`` given) read from disk up to ``to``."""

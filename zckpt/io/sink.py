@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.io import direct_io
-from zckpt.io.digest import FileDigest, StreamHasher, write_block_sidecar
+from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
 """Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
@@ -78,7 +78,8 @@ class HashingSink(io.RawIOBase):
         self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
-        opts = opts or direct_io.WriteOptions()
+        if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written
+            opts = direct_io.WriteOptions(buffers=2 if block is None else lanes() + 2)
         if opts.direct and direct_io.enabled():
             try:
                 self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._hasher.queue)

@@ -70,7 +70,7 @@ from zckpt.formats import open_checkpoint
 from zckpt.io import checks
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
-from zckpt.ops.diff_values import Pending, TensorDiff, Work, chunk_stream, compare
+from zckpt.ops.diff_values import TensorDiff, compare_all
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.stats import CHUNK
 
@@ -311,14 +311,8 @@ def _diff(
     pairs = list(m.pairs)
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
-    results: list[TensorDiff] = []
-    work = Work()
     with bar:
-        stream = chunk_stream(pairs, chunk)
-        pending = Pending(stream)
-        for i, (ka, kb, ea, eb) in enumerate(pairs):
-            chunks = pending.of(i)
-            results.append(compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, work, bar))
+        results = compare_all(pairs, atol, rtol, strict_dtype, chunk, bar)
     results.sort(key=TensorDiff.sort_key)
     return DiffResult(
         notes=_notes(ca, cb, m.only_a, m.only_b, results) + m.notes,

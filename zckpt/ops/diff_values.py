@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +230,44 @@ def chunk_stream(pairs: list[Pair], chunk: int) -> Iterator[tuple[int, torch.Ten
         if ea.shape == eb.shape:
             for xa, xb in aligned_views(ea, eb, chunk):
                 yield i, xa, xb
+
+
+def compare_threads() -> int:
+    """Tensor pairs compared at once: half the usable cores, at most 8 (``ZCKPT_WORKERS`` overrides); each
+    thread folds its own pair's chunks (torch releases the GIL), so a diff is not bound by one core."""
+    env = os.environ.get("ZCKPT_WORKERS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
+def compare_all(
+    pairs: list[Pair], atol: float, rtol: float, strict_dtype: bool, chunk: int, bar: tqdm
+) -> list[TensorDiff]:
+    """``compare`` over every pair, in order: one stream on one thread, or ``compare_threads()`` pairs at
+    once, each on its own thread with its own working buffers."""
+    n = min(compare_threads(), len(pairs))
+    if n <= 1:
+        work, pending = Work(), Pending(chunk_stream(pairs, chunk))
+        return [
+            compare(ka, kb, ea, eb, atol, rtol, strict_dtype, pending.of(i), chunk, work, bar)
+            for i, (ka, kb, ea, eb) in enumerate(pairs)
+        ]
+    local = threading.local()
+
+    def one(pair: Pair) -> TensorDiff:
+        ka, kb, ea, eb = pair
+        if not hasattr(local, "work"):
+            local.work = Work()
+        chunks = iter(aligned_views(ea, eb, chunk)) if ea.shape == eb.shape else iter(())
+        return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, local.work, bar)
+
+    with ThreadPoolExecutor(n, thread_name_prefix="zckpt-diff") as pool:
+        return list(pool.map(one, pairs))
 
 
 class Pending:
