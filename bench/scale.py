@@ -233,6 +233,7 @@ def jobs_for(ctx: Ctx, ck: Path, label: str, ds_script: Path | None) -> list[Job
 
 def run_set(ctx: Ctx, jobs: list[Job]) -> None:
     a = ctx.args
+    jobs = [j for j in jobs if not a.only_jobs or j.name in a.only_jobs]
     for job in jobs:
         run_job(ctx, job, a.cores, "warm", a.peer_repeat if job.peer else a.repeat)
         if a.cold and not job.peer:
@@ -269,6 +270,12 @@ def main() -> None:
     ap.add_argument("--cores-scan", type=lambda v: [int(x) for x in v.split(",") if x], default=[])
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--peer-repeat", type=int, default=1)
+    ap.add_argument(
+        "--only-jobs",
+        type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+        default=[],
+        help="run only these jobs (names as in the table) on each input",
+    )
     ap.add_argument(
         "--scan-inputs",
         type=lambda v: v.split(","),
