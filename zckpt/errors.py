@@ -46,3 +46,11 @@ class Unsupported(ZckptError):
 
 class WriteFailed(ZckptError):
     """Writing an output failed (disk full, file too large, I/O error); its temporary files were removed."""
+
+
+class StorageError(ZckptError):
+    """An object store refused or failed a request (no credentials, no such bucket or key, access denied)."""
+
+
+class ObjectMissing(StorageError, CorruptCheckpoint):
+    """No such key (or bucket) in an object store: what a missing file is locally."""

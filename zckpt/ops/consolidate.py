@@ -52,6 +52,7 @@ from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
+from zckpt.io.objstore import as_path
 from zckpt.io.shards import parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_precision
@@ -223,7 +224,7 @@ def consolidate(
             check_overlap(ckpt.meta, out)
             items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+            extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
             st = (
                 stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite)) if g.rank == 0 else None

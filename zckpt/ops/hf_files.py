@@ -14,6 +14,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import storage
+from zckpt.io.objstore import as_path
 from zckpt.model import dtype_name
 
 HF_FILES = (
@@ -42,7 +43,7 @@ def beside(path: Path, save_dir: str | None) -> list[Path]:
     """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``)."""
     folders = [path] if path.is_dir() else [path.parent]
     if save_dir is not None:
-        folders.append(Path(save_dir))
+        folders.append(as_path(save_dir))
     elif path.is_dir():
         folders.append(path.parent)
     for folder in folders:

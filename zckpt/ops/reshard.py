@@ -35,6 +35,7 @@ from zckpt.errors import Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.io import checks
+from zckpt.io.objstore import as_path
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
 from zckpt.ops import group as zgroup
@@ -176,7 +177,7 @@ def reshard(
     with contextlib.ExitStack() as stack:
         job = g.step(
             "reshard: opening the checkpoint",
-            lambda: _job(Path(src), dst_p, world, tag, to, stage, trust_pickle),
+            lambda: _job(as_path(src), dst_p, world, tag, to, stage, trust_pickle),
         )
         stack.callback(job.ckpt.close)
 

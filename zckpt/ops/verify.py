@@ -22,7 +22,6 @@ still run over the files found on disk, so one run lists every damaged file.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from zckpt.errors import UnknownFormat, ZckptError
 from zckpt.formats.base import Format
 from zckpt.io import safetensors, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
+from zckpt.io.objstore import as_path
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -91,7 +91,7 @@ class VerifyReport:
 def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = False) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises only when ``path`` does
     not exist; every other failure is reported as a ``Problem``."""
-    p = Path(path)
+    p = as_path(path)
     if not p.exists():
         raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
     problems: list[Problem] = []
@@ -117,7 +117,7 @@ def _verify(
     p: Path, fmt: Format | None, ckpt: Checkpoint | None, problems: list[Problem], ctx: VerifyContext
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
-    files = [Path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
+    files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     for f in files:
         file_problems += _check_file(f, ctx)
@@ -171,7 +171,7 @@ def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
         return [Problem(str(f), "missing", "missing", "restore the file from the original save")]
     try:
         with storage.open_regular(f) as fh:
-            size = os.fstat(fh.fileno()).st_size
+            size = storage.file_size(fh)
     except ZckptError as e:
         return [problem_from(e, f)]
     if size == 0:
@@ -196,7 +196,7 @@ def _check_pieces(ckpt: Checkpoint) -> list[Problem]:
                 continue
             if pc.file not in sizes:
                 try:
-                    sizes[pc.file] = os.path.getsize(pc.file)
+                    sizes[pc.file] = storage.size(pc.file)
                 except OSError:
                     sizes[pc.file] = -1
             size = sizes[pc.file]
