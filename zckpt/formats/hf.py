@@ -19,7 +19,6 @@ zckpt's own metadata (``zckpt.formats._flat``), written here and read back:
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -72,7 +71,7 @@ def _sidecar_check(path: Path) -> Checked | None:
         )
     if digest is None:
         return None
-    return Checked(str(path), 0, os.stat(path).st_size, None, "checksum sidecar", sha256=digest)
+    return Checked(str(path), 0, storage.size(path), None, "checksum sidecar", sha256=digest)
 
 
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
