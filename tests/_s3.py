@@ -20,7 +20,11 @@ from pathlib import Path
 
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def free_port() -> int:
@@ -115,7 +119,7 @@ class FaultProxy:
                 if fault == "503":
                     with lock:
                         proxy.counts["faults"] += 1
-                    msg = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    msg = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>"
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
@@ -136,7 +140,8 @@ class FaultProxy:
                 self.send_response(resp.status)
                 head = self.command == "HEAD"
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                    low = k.lower()
+                    if low not in ("transfer-encoding", "connection") and (head or low != "content-length"):
                         self.send_header(k, v)
                 if not head:
                     self.send_header("Content-Length", str(len(data)))

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import pytest
-
 import _s3
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,8 @@ DCP_CASES = ("fsdp2_w2", "torchtitan_w2", "tp_w2")
 
 @pytest.fixture(scope="module")
 def inputs(s3_server: _s3.Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
-    """name -> (local path, its copy in the bucket): real DeepSpeed, DCP and HF Trainer fixtures, plus a native
-    checkpoint and a sharded HF folder made from one of them locally."""
+    """name -> (local path, its copy in the bucket): real DeepSpeed, DCP and HF Trainer fixtures, plus a
+    native checkpoint and a sharded HF folder made from one of them locally."""
     c = s3_server.client()
     made = tmp_path_factory.mktemp("made")
     native = made / "native"
@@ -94,8 +94,8 @@ def test_consolidate_hf_folder_and_diff_from_bucket(
 ) -> None:
     lp, url = inputs[name]
     a, b = tmp_path / "a", tmp_path / "b"
-    assert _cli("consolidate", str(lp), str(a), "--max-shard-size", "2KB", "--dtype", "bf16")[0] == 0
-    code, out = _cli("consolidate", url, str(b), "--max-shard-size", "2KB", "--dtype", "bf16")
+    assert _cli("consolidate", str(lp), str(a), "--max-shard-size", "600B", "--dtype", "bf16")[0] == 0
+    code, out = _cli("consolidate", url, str(b), "--max-shard-size", "600B", "--dtype", "bf16")
     assert code == 0, out
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir()) and len(names) > 3
@@ -105,13 +105,13 @@ def test_consolidate_hf_folder_and_diff_from_bucket(
     code, out = _cli("diff", url, str(lp))
     assert code == 0, out
     _same(_cli("diff", str(lp), str(a), "--json"), _cli("diff", url, str(a), "--json"), lp, url)
-    ds = inputs["ds/s3_fp32_w2"]
-    _same(_cli("diff", str(lp), str(ds[0])), _cli("diff", url, ds[1]), lp, url) if False else None
     code, out = _cli("diff", url, url)
     assert code == 0, out
 
 
-def test_diff_of_two_bucket_checkpoints_matches_local(inputs: dict[str, tuple[Path, str]], s3env: str) -> None:
+def test_diff_of_two_bucket_checkpoints_matches_local(
+    inputs: dict[str, tuple[Path, str]], s3env: str
+) -> None:
     (la, ua), (lb, ub) = inputs["ds/s3_fp32_w2"], inputs["native"]
     local = _cli("diff", str(la), str(lb), "--include-optimizer", "--json")
     remote = _cli("diff", ua, ub, "--include-optimizer", "--json")
@@ -134,7 +134,10 @@ def test_bytes_fetched_are_what_consolidate_needs(
 
 
 def test_faults_injected_results_identical(
-    inputs: dict[str, tuple[Path, str]], s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     proxy = _s3.FaultProxy(s3_server.url, seed=7, p503=0.15, pdrop=0.05, ptrunc=0.1)
     try:
@@ -170,5 +173,5 @@ def test_store_errors_are_one_line(
     assert code == 2
     lines = out.strip().splitlines()
     assert lines[0].startswith("error: ") and message in lines[0], out
-    assert lines[1].startswith("hint: ") and len(lines) == 2, out
+    assert len(lines) <= 2 and all(x.startswith("hint: ") for x in lines[1:]), out
     assert "Traceback" not in out

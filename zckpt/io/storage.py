@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import shutil
 import stat
 import threading
 from typing import BinaryIO
@@ -112,6 +113,15 @@ def is_file(path: str | os.PathLike[str]) -> bool:
 def size(path: str | os.PathLike[str]) -> int:
     """``os.path.getsize`` for a path or an object URL."""
     return objstore.size(path) if objstore.is_url(path) else os.path.getsize(path)
+
+
+def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """``shutil.copy2(src, dst)`` where ``src`` may be an object (streamed, 8 MiB at a time)."""
+    if not objstore.is_url(src):
+        shutil.copy2(src, dst)
+        return
+    with open_regular(src) as fin, open(dst, "xb") as fout:
+        shutil.copyfileobj(fin, fout, 8 << 20)
 
 
 def fd_size(fd: int) -> int:

@@ -5,7 +5,6 @@ set to the dtype the weights were written in, so ``from_pretrained`` loads them 
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,7 +58,7 @@ def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> No
         if f.name == "config.json" and floats:
             _write_config(f, dest / f.name, dtype_name(floats.most_common(1)[0][0]))
         else:
-            shutil.copy2(f, dest / f.name)
+            storage.copy_file(f, dest / f.name)
 
 
 def _write_config(src: Path, dst: Path, dtype: str) -> None:
