@@ -175,3 +175,23 @@ def test_store_errors_are_one_line(
     assert lines[0].startswith("error: ") and message in lines[0], out
     assert len(lines) <= 2 and all(x.startswith("hint: ") for x in lines[1:]), out
     assert "Traceback" not in out
+
+
+def test_storage_option_gives_the_endpoint(
+    inputs: dict[str, tuple[Path, str]], s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No AWS_ENDPOINT_URL: ``--storage-option endpoint=...`` (CLI) and ``storage_options=`` (library)."""
+    for k, v in _s3.CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    lp, url = inputs["dcp/fsdp2_w2"]
+    try:
+        local = _cli("verify", str(lp))
+        remote = _cli("verify", url, "--storage-option", f"endpoint={s3_server.url}")
+        _same(local, remote, lp, url)
+        r = zckpt.inspect(url, storage_options={"endpoint": s3_server.url})
+        assert r.to_json()["params"] == zckpt.inspect(lp).to_json()["params"]
+        code, out = _cli("verify", url, "--storage-option", "endpoint")
+        assert code == 2 and "not key=value" in out
+    finally:
+        objstore.configure(None)

@@ -18,9 +18,11 @@ from zckpt.cli._options import (
     OutArg,
     OverwriteOpt,
     ProgressOpt,
+    StorageOpt,
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
+    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -82,12 +84,14 @@ def command(
     verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
     workers: WorkersOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write one loadable model (safetensors or .bin, file or HF folder) from a checkpoint.
 
     Streams tensor by tensor; trainable params come from the fp32 masters; tied weights are stored
     once in safetensors and recorded as aliases.
     """
+    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.consolidate import consolidate
 

@@ -10,7 +10,16 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, PlotOpt, ProgressOpt, TrustPickleOpt, VerifyDataOpt, check_plot
+from zckpt.cli._options import (
+    JsonOpt,
+    PlotOpt,
+    ProgressOpt,
+    StorageOpt,
+    TrustPickleOpt,
+    VerifyDataOpt,
+    check_plot,
+    use_storage_options,
+)
 from zckpt.cli._output import Output
 from zckpt.errors import ZckptError
 
@@ -87,6 +96,7 @@ def command(
     verify_data: VerifyDataOpt = True,
     plot: PlotOpt = None,
     series: SeriesOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Compare two checkpoints of any formats, tensor by tensor (streamed, bounded memory).
 
@@ -97,6 +107,7 @@ def command(
     --plot FILE draws layer x role heatmaps of ||B-A||/||A|| and cosine with the top changed tensors.
     --series RUN_DIR diffs a run's consecutive checkpoints instead (exit 0).
     """
+    use_storage_options(storage_option)
     from zckpt.ops.diff import diff
 
     check_plot(plot, preload=series is not None)  # the series figure is matplotlib's; diff's is not

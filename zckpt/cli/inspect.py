@@ -6,7 +6,16 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, PlotOpt, TagOpt, TrustPickleOpt, check_plot
+from zckpt.cli._options import (
+    CkptArg,
+    JsonOpt,
+    PlotOpt,
+    StorageOpt,
+    TagOpt,
+    TrustPickleOpt,
+    check_plot,
+    use_storage_options,
+)
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "inspect"
@@ -25,12 +34,14 @@ def command(
         bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")
     ] = False,
     plot: PlotOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show what a checkpoint holds (reads metadata only, no tensor data).
 
     Format, stage, world size, precision, tensors by role, one row per tensor, tied and frozen
     params, optimizer states. --plot FILE draws stored bytes by rank x kind and parameters per layer.
     """
+    use_storage_options(storage_option)
     from zckpt.ops.inspect import inspect
 
     check_plot(plot)

@@ -16,7 +16,16 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import JsonOpt, OverwriteOpt, ProgressOpt, TagOpt, TrustPickleOpt, VerifyDataOpt
+from zckpt.cli._options import (
+    JsonOpt,
+    OverwriteOpt,
+    ProgressOpt,
+    StorageOpt,
+    TagOpt,
+    TrustPickleOpt,
+    VerifyDataOpt,
+    use_storage_options,
+)
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "reshard"
@@ -67,6 +76,7 @@ def command(
     progress: ProgressOpt = True,
     verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Rewrite a sharded checkpoint for WORLD ranks: masters, every optimizer state, frozen params,
     buffers, ties, scheduler, loss scaler, counters, client state and RNG.
@@ -78,6 +88,7 @@ def command(
     folder, renamed at the end. An HF Trainer checkpoint-N folder keeps every other file (RNG files mapped
     to the new ranks); the notes say what changed, e.g. the per-device batch to resume with.
     """
+    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard
 

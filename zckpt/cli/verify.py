@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from zckpt.cli._options import CkptArg, JsonOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import CkptArg, JsonOpt, StorageOpt, TagOpt, TrustPickleOpt, use_storage_options
 from zckpt.cli._output import Output
 
 NAME = "verify"
@@ -12,7 +12,11 @@ EXIT_PROBLEMS = 1
 
 
 def command(
-    ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
+    ckpt: CkptArg,
+    tag: TagOpt = None,
+    json: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Check a checkpoint's integrity without a trainer; exit 0 only when clean.
 
@@ -20,6 +24,7 @@ def command(
     partition sizes, safetensors headers and zip CRC-32s intact, recorded checksums (.sha256
     sidecars, manifests) recomputed. One line per problem, naming the file.
     """
+    use_storage_options(storage_option)
     from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)

@@ -39,7 +39,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
-from zckpt.io import checks, pipeline
+from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
 from zckpt.io.shards import parse_size, plan_shards, planned_names
@@ -179,6 +179,7 @@ def consolidate(
     workers: int | None = None,
     distributed: bool | None = None,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model.
 
@@ -208,6 +209,8 @@ def consolidate(
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     out = Path(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None

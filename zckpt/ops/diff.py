@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from typing import Any
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.io import checks
+from zckpt.io import checks, objstore
 from zckpt.model import STATE_SEP, Role
 from zckpt.ops.diff_values import Pair, Pending, TensorDiff, Work, chunk_stream, compare
 from zckpt.ops.progress import bar as progress_bar
@@ -191,6 +191,7 @@ def diff(
     trust_pickle: bool = False,
     chunk: int = CHUNK,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (paths or opened ``Checkpoint`` objects) tensor by tensor.
 
@@ -208,6 +209,8 @@ def diff(
     Returns:
         A ``DiffResult``; ``result.equal`` says whether the checkpoints match within tolerance.
     """
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     if top is not None and top < 0:

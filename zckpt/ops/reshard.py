@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
-from zckpt.io import checks
+from zckpt.io import checks, objstore
 from zckpt.io.objstore import as_path
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
@@ -160,6 +161,7 @@ def reshard(
     trust_pickle: bool = False,
     distributed: bool | None = None,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
@@ -169,6 +171,8 @@ def reshard(
     world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``).
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     if world < 1:
         raise Unsupported(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()

@@ -22,6 +22,7 @@ still run over the files found on disk, so one run lists every damaged file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import safetensors, storage, torchzip
+from zckpt.io import objstore, safetensors, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 
@@ -88,9 +89,17 @@ class VerifyReport:
         }
 
 
-def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = False) -> VerifyReport:
+def verify(
+    path: str | Path,
+    *,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    storage_options: Mapping[str, str] | None = None,
+) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises only when ``path`` does
     not exist; every other failure is reported as a ``Problem``."""
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     p = as_path(path)
     if not p.exists():
         raise UnknownFormat(f"{p}: no such file or folder", path=str(p))
