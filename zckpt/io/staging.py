@@ -6,7 +6,8 @@ folder is published with one rename that refuses to replace anything (``RENAME_N
 overwriting, swaps old and new in one ``RENAME_EXCHANGE`` (``publish_folder``, also the engine's): of two
 writers racing for one output, one wins whole and the other fails. Staging folders are named
 ``.<dest>.zckpt-tmp-<host>-<pid>-<random>``; a later run into the same folder removes those whose process
-is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable.
+is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable. An ``s3://``
+destination is published by ``zckpt.io.remote_staging.RemoteStaging`` (``Staging(url, ...)`` returns one).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 from types import TracebackType
 
 from zckpt.errors import OutputExists, WriteFailed
-from zckpt.io import sink
+from zckpt.io import objstore, sink
+from zckpt.io.remote_staging import RemoteStaging
 
 _WRITE_HINTS = {
     errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
@@ -153,6 +155,11 @@ class Staging:
     replaces its namesake in ``dest``'s folder. Leaving the ``with`` block without ``commit()`` — an
     error, KeyboardInterrupt — removes the temporary folder and everything in it.
     """
+
+    def __new__(cls, dest: Path, *, is_dir: bool, overwrite: bool = False) -> Staging:
+        if objstore.is_url(dest):  # a store has no rename: published in order instead
+            return RemoteStaging(dest, is_dir=is_dir, overwrite=overwrite)  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __init__(self, dest: Path, *, is_dir: bool, overwrite: bool = False) -> None:
         self.dest = dest

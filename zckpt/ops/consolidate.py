@@ -211,7 +211,7 @@ def consolidate(
     """
     if storage_options is not None:  # s3:// paths: the store client's options
         objstore.configure(storage_options)
-    out = Path(out)
+    out = as_path(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
@@ -304,4 +304,4 @@ def _write(
         return [str(f) for f in st.commit()]
 
     final = g.step("consolidate: publishing the output", publish)
-    return [Path(f) for f in g.broadcast(final)]
+    return [as_path(f) for f in g.broadcast(final)]

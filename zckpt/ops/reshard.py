@@ -177,7 +177,7 @@ def reshard(
         raise Unsupported(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
     g = zgroup.group(distributed)
-    dst_p = None if dst is None else Path(dst)
+    dst_p = None if dst is None else as_path(dst)
     with contextlib.ExitStack() as stack:
         job = g.step(
             "reshard: opening the checkpoint",
