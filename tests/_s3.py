@@ -93,6 +93,8 @@ class FaultProxy:
     pdrop: float = 0.05
     ptrunc: float = 0.05
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "faults": 0, "bytes": 0})
+    log: list[tuple[str, str]] = field(default_factory=list)
+    """(method, path) of every request answered with success, in the order the answers went out."""
     url: str = ""
 
     def __post_init__(self) -> None:
@@ -156,6 +158,8 @@ class FaultProxy:
                     return
                 with lock:
                     proxy.counts["bytes"] += len(data) if self.command == "GET" else 0
+                    if resp.status < 300:
+                        proxy.log.append((self.command, self.path))
                 self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any

@@ -26,6 +26,7 @@ because its URL says so. zckpt's own keys: ``in_flight`` (default 8), ``part_byt
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -640,7 +641,7 @@ class Upload:
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         try:
-            self._w.write(bytes(mv))  # a copy: the client may hold the buffer after returning, and callers reuse it
+            self._w.write(bytes(mv))  # a copy: the client may keep the buffer, and callers reuse theirs
         except Exception as e:  # noqa: BLE001 - one line
             self.abort()
             raise error(e, self.url) from None
@@ -667,10 +668,8 @@ class Upload:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.suppress(Exception):  # best effort: never hide the error that caused the abort
             self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
-        except Exception:  # noqa: BLE001 - best effort: an abort must not hide the error that caused it
-            pass
 
 
 def upload_file(local: str | os.PathLike[str], x: object, *, create: bool = False) -> None:

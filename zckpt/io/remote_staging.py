@@ -104,9 +104,12 @@ class RemoteStaging:
                 raise OutputExists(f"{self.url} already exists", hint="pass --overwrite to replace it",
                                    path=self.url)  # fmt: skip
             if (kind == "dir") != is_dir:
-                raise OutputExists(f"{self.url} is {'a folder' if kind == 'dir' else 'a file'}; refusing to "
-                                   f"replace it by {'a folder' if is_dir else 'a file'}",
-                                   hint="remove it first or choose another output path", path=self.url)  # fmt: skip
+                have, want = ("a folder" if k else "a file" for k in (kind == "dir", is_dir))
+                raise OutputExists(
+                    f"{self.url} is {have}; refusing to replace it by {want}",
+                    hint="remove it first or choose another output path",
+                    path=self.url,
+                )
         self.dir = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
         (self.dir / MARKER).write_text(json.dumps({"dest": self.url, "is_dir": is_dir}))
         with _lock:
