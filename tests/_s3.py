@@ -12,6 +12,8 @@ import http.client
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +66,51 @@ def start() -> Server:
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     srv.start()
     return Server(f"http://127.0.0.1:{port}", srv)
+
+
+_AUTH_SERVER = """
+import os, sys
+os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"  # the tests' 4 setup calls, then every request is checked
+from moto.server import ThreadedMotoServer
+s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+s.start()
+print("ready", flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+
+@dataclass
+class AuthServer:
+    """A second moto server, in its own process, that checks credentials (IAM): bucket ``authb`` holds
+    ``x/latest``; ``key`` is an IAM user's key with no permission at all."""
+
+    url: str
+    key: tuple[str, str]
+    _proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+def start_authenticating() -> AuthServer:
+    import boto3
+
+    port = free_port()
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = subprocess.Popen([sys.executable, "-c", _AUTH_SERVER, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    url = f"http://127.0.0.1:{port}"
+    kw = {"endpoint_url": url, **_boto_creds()}
+    s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
+    s3.create_bucket(Bucket="authb")
+    s3.put_object(Bucket="authb", Key="x/latest", Body=b"global_step1")
+    iam.create_user(UserName="reader")
+    k = iam.create_access_key(UserName="reader")["AccessKey"]
+    return AuthServer(url, (k["AccessKeyId"], k["SecretAccessKey"]), proc)
 
 
 def upload(client: object, folder: Path, bucket: str, prefix: str) -> str:

@@ -31,7 +31,16 @@ def _options(args: list[str]) -> set[str]:
 def test_help_snapshot() -> None:
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "inspect" in res.output and "consolidate" in res.output
-    inspect_opts = {"--tag", "--json", "--trust-pickle", "--stats", "--all", "--plot", "--storage-option", "--help"}
+    inspect_opts = {
+        "--tag",
+        "--json",
+        "--trust-pickle",
+        "--stats",
+        "--all",
+        "--plot",
+        "--storage-option",
+        "--help",
+    }
     assert _options(["inspect"]) == inspect_opts
     assert _options(["consolidate"]) == {
         "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",

@@ -195,3 +195,51 @@ def test_storage_option_gives_the_endpoint(
         assert code == 2 and "not key=value" in out
     finally:
         objstore.configure(None)
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[_s3.AuthServer]:
+    srv = _s3.start_authenticating()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("creds", "message"),
+    [
+        ("iam", "access denied"),
+        (("AKIAWRONGWRONGWRONG0", "wrong"), "the store rejected the credentials"),
+        (None, "no credentials for the store"),
+    ],
+)
+def test_credential_errors_are_one_line(
+    creds: object, message: str, auth_server: _s3.AuthServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Against a server that checks credentials: a key without permission, an unknown key, no key at all
+    (and no profile: HOME is empty). One line each, with a hint, exit 2, no traceback."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", auth_server.url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    key = auth_server.key if creds == "iam" else creds
+    if key is None:
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    else:
+        assert isinstance(key, tuple)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key[0])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key[1])
+    objstore.configure(None)
+    try:
+        for cmd in (
+            ["inspect", "s3://authb/x"],
+            ["consolidate", "s3://authb/x", str(tmp_path / "m.safetensors")],
+        ):
+            code, out = _cli(*cmd)
+            lines = out.strip().splitlines()
+            assert code == 2 and len(lines) == 2, out
+            assert lines[0].startswith("error: s3://authb") and message in lines[0], out
+            assert lines[1].startswith("hint: ") and "Traceback" not in out
+        assert not (tmp_path / "m.safetensors").exists()
+    finally:
+        objstore.configure(None)

@@ -1,5 +1,5 @@
-"""Outputs in an S3 bucket (a real moto server on 127.0.0.1): ``consolidate`` and ``reshard`` to ``s3://`` write
-the same bytes as the local run, publish the completing object last, refuse an existing output without
+"""Outputs in an S3 bucket (a real moto server on 127.0.0.1): ``consolidate`` and ``reshard`` to ``s3://``
+write the same bytes as the local run, publish the completing object last, refuse an existing output without
 ``--overwrite``, leave nothing behind on failure, and never look complete after a SIGKILL."""
 
 from __future__ import annotations

@@ -181,8 +181,16 @@ def _store(u: Url) -> Any:
         },
     }
     provider = None
-    if not (config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")) and _has_profile():
+    keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
+    if not keyed and _has_profile():
         provider = _profile_provider()
+    if not keyed and provider is None and not _other_chain(config):
+        raise StorageError(
+            f"{u}: no credentials for the store",
+            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+            "--storage-option skip_signature=true for a public bucket",
+            path=str(u),
+        )
     try:
         st = S3Store(
             u.bucket,
@@ -199,6 +207,20 @@ def _store(u: Url) -> Any:
     with _lock:
         _stores[u.bucket] = st
     return st
+
+
+def _other_chain(config: Mapping[str, str]) -> bool:
+    """Credentials the client finds by itself: anonymous access asked for, web identity, a container's
+    credentials endpoint, or the instance metadata service (unless ``AWS_EC2_METADATA_DISABLED``)."""
+    env = os.environ
+    return (
+        config.get("skip_signature", "").lower() == "true"
+        or bool(env.get("AWS_WEB_IDENTITY_TOKEN_FILE"))
+        or bool(
+            env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        )
+        or env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"
+    )
 
 
 def _has_profile() -> bool:
@@ -303,6 +325,8 @@ def _retry(fn: Any, url: object, tries: int = 6) -> Any:
     for k in range(tries):
         try:
             return fn()
+        except StorageError:
+            raise
         except (
             FileNotFoundError,
             PermissionError,
