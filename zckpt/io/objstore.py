@@ -37,8 +37,8 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import PurePosixPath
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, cast
 
 from zckpt.errors import ObjectMissing, StorageError
 
@@ -159,7 +159,11 @@ def _store(u: Url) -> Any:
         st = _stores.get(u.bucket)
         if st is not None:
             return st
-    from obstore.store import S3Store  # imported here: local runs never load the client
+    try:
+        from obstore.store import S3Store  # imported here: local runs never load the client
+    except ImportError:
+        raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
+                           hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
 
     config = {k: v for k, v in _options.items() if k not in ("in_flight", "part_bytes", "endpoint_url")}
     ep = _endpoint()
@@ -194,8 +198,8 @@ def _store(u: Url) -> Any:
     try:
         st = S3Store(
             u.bucket,
-            config=config,
-            client_options=client,
+            config=config,  # type: ignore[arg-type]
+            client_options=client,  # type: ignore[arg-type]
             retry_config=retry,  # type: ignore[arg-type]
             credential_provider=provider,
         )
@@ -386,8 +390,8 @@ def _forget(u: Url) -> None:
         for k in [k for k in _listings if str(u).startswith(k) or k.startswith(str(u))]:
             _listings.pop(k)
         _listings.pop(str(parent), None)
-        for k in [k for k in _cache if k[0] == str(u)]:
-            _cache.pop(k)
+        for ck in [ck for ck in _cache if ck[0] == str(u)]:
+            _cache.pop(ck)
 
 
 def size(x: object) -> int:
@@ -498,14 +502,13 @@ class RemotePath(PurePosixPath):
         return os.stat_result((0o100644, 0, 0, 1, 0, 0, size(self), 0, 0, 0))
 
 
-def as_path(x: str | os.PathLike[str]) -> Any:
-    """A ``RemotePath`` for a URL (or the ``s3:/`` a ``pathlib.Path`` made of one), else a local ``Path``."""
-    from pathlib import Path
-
+def as_path(x: str | os.PathLike[str]) -> Path:
+    """A ``RemotePath`` for a URL (or the ``s3:/`` a ``pathlib.Path`` made of one), else a local ``Path``.
+    Typed as ``Path``: a ``RemotePath`` answers the ``Path`` methods zckpt's readers call on inputs."""
     if isinstance(x, RemotePath):
-        return x
+        return cast(Path, x)
     u = parse(x)
-    return Path(x) if u is None else RemotePath(str(u))
+    return Path(x) if u is None else cast(Path, RemotePath(str(u)))
 
 
 # ------------------------------------------------------------------------------------------------ reads
@@ -522,7 +525,7 @@ def _get(u: Url, a: int, b: int) -> memoryview:
         _count("bytes", b - a)
         return got
 
-    return _retry(once, u)  # type: ignore[no-any-return]
+    return _retry(once, u)
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -631,12 +634,10 @@ def open_read(x: object) -> io.BufferedReader:
     return io.BufferedReader(RemoteFile(x), buffer_size=BLOCK // 4)
 
 
-def absolute(x: str | os.PathLike[str]) -> Any:
+def absolute(x: str | os.PathLike[str]) -> Path:
     """``Path(os.path.abspath(x))`` for a local path; a URL is absolute already."""
-    from pathlib import Path
-
     p = as_path(x)
-    return p if isinstance(p, RemotePath) else Path(os.path.abspath(p))
+    return p if is_url(p) else Path(os.path.abspath(p))
 
 
 # ----------------------------------------------------------------------------------------------- writes

@@ -79,7 +79,8 @@ class HashingSink(io.RawIOBase):
         self._url = remote_staging.streamed(path)
         """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
         self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
-        self._f: Any = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
+        self._f: Any = None
+        self._f = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
         opts = opts or direct_io.WriteOptions()

@@ -13,7 +13,7 @@ from zckpt.state import CheckpointMeta
 def input_root(meta: CheckpointMeta) -> Path:
     """The folder (or file) an operation must leave untouched: the save folder holding every tag of a
     checkpoint with tags, else the checkpoint's own folder or file."""
-    return as_path(meta.save_dir or meta.path).resolve()  # type: ignore[no-any-return]
+    return as_path(meta.save_dir or meta.path).resolve()
 
 
 def check_overlap(meta: CheckpointMeta, out: Path) -> None:
