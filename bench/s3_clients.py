@@ -63,7 +63,9 @@ def main() -> None:
 
         st = S3Store("bench", endpoint=url, allow_http=True, region="us-east-1")
         for n in (1, 4, 16):
-            timed("obstore get_range", n, lambda ab: bytes(obstore.get_range(st, "obj", start=ab[0], end=ab[1])))  # noqa: E501
+            timed(
+                "obstore get_range", n, lambda ab: bytes(obstore.get_range(st, "obj", start=ab[0], end=ab[1]))
+            )  # noqa: E501
         for name, n, mbs in rows:
             print(f"ranged GET {args.range_mib} MiB  {name:20s} in flight {n:2d}: {mbs:7.1f} MiB/s")
         # multipart upload of the same bytes, 8 MiB parts

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
@@ -45,10 +45,10 @@ from zckpt.errors import ObjectMissing, StorageError
 SCHEMES = ("s3",)
 """Schemes served (the store client is built for S3 and S3-compatible stores; tested against one)."""
 
-BLOCK = 1 << 20
+BLOCK = 256 << 10
 """Reads smaller than this are served from aligned cached blocks of this size (one request per block)."""
-CACHE_BLOCKS = 16
-"""Blocks kept (LRU, whole process): 16 MiB at most."""
+CACHE_BLOCKS = 32
+"""Blocks kept (LRU, whole process): 8 MiB at most."""
 
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
 _lock = threading.Lock()
@@ -551,9 +551,67 @@ def _block(u: Url, i: int, total: int) -> bytes:
     return data
 
 
-def read_into(x: object, offset: int, out: memoryview) -> None:
+@dataclass
+class _Window:
+    """Bytes ``[start, end)`` of one object, fetched (or being fetched) ahead of a sequential reader."""
+
+    url: str
+    start: int
+    end: int
+    data: Future[bytearray]
+
+
+_windows: OrderedDict[int, _Window] = OrderedDict()
+_window_ids = iter(range(1 << 62))
+
+
+def window_bytes() -> int:
+    return max(
+        BLOCK, int(_options.get("window_bytes", os.environ.get("ZCKPT_S3_WINDOW_BYTES", str(32 << 20))))
+    )
+
+
+def _from_window(u: Url, offset: int, out: memoryview, limit: int) -> None:
+    """Serve ``out`` from windows of ``[offset, limit)`` fetched ahead: one sequential reader's small or
+    medium reads (a ZeRO partition read param by param) become few large ranged GETs that tile the record,
+    never past ``limit`` (the end of the record being read). At most ``MAX_WINDOWS`` windows are held."""
+    key, done, n = str(u), 0, len(out)
+    while done < n:
+        at = offset + done
+        with _lock:
+            w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
+            mine = w is None
+            if w is None:
+                w = _Window(key, at, min(limit, at + max(window_bytes(), n - done)), Future())
+                _windows[next(_window_ids)] = w
+                while len(_windows) > MAX_WINDOWS:
+                    _windows.popitem(last=False)
+        if mine:
+            buf = bytearray(w.end - w.start)
+            try:
+                _read_parts(u, w.start, memoryview(buf))
+            except BaseException as e:
+                w.data.set_exception(e)
+                with _lock:
+                    for k in [k for k, v in _windows.items() if v is w]:
+                        _windows.pop(k)
+                raise
+            w.data.set_result(buf)
+        data = w.data.result()
+        k = min(n - done, w.end - at)
+        out[done : done + k] = memoryview(data)[at - w.start : at - w.start + k]
+        done += k
+
+
+MAX_WINDOWS = 4
+"""Windows held at once (whole process): memory ``MAX_WINDOWS * window_bytes`` at most (128 MiB)."""
+
+
+def read_into(x: object, offset: int, out: memoryview, limit: int | None = None) -> None:
     """Fill ``out`` with the object's bytes ``[offset, offset + len(out))``: ranged GETs of at most
-    ``part_bytes``, ``in_flight`` at a time; a read under ``BLOCK`` bytes comes from the block cache."""
+    ``part_bytes``, ``in_flight`` at a time; a read under ``BLOCK`` bytes comes from the block cache.
+    ``limit``: the caller reads on sequentially up to this byte (a checksummed record's end), so a window
+    up to it may be fetched ahead (``_from_window``)."""
     u = _url(x)
     n = len(out)
     total = size(u)
@@ -566,6 +624,9 @@ def read_into(x: object, offset: int, out: memoryview) -> None:
         )
     if n == 0:
         return
+    if limit is not None and min(limit, total) > offset + n:
+        _from_window(u, offset, out, min(limit, total))
+        return
     if n < BLOCK:
         done = 0
         while done < n:
@@ -576,6 +637,12 @@ def read_into(x: object, offset: int, out: memoryview) -> None:
             out[done : done + k] = blk[at : at + k]
             done += k
         return
+    _read_parts(u, offset, out)
+
+
+def _read_parts(u: Url, offset: int, out: memoryview) -> None:
+    """``out`` from ``[offset, offset + len(out))`` in parts of ``part_bytes``, ``in_flight`` at a time."""
+    n = len(out)
     step = part_bytes()
     cuts = [(a, min(n, a + step)) for a in range(0, n, step)]
     if len(cuts) == 1 or threading.current_thread().name.startswith("zckpt-s3"):

@@ -182,13 +182,15 @@ def _fd(path: str) -> tuple[int, int]:
         return fd, size
 
 
-def read_into(path: str, offset: int, out: torch.Tensor) -> None:
+def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
     """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
     by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
-    memory afterwards: the bytes live only in ``out`` and the kernel's page cache."""
+    memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the caller
+    goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore it)."""
     n = out.numel() * out.element_size()
     if objstore.is_url(path):
-        objstore.read_into(path, offset, memoryview(out.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+        mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        objstore.read_into(path, offset, mv, limit)
         return
     fd, size = _fd(path)
     if offset < 0 or offset + n > size:
