@@ -57,7 +57,7 @@ def main() -> None:
 
         for n in (1, 4, 16):
             fs = s3fs.S3FileSystem(anon=False, skip_instance_cache=True)
-            timed("s3fs cat_file", n, lambda ab, fs=fs: fs.cat_file("bench/obj", ab[0], ab[1]))
+            timed("s3fs cat_file", n, lambda ab, fs=fs: fs.cat_file("bench/obj", start=ab[0], end=ab[1]))
         import obstore
         from obstore.store import S3Store
 
