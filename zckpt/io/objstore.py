@@ -834,3 +834,15 @@ def list_keys(x: object, *, recursive: bool = True) -> list[str]:
     for batch in _retry(lambda: list(obstore.list(_store(u), prefix)), u):
         out += [f"{u.scheme}://{u.bucket}/{m['path']}" for m in batch]
     return sorted(out)
+
+
+def put_bytes(x: object, data: bytes) -> None:
+    """One small object, written whole by one PUT (it replaces what was there)."""
+    import obstore
+
+    u = _url(x)
+    _count("requests")
+    _retry(lambda: obstore.put(_store(u), u.key, data), u)
+    _count("uploads")
+    _count("bytes_up", len(data))
+    _forget(u)

@@ -23,6 +23,7 @@ without it leaves nothing) with a store's means:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from zckpt.errors import OutputExists
+from zckpt.errors import OutputExists, StorageError
 from zckpt.io import objstore
 
 MARKER = ".zckpt-remote.json"
@@ -183,3 +184,40 @@ class RemoteStaging:
         self._release()
         self._done = True
         return [objstore.as_path(u) for u in written]
+
+
+def local_stand_in(dest: object) -> Path:
+    """A local folder that stands for the folder ``dest`` (a URL) in one save: the same path on every
+    process of the host (derived from the URL), so ranks that compute it independently agree."""
+    import hashlib
+
+    h = hashlib.sha256(str(objstore.as_path(dest)).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"zckpt-s3-save-{h}"
+
+
+def mark(folder: Path, dest: object) -> None:
+    """Make ``folder`` (fresh, local) the stand-in of the folder ``dest``: data files written in it are
+    streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``."""
+    url = str(objstore.as_path(dest))
+    (folder / MARKER).write_text(json.dumps({"dest": url, "is_dir": True}))
+
+
+def publish_dir(folder: Path, dest: object) -> None:
+    """Publish a marked stand-in folder: its local files uploaded (completing ones last), replacing what
+    was there; old objects under ``dest`` that this save did not write are deleted; the folder removed."""
+    url = str(objstore.as_path(dest))
+    old = objstore.list_keys(url) if objstore.kind(url) is not None else []
+    objstore.delete([u for u in old if COMPLETING.search(u) or LATEST.search(u)])
+    st = RemoteStaging.__new__(RemoteStaging)
+    st.url, st.dest, st.is_dir, st.overwrite, st.dir, st._old, st._done = (
+        url, objstore.as_path(url), True, True, folder, old, False,
+    )  # fmt: skip
+    st.commit()
+
+
+def discard_dir(folder: Path) -> None:
+    """A failed save: delete what its ranks uploaded, remove the stand-in folder."""
+    f = folder / UPLOADS
+    with contextlib.suppress(StorageError):
+        objstore.delete(f.read_text().split() if f.is_file() else [])
+    shutil.rmtree(folder, ignore_errors=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from zckpt.errors import OutputExists, WriteFailed
-from zckpt.io import objstore, sink
+from zckpt.io import objstore, remote_staging, sink
 from zckpt.io.remote_staging import RemoteStaging
 
 _WRITE_HINTS = {
@@ -91,7 +91,11 @@ def move(src: Path, dest: Path, *, replace: bool) -> None:
 
 
 def publish_folder(staged: Path, target: Path, *, overwrite: bool) -> None:
-    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably."""
+    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably. A URL
+    ``target`` (``staged`` made by ``remote_staging.mark``) is published in order instead (no rename)."""
+    if objstore.is_url(target):
+        remote_staging.publish_dir(staged, target)
+        return
     move(staged, target, replace=overwrite)
     _fsync_dir(target.parent)
 
