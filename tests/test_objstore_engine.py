@@ -1,7 +1,7 @@
-"""The engine's ``save_checkpoint`` / ``load_checkpoint`` with an ``s3://`` folder (a moto server on 127.0.0.1),
-synchronous and asynchronous: the objects are byte-identical to a local save of the same state (rank files;
-the manifest but for the config's writer block), ``latest`` is written last, and loading from the bucket
-resumes exactly like an engine loaded from the local folder (oracle: that local resume)."""
+"""The engine's ``save_checkpoint`` / ``load_checkpoint`` with an ``s3://`` folder (a moto server on
+127.0.0.1), synchronous and asynchronous: the objects are byte-identical to a local save of the same state
+(rank files; the manifest but for the config's writer block), ``latest`` is written last, and loading from
+the bucket resumes exactly like an engine loaded from the local folder (oracle: that local resume)."""
 
 from __future__ import annotations
 

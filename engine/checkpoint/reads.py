@@ -15,7 +15,6 @@ the buffer is reused), else into a host temporary that is cast into the destinat
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -196,10 +195,11 @@ def _read_file(
                 drain()
             events.wait(i, waits)
             view = memoryview(bufs[i].numpy()).cast("B")[: b - a]  # type: ignore[arg-type]
-            read = storage.pread_into if remote else functools.partial(direct_io.read_direct, dfd)
-            pending.append(
-                (a, b, i, pool.submit(read, fd, view, a) if remote else pool.submit(read, fd, a, view))
-            )
+            if remote:
+                fut = pool.submit(storage.pread_into, fd, view, a)
+            else:
+                fut = pool.submit(direct_io.read_direct, dfd, fd, a, view)
+            pending.append((a, b, i, fut))
         while pending:
             drain()
     finally:

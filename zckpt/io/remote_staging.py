@@ -186,7 +186,7 @@ class RemoteStaging:
         return [objstore.as_path(u) for u in written]
 
 
-def local_stand_in(dest: object) -> Path:
+def local_stand_in(dest: str | os.PathLike[str]) -> Path:
     """A local folder that stands for the folder ``dest`` (a URL) in one save: the same path on every
     process of the host (derived from the URL), so ranks that compute it independently agree."""
     import hashlib
@@ -195,14 +195,14 @@ def local_stand_in(dest: object) -> Path:
     return Path(tempfile.gettempdir()) / f"zckpt-s3-save-{h}"
 
 
-def mark(folder: Path, dest: object) -> None:
+def mark(folder: Path, dest: str | os.PathLike[str]) -> None:
     """Make ``folder`` (fresh, local) the stand-in of the folder ``dest``: data files written in it are
     streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``."""
     url = str(objstore.as_path(dest))
     (folder / MARKER).write_text(json.dumps({"dest": url, "is_dir": True}))
 
 
-def publish_dir(folder: Path, dest: object) -> None:
+def publish_dir(folder: Path, dest: str | os.PathLike[str]) -> None:
     """Publish a marked stand-in folder: its local files uploaded (completing ones last), replacing what
     was there; old objects under ``dest`` that this save did not write are deleted; the folder removed."""
     url = str(objstore.as_path(dest))
