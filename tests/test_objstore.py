@@ -152,6 +152,15 @@ def test_faults_injected_results_identical(
             code, out = _cli("consolidate", url, str(b))
             assert code == 0, out
             assert a.read_bytes() == b.read_bytes()
+        # writes through the faults too: bucket to bucket, then the same bytes as the local output
+        lp, url = inputs["ds/s3_bf16_w3_sub_g2"]
+        assert _cli("consolidate", str(lp), str(tmp_path / "hf-l"), "--max-shard-size", "600B")[0] == 0
+        code, out = _cli("consolidate", url, "s3://ckpts/faults/hf", "--max-shard-size", "600B")
+        assert code == 0, out
+        c = s3_server.client()
+        for f in sorted((tmp_path / "hf-l").iterdir()):
+            got = c.get_object(Bucket="ckpts", Key=f"faults/hf/{f.name}")["Body"].read()  # type: ignore[attr-defined]
+            assert got == f.read_bytes(), f.name
         assert proxy.counts["faults"] >= 5, proxy.counts  # the faults did happen
     finally:
         objstore.configure(None)

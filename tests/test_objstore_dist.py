@@ -55,7 +55,7 @@ def test_world2_bucket_to_bucket_matches_local(
             dst.parent.mkdir(parents=True, exist_ok=True)
             c.download_file("ckpts", key, str(dst))  # type: ignore[attr-defined]
         want, have = _tree(tmp_path / name), _tree(got)
-        if name == "dcp":  # a split DCP reshard pickles .metadata's records in another order (locally too):
+        if name == "dcp":  # split, DCP .metadata pickles its records in another order than one process:
             assert set(have) == set(want)  # its content must agree, the data files byte for byte
             have.pop(".metadata"), want.pop(".metadata")
             assert zckpt.verify(got).ok
