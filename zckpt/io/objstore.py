@@ -8,20 +8,25 @@ reach this module. What it owns:
   delimiter listing per folder, cached (``as_path`` turns a user's string, or the ``s3:/...`` a
   ``pathlib.Path`` makes of it, into one).
 - Reads: ``read_into`` fetches exactly ``[offset, offset + n)`` with ranged GETs, cut into parts of at most
-  ``part_bytes`` that go out ``in_flight`` at a time; reads under ``BLOCK`` bytes (headers, pickles, small
-  tensors) are served from a small cache of aligned ``BLOCK``-byte blocks, so neighbouring small reads
-  coalesce into one request. Memory: the caller's buffer plus at most ``CACHE_BLOCKS`` blocks.
+  ``part_bytes`` that go out ``in_flight`` at a time. A reader that says how far it reads on (``limit``: the
+  end of the checksummed record it is in) is served from read-ahead windows of ``window_bytes`` that tile the
+  record and never pass its end (``_from_window``). Reads under ``BLOCK`` bytes (headers, pickles, small
+  tensors) come from a small cache of aligned ``BLOCK``-byte blocks, so neighbouring small reads coalesce
+  into one request. Memory: the caller's buffer, at most ``MAX_WINDOWS`` windows and ``CACHE_BLOCKS``
+  blocks.
 - Retries: the client retries 5xx, 503 SlowDown and dropped connections with exponential backoff and
   jitter (``RetryConfig``); a GET whose body is cut off mid-way is retried here too (``_retry``).
 - Writes: ``Upload``, one object streamed as a multipart upload (parts of ``part_bytes``) that becomes
-  visible only when it completes; ``abort()`` leaves nothing. ``put_small`` / ``delete``.
+  visible only when it completes; ``abort()`` leaves nothing. ``upload_file`` (create-if-absent for the
+  objects that complete a checkpoint), ``put_bytes``, ``delete``, ``list_keys``.
 - Errors: every client error becomes one ``StorageError`` line naming the URL, with a hint.
 - ``stats()``: requests and bytes fetched by this process (the benchmark's figures).
 
 Configuration is the standard AWS chain as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``/``AWS_REGION``), plus
 ``configure(storage_options)`` (CLI ``--storage-option key=value``). An ``http://`` endpoint is allowed
-because its URL says so. zckpt's own keys: ``in_flight`` (default 8), ``part_bytes`` (default 8 MiB).
+because its URL says so. zckpt's own keys: ``in_flight`` (default 8), ``part_bytes`` (default 8 MiB),
+``window_bytes`` (default 32 MiB), ``max_retries`` (default 10).
 """
 
 from __future__ import annotations
