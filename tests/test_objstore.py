@@ -252,3 +252,15 @@ def test_credential_errors_are_one_line(
         assert not (tmp_path / "m.safetensors").exists()
     finally:
         objstore.configure(None)
+
+
+def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str, tmp_path: Path) -> None:
+    """``diff --series`` over a run folder in the bucket (two tag folders of real DeepSpeed files)."""
+    import shutil
+
+    src = fixture("ds", "s3_fp32_w2", "global_step3")
+    run = tmp_path / "run"
+    for tag in ("global_step3", "global_step4"):
+        shutil.copytree(src, run / tag)
+    url = _s3.upload(s3_server.client(), run, "ckpts", "series/run")
+    _same(_cli("diff", "--series", str(run), "--json"), _cli("diff", "--series", url, "--json"), run, url)

@@ -217,7 +217,7 @@ def diff_series(
             older = newer
     finally:
         older.close()
-    return SeriesResult(str(run), tuple(tags), tuple(pairs))
+    return SeriesResult(str(as_path(run)), tuple(tags), tuple(pairs))
 
 
 def summarise(a: RunTag, b: RunTag, r: DiffResult) -> SeriesPair:
