@@ -109,19 +109,27 @@ def _needed(src: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", default=str(REPO / "bench" / "data" / "gpt16m_z3_w2"))
+    ap.add_argument("--link-mbps", type=float, default=0.0,
+                    help="time both jobs through a proxy carrying at most this many MB/s in all (a network "
+                    "link to the store; 0: straight to the local server)")  # fmt: skip
     args = ap.parse_args()
     src = Path(args.input)
     if not (src / "latest").is_file():
         raise SystemExit(f"{src}: build it first: .venv-ds/bin/python bench/make_inputs.py --only {src.name}")
     srv = _s3.start()
     proxy = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0)
+    link = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0, rate=args.link_mbps * 1e6)
     work = Path(tempfile.mkdtemp(prefix="zckpt-s3bench-"))
-    out: dict[str, object] = {"input": src.name, "input_bytes": _du(src)}
+    out: dict[str, object] = {"input": src.name, "input_bytes": _du(src), "link_mbps": args.link_mbps or None}
     try:
         c = srv.client()
         c.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
         url = _s3.upload(c, src, "bench", src.name)
-        base = {**os.environ, "PYTHONPATH": str(REPO), **dict(_s3.env_for(srv.url))}
+        base = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            **dict(_s3.env_for(link.url if args.link_mbps else srv.url)),
+        }
         counted = {**base, "AWS_ENDPOINT_URL": proxy.url}
         # bytes and requests, counted by the proxy (an oracle independent of zckpt's own counters)
         _zckpt(["consolidate", url, str(work / "counted.safetensors"), "--no-progress"], counted)
@@ -153,6 +161,7 @@ def main() -> None:
         out["wall_ratio"] = round(wall / (dl_wall + wall2), 3)
     finally:
         proxy.stop()
+        link.stop()
         srv.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=1))

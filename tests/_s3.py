@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -139,6 +140,8 @@ class FaultProxy:
     p503: float = 0.1
     pdrop: float = 0.05
     ptrunc: float = 0.05
+    rate: float = 0.0
+    """Bytes per second of all response bodies together (0: unlimited): a network link to the store."""
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "faults": 0, "bytes": 0})
     log: list[tuple[str, str]] = field(default_factory=list)
     """(method, path) of every request answered with success, in the order the answers went out."""
@@ -207,7 +210,7 @@ class FaultProxy:
                     proxy.counts["bytes"] += len(data) if self.command == "GET" else 0
                     if resp.status < 300:
                         proxy.log.append((self.command, self.path))
-                self.wfile.write(data)
+                proxy._send(self.wfile, data)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
@@ -215,6 +218,22 @@ class FaultProxy:
         self._httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+
+    _link = threading.Lock()
+    _free_at = 0.0
+
+    def _send(self, out: object, data: bytes) -> None:
+        """Write ``data``; with a ``rate``, 1 MiB at a time, each once the link carried the bytes before."""
+        if self.rate <= 0:
+            out.write(data)  # type: ignore[attr-defined]
+            return
+        for i in range(0, len(data), 1 << 20):
+            part = data[i : i + (1 << 20)]
+            with self._link:
+                start = max(time.monotonic(), self._free_at)
+                self._free_at = start + len(part) / self.rate
+            time.sleep(max(0.0, self._free_at - time.monotonic()))
+            out.write(part)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         self._httpd.shutdown()
