@@ -264,3 +264,28 @@ def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str
         shutil.copytree(src, run / tag)
     url = _s3.upload(s3_server.client(), run, "ckpts", "series/run")
     _same(_cli("diff", "--series", str(run), "--json"), _cli("diff", "--series", url, "--json"), run, url)
+
+
+def test_read_ahead_windows_tile_the_record_and_stop_at_its_end(
+    s3_server: _s3.Server, s3env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from a few window GETs
+    (the next one prefetched), and nothing past ``limit`` is fetched. Oracle: the uploaded bytes."""
+    import random
+
+    data = random.Random(5).randbytes(5 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
+    objstore.configure({"window_bytes": str(1 << 20)})
+    url, lo, hi = "s3://ckpts/win/obj", 123_457, (4 << 20) + 999
+    objstore.size(url)
+    objstore.reset_stats()
+    got = bytearray(hi - lo)
+    at = lo
+    while at < hi:  # reads of 300 KB, not aligned to the windows
+        k = min(300_000, hi - at)
+        objstore.read_into(url, at, memoryview(got)[at - lo : at - lo + k], limit=hi)
+        at += k
+    assert bytes(got) == data[lo:hi]
+    st = objstore.stats()
+    assert st["bytes"] == hi - lo  # the windows tile [lo, hi): no byte twice, none past the limit
+    assert st["requests"] == -(-(hi - lo) // (1 << 20))  # one GET per 1 MiB window

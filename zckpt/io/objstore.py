@@ -55,6 +55,8 @@ BLOCK = 256 << 10
 CACHE_BLOCKS = 32
 """Blocks kept (LRU, whole process): 8 MiB at most."""
 
+_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
+"""Storage options zckpt reads itself; every other key goes to the client."""
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
 _lock = threading.Lock()
 _options: dict[str, str] = {}
@@ -170,7 +172,7 @@ def _store(u: Url) -> Any:
         raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
                            hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
 
-    config = {k: v for k, v in _options.items() if k not in ("in_flight", "part_bytes", "endpoint_url")}
+    config = {k: v for k, v in _options.items() if k not in _OWN_KEYS}
     ep = _endpoint()
     if ep:
         config["endpoint"] = ep
@@ -579,37 +581,65 @@ def window_bytes() -> int:
 def _from_window(u: Url, offset: int, out: memoryview, limit: int) -> None:
     """Serve ``out`` from windows of ``[offset, limit)`` fetched ahead: one sequential reader's small or
     medium reads (a ZeRO partition read param by param) become few large ranged GETs that tile the record,
-    never past ``limit`` (the end of the record being read). At most ``MAX_WINDOWS`` windows are held."""
-    key, done, n = str(u), 0, len(out)
+    never past ``limit`` (the end of the record being read). Once a read passes the middle of a window, the
+    next one is fetched in the background, so the network overlaps the reader's work. At most
+    ``MAX_WINDOWS`` windows are held."""
+    done, n = 0, len(out)
     while done < n:
         at = offset + done
-        with _lock:
-            w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
-            mine = w is None
-            if w is None:
-                w = _Window(key, at, min(limit, at + max(window_bytes(), n - done)), Future())
-                _windows[next(_window_ids)] = w
-                while len(_windows) > MAX_WINDOWS:
-                    _windows.popitem(last=False)
+        w, mine = _window_at(u, at, max(window_bytes(), n - done), limit)
         if mine:
-            buf = bytearray(w.end - w.start)
-            try:
-                _read_parts(u, w.start, memoryview(buf))
-            except BaseException as e:
-                w.data.set_exception(e)
-                with _lock:
-                    for k in [k for k, v in _windows.items() if v is w]:
-                        _windows.pop(k)
-                raise
-            w.data.set_result(buf)
+            _fill(u, w)
         data = w.data.result()
         k = min(n - done, w.end - at)
         out[done : done + k] = memoryview(data)[at - w.start : at - w.start + k]
         done += k
+        if w.end < limit and at + k > (w.start + w.end) // 2:
+            nxt, new = _window_at(u, w.end, window_bytes(), limit)
+            if new:
+                threading.Thread(target=_fill, args=(u, nxt, False), name="zckpt-ahead", daemon=True).start()
+
+
+def _held(u: Url, at: int) -> bool:
+    """A window already holds byte ``at`` of ``u`` (a reader's last read of a record comes from it too)."""
+    key = str(u)
+    with _lock:
+        return any(w.url == key and w.start <= at < w.end for w in _windows.values())
+
+
+def _window_at(u: Url, at: int, size: int, limit: int) -> tuple[_Window, bool]:
+    """The window holding byte ``at`` of ``u``, or a new one ``[at, at + size)`` (clipped to ``limit``) that
+    the caller must fill (then True)."""
+    key = str(u)
+    with _lock:
+        w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
+        if w is not None:
+            return w, False
+        w = _Window(key, at, min(limit, at + size), Future())
+        _windows[next(_window_ids)] = w
+        while len(_windows) > MAX_WINDOWS:
+            _windows.popitem(last=False)
+        return w, True
+
+
+def _fill(u: Url, w: _Window, raise_: bool = True) -> None:
+    buf = bytearray(w.end - w.start)
+    try:
+        _read_parts(u, w.start, memoryview(buf))
+    except BaseException as e:
+        w.data.set_exception(e)
+        with _lock:
+            for k in [k for k, v in _windows.items() if v is w]:
+                _windows.pop(k)
+        if raise_:
+            raise
+        return
+    w.data.set_result(buf)
 
 
 MAX_WINDOWS = 4
-"""Windows held at once (whole process): memory ``MAX_WINDOWS * window_bytes`` at most (128 MiB)."""
+"""Windows held at once (whole process), prefetched ones included: memory ``MAX_WINDOWS * window_bytes`` at
+most (128 MiB)."""
 
 
 def read_into(x: object, offset: int, out: memoryview, limit: int | None = None) -> None:
@@ -629,7 +659,11 @@ def read_into(x: object, offset: int, out: memoryview, limit: int | None = None)
         )
     if n == 0:
         return
-    if limit is not None and min(limit, total) > offset + n:
+    if (
+        limit is not None
+        and min(limit, total) >= offset + n
+        and (min(limit, total) > offset + n or _held(u, offset))
+    ):
         _from_window(u, offset, out, min(limit, total))
         return
     if n < BLOCK:
