@@ -111,6 +111,7 @@ def configure(options: Mapping[str, str] | None) -> None:
         _listings.clear()
         _cache.clear()
         _sizes.clear()
+        _windows.clear()
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -399,6 +400,8 @@ def _forget(u: Url) -> None:
         _listings.pop(str(parent), None)
         for ck in [ck for ck in _cache if ck[0] == str(u)]:
             _cache.pop(ck)
+        for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
+            _windows.pop(wk)
 
 
 def size(x: object) -> int:
