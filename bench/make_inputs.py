@@ -43,18 +43,20 @@ import make_fixtures as mf  # noqa: E402  (fixtures helper: DeepSpeed config + C
 
 # name -> model shape, ZeRO stage, world, save_steps
 MODELS = {
+    "gpt16m": {"vocab": 50304, "dim": 256, "layers": 4, "seq": 16},
     "gpt100m": {"vocab": 50304, "dim": 768, "layers": 9, "seq": 16},
     "gpt400m": {"vocab": 50304, "dim": 1024, "layers": 28, "seq": 16},
     "gpt1b": {"vocab": 50304, "dim": 2048, "layers": 20, "seq": 16},
 }
 INPUTS = {
+    "gpt16m_z3_w2": {"model": "gpt16m", "stage": 3, "world": 2, "save_steps": [1]},  # bench/s3_bench.py
     "gpt100m_z3_w2": {"model": "gpt100m", "stage": 3, "world": 2, "save_steps": [1]},
     "gpt400m_z3_w2": {"model": "gpt400m", "stage": 3, "world": 2, "save_steps": [1, 2]},
     "gpt400m_z3_w4": {"model": "gpt400m", "stage": 3, "world": 4, "save_steps": [1]},
     "gpt400m_z2_w2": {"model": "gpt400m", "stage": 2, "world": 2, "save_steps": [1]},
     "gpt1b_z3_w2": {"model": "gpt1b", "stage": 3, "world": 2, "save_steps": [0]},
 }
-DEFAULT = list(INPUTS)
+DEFAULT = [n for n in INPUTS if n != "gpt16m_z3_w2"]  # the object-store bench builds its own
 DCP_INPUTS = {"gpt400m_dcp_w2": {"model": "gpt400m", "world": 2}}
 """Built with the main venv (torch's FSDP2 + DCP), not DeepSpeed."""
 

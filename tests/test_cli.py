@@ -31,22 +31,31 @@ def _options(args: list[str]) -> set[str]:
 def test_help_snapshot() -> None:
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "inspect" in res.output and "consolidate" in res.output
-    inspect_opts = {"--tag", "--json", "--trust-pickle", "--stats", "--all", "--plot", "--help"}
+    inspect_opts = {
+        "--tag",
+        "--json",
+        "--trust-pickle",
+        "--stats",
+        "--all",
+        "--plot",
+        "--storage-option",
+        "--help",
+    }
     assert _options(["inspect"]) == inspect_opts
     assert _options(["consolidate"]) == {
         "--dtype", "--keep-fp32", "--max-shard-size", "--tag", "--exclude-frozen", "--format", "--overwrite",
         "--trust-pickle", "--progress", "--no-progress", "--json", "--workers", "--verify-data",
-        "--no-verify-data", "--help",
+        "--no-verify-data", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
         "--atol", "--rtol", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
         "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
-        "--no-verify-data", "--plot", "--series", "--help",
+        "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
-    assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--help"}
+    assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--storage-option", "--help"}
     assert _options(["reshard"]) == {
         "--world", "--tag", "--to", "--stage", "--overwrite", "--json", "--trust-pickle", "--progress",
-        "--no-progress", "--verify-data", "--no-verify-data", "--help",
+        "--no-progress", "--verify-data", "--no-verify-data", "--storage-option", "--help",
     }  # fmt: skip
 
 

@@ -76,3 +76,11 @@ class WriteFailed(ZckptError):
 
 class OutputNotWritable(WriteFailed, PermissionDenied):
     """The output's folder refuses the write (no permission); nothing was written (a ``PermissionError``)."""
+
+
+class StorageError(ZckptError):
+    """An object store refused or failed a request (no credentials, no such bucket or key, access denied)."""
+
+
+class ObjectMissing(StorageError, CorruptCheckpoint):
+    """No such key (or bucket) in an object store: what a missing file is locally."""

@@ -25,6 +25,7 @@ import torch
 from engine.checkpoint_optim import state_layout
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
+from zckpt.io import objstore, remote_staging
 from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.model import Role, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
@@ -34,7 +35,10 @@ if TYPE_CHECKING:
 
 
 def staging_dir(save_dir: Path, tag: str) -> Path:
-    """Where the ranks of one save write the tag folder before rank 0 publishes it."""
+    """Where the ranks of one save write the tag folder before rank 0 publishes it (for an ``s3://`` save
+    dir, a local stand-in whose data files stream to the bucket: ``zckpt.io.remote_staging``)."""
+    if objstore.is_url(save_dir):
+        return remote_staging.local_stand_in(f"{objstore.as_path(save_dir)}/{tag}")
     return save_dir / f".{tag}.staging"
 
 

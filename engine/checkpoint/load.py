@@ -33,6 +33,7 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
 from zckpt.formats.native import layout as L
+from zckpt.io.objstore import as_path
 from zckpt.io.spans import read_entry
 from zckpt.model import Role, TensorEntry
 from zckpt.state import Counters, RankRng
@@ -93,7 +94,7 @@ def load(
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
     vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded."""
     t0 = time.perf_counter()
-    ckpt = _open(Path(load_dir), tag)
+    ckpt = _open(as_path(load_dir), tag)
     if ckpt is None:
         return None, None
     try:

@@ -173,7 +173,8 @@ def _read_file(
 ) -> None:
     """Read ``chunks`` of ``path`` (``DEPTH`` in flight, into ``bufs`` in turn), scatter into ``segs``."""
     fd = storage.open_fd(path)
-    dfd = direct_io.open_direct(path)
+    remote = fd < -1  # an object (s3://): ranged GETs through zckpt.io.storage, no O_DIRECT
+    dfd = None if remote else direct_io.open_direct(path)
     waits.direct &= dfd is not None
     events = _Events(len(bufs))
     pending: list[tuple[int, int, int, Future[int]]] = []
@@ -194,13 +195,17 @@ def _read_file(
                 drain()
             events.wait(i, waits)
             view = memoryview(bufs[i].numpy()).cast("B")[: b - a]  # type: ignore[arg-type]
-            pending.append((a, b, i, pool.submit(direct_io.read_direct, dfd, fd, a, view)))
+            if remote:
+                fut = pool.submit(storage.pread_into, fd, view, a)
+            else:
+                fut = pool.submit(direct_io.read_direct, dfd, fd, a, view)
+            pending.append((a, b, i, fut))
         while pending:
             drain()
     finally:
         for f in pending:
             f[3].cancel()
-        os.close(fd)
+        storage.close_fd(fd)
         if dfd is not None:
             os.close(dfd)
 

@@ -35,7 +35,9 @@ from engine.config import WriterConfig
 from zckpt.errors import WriteFailed
 from zckpt.formats._latest import write_latest
 from zckpt.formats.native import write as W
+from zckpt.io import objstore, remote_staging
 from zckpt.io.direct_io import ALIGN, WriteOptions
+from zckpt.io.objstore import as_path
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import fsync_path, publish_folder
 
@@ -92,7 +94,7 @@ def save(
     saver = eng.checkpointer
     if saver is not None:
         saver.wait()  # one save at a time; the previous one's error surfaces here
-    root = Path(save_dir)
+    root = as_path(save_dir)
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
     prepare(eng, root, tag)
     job = capture(eng, root, tag, client_state or {}, save_latest)
@@ -115,6 +117,8 @@ def prepare(eng: Engine, root: Path, tag: str) -> None:
     if eng.comm.rank == 0:
         shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
         stage.mkdir(parents=True)
+        if objstore.is_url(root):  # ranks stream their rank files from here to the bucket
+            remote_staging.mark(stage, root / tag)
     eng.comm.barrier()
 
 
@@ -136,7 +140,10 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
         if err is not None:
-            shutil.rmtree(job.stage_dir, ignore_errors=True)
+            if objstore.is_url(job.root):
+                remote_staging.discard_dir(job.stage_dir)
+            else:
+                shutil.rmtree(job.stage_dir, ignore_errors=True)
     err = group.broadcast_object(err)
     if own is not None:
         raise own

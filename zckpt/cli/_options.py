@@ -77,3 +77,22 @@ def check_plot(path: Path | None, *, preload: bool = False) -> None:
     check(path)
     if preload:
         start()
+
+
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        help="Object-store option KEY=VALUE for s3:// paths (repeatable), e.g. endpoint=http://host:9000, "
+        "region=..., in_flight=16, part_bytes=16777216. The AWS_* environment is read without it.",
+        metavar="KEY=VALUE",
+        show_default=False,
+    ),
+]
+
+
+def use_storage_options(pairs: list[str] | None) -> None:
+    """Apply ``--storage-option`` pairs to this process's object-store client."""
+    from zckpt.io import objstore
+
+    objstore.configure(objstore.parse_options(pairs))

@@ -20,9 +20,11 @@ from zckpt.cli._options import (
     OutArg,
     OverwriteOpt,
     ProgressOpt,
+    StorageOpt,
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
+    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -97,6 +99,7 @@ def command(
     verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
     workers: WorkersOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Consolidate a checkpoint into one loadable model.
 
@@ -104,6 +107,7 @@ def command(
     parameters come from the fp32 masters; tied weights are stored once in safetensors and recorded
     as aliases.
     """
+    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.consolidate import consolidate
 

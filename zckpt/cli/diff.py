@@ -16,9 +16,11 @@ from zckpt.cli._options import (
     JsonOpt,
     PlotOpt,
     ProgressOpt,
+    StorageOpt,
     TrustPickleOpt,
     VerifyDataOpt,
     check_plot,
+    use_storage_options,
 )
 from zckpt.cli._output import Output
 from zckpt.errors import ZckptError
@@ -124,11 +126,13 @@ def command(
     verify_data: VerifyDataOpt = True,
     plot: PlotOpt = None,
     series: SeriesOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Compare two checkpoints of any formats, tensor by tensor.
 
     Streamed chunk by chunk, in bounded memory for any tensor size.
     """
+    use_storage_options(storage_option)
     from zckpt.ops.diff import diff
 
     check_plot(plot, preload=series is not None)  # the series figure is matplotlib's; diff's is not

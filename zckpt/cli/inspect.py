@@ -6,7 +6,18 @@ from typing import Annotated
 
 import typer
 
-from zckpt.cli._options import INPUTS, PICKLES, CkptArg, JsonOpt, PlotOpt, TagOpt, TrustPickleOpt, check_plot
+from zckpt.cli._options import (
+    INPUTS,
+    PICKLES,
+    CkptArg,
+    JsonOpt,
+    PlotOpt,
+    StorageOpt,
+    TagOpt,
+    TrustPickleOpt,
+    check_plot,
+    use_storage_options,
+)
 from zckpt.cli._output import Output, human_bytes
 
 NAME = "inspect"
@@ -32,11 +43,13 @@ def command(
         bool, typer.Option("--all", help="List optimizer-state tensors too, one row each.")
     ] = False,
     plot: PlotOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show what a checkpoint holds.
 
     Reads its metadata only: no tensor data unless --stats.
     """
+    use_storage_options(storage_option)
     from zckpt.ops.inspect import inspect
 
     check_plot(plot)

@@ -21,9 +21,11 @@ from zckpt.cli._options import (
     JsonOpt,
     OverwriteOpt,
     ProgressOpt,
+    StorageOpt,
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
+    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -97,11 +99,13 @@ def command(
     progress: ProgressOpt = True,
     verify_data: VerifyDataOpt = True,
     json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Rewrite a sharded checkpoint for another world size.
 
     Optimizer states, scheduler, RNG and client state included; see below.
     """
+    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from zckpt.cli._options import INPUTS, PICKLES, CkptArg, JsonOpt, TagOpt, TrustPickleOpt
+from zckpt.cli._options import (
+    INPUTS,
+    PICKLES,
+    CkptArg,
+    JsonOpt,
+    StorageOpt,
+    TagOpt,
+    TrustPickleOpt,
+    use_storage_options,
+)
 from zckpt.cli._output import Output
 
 NAME = "verify"
@@ -22,9 +31,14 @@ EXIT_PROBLEMS = 1
 
 
 def command(
-    ckpt: CkptArg, tag: TagOpt = None, json: JsonOpt = False, trust_pickle: TrustPickleOpt = False
+    ckpt: CkptArg,
+    tag: TagOpt = None,
+    json: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Check a checkpoint's integrity without a trainer."""
+    use_storage_options(storage_option)
     from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)

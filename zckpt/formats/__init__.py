@@ -12,6 +12,7 @@ from pathlib import Path
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, UnknownFormat
 from zckpt.formats.base import Format
+from zckpt.io.objstore import as_path
 
 _MODULES = (
     "zckpt.formats.native",
@@ -45,7 +46,7 @@ def registry() -> dict[str, Format]:
 
 def detect(path: str | Path) -> Format:
     """The format that recognises ``path``."""
-    p = Path(path)
+    p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
@@ -139,4 +140,4 @@ def open_checkpoint(
         ...     ckpt.get("missing", None)        # a Mapping: None, no error
     """
     fmt = get(format) if format is not None else detect(path)
-    return fmt.read(Path(path), tag=tag, trust_pickle=trust_pickle)
+    return fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import storage
+from zckpt.io import objstore, storage
 from zckpt.io.staging import fsync_path
 
 LATEST = "latest"
@@ -60,6 +60,9 @@ def write_latest(save_dir: Path, tag: str, *, staged: bool = False) -> None:
     ``staged`` folder (published whole later, everything in it fsynced first) it is simply written."""
     if not valid_tag(tag):
         raise ValueError(f"{tag!r} cannot name a tag folder")
+    if objstore.is_url(save_dir):  # an object is written whole: no temporary name needed
+        objstore.put_bytes(f"{objstore.as_path(save_dir)}/{LATEST}", tag.encode())
+        return
     if staged:
         (save_dir / LATEST).write_text(tag, encoding="utf-8")
         return

@@ -19,7 +19,6 @@ zckpt's own metadata (``zckpt.formats._flat``), written here and read back:
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -72,7 +71,7 @@ def _sidecar_check(path: Path) -> Checked | None:
             str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
         )
     if digest is not None:
-        return Checked(str(path), 0, os.stat(path).st_size, None, "checksum sidecar", sha256=digest)
+        return Checked(str(path), 0, storage.size(path), None, "checksum sidecar", sha256=digest)
     blocks = integrity.block_sidecar_digest(path)
     if isinstance(blocks, Problem):
         raise CorruptCheckpoint(
@@ -81,9 +80,9 @@ def _sidecar_check(path: Path) -> Checked | None:
     if blocks is None:
         return None
     d, size = blocks
-    if size != os.stat(path).st_size:
+    if size != storage.size(path):
         raise CorruptCheckpoint(
-            f"{path}: {os.stat(path).st_size} bytes, but its block-digest sidecar records {size}",
+            f"{path}: {storage.size(path)} bytes, but its block-digest sidecar records {size}",
             hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
             path=str(path),
         )

@@ -31,7 +31,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import storage
-from zckpt.model import Checked
+from zckpt.model import Checked, Piece
 
 _BUF = 8 << 20
 HOLD_BYTES = 64 << 20
@@ -338,3 +338,13 @@ def verifying(enabled: bool = True) -> Iterator[None]:
         yield
         if s is not None:
             s.finish()
+
+
+def record_end(piece: Piece) -> int | None:
+    """The end of the checksummed record (a zip record, a file with a recorded sha256) that ``piece`` lies
+    in: how far a reader of the piece goes on reading, so an object store may fetch ahead up to it (never
+    past it: the bytes after a record are often ones the job does not need, such as Adam moments)."""
+    c = piece.check
+    if c is None or c.file != piece.file:
+        return None
+    return c.start + c.size

@@ -203,12 +203,12 @@ def block_digests(f: Path, block: int, size: int) -> list[str]:
                 view = memoryview(bufs[k])[: min(block, size - i * block)]
                 for a in range(0, len(view), _READ):
                     part = view[a : a + _READ]
-                    if os.preadv(fd, [part], i * block + a) != len(part):
+                    if storage.pread_into(fd, part, i * block + a) != len(part):
                         raise EOFError(f"{f}: ends inside block {i}")
                 out.append(pool.submit(_sha256_hex, view))
             return [h.result() for h in out]
     finally:
-        os.close(fd)
+        storage.close_fd(fd)
 
 
 def _sha256_hex(view: memoryview) -> str:

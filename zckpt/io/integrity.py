@@ -10,7 +10,6 @@ digests recorded by a format's own manifest, compared through ``compare_sha`` (w
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -260,6 +259,6 @@ def problem_from(e: ZckptError, default: Path) -> Problem:
     file = e.path or str(default)
     if msg.startswith(f"{file}: "):
         msg = msg[len(file) + 2 :]
-    elif e.path is None and ": " in msg and os.path.exists(msg.split(": ", 1)[0]):
+    elif e.path is None and ": " in msg and storage.exists(msg.split(": ", 1)[0]):
         file, msg = msg.split(": ", 1)
     return Problem(file, msg, kind_of(e), e.hint)

@@ -129,7 +129,7 @@ class _Slot:
             src = s.piece.value.reshape(-1)[s.offset : s.offset + s.n]
         else:
             raw = self.raw[: t.n * s.piece.dtype.itemsize]
-            storage.read_into(s.piece.file, s.byte_offset, raw)
+            storage.read_into(s.piece.file, s.byte_offset, raw, checks.record_end(s.piece))
             checks.consumed(s.piece.check, s.byte_offset, raw)
             src = raw.view(s.piece.dtype)
             if src.dtype == t.dtype:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,7 +121,7 @@ def read_header(path: str | Path, offset: int = 0) -> Header:
     and running to its end, as DCP's safetensors serialization stores one); no tensor bytes are read."""
     p = str(path)
     with storage.open_regular(p) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = storage.file_size(f)
         f.seek(offset)
         head = f.read(8)
         if len(head) < 8:

@@ -51,7 +51,7 @@ def _crc_piece(fd: int, lo: int, n: int) -> int:
     buf, crc, pos, end = _buf(), 0, lo, lo + n
     while pos < end:
         view = buf[: min(_READ, end - pos)]
-        k = os.preadv(fd, [view], pos)
+        k = storage.pread_into(fd, view, pos)
         if k <= 0:
             raise EOFError(f"file ends at byte {pos}")
         crc = crc32(view[:k], crc)
@@ -83,7 +83,7 @@ def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: Thread
             if not fut.cancelled():
                 with contextlib.suppress(BaseException):
                     fut.result()
-        os.close(fd)
+        storage.close_fd(fd)
 
 
 def sha256_file(f: str | Path) -> str:
@@ -92,11 +92,11 @@ def sha256_file(f: str | Path) -> str:
     fd = storage.open_fd(str(f))
     try:
         buf, pos = _buf(), 0
-        while k := os.preadv(fd, [buf], pos):
+        while k := storage.pread_into(fd, buf, pos):
             h.update(buf[:k])
             pos += k
     finally:
-        os.close(fd)
+        storage.close_fd(fd)
     return h.hexdigest()
 
 

@@ -6,7 +6,9 @@ the file durable: at ``close()`` (fsync), or, inside an active ``zckpt.io.stagin
 process, at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed.
 A whole-file digest can become a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``). The
 bytes go to the device with ``O_DIRECT`` where the filesystem allows (``zckpt.io.direct_io``, tuned by
-``WriteOptions``), not through the page cache.
+``WriteOptions``), not through the page cache. A data file of an ``s3://`` output's staging folder
+(``zckpt.io.remote_staging.streamed``) is not written locally: its bytes stream to the object as a
+multipart upload that completes at ``close()``.
 
 ``write(b, stable=True)`` is for callers whose bytes stay unchanged until ``close()`` (a snapshot): the
 hash is queued on the hash threads without waiting and aligned memory goes to the device without a copy,
@@ -26,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import direct_io
+from zckpt.io import direct_io, objstore, remote_staging
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
@@ -74,13 +76,16 @@ class HashingSink(io.RawIOBase):
         self.path = path
         self._hasher = StreamHasher(block, crc_regions)
         """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
-        self._durable_now = not _fsync_deferred(Path(os.path.abspath(path)))
-        self._f = open(path, "xb")  # noqa: SIM115 - closed in close()
+        self._url = remote_staging.streamed(path)
+        """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
+        self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
+        self._f: Any = None
+        self._f = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
         if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written
             opts = direct_io.WriteOptions(buffers=2 if block is None else lanes() + 2)
-        if opts.direct and direct_io.enabled():
+        if self._url is None and opts.direct and direct_io.enabled():
             try:
                 self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._hasher.queue)
             except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
@@ -175,6 +180,8 @@ class HashingSink(io.RawIOBase):
                         self._fsync_s = time.perf_counter() - t0
                 finally:  # a failed flush (disk full) must still release the file
                     self._f.close()
+                    if self._url is not None:
+                        remote_staging.record(self.path, self._url)
                     self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
                     self._wall_s = time.perf_counter() - self._t_open
@@ -191,7 +198,7 @@ class HashingSink(io.RawIOBase):
             self._hasher.close(wait=False)
             if self._direct is not None:
                 self._direct.drop()
-            self._f.close()
+            getattr(self._f, "abort", self._f.close)()  # an upload dropped unclosed is aborted
         io.RawIOBase.close(self)
 
     def write_sidecar(self) -> Path:

@@ -76,11 +76,11 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
     if p.value is not None:
         out.copy_(p.value.reshape(-1)[s.offset : s.offset + s.n])
     elif out.dtype == p.dtype and out.is_contiguous():
-        storage.read_into(p.file, s.byte_offset, out)
+        storage.read_into(p.file, s.byte_offset, out, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, out)
     else:
         tmp = torch.empty(s.n, dtype=p.dtype)
-        storage.read_into(p.file, s.byte_offset, tmp)
+        storage.read_into(p.file, s.byte_offset, tmp, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, tmp)
         out.copy_(tmp)
 

@@ -16,6 +16,8 @@ convention, which removes only stale shards of its own naming) or the run is ref
 naming them (``foreign="refuse"``: a training checkpoint folder, where a kept stray rank file would pass
 for part of the new set). The caller's own files that the new output does not rewrite (shards of a run
 with another shard count) are not kept, so nothing stale looks like part of the new set.
+An ``s3://`` destination is published by ``zckpt.io.remote_staging.RemoteStaging`` (``Staging(url, ...)``
+returns one).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from pathlib import Path
 from types import TracebackType
 
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
-from zckpt.io import sink
+from zckpt.io import objstore, remote_staging, sink
 from zckpt.io.digest import BLOCK_SIDECAR
+from zckpt.io.remote_staging import RemoteStaging
 
 _SIDECARS = (".sha256", BLOCK_SIDECAR)
 
@@ -101,7 +104,11 @@ def move(src: Path, dest: Path, *, replace: bool) -> None:
 
 
 def publish_folder(staged: Path, target: Path, *, overwrite: bool) -> None:
-    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably."""
+    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably. A URL
+    ``target`` (``staged`` made by ``remote_staging.mark``) is published in order instead (no rename)."""
+    if objstore.is_url(target):
+        remote_staging.publish_dir(staged, target)
+        return
     move(staged, target, replace=overwrite)
     _fsync_dir(target.parent)
 
@@ -172,6 +179,20 @@ class Staging:
     replaces its namesake in ``dest``'s folder. Leaving the ``with`` block without ``commit()`` — an
     error, KeyboardInterrupt — removes the temporary folder and everything in it.
     """
+
+    def __new__(
+        cls,
+        dest: Path,
+        *,
+        is_dir: bool,
+        overwrite: bool = False,
+        owns: Callable[[str], bool] | None = None,
+        foreign: str = "keep",
+    ) -> Staging:
+        if objstore.is_url(dest):  # a store has no rename: published in order instead
+            remote = RemoteStaging(dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign)
+            return remote  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __init__(
         self,

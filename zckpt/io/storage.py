@@ -4,12 +4,18 @@
 without blocking). ``read_into`` reads a byte range with ``pread`` straight into a caller's buffer (nothing
 read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping and
 ``release`` drops its consumed pages. ``zckpt.io.spans`` turns tensor ranges into these byte reads.
+
+An object-store URL (``s3://bucket/key``) is routed to ``zckpt.io.objstore`` here, at the top of each
+function (``objstore.parse``), and nowhere else; its descriptors are negative handles that only
+``pread`` / ``fd_size`` / ``close_fd`` understand. Local paths keep their path below unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import shutil
 import stat
 import threading
 from typing import BinaryIO
@@ -17,10 +23,14 @@ from typing import BinaryIO
 import torch
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
+from zckpt.io import objstore
 
 _lock = threading.Lock()
 _maps: dict[str, tuple[mmap.mmap, int]] = {}
 _fds: dict[str, tuple[int, int]] = {}
+_remote: dict[int, str] = {}
+_handles = itertools.count(2)
+"""Negative handle -> URL: what ``open_fd`` returns for an object (no kernel descriptor exists)."""
 
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -30,6 +40,12 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFB
 def open_fd(path: str) -> int:
     """A read-only descriptor of the regular file ``path`` (a symlink to one is fine). FIFOs, devices,
     sockets and folders are refused without blocking (``O_NONBLOCK``): a checkpoint is made of files."""
+    if objstore.is_url(path):
+        objstore.size(path)  # fails here, naming the URL, when the object is not there
+        with _lock:
+            h = -next(_handles)
+            _remote[h] = str(objstore.parse(path))
+        return h
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except PermissionError as e:  # not damage: say so, as the PermissionError it is
@@ -47,6 +63,8 @@ def open_fd(path: str) -> int:
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """``open(path, "rb")`` for regular files only (see ``open_fd``)."""
+    if objstore.is_url(path):
+        return objstore.open_read(path)
     return os.fdopen(open_fd(os.fspath(path)), "rb")
 
 
@@ -60,6 +78,71 @@ def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) 
             f"{path}: larger than {limit >> 20} MiB; not {what}", hint=hint, path=str(path)
         )
     return raw
+
+
+def pread(fd: int, n: int, offset: int) -> bytes:
+    """``os.pread`` that also takes ``open_fd``'s handles of objects."""
+    if fd < -1:
+        buf = bytearray(max(0, min(n, objstore.size(_remote[fd]) - offset)))
+        objstore.read_into(_remote[fd], offset, memoryview(buf))
+        return bytes(buf)
+    return os.pread(fd, n, offset)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """``os.preadv(fd, [buf], offset)`` that also takes ``open_fd``'s handles of objects."""
+    if fd < -1:
+        n = max(0, min(len(buf), objstore.size(_remote[fd]) - offset))
+        objstore.read_into(_remote[fd], offset, buf[:n])
+        return n
+    return os.preadv(fd, [buf], offset)
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    """``os.path.exists`` for a path or an object URL."""
+    if objstore.is_url(path):
+        return objstore.kind(path) is not None
+    return os.path.exists(path)
+
+
+def is_file(path: str | os.PathLike[str]) -> bool:
+    """``os.path.isfile`` for a path or an object URL."""
+    if objstore.is_url(path):
+        return objstore.kind(path) == "file"
+    return os.path.isfile(path)
+
+
+def size(path: str | os.PathLike[str]) -> int:
+    """``os.path.getsize`` for a path or an object URL."""
+    return objstore.size(path) if objstore.is_url(path) else os.path.getsize(path)
+
+
+def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """``shutil.copy2(src, dst)`` where ``src`` may be an object (streamed, 8 MiB at a time)."""
+    if not objstore.is_url(src):
+        shutil.copy2(src, dst)
+        return
+    with open_regular(src) as fin, open(dst, "xb") as fout:
+        shutil.copyfileobj(fin, fout, 8 << 20)
+
+
+def fd_size(fd: int) -> int:
+    """The size of the file (or object) behind an ``open_fd`` descriptor."""
+    return objstore.size(_remote[fd]) if fd < -1 else os.fstat(fd).st_size
+
+
+def file_size(f: BinaryIO) -> int:
+    """The size of an ``open_regular`` file."""
+    raw = getattr(f, "raw", f)
+    return raw.size if isinstance(raw, objstore.RemoteFile) else os.fstat(f.fileno()).st_size
+
+
+def close_fd(fd: int) -> None:
+    if fd < -1:
+        with _lock:
+            _remote.pop(fd, None)
+    else:
+        os.close(fd)
 
 
 def _map(path: str) -> tuple[mmap.mmap, int]:
@@ -101,12 +184,17 @@ def _fd(path: str) -> tuple[int, int]:
         return fd, size
 
 
-def read_into(path: str, offset: int, out: torch.Tensor) -> None:
+def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
     """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
     by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
-    memory afterwards: the bytes live only in ``out`` and the kernel's page cache."""
-    fd, size = _fd(path)
+    memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the caller
+    goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore it)."""
     n = out.numel() * out.element_size()
+    if objstore.is_url(path):
+        mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        objstore.read_into(path, offset, mv, limit)
+        return
+    fd, size = _fd(path)
     if offset < 0 or offset + n > size:
         raise CorruptCheckpoint(
             f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)",
@@ -123,7 +211,12 @@ def read_into(path: str, offset: int, out: torch.Tensor) -> None:
 
 def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """``count`` elements of ``dtype`` at ``byte_offset`` of the file, as a 1-D zero-copy view of a cached
-    copy-on-write mapping (small metadata tensors, and diff's aligned chunks). Never modify it."""
+    copy-on-write mapping (small metadata tensors, and diff's aligned chunks). Never modify it. For an
+    object, an owned copy of those bytes."""
+    if objstore.is_url(path):
+        out = torch.empty(count, dtype=dtype)
+        read_into(path, byte_offset, out)
+        return out
     mm, size = _map(path)
     end = byte_offset + count * dtype.itemsize
     if byte_offset < 0 or end > size:
@@ -138,6 +231,8 @@ def release(path: str, offset: int, nbytes: int) -> None:
     """Drop the pages of a consumed byte range from this process (``MADV_DONTNEED``), so streaming a
     checkpoint does not grow RSS by its size. Safe on the copy-on-write mapping: untouched private
     pages are simply re-read from the file if anyone reads them again."""
+    if objstore.is_url(path):
+        return
     mm, size = _map(path)
     start = offset - offset % mmap.PAGESIZE
     end = min(size, offset + nbytes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import struct
 import zipfile
 import zlib
@@ -115,7 +114,7 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
     """(prefix, {record name: (data offset, size)}) of a torch zip archive."""
     with storage.open_regular(path) as f:
         try:
-            prefix, recs, zf = _records(path, f, os.fstat(f.fileno()).st_size)
+            prefix, recs, zf = _records(path, f, storage.file_size(f))
             zf.close()
             out = {name: (c.start, c.size) for name, c in recs.items()}
         except _ZIP_ERRORS as e:
@@ -135,7 +134,7 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
     """(archive name, object) of a torch zip archive, with tensors as ``TensorRef`` (no tensor bytes read).
     The archive name is what ``torch.save`` called the root folder: the stem of the file it saved to."""
     with storage.open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = storage.file_size(f)
         if size == 0:
             raise CorruptCheckpoint(
                 f"{path}: empty file (0 bytes)", hint="the save or copy did not finish", path=path
@@ -207,7 +206,7 @@ class Window(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        data = storage.pread(self.fd, n, self.base + self.pos) if n else b""
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -248,7 +247,7 @@ def archive_at(
         raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
     prefix = pkl[0][: -len("data.pkl")]
     start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
-    data = os.pread(fd, size, offset + start)
+    data = storage.pread(fd, size, offset + start)
     if len(data) != size or zlib.crc32(data) != crc:
         raise CorruptCheckpoint(
             f"{where}: {pkl[0]} fails its CRC-32 check", hint="the file is damaged", path=path
@@ -284,7 +283,7 @@ def _record_at(where: str, fd: int, length: int, base: int, info: zipfile.ZipInf
     _stored(where, info)
     if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
         raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
-    start = _data_start(where, info, os.pread(fd, _LOCAL_HEADER.size, base + info.header_offset), length)
+    start = _data_start(where, info, storage.pread(fd, _LOCAL_HEADER.size, base + info.header_offset), length)
     return start, info.file_size, info.CRC
 
 
@@ -359,7 +358,7 @@ def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -
     infos = zf.infolist()
     if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
         return zf.testzip(), len(infos)
-    size = os.fstat(fh.fileno()).st_size
+    size = storage.file_size(fh)
     starts = []
     for info in infos:
         fh.seek(info.header_offset)

@@ -42,7 +42,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,9 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
-from zckpt.io import checks, pipeline
+from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
+from zckpt.io.objstore import as_path
 from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
@@ -198,6 +199,7 @@ def consolidate(
     workers: int | None = None,
     distributed: bool | None = None,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model.
 
@@ -234,7 +236,9 @@ def consolidate(
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
-    out = Path(out)
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
+    out = as_path(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
@@ -248,7 +252,7 @@ def consolidate(
             check_overlap(ckpt.meta, out)
             items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = hf_files.beside(Path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+            extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
             st: Staging | None = None
             if g.rank == 0:
@@ -359,4 +363,4 @@ def _write(
         return final, st.kept
 
     final, kept = g.broadcast(g.step("consolidate: publishing the output", publish))
-    return [Path(f) for f in final], tuple(kept)
+    return [as_path(f) for f in final], tuple(kept)

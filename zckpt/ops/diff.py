@@ -59,7 +59,7 @@ Equality
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ from typing import Any
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.io import checks
+from zckpt.io import checks, objstore
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
 from zckpt.ops.diff_values import TensorDiff, compare_all
@@ -235,6 +235,7 @@ def diff(
     trust_pickle: bool = False,
     chunk: int = CHUNK,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (paths or opened ``Checkpoint`` objects) tensor by tensor.
 
@@ -255,6 +256,8 @@ def diff(
     Returns:
         A ``DiffResult``; ``result.equal`` says whether the checkpoints match within tolerance.
     """
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     if top is not None and top < 0:

@@ -5,7 +5,6 @@ set to the dtype the weights were written in, so ``from_pretrained`` loads them 
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import storage
+from zckpt.io.objstore import as_path
 from zckpt.model import dtype_name
 
 HF_FILES = (
@@ -42,7 +42,7 @@ def beside(path: Path, save_dir: str | None) -> list[Path]:
     """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``)."""
     folders = [path] if path.is_dir() else [path.parent]
     if save_dir is not None:
-        folders.append(Path(save_dir))
+        folders.append(as_path(save_dir))
     elif path.is_dir():
         folders.append(path.parent)
     for folder in folders:
@@ -64,7 +64,7 @@ def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> No
         if f.name == "config.json" and dtype is not None:
             _write_config(f, dest / f.name, dtype)
         else:
-            shutil.copy2(f, dest / f.name)
+            storage.copy_file(f, dest / f.name)
 
 
 def kept_config_dtype(path: Path) -> str | None:

@@ -11,13 +11,14 @@ report (``zckpt.ops.plots``): stored bytes by rank x kind (``rank_bytes``) and p
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
+from zckpt.io import objstore
 from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.ops.stats import TensorStats, checkpoint_stats
 
@@ -159,7 +160,12 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
 
 
 def inspect(
-    path: str | Path | Checkpoint, *, tag: str | None = None, trust_pickle: bool = False, stats: bool = False
+    path: str | Path | Checkpoint,
+    *,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    stats: bool = False,
+    storage_options: Mapping[str, str] | None = None,
 ) -> InspectReport:
     """Describe a checkpoint without reading tensor data.
 
@@ -172,6 +178,8 @@ def inspect(
     Example:
         >>> r = zckpt.inspect("out/checkpoint-100"); r.world_size, r.params
     """
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     if isinstance(path, Checkpoint):
         return report(path, stats=stats)
     with open_checkpoint(path, tag=tag, trust_pickle=trust_pickle) as ckpt:

@@ -6,13 +6,14 @@ import os
 from pathlib import Path
 
 from zckpt.errors import OutputExists
+from zckpt.io.objstore import as_path
 from zckpt.state import CheckpointMeta
 
 
 def input_root(meta: CheckpointMeta) -> Path:
     """The folder (or file) an operation must leave untouched: the save folder holding every tag of a
     checkpoint with tags, else the checkpoint's own folder or file."""
-    return Path(meta.save_dir or meta.path).resolve()
+    return as_path(meta.save_dir or meta.path).resolve()
 
 
 def check_overlap(meta: CheckpointMeta, out: Path) -> None:

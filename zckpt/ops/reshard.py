@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
-from zckpt.io import checks
+from zckpt.io import checks, objstore
+from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging
@@ -190,6 +191,7 @@ def reshard(
     trust_pickle: bool = False,
     distributed: bool | None = None,
     verify_data: bool = True,
+    storage_options: Mapping[str, str] | None = None,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
@@ -199,15 +201,17 @@ def reshard(
     world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``).
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
     if world < 1:
         raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
     g = zgroup.group(distributed)
-    dst_p = None if dst is None else Path(dst)
+    dst_p = None if dst is None else as_path(dst)
     with contextlib.ExitStack() as stack:
         job = g.step(
             "reshard: opening the checkpoint",
-            lambda: _job(Path(src), dst_p, world, tag, to, stage, trust_pickle),
+            lambda: _job(as_path(src), dst_p, world, tag, to, stage, trust_pickle),
         )
         stack.callback(job.ckpt.close)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from zckpt.errors import ZckptError
 from zckpt.formats import open_checkpoint, registry
+from zckpt.io.objstore import as_path
 from zckpt.model import STATE_SEP
 from zckpt.ops.diff import DiffResult, diff
 from zckpt.ops.plots.names import module_of, place
@@ -173,7 +174,7 @@ def step_of(name: str) -> int | None:
 
 def run_tags(run: str | Path) -> list[RunTag]:
     """The checkpoints directly inside ``run`` whose names carry a step, sorted by step."""
-    root = Path(run)
+    root = as_path(run)
     if not root.is_dir():
         raise ZckptError(f"--series {root}: not a folder", hint="give the folder holding a run's tag folders")
     formats = list(registry().values())
@@ -218,7 +219,7 @@ def diff_series(
             older = newer
     finally:
         older.close()
-    return SeriesResult(str(run), tuple(tags), tuple(pairs))
+    return SeriesResult(str(as_path(run)), tuple(tags), tuple(pairs))
 
 
 def summarise(a: RunTag, b: RunTag, r: DiffResult) -> SeriesPair:

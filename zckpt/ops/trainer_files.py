@@ -36,6 +36,7 @@ from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.base import OnFile
 from zckpt.formats.deepspeed.layout import adjust_batch
 from zckpt.io import storage
+from zckpt.io.objstore import as_path
 from zckpt.io.sink import HashingSink
 from zckpt.state import CheckpointMeta
 
@@ -84,9 +85,9 @@ def is_trainer_folder(save_dir: Path) -> bool:
 def plan(meta: CheckpointMeta, world: int) -> TrainerFiles | None:
     """The Trainer files of ``meta``'s save folder for an output at ``world`` ranks (None: not a Trainer
     folder)."""
-    if meta.save_dir is None or not is_trainer_folder(Path(meta.save_dir)):
+    if meta.save_dir is None or not is_trainer_folder(as_path(meta.save_dir)):
         return None
-    save_dir = Path(meta.save_dir)
+    save_dir = as_path(meta.save_dir)
     files, folders = _listing(save_dir, meta.tag)
     rng = {n: p for n, p in files.items() if _RNG.match(n)}
     copies: dict[str, Path] = {

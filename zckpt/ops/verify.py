@@ -22,7 +22,7 @@ still run over the files found on disk, so one run lists every damaged file.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +32,9 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import safetensors, scan, storage, torchzip
+from zckpt.io import objstore, safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
+from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
 
 SCHEMA_VERSION = 1
@@ -94,12 +95,21 @@ class VerifyReport:
         }
 
 
-def verify(path: str | Path, *, tag: str | None = None, trust_pickle: bool = False) -> VerifyReport:
+def verify(
+    path: str | Path,
+    *,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    storage_options: Mapping[str, str] | None = None,
+) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
-    unrecognisable but damaged checkpoint included, is reported as a ``Problem``."""
-    p = Path(path)
+    unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
+    the object-store client's options for ``s3://`` paths."""
+    if storage_options is not None:  # s3:// paths: the store client's options
+        objstore.configure(storage_options)
+    p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     problems: list[Problem] = []
@@ -133,7 +143,7 @@ def _verify(
     p: Path, fmt: Format | None, ckpt: Checkpoint | None, problems: list[Problem], ctx: VerifyContext
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
-    files = [Path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
+    files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     with ThreadPoolExecutor(
         max(1, min(len(files), scan.threads())), thread_name_prefix="zckpt-verify"
@@ -195,7 +205,7 @@ def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
         return [Problem(str(f), "missing", "missing", "restore the file from the original save")]
     try:
         with storage.open_regular(f) as fh:
-            size = os.fstat(fh.fileno()).st_size
+            size = storage.file_size(fh)
     except ZckptError as e:
         return [problem_from(e, f)]
     if size == 0:
@@ -220,7 +230,7 @@ def _check_pieces(ckpt: Checkpoint) -> list[Problem]:
                 continue
             if pc.file not in sizes:
                 try:
-                    sizes[pc.file] = os.path.getsize(pc.file)
+                    sizes[pc.file] = storage.size(pc.file)
                 except OSError:
                     sizes[pc.file] = -1
             size = sizes[pc.file]

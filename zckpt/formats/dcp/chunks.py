@@ -13,7 +13,6 @@ offset is the blob's start. zstd-compressed items (``transform_descriptors``) ar
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,7 +77,7 @@ class Files:
     def close(self) -> None:
         for fd, _ in self._fds.values():
             with contextlib.suppress(OSError):
-                os.close(fd)
+                storage.close_fd(fd)
         self._fds.clear()
 
     def path(self, info: StorageInfo) -> Path:
@@ -94,14 +93,14 @@ class Files:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
         f = str(self.path(info))
         if f not in self._fds:
-            if not os.path.exists(f):
+            if not storage.exists(f):
                 raise ShardMismatch(
                     f"{f}: missing (the metadata stores items in it)",
                     hint="restore the file from the original save",
                     path=f,
                 )
             fd = storage.open_fd(f)
-            self._fds[f] = (fd, os.fstat(fd).st_size)
+            self._fds[f] = (fd, storage.fd_size(fd))
         fd, size = self._fds[f]
         if info.offset + info.length > size:
             raise CorruptCheckpoint(
@@ -114,7 +113,7 @@ class Files:
 
     def magic(self, info: StorageInfo) -> bytes:
         f, fd = self.open(info)
-        return os.pread(fd, 4, info.offset)
+        return storage.pread(fd, 4, info.offset)
 
     def tensor(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
         """The chunk ``box`` of tensor ``key`` (stored dtype ``dtype``), located and checked."""

@@ -28,6 +28,7 @@ import torch
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
 from zckpt.io import storage
+from zckpt.io.objstore import as_path
 from zckpt.io.pickle_safe import _Record, safe_loads
 
 METADATA = ".metadata"
@@ -191,7 +192,7 @@ class DcpMetadata:
 
     @property
     def folder(self) -> Path:
-        return Path(self.source).parent
+        return as_path(self.source).parent
 
 
 def load_metadata(folder: Path) -> DcpMetadata:

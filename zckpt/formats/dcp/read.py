@@ -37,6 +37,7 @@ from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.metadata import METADATA, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
 from zckpt.io import spans
+from zckpt.io.objstore import as_path
 from zckpt.model import Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 
@@ -221,7 +222,7 @@ def _precision(model: list[TensorEntry]) -> str:
 
 
 def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    src = resolve(Path(path), tag)
+    src = resolve(as_path(path), tag)
     ld = Loaded()
     for folder in src.folders:
         part = (

@@ -10,7 +10,6 @@ chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no st
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,8 +23,9 @@ from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
 from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
 from zckpt.formats.dcp.read import load_folder, pieces
-from zckpt.io import safetensors, scan, spans
+from zckpt.io import safetensors, scan, spans, storage
 from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
+from zckpt.io.objstore import as_path
 from zckpt.io.torchzip import check_archive_at
 from zckpt.model import Role, TensorEntry
 
@@ -50,10 +50,10 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
             try:
                 f = str(files.path(info))
             except ZckptError as e:
-                out.append(problem_from(e, Path(md.source)))
+                out.append(problem_from(e, as_path(md.source)))
                 continue
             if f not in sizes:
-                sizes[f] = os.path.getsize(f) if os.path.isfile(f) else -1
+                sizes[f] = storage.size(f) if storage.is_file(f) else -1
                 if sizes[f] < 0:
                     out.append(Problem(f, "missing (the metadata stores items in it)", "missing",
                                        "restore the file from the original save"))  # fmt: skip
@@ -87,7 +87,7 @@ def _check_item(
     files: Files, info: StorageInfo, blobs: set[tuple[str, int]], ctx: VerifyContext
 ) -> str | None:
     f, fd = files.open(info)
-    head = os.pread(fd, 4, info.offset)
+    head = storage.pread(fd, 4, info.offset)
     if info.transforms or head == ZSTD_MAGIC:
         return None  # compressed items: the reader reports them as unsupported
     if head == ZIP_MAGIC:
@@ -132,7 +132,7 @@ def _ties(ckpt: Checkpoint) -> list[Problem]:
         return out
     by_name = {}
     for folder in ckpt.meta.extra.get("folders") or []:
-        ld = load_folder(Path(folder))
+        ld = load_folder(as_path(folder))
         for k in ld.keys:
             s = classify(ld.paths[k], k in ld.tensors)
             if s.kind == "model" and s.name in ckpt.meta.tied:
@@ -157,7 +157,7 @@ def _ties(ckpt: Checkpoint) -> list[Problem]:
 def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
     """The DCP checks (see the module doc); the reader's own errors are already reported."""
     try:
-        src = layout.resolve(Path(path), ctx.tag)
+        src = layout.resolve(as_path(path), ctx.tag)
     except ZckptError:
         return []
     out: list[Problem] = []
@@ -169,8 +169,8 @@ def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Prob
         out += _items(md, ctx) + _tiling(md) + _strays(md)
         if ckpt is None:  # the generic checks did not see these files: their sidecars are checked here
             for f in sorted({str(folder / i.file) for i in md.storage.values()}):
-                if os.path.isfile(f) and f not in ctx.broken:
-                    out += check_sidecar(Path(f), ctx)
+                if storage.is_file(f) and f not in ctx.broken:
+                    out += check_sidecar(as_path(f), ctx)
     if ckpt is not None and not out:
         out += _ties(ckpt)
     return out

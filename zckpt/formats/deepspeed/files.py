@@ -6,13 +6,13 @@ checkpoint from these files.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, UnknownFormat, Unsupported
 from zckpt.formats._latest import read_latest, valid_tag
+from zckpt.io.objstore import absolute, as_path
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(
@@ -43,7 +43,7 @@ def _tags(save_dir: Path) -> list[str]:
 
 
 def detect(path: Path) -> bool:
-    p = Path(path)
+    p = as_path(path)
     if not p.is_dir():
         return False
     if _has_model_states(p):
@@ -66,7 +66,7 @@ def detect(path: Path) -> bool:
 
 def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
     """(save dir, tag, tag folder)."""
-    path = Path(os.path.abspath(path))  # "." names its folder: a tag's save dir is its real parent
+    path = absolute(path)  # "." names its folder: a tag's save dir is its real parent
     if not path.is_dir():
         raise UnknownFormat(
             f"{path}: not a folder; a DeepSpeed checkpoint is a folder", hint=_TAG_HINT, path=str(path)

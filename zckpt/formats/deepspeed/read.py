@@ -30,6 +30,7 @@ from zckpt.formats.deepspeed.common import (
 )
 from zckpt.formats.deepspeed.crosscheck import cross_check
 from zckpt.formats.deepspeed.files import check_ranks, resolve, scan
+from zckpt.io.objstore import as_path
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.model import Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState, to_json
@@ -98,7 +99,7 @@ def _names(node: Node | None) -> list[str]:
 
 
 def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    save_dir, tag, td = resolve(Path(path), tag)
+    save_dir, tag, td = resolve(as_path(path), tag)
     model_files, optim_files = scan(td)
     m0 = _model0(td, model_files, trust_pickle)
     buffer_names = _names(m0.get("buffer_names"))

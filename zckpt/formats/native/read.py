@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._latest import read_latest, valid_tag
 from zckpt.formats.native import layout as L
 from zckpt.io import safetensors, storage
+from zckpt.io.objstore import absolute, as_path
 from zckpt.io.safetensors import Header, HeaderEntry
 from zckpt.model import Checked, Piece, Role, TensorEntry, parse_dtype
 from zckpt.partition import chunk_range, chunk_size
@@ -36,7 +36,7 @@ def is_tag_dir(p: Path) -> bool:
     """A folder with our ``manifest.json``: its format field says so, or rank 0's file lies beside it (a
     damaged or unreadable manifest is then reported by ``read``, not taken for a foreign folder)."""
     m = p / L.MANIFEST
-    if os.path.lexists(m) and (p / L.rank_file(0)).is_file():
+    if (m.is_symlink() or m.exists()) and (p / L.rank_file(0)).is_file():
         return True
     try:
         with storage.open_regular(m) as f:
@@ -61,7 +61,7 @@ def detect(path: Path) -> bool:
 
 def resolve(path: Path, tag: str | None = None) -> tuple[Path | None, Path]:
     """(save folder or None, tag folder) for ``path`` (a save folder with ``latest``, or a tag folder)."""
-    path = Path(os.path.abspath(path))  # "." names its folder: a tag's save dir is its real parent
+    path = absolute(path)  # "." names its folder: a tag's save dir is its real parent
     if tag is not None:
         if not valid_tag(tag):
             raise CorruptCheckpoint(f"--tag {tag!r:.80} is not a folder name", path=str(path))
@@ -300,8 +300,8 @@ def _state(files: _Files) -> TrainingState:
 
 
 def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    save_dir, td = resolve(Path(path), tag)
-    if not os.path.lexists(td / L.MANIFEST):
+    save_dir, td = resolve(as_path(path), tag)
+    if not ((td / L.MANIFEST).is_symlink() or (td / L.MANIFEST).exists()):
         raise CorruptCheckpoint(
             f"{td}: no {L.MANIFEST} (an unfinished save, or not a tag folder)", path=str(td)
         )

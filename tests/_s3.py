@@ -1,0 +1,246 @@
+"""A real S3 server for the tests: moto's ``ThreadedMotoServer`` on 127.0.0.1 (a free port), and a
+fault-injecting HTTP proxy to put in front of it.
+
+Nothing is patched in-process: zckpt's client speaks HTTP to the server (or the proxy), configured only by
+the environment a user sets for an S3-compatible store (``AWS_ENDPOINT_URL`` & co.). No test sends traffic
+anywhere but 127.0.0.1; ``AWS_EC2_METADATA_DISABLED`` keeps every credential chain off instance metadata.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A running moto S3 server: its endpoint and a boto3 client for the tests' own setup and checks."""
+
+    url: str
+    _srv: object
+
+    def client(self) -> object:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, **_boto_creds())
+
+    def stop(self) -> None:
+        self._srv.stop()  # type: ignore[attr-defined]
+
+
+def _boto_creds() -> dict[str, str]:
+    return {
+        "aws_access_key_id": CREDS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDS["AWS_DEFAULT_REGION"],
+    }
+
+
+def start() -> Server:
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    return Server(f"http://127.0.0.1:{port}", srv)
+
+
+_AUTH_SERVER = """
+import os, sys
+os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"  # the tests' 4 setup calls, then every request is checked
+from moto.server import ThreadedMotoServer
+s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+s.start()
+print("ready", flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+
+@dataclass
+class AuthServer:
+    """A second moto server, in its own process, that checks credentials (IAM): bucket ``authb`` holds
+    ``x/latest``; ``key`` is an IAM user's key with no permission at all."""
+
+    url: str
+    key: tuple[str, str]
+    _proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+def start_authenticating() -> AuthServer:
+    import boto3
+
+    port = free_port()
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = subprocess.Popen([sys.executable, "-c", _AUTH_SERVER, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    url = f"http://127.0.0.1:{port}"
+    kw = {"endpoint_url": url, **_boto_creds()}
+    s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
+    s3.create_bucket(Bucket="authb")
+    s3.put_object(Bucket="authb", Key="x/latest", Body=b"global_step1")
+    iam.create_user(UserName="reader")
+    k = iam.create_access_key(UserName="reader")["AccessKey"]
+    return AuthServer(url, (k["AccessKeyId"], k["SecretAccessKey"]), proc)
+
+
+def upload(client: object, folder: Path, bucket: str, prefix: str) -> str:
+    """Every file under ``folder`` to ``s3://bucket/prefix/...``; returns that URL."""
+    for root, _, files in os.walk(folder):
+        for f in files:
+            p = Path(root) / f
+            client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(folder)}")  # type: ignore[attr-defined]
+    return f"s3://{bucket}/{prefix}"
+
+
+def keys(client: object, bucket: str, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):  # type: ignore[attr-defined]
+        out += [o["Key"] for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+@dataclass
+class FaultProxy:
+    """An HTTP proxy to the server that answers 503 SlowDown or drops the connection (before the response,
+    or after half of its body) at random, with a seeded RNG; counts what passed through."""
+
+    target: str
+    seed: int = 0
+    p503: float = 0.1
+    pdrop: float = 0.05
+    ptrunc: float = 0.05
+    rate: float = 0.0
+    """Bytes per second of all response bodies together (0: unlimited): a network link to the store."""
+    counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "faults": 0, "bytes": 0})
+    log: list[tuple[str, str]] = field(default_factory=list)
+    """(method, path) of every request answered with success, in the order the answers went out."""
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        lock = threading.Lock()
+        host, port = self.target.removeprefix("http://").split(":")
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                with lock:
+                    r = rng.random()
+                    proxy.counts["requests"] += 1
+                fault = "503" if r < proxy.p503 else "drop" if r < proxy.p503 + proxy.pdrop else None
+                if fault is None and self.command == "GET" and r < proxy.p503 + proxy.pdrop + proxy.ptrunc:
+                    fault = "trunc"
+                if fault == "503":
+                    with lock:
+                        proxy.counts["faults"] += 1
+                    msg = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                if fault == "drop":
+                    with lock:
+                        proxy.counts["faults"] += 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                hdrs = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+                conn.request(self.command, self.path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                self.send_response(resp.status)
+                head = self.command == "HEAD"
+                for k, v in resp.getheaders():
+                    low = k.lower()
+                    if low not in ("transfer-encoding", "connection") and (head or low != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if fault == "trunc" and len(data) > 16:
+                    with lock:
+                        proxy.counts["faults"] += 1
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                with lock:
+                    proxy.counts["bytes"] += len(data) if self.command == "GET" else 0
+                    if resp.status < 300:
+                        proxy.log.append((self.command, self.path))
+                proxy._send(self.wfile, data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+
+    _link = threading.Lock()
+    _free_at = 0.0
+
+    def _send(self, out: object, data: bytes) -> None:
+        """Write ``data``; with a ``rate``, 1 MiB at a time, each once the link carried the bytes before."""
+        if self.rate <= 0:
+            out.write(data)  # type: ignore[attr-defined]
+            return
+        for i in range(0, len(data), 1 << 20):
+            part = data[i : i + (1 << 20)]
+            with self._link:
+                start = max(time.monotonic(), self._free_at)
+                self._free_at = start + len(part) / self.rate
+            time.sleep(max(0.0, self._free_at - time.monotonic()))
+            out.write(part)  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def env_for(url: str) -> Iterator[tuple[str, str]]:
+    """The environment a user sets for an S3-compatible store at ``url``: nothing zckpt-specific."""
+    yield "AWS_ENDPOINT_URL", url
+    yield from CREDS.items()

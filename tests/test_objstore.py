@@ -1,0 +1,291 @@
+"""Checkpoints in an S3 bucket (a real moto server on 127.0.0.1): every command's output from ``s3://`` inputs
+is byte-identical to the local run's (the oracle), through a fault-injecting proxy too, and store errors are
+one line, exit 2. The client is configured only by the ``AWS_*`` environment a user sets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import _s3
+import pytest
+from _fixtures import fixture
+from typer.testing import CliRunner
+
+import zckpt
+from zckpt.cli.app import app
+from zckpt.io import objstore
+
+runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
+
+DS_CASES = ("s3_fp32_w2", "s2_bf16_w3_g2", "s1_fp16_w3_g2", "s0_bf16_w2", "s3_bf16_w3_sub_g2")
+DCP_CASES = ("fsdp2_w2", "torchtitan_w2", "tp_w2")
+
+
+@pytest.fixture(scope="module")
+def inputs(s3_server: _s3.Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """name -> (local path, its copy in the bucket): real DeepSpeed, DCP and HF Trainer fixtures, plus a
+    native checkpoint and a sharded HF folder made from one of them locally."""
+    c = s3_server.client()
+    made = tmp_path_factory.mktemp("made")
+    native = made / "native"
+    zckpt.reshard(fixture("ds", "s3_fp32_w2"), native, world=2, to="native", progress=False)
+    hf = made / "hf"
+    zckpt.consolidate(fixture("ds", "s3_bf16_w3_sub_g2"), hf, max_shard_size="600B", progress=False)
+    local = {f"ds/{n}": fixture("ds", n) for n in DS_CASES}
+    local |= {f"dcp/{n}": fixture("dcp", n, "checkpoint") for n in DCP_CASES}
+    local["trainer"] = fixture("trainer", "trainer_z2_w2", "checkpoint-3")
+    local["native"] = native
+    local["hf"] = hf
+    local["file"] = fixture("dcp", "fsdp2_w2", "ref_torch_save.pt")
+    out = {}
+    for name, p in local.items():
+        if p.is_file():
+            c.upload_file(str(p), "ckpts", f"in/{name}/{p.name}")  # type: ignore[attr-defined]
+            out[name] = (p, f"s3://ckpts/in/{name}/{p.name}")
+        else:
+            out[name] = (p, _s3.upload(c, p, "ckpts", f"in/{name}"))
+    return out
+
+
+@pytest.fixture
+def s3env(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The client pointed at the server by the user's environment only."""
+    for k, v in _s3.env_for(s3_server.url):
+        monkeypatch.setenv(k, v)
+    objstore.configure(None)
+    yield s3_server.url
+    objstore.configure(None)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def _same(local: tuple[int, str], remote: tuple[int, str], lp: Path, url: str) -> None:
+    assert remote[0] == local[0], remote[1]
+    assert remote[1].replace(url, str(lp)) == local[1]
+
+
+ALL = [f"ds/{n}" for n in DS_CASES] + [f"dcp/{n}" for n in DCP_CASES] + ["trainer", "native", "hf", "file"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_inspect_verify_consolidate_from_bucket_match_local(
+    name: str, inputs: dict[str, tuple[Path, str]], s3env: str, tmp_path: Path
+) -> None:
+    lp, url = inputs[name]
+    for args in (["inspect", "--all"], ["inspect", "--json"], ["verify"]):
+        _same(_cli(*args[:1], str(lp), *args[1:]), _cli(*args[:1], url, *args[1:]), lp, url)
+    a, b = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
+    ra, rb = _cli("consolidate", str(lp), str(a)), _cli("consolidate", url, str(b))
+    assert ra[0] == rb[0] == 0, rb[1]
+    assert a.read_bytes() == b.read_bytes()
+    assert (tmp_path / "remote.safetensors.sha256").read_text().split()[0] == (
+        tmp_path / "local.safetensors.sha256"
+    ).read_text().split()[0]
+
+
+@pytest.mark.parametrize("name", ["ds/s3_bf16_w3_sub_g2", "dcp/fsdp2_w2", "trainer"])
+def test_consolidate_hf_folder_and_diff_from_bucket(
+    name: str, inputs: dict[str, tuple[Path, str]], s3env: str, tmp_path: Path
+) -> None:
+    lp, url = inputs[name]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _cli("consolidate", str(lp), str(a), "--max-shard-size", "600B", "--dtype", "bf16")[0] == 0
+    code, out = _cli("consolidate", url, str(b), "--max-shard-size", "600B", "--dtype", "bf16")
+    assert code == 0, out
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and len(names) > 3
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    # diff: bucket against local (equal), bucket against bucket, and the same report as the local run's
+    code, out = _cli("diff", url, str(lp))
+    assert code == 0, out
+    _same(_cli("diff", str(lp), str(a), "--json"), _cli("diff", url, str(a), "--json"), lp, url)
+    code, out = _cli("diff", url, url)
+    assert code == 0, out
+
+
+def test_diff_of_two_bucket_checkpoints_matches_local(
+    inputs: dict[str, tuple[Path, str]], s3env: str
+) -> None:
+    (la, ua), (lb, ub) = inputs["ds/s3_fp32_w2"], inputs["native"]
+    local = _cli("diff", str(la), str(lb), "--include-optimizer", "--json")
+    remote = _cli("diff", ua, ub, "--include-optimizer", "--json")
+    assert remote[0] == local[0] == 0, remote[1]
+    assert json.loads(remote[1].replace(ua, str(la)).replace(ub, str(lb))) == json.loads(local[1])
+
+
+def test_bytes_fetched_are_what_consolidate_needs(
+    inputs: dict[str, tuple[Path, str]], s3env: str, tmp_path: Path
+) -> None:
+    """Consolidating ZeRO-3 from the bucket reads the fp32 masters and the model-state files, not the Adam
+    moments: fewer bytes than the folder holds (the moments are two thirds of the optimizer files)."""
+    lp, url = inputs["ds/s3_fp32_w2"]
+    objstore.reset_stats()
+    assert _cli("consolidate", url, str(tmp_path / "m.safetensors"))[0] == 0
+    got = objstore.stats()
+    total = sum(f.stat().st_size for f in lp.rglob("*") if f.is_file())
+    assert 0 < got["bytes"] <= total
+    assert got["requests"] < 40
+
+
+def test_faults_injected_results_identical(
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    proxy = _s3.FaultProxy(s3_server.url, seed=7, p503=0.15, pdrop=0.05, ptrunc=0.1)
+    try:
+        for k, v in _s3.env_for(proxy.url):
+            monkeypatch.setenv(k, v)
+        objstore.configure(None)
+        for name in ("ds/s3_bf16_w3_sub_g2", "dcp/torchtitan_w2", "hf"):
+            lp, url = inputs[name]
+            _same(_cli("verify", str(lp)), _cli("verify", url), lp, url)
+            a, b = tmp_path / f"{name.replace('/', '_')}-l.bin", tmp_path / f"{name.replace('/', '_')}-r.bin"
+            assert _cli("consolidate", str(lp), str(a))[0] == 0
+            code, out = _cli("consolidate", url, str(b))
+            assert code == 0, out
+            assert a.read_bytes() == b.read_bytes()
+        # writes through the faults too: bucket to bucket, then the same bytes as the local output
+        lp, url = inputs["ds/s3_bf16_w3_sub_g2"]
+        assert _cli("consolidate", str(lp), str(tmp_path / "hf-l"), "--max-shard-size", "600B")[0] == 0
+        code, out = _cli("consolidate", url, "s3://ckpts/faults/hf", "--max-shard-size", "600B")
+        assert code == 0, out
+        c = s3_server.client()
+        for f in sorted((tmp_path / "hf-l").iterdir()):
+            got = c.get_object(Bucket="ckpts", Key=f"faults/hf/{f.name}")["Body"].read()  # type: ignore[attr-defined]
+            assert got == f.read_bytes(), f.name
+        assert proxy.counts["faults"] >= 5, proxy.counts  # the faults did happen
+    finally:
+        objstore.configure(None)
+        proxy.stop()
+
+
+@pytest.mark.parametrize(
+    ("where", "env", "message"),
+    [
+        ("s3://ckpts/in/nope", {}, "no such file or folder"),
+        ("s3://no-such-bucket-zz/x", {}, "no such bucket"),
+        ("s3://ckpts/in/ds/s3_fp32_w2/latest-typo/x.pt", {}, "no such file or folder"),
+    ],
+)
+def test_store_errors_are_one_line(
+    where: str, env: dict[str, str], message: str, inputs: dict[str, tuple[Path, str]], s3env: str
+) -> None:
+    code, out = _cli("inspect", where)
+    assert code == 2
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("error: ") and message in lines[0], out
+    assert len(lines) <= 2 and all(x.startswith("hint: ") for x in lines[1:]), out
+    assert "Traceback" not in out
+
+
+def test_storage_option_gives_the_endpoint(
+    inputs: dict[str, tuple[Path, str]], s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No AWS_ENDPOINT_URL: ``--storage-option endpoint=...`` (CLI) and ``storage_options=`` (library)."""
+    for k, v in _s3.CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    lp, url = inputs["dcp/fsdp2_w2"]
+    try:
+        local = _cli("verify", str(lp))
+        remote = _cli("verify", url, "--storage-option", f"endpoint={s3_server.url}")
+        _same(local, remote, lp, url)
+        r = zckpt.inspect(url, storage_options={"endpoint": s3_server.url})
+        assert r.to_json()["params"] == zckpt.inspect(lp).to_json()["params"]
+        code, out = _cli("verify", url, "--storage-option", "endpoint")
+        assert code == 2 and "not key=value" in out
+    finally:
+        objstore.configure(None)
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[_s3.AuthServer]:
+    srv = _s3.start_authenticating()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("creds", "message"),
+    [
+        ("iam", "access denied"),
+        (("AKIAWRONGWRONGWRONG0", "wrong"), "the store rejected the credentials"),
+        (None, "no credentials for the store"),
+    ],
+)
+def test_credential_errors_are_one_line(
+    creds: object, message: str, auth_server: _s3.AuthServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Against a server that checks credentials: a key without permission, an unknown key, no key at all
+    (and no profile: HOME is empty). One line each, with a hint, exit 2, no traceback."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", auth_server.url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    key = auth_server.key if creds == "iam" else creds
+    if key is None:
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    else:
+        assert isinstance(key, tuple)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key[0])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key[1])
+    objstore.configure(None)
+    try:
+        for cmd in (
+            ["inspect", "s3://authb/x"],
+            ["consolidate", "s3://authb/x", str(tmp_path / "m.safetensors")],
+        ):
+            code, out = _cli(*cmd)
+            lines = out.strip().splitlines()
+            assert code == 2 and len(lines) == 2, out
+            assert lines[0].startswith("error: s3://authb") and message in lines[0], out
+            assert lines[1].startswith("hint: ") and "Traceback" not in out
+        assert not (tmp_path / "m.safetensors").exists()
+    finally:
+        objstore.configure(None)
+
+
+def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str, tmp_path: Path) -> None:
+    """``diff --series`` over a run folder in the bucket (two tag folders of real DeepSpeed files)."""
+    import shutil
+
+    src = fixture("ds", "s3_fp32_w2", "global_step3")
+    run = tmp_path / "run"
+    for tag in ("global_step3", "global_step4"):
+        shutil.copytree(src, run / tag)
+    url = _s3.upload(s3_server.client(), run, "ckpts", "series/run")
+    _same(_cli("diff", "--series", str(run), "--json"), _cli("diff", "--series", url, "--json"), run, url)
+
+
+def test_read_ahead_windows_tile_the_record_and_stop_at_its_end(
+    s3_server: _s3.Server, s3env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from a few window GETs
+    (the next one prefetched), and nothing past ``limit`` is fetched. Oracle: the uploaded bytes."""
+    import random
+
+    data = random.Random(5).randbytes(5 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
+    objstore.configure({"window_bytes": str(1 << 20)})
+    url, lo, hi = "s3://ckpts/win/obj", 123_457, (4 << 20) + 999
+    objstore.size(url)
+    objstore.reset_stats()
+    got = bytearray(hi - lo)
+    at = lo
+    while at < hi:  # reads of 300 KB, not aligned to the windows
+        k = min(300_000, hi - at)
+        objstore.read_into(url, at, memoryview(got)[at - lo : at - lo + k], limit=hi)
+        at += k
+    assert bytes(got) == data[lo:hi]
+    st = objstore.stats()
+    assert st["bytes"] == hi - lo  # the windows tile [lo, hi): no byte twice, none past the limit
+    assert st["requests"] == -(-(hi - lo) // (1 << 20))  # one GET per 1 MiB window
