@@ -83,8 +83,8 @@ StorageOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--storage-option",
-        help="Object-store option KEY=VALUE for s3:// paths (repeatable), e.g. endpoint=http://host:9000, "
-        "region=..., in_flight=16, part_bytes=16777216. The AWS_* environment is read without it.",
+        help="Option of the s3:// client (repeatable), e.g. endpoint=URL, region=NAME, in_flight=16; "
+        "the AWS_* environment is read without it.",
         metavar="KEY=VALUE",
         show_default=False,
     ),

@@ -19,7 +19,8 @@ from zckpt.cli._output import Output
 NAME = "verify"
 EPILOG = f"""Checks that every file is present and readable, no stray or stale rank files, a consistent
 world size and partition sizes, intact safetensors headers and zip CRC-32s, and recomputes recorded
-checksums (.sha256 sidecars, manifests). Prints one line per problem, naming the file.
+checksums (.sha256 and .sha256.json sidecars, manifests). Prints one line per problem, naming the
+file.
 
 Exit status: 0 clean, 1 problems found, 2 error.
 
