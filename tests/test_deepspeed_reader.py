@@ -274,9 +274,9 @@ def _weights_skip_optimizer_bytes(ck, monkeypatch) -> None:
     seen = []  # every byte range read: (file, first byte, end)
     real, real_view = storage.read_into, storage.view
 
-    def spy(path, offset, out):
+    def spy(path, offset, out, *rest):
         seen.append((path, offset, offset + out.numel() * out.element_size()))
-        return real(path, offset, out)
+        return real(path, offset, out, *rest)
 
     def spy_view(path, offset, count, dtype):
         seen.append((path, offset, offset + count * dtype.itemsize))
