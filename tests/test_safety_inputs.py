@@ -620,6 +620,87 @@ def test_native_partitioned_optim_state_shaped_unlike_its_param(tmp_path: Path) 
         open_checkpoint(nat)
 
 
+def _edit_manifest(nat: Path, edit: Callable[[dict], object]) -> Path:
+    mf = next(nat.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    edit(m)
+    mf.write_text(json.dumps(m))
+    return mf
+
+
+# issue 24: manifest edits that change the model; each refused by every command, naming manifest + entry
+MANIFEST_EDITS: dict[str, tuple[Callable[[dict], object], str]] = {
+    "tie dropped": (lambda m: m.update(tied={}), "'head.weight'"),
+    "tie to another shape": (lambda m: m["tied"].update({"head.weight": "pos.weight"}), "across shapes"),
+    "tie to another dtype": (lambda m: m["tied"].update({"head.weight": "frozen.weight"}), "'frozen.weight'"),
+    "tie added": (lambda m: m["tied"].update({"extra.weight": "fc1.weight"}), "'extra.weight'"),
+    "tensor reshaped": (lambda m: m["tensors"][0].update(shape=[7, 13]), "'emb.weight' is [7, 13]"),
+    "tensor dropped with its data": (
+        lambda m: (
+            m["tensors"].pop(0)
+            and [m["optim_states"].remove(o) for o in list(m["optim_states"]) if o["param"] == "emb.weight"]
+        ),
+        "'emb.weight'",
+    ),  # fmt: skip
+    "precision": (lambda m: m.update(precision="fp16"), "precision 'fp16'"),
+    "group param without data": (
+        lambda m: m["optimizer"]["param_groups"][0]["params"].append("ghost.weight"),
+        "'ghost.weight'",
+    ),
+    "optimizer state without data": (
+        lambda m: m["optim_states"].append({**m["optim_states"][0], "param": "ghost.weight"}),
+        "'ghost.weight'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MANIFEST_EDITS))
+def test_native_manifest_edit_that_changes_the_model(name: str, tmp_path: Path) -> None:
+    """A native save of a real DeepSpeed fixture (tied emb/head, frozen bf16 params), then one manifest edit
+    that would change the consolidated model: every command refuses it in one line naming the manifest and
+    the entry; the unedited copy reads."""
+    import zckpt
+
+    nat = tmp_path / "nat"
+    zckpt.reshard(fixture("ds", "s3_bf16_w2_g2"), nat, world=2, to="native", progress=False)
+    assert open_checkpoint(nat).meta.tied == {"head.weight": "emb.weight"}
+    edit, needle = MANIFEST_EDITS[name]
+    mf = _edit_manifest(nat, edit)
+    run_all(nat, tmp_path, str(mf), needle)
+
+
+def test_native_manifest_without_model_record_still_reads(tmp_path: Path) -> None:
+    """Rank files written before the model record (no ``zckpt.model`` in rank 0's header) still read; the
+    manifest's internal checks still apply."""
+    from safetensors import safe_open
+
+    import zckpt
+
+    nat = tmp_path / "nat"
+    zckpt.reshard(fixture("ds", DS3), nat, world=2, to="native", progress=False)
+    r0 = next(nat.glob("*/rank_00000.safetensors"))
+    with safe_open(r0, "pt") as f:
+        assert "zckpt.model" in (f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file(tensors, r0, metadata={"format": "pt"})  # same keys and data, no record
+    import hashlib
+
+    mf = next(nat.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    data = r0.read_bytes()
+    rec = m["files"][r0.name]
+    rec["bytes"] = len(data)
+    blk = rec["sha256_blocks"]["block"]
+    rec["sha256_blocks"]["sha256"] = [
+        hashlib.sha256(data[i : i + blk]).hexdigest() for i in range(0, len(data), blk)
+    ]
+    mf.write_text(json.dumps(m))
+    assert sorted(open_checkpoint(nat).keys()) == sorted(open_checkpoint(fixture("ds", DS3)).keys())
+    assert cli("verify", nat).code == 0
+    _edit_manifest(nat, MANIFEST_EDITS["group param without data"][0])
+    run_all(nat, tmp_path, "'ghost.weight'")
+
+
 @pytest.mark.parametrize("bad", ["12", -1, True, [68]])
 def test_hf_index_total_size_not_a_byte_count(bad: object, tmp_path: Path) -> None:
     d = make_hf_folder(tmp_path)
