@@ -270,6 +270,81 @@ def test_stale_rank_file_from_another_run(tmp_path: Path) -> None:
     run_all(ck, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
+OFFOPT_PAIR = ("s3_fp32_w2", "s3_fp32_w2_offopt")  # two real runs that differ only in offload_optimizer
+
+
+@pytest.mark.parametrize("file", ["zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                  "zero_pp_rank_1_mp_rank_00_model_states.pt"])  # fmt: skip
+@pytest.mark.parametrize("pair", [OFFOPT_PAIR, OFFOPT_PAIR[::-1]])
+def test_rank_file_of_a_run_that_differs_only_in_offload(
+    pair: tuple[str, str], file: str, tmp_path: Path
+) -> None:
+    """Issue 24: one ZeRO-3 rank file replaced by the same rank's file of a run with the same model, seed,
+    step and layout that differed only in ``offload_optimizer`` (its tensors have the same shapes, its
+    optimizer state the same step): every command refuses, naming the file and the config key."""
+    ck, td = _ds(tmp_path, pair[0])
+    shutil.copy(fixture("ds", pair[1], "global_step3", file), td / file)
+    run_all(ck, tmp_path, file, "offload_optimizer")
+
+
+def _edit_field(f: Path, where: Callable[[tuple], bool], value: object) -> None:
+    """Set the first node of ``f``'s pickle whose path satisfies ``where`` to ``value``."""
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, _ in pickles.walk(obj, 8) if where(p))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.set_at(obj, path, value))})
+
+
+def _ends(*steps: tuple[str, object]) -> Callable[[tuple], bool]:
+    return lambda p: tuple(p[-len(steps) :]) == steps
+
+
+_K, _S = "key", "state"
+_M1, _O1 = "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+_Z12 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+# (case, file, path, new value, field named): each field DeepSpeed writes the same on every rank of one save
+CROSS_FIELDS = {
+    "global_steps": (DS3, _M1, _ends((_K, "global_steps")), 4, "global_steps"),
+    "global_samples": (DS3, _M1, _ends((_K, "global_samples")), 14, "global_samples"),
+    "skipped_steps": (DS3, _M1, _ends((_K, "skipped_steps")), 1, "skipped_steps"),
+    "dp_world_size": (DS3, _M1, _ends((_K, "dp_world_size")), 4, "dp_world_size"),
+    "lr_scheduler": (DS3, _M1, _ends((_K, "last_batch_iteration")), 1, "lr_scheduler.last_batch_iteration"),
+    "buffer_names": (DS3, _M1, _ends((_K, "buffer_names")), ["position_ids"], "buffer_names"),
+    "ckpt dims": (DS3, _M1, _ends((_K, "tp_degree")), 2, "checkpoint_parallel_dimensions.tp_degree"),
+    "model ds_version": (DS3, _M1, _ends((_K, "ds_version")), "0.19.7", "0.19.7"),
+    "optim ds_version": (DS3, _O1, _ends((_K, "ds_version")), "0.19.7", "0.19.7"),
+    "optim ds_config": (DS3, _O1, _ends((_K, "gradient_clipping")), 0.5, "ds_config.gradient_clipping"),
+    "loss scale": (DS3, _O1, _ends((_S, "cur_scale")), 2.0, "loss_scaler"),
+    "overflow": (DS3, _O1, _ends((_K, "overflow")), True, "overflow"),
+    "dynamic_loss_scale": (DS3, _O1, _ends((_K, "dynamic_loss_scale")), True, "dynamic_loss_scale"),
+    "lr": (DS3, _O1, _ends((_K, "lr")), 0.02, "param_groups"),
+    "betas": (DS3, _O1, _ends((_K, "betas")), (0.9, 0.999), "param_groups"),
+    "weight_decay": (DS3, _O1, _ends((_K, "weight_decay")), 0.0, "param_groups"),
+    "z12 clip_grad": (DS2, _Z12, _ends((_K, "clip_grad")), 2.0, "clip_grad"),
+    "z12 loss scaler iter": (DS2, _Z12, _ends((_S, "cur_iter")), 7, "loss_scaler"),
+    "z12 inner ds_version": (
+        DS2,
+        _Z12,
+        _ends((_K, "optimizer_state_dict"), (_K, "ds_version")),
+        "0.19.7",
+        "0.19.7",
+    ),  # fmt: skip
+    "z12 eps": (DS2, _Z12, _ends((_K, "eps")), 1e-6, "param_groups"),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_FIELDS))
+def test_rank_file_disagreeing_in_one_recorded_field(name: str, tmp_path: Path) -> None:
+    """Every field DeepSpeed writes the same on every rank of a save is compared: one rank file of a real
+    checkpoint with one such field changed is refused, naming that file, the field and a file that agrees."""
+    case, file, where, value, field = CROSS_FIELDS[name]
+    ck, td = _ds(tmp_path, case)
+    _edit_field(td / file, where, value)
+    err = run_all(ck, tmp_path, file, field)["consolidate"].stderr
+    others = {p.name for p in td.iterdir()} - {file}
+    assert any(o in err for o in others), err  # the file it disagrees with
+
+
 def test_world_size_does_not_match_files(tmp_path: Path) -> None:
     """Every rank-1 file gone (a world-1 looking folder) while the files record world size 2."""
     ck, td = _ds(tmp_path, DS3)
