@@ -4,7 +4,7 @@ in or altered, beside a file that holds the majority's value, with the field (an
 ``ds_config``, the first differing key).
 
 The fields (docs/deepspeed-format.md §2-3):
-- every file (model and optimizer states): ``ds_config``, ``ds_version``;
+- every file (model and optimizer states) that records them: ``ds_config``, ``ds_version``;
 - model-states files (one per rank under ZeRO-3): the counters ``global_steps``, ``global_samples``,
   ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``param_shapes``, ``frozen_param_shapes``,
   ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``data_sampler``, ``random_ltd``
@@ -183,8 +183,9 @@ def cross_check(models: list[Node], outers: list[Node], osds: list[Node]) -> Non
     for key in _MODEL_FIELDS:
         _agree(models, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
     _agree(models, "module entries (names, kinds)", _module_kinds)
-    for key in ("ds_version", "ds_config"):
-        _agree(models + outers, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
+    for key in ("ds_version", "ds_config"):  # among the files that record it (DeepSpeed >= 0.4 writes both)
+        having = [n for n in models + outers if n.has(key)]
+        _agree(having, key, lambda n, key=key: plain(n.value[key]))  # type: ignore[misc]
     for key in _OPTIM_FIELDS:
         _agree(osds, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
     _agree(osds, "number of flat fp32 groups", _flat_groups)
