@@ -7,9 +7,9 @@ The fields (docs/deepspeed-format.md §2-3):
 - every file (model and optimizer states) that records them: ``ds_config``, ``ds_version``;
 - model-states files (one per rank under ZeRO-3): the counters ``global_steps``, ``global_samples``,
   ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``param_shapes``, ``frozen_param_shapes``,
-  ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``data_sampler``, ``random_ltd``
-  and the names and kinds of the ``module`` entries (``shared_params`` is rank 0's alone; client-state keys
-  may differ per rank);
+  ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``random_ltd`` and the names and
+  kinds of the ``module`` entries (``shared_params`` is rank 0's alone; client-state keys and the curriculum
+  ``data_sampler``, which holds RNG states, may differ per rank);
 - optimizer ``optimizer_state_dict``s: ``zero_stage``, ``loss_scaler`` (all its state),
   ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``ds_version``, the number of
   flat fp32 groups, the inner optimizer's ``param_groups`` (every hyper-parameter and the group indices)
@@ -45,7 +45,6 @@ _MODEL_FIELDS = (
     "buffer_names",
     "lr_scheduler",
     "checkpoint_parallel_dimensions",
-    "data_sampler",
     "random_ltd",
 )
 _OPTIM_FIELDS = (
