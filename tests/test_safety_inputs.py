@@ -886,6 +886,18 @@ def test_zero0_param_missing_one_optimizer_state(tmp_path: Path) -> None:
     run_all(ck, tmp_path, f.name, "exp_avg")
 
 
+def test_zero0_param_group_index_with_no_state(tmp_path: Path) -> None:
+    """Fuzz seed 9/97: ZeRO-0, one index of the torch optimizer's ``param_groups[0].params`` changed to a
+    number no state is kept under: one param's state would be orphaned and ``reshard`` dropped every
+    param's moments with a note, exit 0. Refused, naming the file and the index."""
+    ck = copy_case(fixture("ds", "s0_bf16_w2").name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, v in pickles.walk(obj, 8) if p[-1] == ("idx", 7) and p[-2] == ("key", "params"))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.set_at(obj, path, 2**31))})
+    run_all(ck, tmp_path, f.name, "param index 7")
+
+
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
     not an AttributeError from printing the damaged record."""
