@@ -288,6 +288,16 @@ def test_rank_file_of_a_run_that_differs_only_in_offload(
     run_all(ck, tmp_path, file, "offload_optimizer")
 
 
+def test_rank_file_of_another_layout_is_named_in_one_short_line(tmp_path: Path) -> None:
+    """Fuzz seed 9/127: rank 0's ZeRO-3 model file replaced by rank 0's of a run with other sub-groups; the
+    message quoted both ``param_shapes`` whole (305 characters). Values are shortened to fit one line."""
+    ck, td = _ds(tmp_path, "s3_fp16_w3_g2")
+    file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shutil.copy(fixture("ds", "s3_bf16_w3_sub_g2", "global_step3", file), td / file)
+    line = assert_one_line_error(cli("consolidate", ck, tmp_path / "o.safetensors"), file, "param_shapes")
+    assert len(line) <= 300, line
+
+
 def _edit_field(f: Path, where: Callable[[tuple], bool], value: object) -> None:
     """Set the first node of ``f``'s pickle whose path satisfies ``where`` to ``value``."""
     obj = pickles.load_opaque(pickles.read_pickle(f))

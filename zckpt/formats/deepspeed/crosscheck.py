@@ -57,6 +57,8 @@ _OPTIM_FIELDS = (
     "ds_version",
 )
 _HINT = "files of two saves or runs are mixed, or one was altered"
+_LINE = 280
+"""Longest error line aimed at (values are shortened to fit)."""
 
 
 def plain(v: Any, depth: int = 0) -> Any:
@@ -134,9 +136,9 @@ def _first_diff(a: Any, b: Any, path: str = "") -> str:
 _MISSING = "<absent>"
 
 
-def _short(v: Any) -> str:
+def _short(v: Any, n: int) -> str:
     s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 def _agree(files: list[Node], field: str, value: Callable[[Node], Any]) -> None:
@@ -151,14 +153,11 @@ def _agree(files: list[Node], field: str, value: Callable[[Node], Any]) -> None:
     j = keys.index(common)
     odd, ref = vals[i], vals[j]
     where = _first_diff(odd, ref)
-    if where:
-        a = _at(odd, where)
-        b = _at(ref, where)
-        what = f"{field}.{where} {_short(a)} vs {_short(b)}"
-    else:
-        what = f"{field} {_short(odd)} vs {_short(ref)}"
+    label, a, b = (f"{field}.{where}", _at(odd, where), _at(ref, where)) if where else (field, odd, ref)
+    other = Path(files[j].file).name
+    room = max(20, (_LINE - len(files[i].file) - len(label) - len(other) - 12) // 2)  # one readable line
     raise ShardMismatch(
-        f"{files[i].file}: {what} in {Path(files[j].file).name}",
+        f"{files[i].file}: {label} {_short(a, room)} vs {_short(b, room)} in {other}",
         hint=_HINT,
         path=files[i].file,
     )
