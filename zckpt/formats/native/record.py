@@ -98,12 +98,12 @@ def check(man: L.Manifest, metadata: Mapping[str, str], manifest: str, rank0: st
     for t in man.tensors:
         got = rec.get(t.name)
         if got is None:
-            raise _fail(manifest, f"tensor {t.name!r:.80} is not in the model {also}")
+            raise _fail(manifest, f"tensor {t.name!r:.80} is not in the model {also[4:]}")
         if got != _tensor_row(t):
             raise _fail(manifest, f"tensor {t.name!r:.80} is {_show(_tensor_row(t))}, {also} {_show(got)}")
     for name in rec:
         if name not in mine:
-            raise _fail(manifest, f"tensors lacks {name!r:.80}, which the model {also}")
+            raise _fail(manifest, f"tensors lacks {name!r:.80}, which the model {also[4:]} holds")
     for alias, (owner, shape, dtype) in ties.items():
         now = man.tied.get(alias)
         if now is None:
