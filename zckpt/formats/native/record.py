@@ -103,7 +103,7 @@ def check(man: L.Manifest, metadata: Mapping[str, str], manifest: str, rank0: st
             raise _fail(manifest, f"tensor {t.name!r:.80} is {_show(_tensor_row(t))}, {also} {_show(got)}")
     for name in rec:
         if name not in mine:
-            raise _fail(manifest, f"tensors lacks {name!r:.80}, which the model {also[4:]} holds")
+            raise _fail(manifest, f"tensors lacks {name!r:.80}, which is in the model {also[4:]}")
     for alias, (owner, shape, dtype) in ties.items():
         now = man.tied.get(alias)
         if now is None:
