@@ -270,6 +270,91 @@ def test_stale_rank_file_from_another_run(tmp_path: Path) -> None:
     run_all(ck, tmp_path, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
+OFFOPT_PAIR = ("s3_fp32_w2", "s3_fp32_w2_offopt")  # two real runs that differ only in offload_optimizer
+
+
+@pytest.mark.parametrize("file", ["zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                  "zero_pp_rank_1_mp_rank_00_model_states.pt"])  # fmt: skip
+@pytest.mark.parametrize("pair", [OFFOPT_PAIR, OFFOPT_PAIR[::-1]])
+def test_rank_file_of_a_run_that_differs_only_in_offload(
+    pair: tuple[str, str], file: str, tmp_path: Path
+) -> None:
+    """Issue 24: one ZeRO-3 rank file replaced by the same rank's file of a run with the same model, seed,
+    step and layout that differed only in ``offload_optimizer`` (its tensors have the same shapes, its
+    optimizer state the same step): every command refuses, naming the file and the config key."""
+    ck, td = _ds(tmp_path, pair[0])
+    shutil.copy(fixture("ds", pair[1], "global_step3", file), td / file)
+    run_all(ck, tmp_path, file, "offload_optimizer")
+
+
+def test_rank_file_of_another_layout_is_named_in_one_short_line(tmp_path: Path) -> None:
+    """Fuzz seed 9/127: rank 0's ZeRO-3 model file replaced by rank 0's of a run with other sub-groups; the
+    message quoted both ``param_shapes`` whole (305 characters). Values are shortened to fit one line."""
+    ck, td = _ds(tmp_path, "s3_fp16_w3_g2")
+    file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shutil.copy(fixture("ds", "s3_bf16_w3_sub_g2", "global_step3", file), td / file)
+    line = assert_one_line_error(cli("consolidate", ck, tmp_path / "o.safetensors"), file, "param_shapes")
+    assert len(line) <= 300, line
+
+
+def _edit_field(f: Path, where: Callable[[tuple], bool], value: object) -> None:
+    """Set the first node of ``f``'s pickle whose path satisfies ``where`` to ``value``."""
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, _ in pickles.walk(obj, 8) if where(p))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.set_at(obj, path, value))})
+
+
+def _ends(*steps: tuple[str, object]) -> Callable[[tuple], bool]:
+    return lambda p: tuple(p[-len(steps) :]) == steps
+
+
+_K, _S = "key", "state"
+_M1, _O1 = "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+_Z12 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+# (case, file, path, new value, field named): each field DeepSpeed writes the same on every rank of one save
+CROSS_FIELDS = {
+    "global_steps": (DS3, _M1, _ends((_K, "global_steps")), 4, "global_steps"),
+    "global_samples": (DS3, _M1, _ends((_K, "global_samples")), 14, "global_samples"),
+    "skipped_steps": (DS3, _M1, _ends((_K, "skipped_steps")), 1, "skipped_steps"),
+    "dp_world_size": (DS3, _M1, _ends((_K, "dp_world_size")), 4, "dp_world_size"),
+    "lr_scheduler": (DS3, _M1, _ends((_K, "last_batch_iteration")), 1, "lr_scheduler.last_batch_iteration"),
+    "buffer_names": (DS3, _M1, _ends((_K, "buffer_names")), ["position_ids"], "buffer_names"),
+    "ckpt dims": (DS3, _M1, _ends((_K, "tp_degree")), 2, "checkpoint_parallel_dimensions.tp_degree"),
+    "model ds_version": (DS3, _M1, _ends((_K, "ds_version")), "0.19.7", "0.19.7"),
+    "optim ds_version": (DS3, _O1, _ends((_K, "ds_version")), "0.19.7", "0.19.7"),
+    "optim ds_config": (DS3, _O1, _ends((_K, "gradient_clipping")), 0.5, "ds_config.gradient_clipping"),
+    "loss scale": (DS3, _O1, _ends((_S, "cur_scale")), 2.0, "loss_scaler"),
+    "overflow": (DS3, _O1, _ends((_K, "overflow")), True, "overflow"),
+    "dynamic_loss_scale": (DS3, _O1, _ends((_K, "dynamic_loss_scale")), True, "dynamic_loss_scale"),
+    "lr": (DS3, _O1, _ends((_K, "lr")), 0.02, "param_groups"),
+    "betas": (DS3, _O1, _ends((_K, "betas")), (0.9, 0.999), "param_groups"),
+    "weight_decay": (DS3, _O1, _ends((_K, "weight_decay")), 0.0, "param_groups"),
+    "z12 clip_grad": (DS2, _Z12, _ends((_K, "clip_grad")), 2.0, "clip_grad"),
+    "z12 loss scaler iter": (DS2, _Z12, _ends((_S, "cur_iter")), 7, "loss_scaler"),
+    "z12 inner ds_version": (
+        DS2,
+        _Z12,
+        _ends((_K, "optimizer_state_dict"), (_K, "ds_version")),
+        "0.19.7",
+        "0.19.7",
+    ),  # fmt: skip
+    "z12 eps": (DS2, _Z12, _ends((_K, "eps")), 1e-6, "param_groups"),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_FIELDS))
+def test_rank_file_disagreeing_in_one_recorded_field(name: str, tmp_path: Path) -> None:
+    """Every field DeepSpeed writes the same on every rank of a save is compared: one rank file of a real
+    checkpoint with one such field changed is refused, naming that file, the field and a file that agrees."""
+    case, file, where, value, field = CROSS_FIELDS[name]
+    ck, td = _ds(tmp_path, case)
+    _edit_field(td / file, where, value)
+    err = run_all(ck, tmp_path, file, field)["consolidate"].stderr
+    others = {p.name for p in td.iterdir()} - {file}
+    assert any(o in err for o in others), err  # the file it disagrees with
+
+
 def test_world_size_does_not_match_files(tmp_path: Path) -> None:
     """Every rank-1 file gone (a world-1 looking folder) while the files record world size 2."""
     ck, td = _ds(tmp_path, DS3)
@@ -620,6 +705,87 @@ def test_native_partitioned_optim_state_shaped_unlike_its_param(tmp_path: Path) 
         open_checkpoint(nat)
 
 
+def _edit_manifest(nat: Path, edit: Callable[[dict], object]) -> Path:
+    mf = next(nat.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    edit(m)
+    mf.write_text(json.dumps(m))
+    return mf
+
+
+# issue 24: manifest edits that change the model; each refused by every command, naming manifest + entry
+MANIFEST_EDITS: dict[str, tuple[Callable[[dict], object], str]] = {
+    "tie dropped": (lambda m: m.update(tied={}), "'head.weight'"),
+    "tie to another shape": (lambda m: m["tied"].update({"head.weight": "pos.weight"}), "across shapes"),
+    "tie to another dtype": (lambda m: m["tied"].update({"head.weight": "frozen.weight"}), "'frozen.weight'"),
+    "tie added": (lambda m: m["tied"].update({"extra.weight": "fc1.weight"}), "'extra.weight'"),
+    "tensor reshaped": (lambda m: m["tensors"][0].update(shape=[7, 13]), "'emb.weight' is [7, 13]"),
+    "tensor dropped with its data": (
+        lambda m: (
+            m["tensors"].pop(0)
+            and [m["optim_states"].remove(o) for o in list(m["optim_states"]) if o["param"] == "emb.weight"]
+        ),
+        "'emb.weight'",
+    ),  # fmt: skip
+    "precision": (lambda m: m.update(precision="fp16"), "precision 'fp16'"),
+    "group param without data": (
+        lambda m: m["optimizer"]["param_groups"][0]["params"].append("ghost.weight"),
+        "'ghost.weight'",
+    ),
+    "optimizer state without data": (
+        lambda m: m["optim_states"].append({**m["optim_states"][0], "param": "ghost.weight"}),
+        "'ghost.weight'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MANIFEST_EDITS))
+def test_native_manifest_edit_that_changes_the_model(name: str, tmp_path: Path) -> None:
+    """A native save of a real DeepSpeed fixture (tied emb/head, frozen bf16 params), then one manifest edit
+    that would change the consolidated model: every command refuses it in one line naming the manifest and
+    the entry; the unedited copy reads."""
+    import zckpt
+
+    nat = tmp_path / "nat"
+    zckpt.reshard(fixture("ds", "s3_bf16_w2_g2"), nat, world=2, to="native", progress=False)
+    assert open_checkpoint(nat).meta.tied == {"head.weight": "emb.weight"}
+    edit, needle = MANIFEST_EDITS[name]
+    mf = _edit_manifest(nat, edit)
+    run_all(nat, tmp_path, str(mf), needle)
+
+
+def test_native_manifest_without_model_record_still_reads(tmp_path: Path) -> None:
+    """Rank files written before the model record (no ``zckpt.model`` in rank 0's header) still read; the
+    manifest's internal checks still apply."""
+    from safetensors import safe_open
+
+    import zckpt
+
+    nat = tmp_path / "nat"
+    zckpt.reshard(fixture("ds", DS3), nat, world=2, to="native", progress=False)
+    r0 = next(nat.glob("*/rank_00000.safetensors"))
+    with safe_open(r0, "pt") as f:
+        assert "zckpt.model" in (f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file(tensors, r0, metadata={"format": "pt"})  # same keys and data, no record
+    import hashlib
+
+    mf = next(nat.glob("*/manifest.json"))
+    m = json.loads(mf.read_text())
+    data = r0.read_bytes()
+    rec = m["files"][r0.name]
+    rec["bytes"] = len(data)
+    blk = rec["sha256_blocks"]["block"]
+    rec["sha256_blocks"]["sha256"] = [
+        hashlib.sha256(data[i : i + blk]).hexdigest() for i in range(0, len(data), blk)
+    ]
+    mf.write_text(json.dumps(m))
+    assert sorted(open_checkpoint(nat).keys()) == sorted(open_checkpoint(fixture("ds", DS3)).keys())
+    assert cli("verify", nat).code == 0
+    _edit_manifest(nat, MANIFEST_EDITS["group param without data"][0])
+    run_all(nat, tmp_path, "'ghost.weight'")
+
+
 @pytest.mark.parametrize("bad", ["12", -1, True, [68]])
 def test_hf_index_total_size_not_a_byte_count(bad: object, tmp_path: Path) -> None:
     d = make_hf_folder(tmp_path)
@@ -728,6 +894,18 @@ def test_zero0_param_missing_one_optimizer_state(tmp_path: Path) -> None:
     path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("key", "exp_avg") and p[-2] == ("key", 1))
     pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.delete_at(obj, path))})
     run_all(ck, tmp_path, f.name, "exp_avg")
+
+
+def test_zero0_param_group_index_with_no_state(tmp_path: Path) -> None:
+    """Fuzz seed 9/97: ZeRO-0, one index of the torch optimizer's ``param_groups[0].params`` changed to a
+    number no state is kept under: one param's state would be orphaned and ``reshard`` dropped every
+    param's moments with a note, exit 0. Refused, naming the file and the index."""
+    ck = copy_case(fixture("ds", "s0_bf16_w2").name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(p for p, v in pickles.walk(obj, 8) if p[-1] == ("idx", 7) and p[-2] == ("key", "params"))
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.set_at(obj, path, 2**31))})
+    run_all(ck, tmp_path, f.name, "param index 7")
 
 
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:

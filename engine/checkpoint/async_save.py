@@ -111,7 +111,7 @@ class AsyncSaver:
         """Snapshot ``job``'s items (blocking), then write and publish them on a background thread. A
         failed snapshot is raised here, once the other ranks know of it (their save fails too)."""
         try:
-            plan = self._snapshot(job.items)
+            plan = self._snapshot(job.items, job.model_record)
         except Exception as e:
             self._start(replace(job, items=[]), None, e, t0)
             with contextlib.suppress(CheckpointSaveError):
@@ -119,9 +119,9 @@ class AsyncSaver:
             raise
         self._start(replace(job, items=[]), plan, None, t0)  # the live tensors are free to change now
 
-    def _snapshot(self, items: list[WriteItem]) -> FilePlan:
-        """The rank file of ``items`` laid out in ``staging``; its layout."""
-        plan = W.rank_plan([(it.name, it.dtype, it.shape) for it in items])
+    def _snapshot(self, items: list[WriteItem], model: dict[str, str] | None) -> FilePlan:
+        """The rank file of ``items`` (and rank 0's ``model`` record) laid out in ``staging``; its layout."""
+        plan = W.rank_plan([(it.name, it.dtype, it.shape) for it in items], model)
         self.staging.reserve(plan.size)
         self.staging.put_bytes(0, plan.header)
         for off, it in zip(plan.offsets, items, strict=True):

@@ -24,6 +24,7 @@ import torch
 
 from engine.checkpoint_optim import state_layout
 from zckpt.formats.native import layout as L
+from zckpt.formats.native import record
 from zckpt.formats.native import write as W
 from zckpt.io import objstore, remote_staging
 from zckpt.io.items import WriteItem, entry_from_tensor
@@ -71,6 +72,12 @@ class RankSave:
     """This rank's Python and NumPy RNG states (JSON), for the manifest."""
     manifest: ManifestArgs | None
     save_latest: bool
+
+    @property
+    def model_record(self) -> dict[str, str] | None:
+        """Rank 0's model record for its rank file's header (``zckpt.formats.native.record``)."""
+        m = self.manifest
+        return None if m is None else record.encode(m.tensors, m.tied, W.precision_of(m.state))
 
     @property
     def tag_dir(self) -> Path:

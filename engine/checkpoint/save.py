@@ -103,8 +103,9 @@ def save(
         return job.tag_dir
     stats: dict[str, Any] = {}
     opts = write_options(eng.config.checkpoint.writer)
+    model = job.model_record
     write_and_publish(job, eng.comm, lambda: W.write_rank(job.rank_path, job.items, opts=opts,
-                                                          on_stats=stats.update))  # fmt: skip
+                                                          on_stats=stats.update, model=model))  # fmt: skip
     took = time.perf_counter() - t0
     eng.checkpoint_stats = {"tag": tag, "mode": "sync", "blocked_s": took, "total_s": took, "write": stats}
     report(eng, eng.checkpoint_stats)

@@ -11,7 +11,10 @@ from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, UnknownFormat
+from zckpt.formats._latest import LATEST, valid_tag
+from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
+from zckpt.io import objstore, storage
 from zckpt.io.objstore import as_path
 
 _MODULES = (
@@ -44,9 +47,40 @@ def registry() -> dict[str, Format]:
     return out
 
 
+def check_access(path: Path, tag: str | None = None) -> None:
+    """Refuse, as "permission denied" naming it, what this process may not read of the input: the folder
+    (list, enter), the files that name it a checkpoint (``_TELLTALES``: ``latest``, a manifest, an index,
+    ``.metadata``), and the tag folder ``tag`` or ``latest`` names, with its own telltales. The formats'
+    probes would take them for missing ("no tag", "not a checkpoint"). Objects in a store are not checked
+    here: the store's own errors name them (``zckpt.io.objstore``)."""
+    if objstore.is_url(path):
+        return
+    storage.check_access(path)
+    if not path.is_dir():
+        return
+    _telltales(path)
+    if tag is None:
+        latest = path / LATEST
+        if not latest.is_file():
+            return
+        with latest.open("rb") as f:  # readable: ``_telltales`` checked it
+            tag = f.read(MAX_LATEST + 1).decode("utf-8", "replace").strip()
+    if valid_tag(tag):
+        storage.check_access(path / tag)
+        if (path / tag).is_dir():
+            _telltales(path / tag)
+
+
+def _telltales(folder: Path) -> None:
+    for name in _TELLTALES:
+        if (folder / name).is_file():
+            storage.check_readable(folder / name)
+
+
 def detect(path: str | Path) -> Format:
     """The format that recognises ``path``."""
     p = as_path(path)
+    check_access(p)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
@@ -139,5 +173,6 @@ def open_checkpoint(
         ...     w = ckpt["emb.weight"]           # reads only this tensor's pieces
         ...     ckpt.get("missing", None)        # a Mapping: None, no error
     """
+    check_access(as_path(path), tag)
     fmt = get(format) if format is not None else detect(path)
     return fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)

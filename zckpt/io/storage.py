@@ -49,7 +49,7 @@ def open_fd(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except PermissionError as e:  # not damage: say so, as the PermissionError it is
-        raise PermissionDenied(f"{path}: cannot open ({e.strerror})", path=path) from None
+        raise PermissionDenied(f"{path}: cannot open ({e.strerror})", hint=_PERM_HINT, path=path) from None
     except OSError as e:
         raise CorruptCheckpoint(f"{path}: cannot open ({e.strerror})", path=path) from None
     mode = os.fstat(fd).st_mode
@@ -59,6 +59,49 @@ def open_fd(path: str) -> int:
         raise CorruptCheckpoint(f"{path}: is {kind}, not a checkpoint file", hint="give the real file",
                                 path=path)  # fmt: skip
     return fd
+
+
+_PERM_HINT = "check its permissions (ls -ld), or run as a user that may read it"
+
+
+def check_access(path: str | os.PathLike[str]) -> None:
+    """Refuse ``path`` when this process may not reach it, or (a folder) list it and enter it, as
+    "permission denied" naming it. Format probes treat what they cannot read as absent ("no tag", "not a
+    checkpoint"); this runs first so that an unreadable input is reported as what it is. A missing path
+    passes (the caller reports it)."""
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+    except PermissionError:
+        raise PermissionDenied(f"{p}: permission denied (a folder above it cannot be entered)",
+                                hint=_PERM_HINT, path=p) from None  # fmt: skip
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    try:
+        names = os.listdir(p)
+        if names:
+            os.lstat(os.path.join(p, names[0]))
+    except PermissionError:
+        raise PermissionDenied(f"{p}: permission denied (cannot list or enter the folder)",
+                                hint=_PERM_HINT, path=p) from None  # fmt: skip
+    except OSError:
+        return
+
+
+def check_readable(path: str | os.PathLike[str]) -> None:
+    """Refuse the file ``path`` as "permission denied" when this process may not open it for reading; any
+    other failure (missing, a FIFO...) is left to the reader that opens it."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError:
+        raise PermissionDenied(f"{p}: permission denied (cannot open the file)", hint=_PERM_HINT,
+                                path=p) from None  # fmt: skip
+    except OSError:
+        return
+    os.close(fd)
 
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:

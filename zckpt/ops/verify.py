@@ -197,7 +197,15 @@ def _files_on_disk(p: Path) -> list[Path]:
     if p.is_file():
         return [p]
     out = [f for pattern in ("*", "*/*") for f in sorted(p.glob(pattern))]
-    return [f for f in out if f.is_file() and f.suffix in TENSOR_SUFFIXES]
+    return [f for f in out if f.suffix in TENSOR_SUFFIXES and _is_file(f)]
+
+
+def _is_file(f: Path) -> bool:
+    """``f.is_file()``, False where a folder on the way may not be entered (the reader named it)."""
+    try:
+        return f.is_file()
+    except OSError:
+        return False
 
 
 def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:

@@ -1,12 +1,28 @@
-"""Cross-checks between the rank files of one DeepSpeed save: the same DeepSpeed version, step, shapes,
-buffers, ``module`` entries, optimizer step, loss scale and config everywhere; a file that disagrees with
-the majority is named as the one mixed in or altered."""
+"""Cross-checks between the rank files of one DeepSpeed save: every field DeepSpeed 0.19.8 writes that is the
+same on every rank of one save must agree; a file that disagrees with the majority is named as the one mixed
+in or altered, beside a file that holds the majority's value, with the field (and, for nested values such as
+``ds_config``, the first differing key).
+
+The fields (docs/deepspeed-format.md §2-3):
+- every file (model and optimizer states) that records them: ``ds_config``, ``ds_version``;
+- model-states files (one per rank under ZeRO-3): the counters ``global_steps``, ``global_samples``,
+  ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``param_shapes``, ``frozen_param_shapes``,
+  ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``random_ltd`` and the names and
+  kinds of the ``module`` entries (``shared_params`` is rank 0's alone; client-state keys and the curriculum
+  ``data_sampler``, which holds RNG states, may differ per rank);
+- optimizer ``optimizer_state_dict``s: ``zero_stage``, ``loss_scaler`` (all its state),
+  ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``ds_version``, the number of
+  flat fp32 groups, the inner optimizer's ``param_groups`` (every hyper-parameter and the group indices)
+  and its ``step`` values.
+Values that legitimately differ per rank (the partitions, their paddings, ``param_slice_mappings``, frozen
+fragments) are not compared. Two files equal in every one of these fields -- same run settings, step and
+layout -- cannot be told apart here (README §Safety).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,94 +34,158 @@ from zckpt.io import storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.state import to_json
 
+_MODEL_FIELDS = (
+    "global_steps",
+    "global_samples",
+    "skipped_steps",
+    "dp_world_size",
+    "mp_world_size",
+    "param_shapes",
+    "frozen_param_shapes",
+    "buffer_names",
+    "lr_scheduler",
+    "checkpoint_parallel_dimensions",
+    "random_ltd",
+)
+_OPTIM_FIELDS = (
+    "zero_stage",
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "clip_grad",
+    "partition_count",
+    "ds_version",
+)
+_HINT = "files of two saves or runs are mixed, or one was altered"
+_LINE = 280
+"""Longest error line aimed at (values are shortened to fit)."""
 
-def _signature(o: Node) -> tuple[tuple[float, ...], Any]:
-    """(the inner optimizer's step values, the loss scale) of one optimizer file: the same on every rank of
-    one save."""
-    inner = (
-        o.value.get("optimizer_state_dict")
-        if o.has("fp32_flat_groups")
-        else o.value.get("base_optimizer_state")
-    )
+
+def plain(v: Any, depth: int = 0) -> Any:
+    """``v`` as comparable JSON values: stand-in objects by their state, tensors by shape and dtype."""
+    if depth > 50:
+        return "..."
+    if isinstance(v, TensorRef):
+        return f"<tensor {list(v.shape)} {to_json(v.dtype)}>"
+    if isinstance(v, dict):
+        return {str(k): plain(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain(x, depth + 1) for x in v]
+    if v is not None and not isinstance(v, (bool, int, float, str, torch.dtype)) and hasattr(v, "__dict__"):
+        return {type(v).__name__: plain(vars(v), depth + 1)}
+    return to_json(v)
+
+
+def _steps(o: Node) -> list[float]:
+    """The inner optimizer's ``step`` values (4 bytes read per 0-d tensor)."""
     steps: set[float] = set()
+    inner = _inner(o)
     state = inner.get("state") if isinstance(inner, dict) else None
     for per in state.values() if isinstance(state, dict) else ():
         v = per.get("step") if isinstance(per, dict) else None
         if isinstance(v, TensorRef) and v.numel == 1:
             one = torch.empty(1, dtype=v.dtype)
-            storage.read_into(v.file, v.byte_offset, one)  # 4 bytes: the one tensor value read at open
+            storage.read_into(v.file, v.byte_offset, one)
             steps.add(float(one.item()))
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             steps.add(float(v))
-    scale = getattr(o.value.get("loss_scaler"), "__dict__", {}).get("cur_scale")
-    return tuple(sorted(steps)), scale
+    return sorted(steps)
 
 
-def _odd_one(files: list[Node], value: Callable[[Node], str]) -> tuple[Node, Node] | None:
-    """(a file whose ``value`` is not the majority's, a file that holds the majority's), or None when all
-    agree: the message then names the file that is likely mixed in, not whichever came last."""
-    vals = [value(n) for n in files]
-    if len(set(vals)) <= 1:
-        return None
-    common = Counter(vals).most_common(1)[0][0]
-    odd = next(n for n, v in zip(files, vals, strict=True) if v != common)
-    return odd, files[vals.index(common)]
+def _inner(o: Node) -> Any:
+    """The wrapped torch optimizer's state dict of one ``optimizer_state_dict`` (ZeRO-3 or ZeRO-1/2)."""
+    return (
+        o.value.get("optimizer_state_dict")
+        if o.has("fp32_flat_groups")
+        else o.value.get("base_optimizer_state")
+    )
 
 
-def _value_repr(n: Node, key: str) -> str:
-    return repr(to_json(n.value.get(key)))  # plain JSON values: repr never fails (a torch.Size's can)
+def _param_groups(o: Node) -> Any:
+    inner = _inner(o)
+    return plain(inner.get("param_groups")) if isinstance(inner, dict) else None
 
 
-def _module_kinds(n: Node) -> str:
+def _flat_groups(o: Node) -> Any:
+    flat = o.value.get("fp32_flat_groups", o.value.get("single_partition_of_fp32_groups"))
+    return len(flat) if isinstance(flat, (list, tuple)) else type(flat).__name__
+
+
+def _module_kinds(n: Node) -> Any:
     """The names of a model-states file's ``module`` entries and whether each is a tensor (shapes may differ
     between ranks: ZeRO-3 keeps placeholders)."""
     m = n.value.get("module")
     if not isinstance(m, dict):
         return type(m).__name__
-    return repr([(str(k), isinstance(v, TensorRef)) for k, v in m.items()])
+    return [[str(k), isinstance(v, TensorRef)] for k, v in m.items()]
 
 
-def cross_check(models: list[Node], osds: list[Node]) -> None:
-    """Files of one save agree: same DeepSpeed version, config, step and loss scale everywhere."""
-    for key in ("ds_version", "global_steps", "param_shapes", "frozen_param_shapes", "buffer_names"):
-        pair = _odd_one(models, partial(_value_repr, key=key))
-        if pair:
-            odd, ref = pair
-            mine, theirs = _value_repr(odd, key), _value_repr(ref, key)
-            shown = (
-                f" {mine:.40} differs from {Path(ref.file).name}'s {theirs:.40}"
-                if len(mine) < 40
-                else (f" differs from {Path(ref.file).name}'s")
-            )
-            raise ShardMismatch(
-                f"{odd.file}: {key}{shown}",
-                hint="files of two saves are mixed, or one was altered",
-                path=odd.file,
-            )
-    pair = _odd_one(models, _module_kinds)
-    if pair:
-        odd, ref = pair
-        raise ShardMismatch(
-            f"{odd.file}: its `module` entries (names or kinds) differ from {Path(ref.file).name}'s",
-            hint="files of two saves are mixed, or one was altered",
-            path=odd.file,
-        )
-    sigs = {id(o): _signature(o) for o in osds}
-    pair = _odd_one(osds, lambda o: repr(sigs[id(o)]))
-    if pair:
-        odd, ref = pair
-        raise ShardMismatch(
-            f"{odd.file}: its optimizer step or loss scale {sigs[id(odd)]} differs from "
-            f"{Path(ref.file).name}'s {sigs[id(ref)]}",
-            hint="a rank file of another save is mixed in",
-            path=odd.file,
-        )
-    with_cfg = [n for n in models + osds if isinstance(n.value.get("ds_config"), dict)]
-    pair = _odd_one(with_cfg, lambda n: repr(to_json(n.value.get("ds_config"))))
-    if pair:
-        odd, ref = pair
-        raise ShardMismatch(
-            f"{odd.file}: ds_config differs from {Path(ref.file).name}'s",
-            hint="files of two runs are mixed",
-            path=odd.file,
-        )
+def _first_diff(a: Any, b: Any, path: str = "") -> str:
+    """The dotted path of the first place ``a`` and ``b`` differ ("" when at the top)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if a.get(k, _MISSING) != b.get(k, _MISSING):
+                return _first_diff(a.get(k, _MISSING), b.get(k, _MISSING), f"{path}.{k}" if path else k)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_diff(x, y, f"{path}[{i}]")
+    return path
+
+
+_MISSING = "<absent>"
+
+
+def _short(v: Any, n: int) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _agree(files: list[Node], field: str, value: Callable[[Node], Any]) -> None:
+    """Refuse when one file's ``value`` differs from the majority's, naming it, a majority file, the field
+    and (for nested values) the first differing key."""
+    vals = [value(n) for n in files]
+    keys = [repr(v) for v in vals]
+    if len(set(keys)) <= 1:
+        return
+    common = Counter(keys).most_common(1)[0][0]
+    i = next(i for i, k in enumerate(keys) if k != common)
+    j = keys.index(common)
+    odd, ref = vals[i], vals[j]
+    where = _first_diff(odd, ref)
+    label, a, b = (f"{field}.{where}", _at(odd, where), _at(ref, where)) if where else (field, odd, ref)
+    other = Path(files[j].file).name
+    room = max(20, (_LINE - len(files[i].file) - len(label) - len(other) - 12) // 2)  # one readable line
+    raise ShardMismatch(
+        f"{files[i].file}: {label} {_short(a, room)} vs {_short(b, room)} in {other}",
+        hint=_HINT,
+        path=files[i].file,
+    )
+
+
+def _at(v: Any, path: str) -> Any:
+    """The value at a ``_first_diff`` path."""
+    for part in path.replace("[", ".[").split("."):
+        if not part:
+            continue
+        if part.startswith("[") and isinstance(v, list):
+            v = v[int(part[1:-1])]
+        elif isinstance(v, dict):
+            v = v.get(part, _MISSING)
+    return v
+
+
+def cross_check(models: list[Node], outers: list[Node], osds: list[Node]) -> None:
+    """The files of one save agree (see the module doc): ``models`` are the model-states files, ``outers``
+    the optimizer files' top-level dicts, ``osds`` their ``optimizer_state_dict``s."""
+    for key in _MODEL_FIELDS:
+        _agree(models, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
+    _agree(models, "module entries (names, kinds)", _module_kinds)
+    for key in ("ds_version", "ds_config"):  # among the files that record it (DeepSpeed >= 0.4 writes both)
+        having = [n for n in models + outers if n.has(key)]
+        _agree(having, key, lambda n, key=key: plain(n.value[key]))  # type: ignore[misc]
+    for key in _OPTIM_FIELDS:
+        _agree(osds, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
+    _agree(osds, "number of flat fp32 groups", _flat_groups)
+    _agree(osds, "optimizer param_groups", _param_groups)
+    _agree(osds, "optimizer step", _steps)

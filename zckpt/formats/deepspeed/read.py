@@ -201,15 +201,15 @@ def _partition_count(o: Node) -> int:
     return counts.pop()
 
 
-def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> list[Node]:
+def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> tuple[list[Node], list[Node]]:
+    """(each rank's optimizer file, its ``optimizer_state_dict``), for ranks ``0..partition_count-1``."""
     first = optim_files[min(optim_files)]
-    o_first = load(first, trust)["optimizer_state_dict"]
+    top_first = load(first, trust)
+    o_first = top_first["optimizer_state_dict"]
     ws = _partition_count(o_first)
     check_ranks(td, optim_files, ws, "optimizer-states", first, first.name)
-    osds = [
-        o_first if optim_files[r] == first else load(optim_files[r], trust)["optimizer_state_dict"]
-        for r in range(ws)
-    ]
+    tops = [top_first if optim_files[r] == first else load(optim_files[r], trust) for r in range(ws)]
+    osds = [o_first if t is top_first else t["optimizer_state_dict"] for t in tops]
     for o in osds:
         if o["partition_count"].value != o_first["partition_count"].value:
             raise ShardMismatch(
@@ -218,13 +218,13 @@ def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> list[No
                 hint="the file is stale from another run; move it away",
                 path=o.file,
             )
-    return osds
+    return tops, osds
 
 
 def _partitioned(
     td: Path, model_files: dict[int, Path], optim_files: dict[int, Path], m0: Node, module: Node, trust: bool
 ) -> _Body:
-    osds = _optim_files(td, optim_files, trust)
+    tops, osds = _optim_files(td, optim_files, trust)
     ws = len(osds)
     dp = m0.get("dp_world_size")
     if dp is not None and dp.as_int(lo=1) != ws:
@@ -248,7 +248,7 @@ def _partitioned(
             hint="files from a ZeRO-3 run are mixed in",
             path=str(td),
         )
-    cross_check(models, osds)
+    cross_check(models, tops, osds)
     shapes_node = m0["param_shapes"]
     param_shapes = [shapes_node] if isinstance(shapes_node.value, dict) else list(shapes_node)
     part = zero3.zero3(osds, param_shapes, ws) if is3 else zero12.zero12(osds, param_shapes, ws, bf16_opt)

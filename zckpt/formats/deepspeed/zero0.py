@@ -196,6 +196,26 @@ def _check_state_keys(states: dict[tuple[int, int], dict[str, Any]], file: str) 
     )
 
 
+def _check_indices(params: list[list[int]], state: dict[Any, Any], file: str) -> None:
+    """torch's ``state_dict`` numbers the params of all groups once each and keys ``state`` by those numbers:
+    a number listed twice, or a state under a number no group lists, is a damaged file (its state would
+    be dropped or given to another param)."""
+    listed: set[int] = set()
+    for g, ps in enumerate(params):
+        for i in ps:
+            if i in listed:
+                raise CorruptCheckpoint(f"{file}: optimizer param_groups[{g}] lists param index {i} again",
+                                        hint="the file was altered or is damaged", path=file)  # fmt: skip
+            listed.add(i)
+    for k in state:
+        if (int(k) if isinstance(k, str) and k.isdigit() else k) not in listed:
+            raise CorruptCheckpoint(
+                f"{file}: optimizer state for param index {k!r:.20}, which no param group lists",
+                hint="the file was altered or is damaged",
+                path=file,
+            )
+
+
 def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
     """The optimizer block's containers have the types torch and DeepSpeed give them: anything else is a
     damaged or altered file, refused naming it (a fallback would drop names or roles silently)."""
@@ -221,6 +241,7 @@ def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
     st = inner.get("state") or {}
     if not isinstance(st, dict) or not all(isinstance(v, dict) for v in st.values()):
         raise bad("state", st, "a dict of per-param dicts")
+    _check_indices([pg.get("params", []) for pg in pgs], st, file)
     groups = opt.get("fp32_groups")
     if groups is not None:
         if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):

@@ -22,6 +22,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._latest import read_latest, valid_tag
 from zckpt.formats.native import layout as L
+from zckpt.formats.native import record
 from zckpt.io import safetensors, storage
 from zckpt.io.objstore import absolute, as_path
 from zckpt.io.safetensors import Header, HeaderEntry
@@ -307,6 +308,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         )
     man = load_manifest(td)
     files = _Files(td, man)
+    record.check(man, files.headers[0].metadata, str(td / L.MANIFEST), str(td / L.rank_file(0)))
     entries = _entries(files)
     state = _state(files)
     files.check_all_used()

@@ -33,6 +33,7 @@ from zckpt.errors import Unsupported
 from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
+from zckpt.formats.native import record
 from zckpt.io import safetensors
 from zckpt.io.digest import BLOCK_BYTES
 from zckpt.io.direct_io import WriteOptions
@@ -101,17 +102,22 @@ def write_rank(
     *,
     opts: WriteOptions | None = None,
     on_stats: Any = None,
+    model: Mapping[str, str] | None = None,
 ) -> FileRecord:
     """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest per
-    ``BLOCK_BYTES`` block, hashed on several cores."""
-    return safetensors.write_file(path, items, metadata=_METADATA, on_bytes=on_bytes, sidecar=False,
+    ``BLOCK_BYTES`` block, hashed on several cores. ``model``: rank 0's model record
+    (``zckpt.formats.native.record.encode``)."""
+    meta = {**_METADATA, **(model or {})}
+    return safetensors.write_file(path, items, metadata=meta, on_bytes=on_bytes, sidecar=False,
                                   opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES)  # fmt: skip
 
 
-def rank_plan(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> FilePlan:
-    """The layout ``write_rank`` gives a rank file of tensors ``(key, dtype, shape)`` in this order: its
-    header bytes, where each tensor's bytes start, its size."""
-    return safetensors.plan_file(specs, _METADATA)
+def rank_plan(
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], model: Mapping[str, str] | None = None
+) -> FilePlan:
+    """The layout ``write_rank`` gives a rank file of tensors ``(key, dtype, shape)`` in this order (and
+    rank 0's ``model`` record): its header bytes, where each tensor's bytes start, its size."""
+    return safetensors.plan_file(specs, {**_METADATA, **(model or {})})
 
 
 def write_rank_views(
@@ -137,6 +143,11 @@ def optimizer_json(state: TrainingState) -> dict[str, Any] | None:
     return {"kind": opt.kind, "param_groups": groups, "state_names": list(opt.state_names)}
 
 
+def precision_of(state: TrainingState) -> str:
+    """The manifest's ``precision`` for ``state`` (and the model record's)."""
+    return state.precision or "fp32"
+
+
 def build_manifest(
     *,
     tag: str,
@@ -155,7 +166,7 @@ def build_manifest(
     missing = [L.rank_file(r) for r in range(world) if L.rank_file(r) not in names]
     if missing:
         raise ValueError(f"a manifest needs every rank file; missing {missing[:3]}")
-    precision = state.precision or "fp32"
+    precision = precision_of(state)
     c = state.counters
     return L.Manifest(
         tag=tag,
@@ -289,7 +300,8 @@ class NativeWriter(CheckpointWriter):
             items += client_tree(ckpt.meta.state.client_state)[1]
         tag_dir = out / plan.tag
         tag_dir.mkdir(parents=True, exist_ok=True)
-        rec = write_rank(tag_dir / L.rank_file(r), items)
+        model = record.encode(plan.tensors, ckpt.meta.tied, precision_of(ckpt.meta.state)) if r == 0 else None
+        rec = write_rank(tag_dir / L.rank_file(r), items, model=model)
         on_file(f"{plan.tag}/{rec.name}", rec.bytes)
         return [rec]
 
