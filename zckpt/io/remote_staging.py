@@ -128,6 +128,8 @@ class RemoteStaging:
         with _lock:
             _marked[self.dir] = (self.url, is_dir)
         self._old: list[str] = []
+        self.kept: list[str] = []
+        """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write): ``Staging.kept``."""
         if overwrite and kind == "dir":
             self._old = objstore.list_keys(self.url)
             if owns is not None:  # never delete an object zckpt did not write
@@ -138,6 +140,7 @@ class RemoteStaging:
                     raise OutputExists(f"{self.url} holds objects zckpt did not write ({shown})",
                                        hint="give another DST, or move them away", path=self.url)  # fmt: skip
                 self._old = [u for u in self._old if owns(u[len(self.url) + 1 :])]
+                self.kept = sorted({u[len(self.url) + 1 :].split("/", 1)[0] for u in theirs})
             objstore.delete([u for u in self._old if COMPLETING.search(u) or LATEST.search(u)])
         self._done = False
 
