@@ -129,7 +129,7 @@ class RemoteStaging:
             _marked[self.dir] = (self.url, is_dir)
         self._old: list[str] = []
         self.kept: list[str] = []
-        """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write): ``Staging.kept``."""
+        """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write)."""
         if overwrite and kind == "dir":
             self._old = objstore.list_keys(self.url)
             if owns is not None:  # never delete an object zckpt did not write
