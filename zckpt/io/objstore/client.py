@@ -1,0 +1,368 @@
+"""The store client and what every other part of ``zckpt.io.objstore`` shares: URL parsing (``Url``,
+``parse``, ``is_url``), configuration (``configure``, ``parse_options``, ``in_flight``, ``part_bytes``), the
+client per bucket and its credentials (``_store``), client errors as one ``StorageError`` line (``error``),
+retries of a cut-off GET (``_retry``), the process's figures (``stats``), and the process-wide caches
+(listings, sizes, blocks, read-ahead windows) with their invalidation after a write (``_forget``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from zckpt.errors import ObjectMissing, StorageError
+
+SCHEMES = ("s3",)
+"""Schemes served (the store client is built for S3 and S3-compatible stores; tested against one)."""
+
+
+_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
+"""Storage options zckpt reads itself; every other key goes to the client."""
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
+_lock = threading.Lock()
+_options: dict[str, str] = {}
+_stores: dict[str, Any] = {}
+_listings: dict[str, _Listing] = {}
+_cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+_sizes: dict[str, int] = {}
+_counts = {"requests": 0, "bytes": 0, "retries": 0, "uploads": 0, "bytes_up": 0}
+
+
+@dataclass(frozen=True)
+class Url:
+    """``scheme://bucket/key`` split: ``key`` has no leading slash ("" for the bucket's root)."""
+
+    scheme: str
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
+
+
+def parse(x: object) -> Url | None:
+    """The URL ``x`` names (``s3://b/k``, or the ``s3:/b/k`` that ``pathlib.Path("s3://b/k")`` makes of
+    it), or None for a local path."""
+    if isinstance(x, Url):
+        return x
+    s = os.fspath(x) if isinstance(x, os.PathLike) else x
+    if not isinstance(s, str):
+        return None
+    m = _URL.match(s)
+    if m is None or m.group(1) not in SCHEMES:
+        return None
+    bucket, _, key = m.group(3).partition("/")
+    if not bucket:
+        return None
+    return Url(m.group(1), bucket, key.strip("/"))
+
+
+def is_url(x: object) -> bool:
+    return parse(x) is not None
+
+
+def configure(options: Mapping[str, str] | None) -> None:
+    """Set the storage options for this process (``--storage-option``, the library's ``storage_options=``);
+    clients already built are rebuilt with them."""
+    with _lock:
+        _options.clear()
+        _options.update({k: str(v) for k, v in (options or {}).items()})
+        _stores.clear()
+        _listings.clear()
+        _cache.clear()
+        _sizes.clear()
+        _windows.clear()
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, str]:
+    """``["key=value", ...]`` (the CLI's repeatable ``--storage-option``) as a dict."""
+    out: dict[str, str] = {}
+    for p in pairs or []:
+        k, eq, v = p.partition("=")
+        if not eq or not k:
+            raise StorageError(
+                f"--storage-option {p!r}: not key=value",
+                hint="e.g. --storage-option endpoint=http://127.0.0.1:9000",
+            )
+        out[k.strip()] = v.strip()
+    return out
+
+
+def in_flight() -> int:
+    return max(1, int(_options.get("in_flight", os.environ.get("ZCKPT_S3_IN_FLIGHT", "8"))))
+
+
+def part_bytes() -> int:
+    return max(5 << 20, int(_options.get("part_bytes", os.environ.get("ZCKPT_S3_PART_BYTES", str(8 << 20)))))
+
+
+def stats() -> dict[str, int]:
+    """Requests made, bytes fetched and uploaded, retries, by this process so far."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _lock:
+        _counts[key] += n
+
+
+def _endpoint() -> str | None:
+    return (
+        _options.get("endpoint")
+        or _options.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+
+
+def _store(u: Url) -> Any:
+    with _lock:
+        st = _stores.get(u.bucket)
+        if st is not None:
+            return st
+    try:
+        from obstore.store import S3Store  # imported here: local runs never load the client
+    except ImportError:
+        raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
+                           hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
+
+    config = {k: v for k, v in _options.items() if k not in _OWN_KEYS}
+    ep = _endpoint()
+    if ep:
+        config["endpoint"] = ep
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    if region and "region" not in config:
+        config["region"] = region
+    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+    if ep and ep.startswith("http://"):
+        client["allow_http"] = True  # the endpoint's URL says http: that is the user's choice
+    retry = {
+        "max_retries": int(_options.get("max_retries", "10")),
+        "retry_timeout": timedelta(seconds=180),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=50),
+            "max_backoff": timedelta(seconds=5),
+            "base": 2,
+        },
+    }
+    provider = None
+    keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
+    if not keyed and _has_profile():
+        provider = _profile_provider()
+    if not keyed and provider is None and not _other_chain(config):
+        raise StorageError(
+            f"{u}: no credentials for the store",
+            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+            "--storage-option skip_signature=true for a public bucket",
+            path=str(u),
+        )
+    try:
+        st = S3Store(
+            u.bucket,
+            config=config,  # type: ignore[arg-type]
+            client_options=client,  # type: ignore[arg-type]
+            retry_config=retry,  # type: ignore[arg-type]
+            credential_provider=provider,
+        )
+    except Exception as e:  # noqa: BLE001 - a bad option: one line
+        raise StorageError(
+            f"{u}: cannot configure the S3 client ({_first_line(e)})",
+            hint="check --storage-option keys and the AWS_* variables",
+        ) from None
+    with _lock:
+        _stores[u.bucket] = st
+    return st
+
+
+def _other_chain(config: Mapping[str, str]) -> bool:
+    """Credentials the client finds by itself: anonymous access asked for, web identity, a container's
+    credentials endpoint, or the instance metadata service (unless ``AWS_EC2_METADATA_DISABLED``)."""
+    env = os.environ
+    return (
+        config.get("skip_signature", "").lower() == "true"
+        or bool(env.get("AWS_WEB_IDENTITY_TOKEN_FILE"))
+        or bool(
+            env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        )
+        or env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"
+    )
+
+
+def _has_profile() -> bool:
+    home = os.path.expanduser("~")
+    return bool(os.environ.get("AWS_PROFILE")) or any(
+        os.path.exists(os.path.join(home, ".aws", n)) for n in ("credentials", "config")
+    )
+
+
+def _profile_provider() -> Any:
+    """Credentials from an AWS profile (``AWS_PROFILE``, ``~/.aws``), through boto3 when it is installed."""
+    try:
+        import boto3  # noqa: F401
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    return Boto3CredentialProvider()
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else type(e).__name__
+
+
+def error(e: BaseException, url: object) -> StorageError:
+    """One line for a client error: no credentials, no such bucket or key, access denied, or other."""
+    from obstore import exceptions as ox
+
+    msg = str(e)
+    if isinstance(e, (FileNotFoundError, ox.NotFoundError)) or "NoSuchKey" in msg or "NoSuchBucket" in msg:
+        if "NoSuchBucket" in msg or "bucket does not exist" in msg:
+            return ObjectMissing(
+                f"{url}: no such bucket",
+                path=str(url),
+                hint="check the bucket name and the endpoint (AWS_ENDPOINT_URL)",
+            )
+        return ObjectMissing(
+            f"{url}: no such key",
+            hint="check the URL: list the prefix, e.g. `aws s3 ls` on its folder",
+            path=str(url),
+        )
+    if isinstance(e, ox.UnauthenticatedError) or any(
+        s in msg for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
+    ):
+        return StorageError(
+            f"{url}: the store rejected the credentials",
+            path=str(url),
+            hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+        )
+    if isinstance(e, (PermissionError, ox.PermissionDeniedError)) or "AccessDenied" in msg:
+        return StorageError(
+            f"{url}: access denied",
+            path=str(url),
+            hint="the credentials lack permission for this bucket or key (s3:GetObject, "
+            "s3:ListBucket, s3:PutObject)",
+        )
+    low = msg.lower()
+    if "credential" in low or "missing access key" in low:
+        return StorageError(
+            f"{url}: no credentials for the store",
+            path=str(url),
+            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+        )
+    if "http" in low and "allow_http" in low.replace(" ", "_"):
+        return StorageError(
+            f"{url}: plain http refused",
+            path=str(url),
+            hint="give the endpoint as http://... in AWS_ENDPOINT_URL",
+        )
+    return StorageError(
+        f"{url}: {_first_line(e)}",
+        path=str(url),
+        hint="check the endpoint (AWS_ENDPOINT_URL), the network and the credentials",
+    )
+
+
+_TRANSIENT = (
+    "connection",
+    "reset",
+    "closed",
+    "timed out",
+    "timeout",
+    "body",
+    "incomplete",
+    "eof",
+    "broken pipe",
+    "500",
+    "502",
+    "503",
+    "504",
+    "slowdown",
+    "service unavailable",
+)
+
+
+def _retry(fn: Any, url: object, tries: int = 6) -> Any:
+    """``fn()`` retried with exponential backoff on what the client lets through as a transient failure (a
+    response body cut off after its headers); anything else, or the last failure, as ``error``."""
+    from obstore import exceptions as ox
+
+    delay = 0.05
+    for k in range(tries):
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except (
+            FileNotFoundError,
+            PermissionError,
+            ox.NotFoundError,
+            ox.PermissionDeniedError,
+            ox.UnauthenticatedError,
+            ox.AlreadyExistsError,
+            ox.PreconditionError,
+        ) as e:
+            raise error(e, url) from None
+        except Exception as e:  # noqa: BLE001 - classified below
+            if k == tries - 1 or not any(s in str(e).lower() for s in _TRANSIENT):
+                raise error(e, url) from None
+            _count("retries")
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """One folder (key prefix) listed with a delimiter: its sub-folders and its objects' sizes."""
+
+    dirs: frozenset[str]
+    files: Mapping[str, int]
+
+
+@dataclass
+class _Window:
+    """Bytes ``[start, end)`` of one object, fetched (or being fetched) ahead of a sequential reader."""
+
+    url: str
+    start: int
+    end: int
+    data: Future[bytearray]
+
+
+_windows: OrderedDict[int, _Window] = OrderedDict()
+
+
+def _forget(u: Url) -> None:
+    """Drop what is cached about ``u`` and its folder (after a write or delete)."""
+    parent = Url(u.scheme, u.bucket, u.key.rpartition("/")[0])
+    with _lock:
+        _sizes.pop(str(u), None)
+        for k in [k for k in _listings if str(u).startswith(k) or k.startswith(str(u))]:
+            _listings.pop(k)
+        _listings.pop(str(parent), None)
+        for ck in [ck for ck in _cache if ck[0] == str(u)]:
+            _cache.pop(ck)
+        for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
+            _windows.pop(wk)
+
+
+def _url(x: object) -> Url:
+    u = parse(x)
+    if u is None:
+        raise ValueError(f"{x!r} is not an object-store URL")
+    return u

@@ -1,0 +1,153 @@
+"""Writes: ``Upload``, one object streamed as a multipart upload (parts of ``part_bytes``) that becomes
+visible only when it completes, ``abort()`` leaves nothing; ``upload_file`` (create-if-absent for the objects
+that complete a checkpoint), ``put_bytes``, ``delete``, ``list_keys``. Each drops what the caches hold about
+the objects it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from zckpt.errors import StorageError
+from zckpt.io.objstore.client import Url, _count, _forget, _retry, _store, _url, error, in_flight, part_bytes
+from zckpt.io.objstore.paths import _list
+
+
+class Upload:
+    """One object written as a stream: a multipart upload in parts of ``part_bytes`` (``in_flight`` parts
+    uploading at once), a single PUT when it stays under one part. The object appears only at ``close()``;
+    ``abort()`` (or an error) leaves nothing, not even the parts."""
+
+    def __init__(self, x: object) -> None:
+        import obstore
+
+        self.url = _url(x)
+        self._w = _retry(
+            lambda: obstore.open_writer(
+                _store(self.url), self.url.key, buffer_size=part_bytes(), max_concurrency=in_flight()
+            ),
+            self.url,
+            tries=1,
+        )
+        self._w.__enter__()
+        self._n = 0
+        self.closed = False
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        try:
+            self._w.write(bytes(mv))  # a copy: the client may keep the buffer, and callers reuse theirs
+        except Exception as e:  # noqa: BLE001 - one line
+            self.abort()
+            raise error(e, self.url) from None
+        self._n += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._w.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001 - one line
+            raise error(e, self.url) from None
+        _count("uploads")
+        _count("bytes_up", self._n)
+        _forget(self.url)
+
+    def abort(self) -> None:
+        """Abort the multipart upload (its parts are deleted); nothing appears."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):  # best effort: never hide the error that caused the abort
+            self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+def upload_file(local: str | os.PathLike[str], x: object, *, create: bool = False) -> None:
+    """Upload the local file to ``x``: one PUT under a part, else a multipart upload. ``create``: fail with
+    ``OutputExists`` if the object exists (``If-None-Match: *``: of two writers, one wins)."""
+    import obstore
+
+    u = _url(x)
+    n = os.path.getsize(local)
+    if n <= part_bytes() or create:
+        if n > (256 << 20):
+            raise StorageError(f"{u}: {n} bytes for a create-if-absent object", path=str(u))
+        with open(local, "rb") as f:
+            data = f.read()
+        try:
+            _count("requests")
+            _retry(lambda: obstore.put(_store(u), u.key, data, mode="create" if create else "overwrite"), u)
+        except StorageError as e:
+            if create and "already exists" in str(e).lower():
+                from zckpt.errors import OutputExists
+
+                raise OutputExists(
+                    f"{u}: created by another process while this one was writing",
+                    hint="pass --overwrite to replace it",
+                    path=str(u),
+                ) from None
+            raise
+        _count("uploads")
+        _count("bytes_up", n)
+        _forget(u)
+        return
+    up = Upload(u)
+    try:
+        with open(local, "rb") as f:
+            while chunk := f.read(part_bytes()):
+                up.write(chunk)
+        up.close()
+    except BaseException:
+        up.abort()
+        raise
+
+
+def delete(urls: list[str]) -> None:
+    """Delete these objects (missing ones are fine)."""
+    import obstore
+
+    by_bucket: dict[str, list[Url]] = {}
+    for s in urls:
+        u = _url(s)
+        by_bucket.setdefault(u.bucket, []).append(u)
+    for us in by_bucket.values():
+        for i in range(0, len(us), 1000):
+            part = us[i : i + 1000]
+            _count("requests")
+            _retry(lambda part=part: obstore.delete(_store(part[0]), [u.key for u in part]), part[0])
+            for u in part:
+                _forget(u)
+
+
+def list_keys(x: object, *, recursive: bool = True) -> list[str]:
+    """The URLs of every object under the folder ``x`` (its whole subtree unless not ``recursive``)."""
+    import obstore
+
+    u = _url(x)
+    prefix = u.key + "/" if u.key else None
+    if not recursive:
+        return [f"{u}/{n}" for n in sorted(_list(u).files)]
+    out: list[str] = []
+    _count("requests")
+    for batch in _retry(lambda: list(obstore.list(_store(u), prefix)), u):
+        out += [f"{u.scheme}://{u.bucket}/{m['path']}" for m in batch]
+    return sorted(out)
+
+
+def put_bytes(x: object, data: bytes) -> None:
+    """One small object, written whole by one PUT (it replaces what was there)."""
+    import obstore
+
+    u = _url(x)
+    _count("requests")
+    _retry(lambda: obstore.put(_store(u), u.key, data), u)
+    _count("uploads")
+    _count("bytes_up", len(data))
+    _forget(u)
