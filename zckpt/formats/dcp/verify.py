@@ -28,9 +28,6 @@ from zckpt.io.integrity import SIDECAR, Problem, VerifyContext, check_sidecar, p
 from zckpt.io.torchzip import check_archive_at
 from zckpt.model import Role, TensorEntry
 
-MAX_PER_FILE = 20
-"""Problems listed per damaged file before the rest are counted."""
-
 
 def _item(key: StorageKey, info: StorageInfo) -> str:
     what = f"chunk {list(key[1])} of {key[0]!r:.80}" if key[1] is not None else f"value {key[0]!r:.80}"
@@ -68,9 +65,7 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
     for f, bad in per_file.items():
         if bad:
             ctx.broken.add(f)
-        out += bad[:MAX_PER_FILE]
-        if len(bad) > MAX_PER_FILE:
-            out.append(Problem(f, f"... and {len(bad) - MAX_PER_FILE} more damaged items", "corrupt"))
+        out += bad  # every damaged item: the text report shows one line per file, --json all of them
     return out
 
 
