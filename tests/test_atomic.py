@@ -574,7 +574,7 @@ def _kill_near_metadata(pid: int, work: Path, rng: random.Random) -> str:
 def test_reshard_to_dcp_sigkill_random(tmp_path: Path) -> None:
     """Issue 24: 20 SIGKILLs at random moments of ``reshard --to dcp`` (a real torchtitan DCP save as source:
     tensors, opaque values copied byte for byte) leave no output or a complete one that verify passes. Half
-    the kills are timed over the run, half land just after ``.metadata`` appears (written last, in staging)."""
+    the kills are timed over the run, half land just after ``.metadata`` appears (written last, staged)."""
     src = Path(__file__).resolve().parents[1] / "fixtures" / "dcp" / "torchtitan_w2" / "checkpoint" / "step-3"
     assert (src / ".metadata").is_file(), f"fixture missing: {src}"
     args = ["reshard", src, None, "--world", "3", "--to", "dcp", "--no-progress"]
