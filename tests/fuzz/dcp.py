@@ -95,6 +95,12 @@ def _pick_box(st: dict[str, Any], rng: random.Random, *, min_dims: int = 1) -> t
 
 
 # ---- dcp-metadata ----------------------------------------------------------------------------------------
+ARCHIVE_EDITS = ("size", "box-", "dtype", "shape", "item-", "duplicate-storage")
+"""Edits that make ``.metadata`` disagree with a chunk file: an error may name either (``related``)."""
+VALUE_EDITS = ("path-resplit",)
+"""Edits no reader can tell from a real save (``value_only``): the path still spells its key."""
+
+
 def _md_op(op: str, edit: Edit, *, must_refuse: bool = False) -> Mutator:
     def mutate(case_dir: Path, rng: random.Random) -> Mutation:
         base, root = fresh_copy(case_dir)
@@ -109,8 +115,10 @@ def _md_op(op: str, edit: Edit, *, must_refuse: bool = False) -> Mutator:
             detail, data = _plant(detail, data)
         (folder / MD).write_bytes(data)
         f = folder / MD
+        related = (".distcp",) if any(a in op for a in ARCHIVE_EDITS) else ()
         return new("dcp-metadata", op, detail, base, root, touches=[Touch(rel(root, f), op, 0, len(data))],
-                   inconsistent=inconsistent, must_refuse=must_refuse)  # fmt: skip
+                   inconsistent=inconsistent, must_refuse=must_refuse, related=related,
+                   value_only=op in VALUE_EDITS)  # fmt: skip
 
     return mutate
 
@@ -500,9 +508,10 @@ def _tied_alias(case_dir: Path, rng: random.Random) -> Mutation:
             _fix_central_crc(arc, info.filename, crc)
             blob[off : off + length] = arc
             path.write_bytes(bytes(blob))
+            # DCP records no ties: a pair whose bytes differ is two tensors (an untied head), as valid a save
             return new("dcp-chunks", "tied-alias-differs", f"{f}@{off + at}: head.weight chunk {list(offs)} "
                        "changed, CRCs recomputed", base, root,
-                       touches=[Touch(rel(root, path), "tied alias", off + at, 1)], inconsistent=True,
+                       touches=[Touch(rel(root, path), "tied alias", off + at, 1)], value_only=True,
                        related=(MD,))  # fmt: skip
     raise NotApplicable(root, "no stored head.weight chunk")
 

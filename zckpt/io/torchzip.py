@@ -241,12 +241,19 @@ def archive_at(
     try:
         with zipfile.ZipFile(Window(fd, offset, length)) as zf:
             infos = {i.filename: i for i in zf.infolist()}
+            pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1:
+                raise CorruptCheckpoint(
+                    f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path
+                )
+            prefix = pkl[0][: -len("data.pkl")]
+            for other in infos.values():  # the small bookkeeping records (byteorder, version...) CRC-checked,
+                # as for whole files: no later read covers them
+                small = other.file_size <= _SMALL_RECORD and other.filename != pkl[0]
+                if small and not other.filename.startswith(prefix + "data/"):
+                    zf.read(other)
     except _ZIP_ERRORS as e:
         raise _damaged(where, e) from None
-    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
-    if len(pkl) != 1:
-        raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
-    prefix = pkl[0][: -len("data.pkl")]
     start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
     data = os.pread(fd, size, offset + start)
     if len(data) != size or zlib.crc32(data) != crc:

@@ -151,9 +151,10 @@ class Files:
             try:
                 self._headers[hkey] = safetensors.read_header(f, info.offset)
             except CorruptCheckpoint as err:
+                why = str(err).removeprefix(f"{f}: ")[:80]
                 raise CorruptCheckpoint(
                     f"{f}: the item at byte {info.offset} is neither a torch.save archive nor a safetensors "
-                    f"blob ({err})",
+                    f"blob ({why})",
                     path=f,
                 ) from None
         e = self._headers[hkey].tensors.get(key)

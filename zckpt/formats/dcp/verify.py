@@ -84,7 +84,8 @@ def _check_item(
         try:
             safetensors.read_header(f, info.offset)
         except ZckptError as e:
-            return f"neither a torch.save archive nor a safetensors blob ({str(e)[:100]})"
+            why = str(e).removeprefix(f + ": ")[:80]
+            return f"neither a torch.save archive nor a safetensors blob ({why})"
     return None
 
 

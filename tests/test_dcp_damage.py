@@ -1,9 +1,10 @@
-"""``.metadata`` cross-checks on real DCP fixtures: every table that names a key (``planner_data`` paths,
-``storage_data`` indices) agrees with ``state_dict_metadata``, and no two items share bytes of a file.
+"""Damaged DCP folders (issue 24, the DCP fuzz seeds), each built from a real torch save (``fixtures/dcp``).
 
-Each case edits a copy of a real torch save (``fixtures/dcp``) through the fuzz harness's inert pickle
-round trip (``tests/fuzz/pickles.py``: nothing from the file is imported or called), then expects one
-``error:`` line naming ``.metadata`` (exit 2, nothing written) and ``verify`` not to say OK.
+``.metadata`` cross-checks: every table that names a key (``planner_data`` paths, ``storage_data`` indices)
+agrees with ``state_dict_metadata``, and no two items share bytes of a file. ``.metadata`` is edited through
+the fuzz harness's inert pickle round trip (``tests/fuzz/pickles.py``: nothing from the file is imported or
+called); each case expects one ``error:`` line naming the file (exit 2, nothing written) and ``verify`` not
+to say OK. Chunk archives: damage the fuzz seeds found (``tests/fuzz/FINDINGS.md``, DCP seeds).
 """
 
 from __future__ import annotations
@@ -141,3 +142,58 @@ def test_every_fixture_passes_the_cross_checks() -> None:
     for f in folders:
         md = load_metadata(f)
         assert md.keys and all(".".join(map(str, md.paths[k])) == k for k in md.keys), f
+
+
+# ---- chunk archives (DCP fuzz seeds) --------------------------------------------------------------------
+def _archive_record(d: Path, name: str) -> tuple[Path, int]:
+    """(file, absolute offset) of record ``name`` (e.g. ``byteorder``) of the first archive of ``__0_0``."""
+    import io
+    import zipfile
+
+    f = d / "__0_0.distcp"
+    md = pickles.load_opaque((d / ".metadata").read_bytes())
+    first = min(i.state["offset"] for i in md.state["storage_data"].values()
+                if i.state["relative_path"] == f.name)  # fmt: skip
+    length = next(i.state["length"] for i in md.state["storage_data"].values()
+                  if i.state["relative_path"] == f.name and i.state["offset"] == first)  # fmt: skip
+    blob = f.read_bytes()[first : first + length]
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/" + name))
+    n, m = int.from_bytes(blob[info.header_offset + 26 : info.header_offset + 28], "little"), int.from_bytes(
+        blob[info.header_offset + 28 : info.header_offset + 30], "little")  # fmt: skip
+    return f, first + info.header_offset + 30 + n + m
+
+
+def test_flipped_bookkeeping_record_is_refused_while_reading(tmp_path: Path) -> None:
+    """Seed 11 case 120: a bit flipped in an archive's ``byteorder`` record (CRC-covered; torch.load
+    refuses an unknown byte order) was read as intact: diff said EQUAL, consolidate exit 0."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "threads_w2" / "checkpoint", d)
+    f, at = _archive_record(d, "byteorder")
+    data = bytearray(f.read_bytes())
+    assert data[at : at + 6] == b"little"
+    data[at + 1] ^= 0x10
+    f.write_bytes(bytes(data))
+    p = _cli("consolidate", d, tmp_path / "o.safetensors", "--no-progress")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and lines[0].startswith("error: ") and "__0_0.distcp" in lines[0], p.stderr
+    assert "CRC" in lines[0] or "damaged" in lines[0], lines[0]
+    assert not zckpt.verify(d).ok
+
+
+def test_item_that_is_no_archive_is_one_short_line(tmp_path: Path) -> None:
+    """Seed 11 case 115: a flipped local-header signature made the item 'neither a torch.save archive nor
+    a safetensors blob (<the file's path again>: ...)': a 307-char line. The inner reason no longer repeats
+    the path."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "fsdp2_w2" / "checkpoint", d)
+    md = pickles.load_opaque((d / ".metadata").read_bytes())
+    info = next(i for k, i in md.state["storage_data"].items() if k.state["fqn"] == "model.fc1.weight")
+    f = d / info.state["relative_path"]
+    data = bytearray(f.read_bytes())
+    data[info.state["offset"]] ^= 0x80  # "PK\x03\x04" -> not a zip local header
+    f.write_bytes(bytes(data))
+    p = _cli("inspect", d)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) <= 2 and "neither a torch.save archive" in lines[0], p.stderr
+    assert lines[0].count(str(f)) == 1 and len(lines[0]) - len(str(f)) < 200, lines[0]
