@@ -197,3 +197,26 @@ def test_item_that_is_no_archive_is_one_short_line(tmp_path: Path) -> None:
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) <= 2 and "neither a torch.save archive" in lines[0], p.stderr
     assert lines[0].count(str(f)) == 1 and len(lines[0]) - len(str(f)) < 200, lines[0]
+
+
+def test_folder_without_metadata_says_so(tmp_path: Path) -> None:
+    """Seed 11 case 126: rank files without ``.metadata`` were 'unrecognised' (verify named nothing). Now the
+    folder is claimed as DCP and refused: the missing ``.metadata`` is named."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "fsdp1_w2" / "checkpoint", d)
+    (d / ".metadata").unlink()
+    p = _cli("consolidate", d, tmp_path / "o.safetensors", "--no-progress")
+    assert p.returncode == 2 and p.stderr.startswith(f"error: {d / '.metadata'}: missing"), p.stderr
+    rep = zckpt.verify(d)
+    assert rep.format == "dcp" and [q.file for q in rep.problems] == [str(d / ".metadata")], rep.problems
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd", "../__0_0.distcp", "__0_0.distcp\x00"])
+def test_item_file_outside_the_folder_names_metadata(tmp_path: Path, where: str) -> None:
+    """Seed 11 case 137: a storage entry's file outside the folder was blamed on the folder."""
+
+    def edit(st: dict[str, Any]) -> None:
+        next(iter(st["storage_data"].values())).state["relative_path"] = where
+
+    d = _edited(tmp_path, "tp2d_w4/checkpoint", edit)
+    _refused(d, tmp_path, "is not a name inside the folder")

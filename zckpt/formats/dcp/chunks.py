@@ -21,7 +21,7 @@ from types import TracebackType
 import torch
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
-from zckpt.formats.dcp.metadata import Chunk, StorageInfo
+from zckpt.formats.dcp.metadata import METADATA, Chunk, StorageInfo
 from zckpt.io import safetensors, storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.safetensors import Header
@@ -83,10 +83,12 @@ class Files:
 
     def path(self, info: StorageInfo) -> Path:
         rel = Path(info.file)
-        if rel.is_absolute() or ".." in rel.parts or not info.file:
+        if rel.is_absolute() or ".." in rel.parts or not info.file or "\x00" in info.file:
+            md = str(self.folder / METADATA)
             raise CorruptCheckpoint(
-                f"{self.folder}: storage file {info.file!r:.80} is not a name inside the folder",
-                path=str(self.folder),
+                f"{md}: storage file {info.file!r:.80} is not a name inside the folder",
+                hint="the .metadata file is damaged; restore it from the original save",
+                path=md,
             )
         return self.folder / rel
 

@@ -28,6 +28,7 @@ OPTIM = ("optim", "optimizer")
 SCHEDULER = ("lr_scheduler", "scheduler")
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _ACC_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)$")
+_DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")
 SHARD_RE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 
@@ -106,9 +107,19 @@ def detect(p: Path) -> bool:
         return p.suffix == ".distcp" or p.name == METADATA
     if not p.is_dir():
         return False
-    if is_dcp_folder(p) or is_hf_shards(p):
+    if is_dcp_folder(p) or is_hf_shards(p) or _distcp_without_metadata(p):
         return True
     return bool(_steps(p)) or _accelerate_quiet(p)
+
+
+def _distcp_without_metadata(p: Path) -> bool:
+    """``__<rank>_<n>.distcp`` files and no ``.metadata``: an unfinished save (or one that lost it), claimed
+    so that ``resolve`` says so instead of "not a checkpoint"."""
+    try:
+        names = [f.name for f in p.iterdir()]
+    except OSError:
+        return False
+    return METADATA not in names and any(_DISTCP_RE.match(n) for n in names)
 
 
 def _accelerate_quiet(p: Path) -> bool:
@@ -153,7 +164,12 @@ def resolve(p: Path, tag: str | None = None) -> Source:
     acc = _accelerate(p, None)
     if acc is not None:
         return acc
-    raise CorruptCheckpoint(f"{p}: no {METADATA} (an unfinished save, or not a DCP folder)", path=str(p))
+    md = p / METADATA
+    raise CorruptCheckpoint(
+        f"{md}: missing (an unfinished save, or not a DCP folder)",
+        hint="DCP writes .metadata last; without it the .distcp files cannot be read",
+        path=str(md),
+    )
 
 
 # ---- keys ------------------------------------------------------------------------------------------
