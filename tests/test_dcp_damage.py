@@ -220,3 +220,25 @@ def test_item_file_outside_the_folder_names_metadata(tmp_path: Path, where: str)
 
     d = _edited(tmp_path, "tp2d_w4/checkpoint", edit)
     _refused(d, tmp_path, "is not a name inside the folder")
+
+
+@pytest.mark.parametrize("field", [4, 8, 24, 40, 56 + 4, 56 + 8, 76 + 4, 76 + 8, 76 + 12, 76 + 20])
+def test_flipped_end_record_field_fails_verify(tmp_path: Path, field: int) -> None:
+    """Seed 12 case 15: a bit flipped in an embedded archive's end records (zip64 end record, its locator,
+    the end record: disk numbers, entry counts, directory size and offset) passed verify (``zipfile``
+    ignores those fields). ``field``: byte offset from the start of the 98-byte tail."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "fsdp2_bf16_w3" / "checkpoint", d)
+    md = pickles.load_opaque((d / ".metadata").read_bytes())
+    info = next(i for k, i in md.state["storage_data"].items() if k.state["fqn"] == "model.fc1.weight")
+    f, off, n = d / info.state["relative_path"], info.state["offset"], info.state["length"]
+    data = bytearray(f.read_bytes())
+    assert (
+        data[off + n - 98 : off + n - 94] == b"PK\x06\x06"
+        and data[off + n - 22 : off + n - 18] == b"PK\x05\x06"
+    )
+    data[off + n - 98 + field] ^= 0x02
+    f.write_bytes(bytes(data))
+    rep = zckpt.verify(d)
+    assert not rep.ok and {q.file for q in rep.problems} == {str(f)}, rep.problems
+    assert all("zip" in q.message for q in rep.problems), rep.problems

@@ -123,11 +123,12 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
     return prefix, out
 
 
-def _damaged(path: str, e: BaseException) -> CorruptCheckpoint:
+def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptCheckpoint:
+    """``path``: where, in the message (a file, or an archive inside one); ``file``: the file, if not it."""
     return CorruptCheckpoint(
         f"{path}: damaged torch zip archive ({type(e).__name__}: {str(e)[:120]})",
         hint="re-copy the file, or check the save finished",
-        path=path,
+        path=file or path,
     )
 
 
@@ -253,7 +254,7 @@ def archive_at(
                 if small and not other.filename.startswith(prefix + "data/"):
                     zf.read(other)
     except _ZIP_ERRORS as e:
-        raise _damaged(where, e) from None
+        raise _damaged(where, e, path) from None
     start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
     data = os.pread(fd, size, offset + start)
     if len(data) != size or zlib.crc32(data) != crc:
@@ -301,9 +302,48 @@ def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None
     try:
         with zipfile.ZipFile(Window(fd, offset, length)) as zf:
             bad = zf.testzip()
+            entries, start_dir = len(zf.infolist()), zf.start_dir
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
         return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
-    return None if bad is None else f"zip record {bad} fails its CRC-32 check"
+    if bad is not None:
+        return f"zip record {bad} fails its CRC-32 check"
+    return _end_problem(fd, offset, length, entries, start_dir)
+
+
+_EOCD = struct.Struct("<4s4H2LH")
+_LOC64 = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+
+
+def _end_problem(fd: int, offset: int, length: int, entries: int, start_dir: int) -> str | None:
+    """The end records of an archive that ends exactly at ``offset + length`` (as each DCP item does): every
+    field a reader may use (disk numbers, entry counts, directory size and offset, the zip64 locator) agrees
+    with the directory actually found; ``zipfile`` ignores most of them, other readers do not."""
+    if length < _EOCD.size:
+        return "no zip end record"
+    sig, disk, disk_cd, n1, n2, size32, off32, comment = _EOCD.unpack(
+        os.pread(fd, _EOCD.size, offset + length - _EOCD.size)
+    )
+    if sig != b"PK\x05\x06" or disk or disk_cd or comment:
+        return "zip end record damaged (signature, disk numbers or comment length)"
+    end, loc = length - _EOCD.size, length - _EOCD.size - _LOC64.size
+    if loc >= _EOCD64.size and os.pread(fd, 4, offset + loc) == b"PK\x06\x07":
+        _, d, at64, disks = _LOC64.unpack(os.pread(fd, _LOC64.size, offset + loc))
+        if d or disks != 1 or at64 != loc - _EOCD64.size:
+            return "zip64 end locator damaged"
+        z = _EOCD64.unpack(os.pread(fd, _EOCD64.size, offset + at64))
+        if z[0] != b"PK\x06\x06" or z[1] != _EOCD64.size - 12 or z[4] or z[5]:
+            return "zip64 end record damaged (signature, size or disk numbers)"
+        if z[6] != entries or z[7] != entries or z[8] != at64 - start_dir or z[9] != start_dir:
+            return "zip64 end record disagrees with the central directory (entries, size or offset)"
+        end = at64
+        counts_ok = n1 in (entries, 0xFFFF) and n2 in (entries, 0xFFFF)
+        dir_ok = size32 in (end - start_dir, 0xFFFFFFFF) and off32 in (start_dir, 0xFFFFFFFF)
+    else:
+        counts_ok, dir_ok = n1 == n2 == entries, size32 == end - start_dir and off32 == start_dir
+    if not (counts_ok and dir_ok):
+        return "zip end record disagrees with the central directory (entries, size or offset)"
+    return None
 
 
 def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:
