@@ -242,3 +242,20 @@ def test_flipped_end_record_field_fails_verify(tmp_path: Path, field: int) -> No
     rep = zckpt.verify(d)
     assert not rep.ok and {q.file for q in rep.problems} == {str(f)}, rep.problems
     assert all("zip" in q.message for q in rep.problems), rep.problems
+
+
+@pytest.mark.parametrize("gone", ["optimizer_0", "pytorch_model_fsdp_0"])
+def test_accelerate_half_pair_is_refused(tmp_path: Path, gone: str) -> None:
+    """Seed 12 case 126: accelerate's ``optimizer_0/.metadata`` deleted: the model folder alone was read as
+    the checkpoint (no optimizer, roles and ties changed), exit 0. Now refused, naming the missing file,
+    whichever folder is given."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "accelerate_w2" / "checkpoints" / "checkpoint_0", d)
+    (d / gone / ".metadata").unlink()
+    other = "pytorch_model_fsdp_0" if gone == "optimizer_0" else "optimizer_0"
+    for given in (d, d / other):
+        p = _cli("consolidate", given, tmp_path / "o.safetensors", "--no-progress")
+        want = f"error: {d / gone / '.metadata'}: missing"
+        assert p.returncode == 2 and p.stderr.startswith(want), p.stderr
+        assert not (tmp_path / "o.safetensors").exists()
+    assert not zckpt.verify(d).ok

@@ -81,12 +81,23 @@ def _steps(p: Path) -> list[tuple[int, Path]]:
 
 def _accelerate(parent: Path, index: str | None) -> Source | None:
     pairs: dict[str, dict[str, Path]] = {}
+    unfinished: dict[str, Path] = {}
     for d in parent.iterdir() if parent.is_dir() else ():
         m = _ACC_RE.match(d.name)
         if m and is_dcp_folder(d):
             pairs.setdefault(m.group(2), {})[m.group(1)] = d
+        elif m and d.is_dir() and _distcp_without_metadata(d):
+            unfinished[m.group(2)] = d
     if not pairs:
         return None
+    gone = unfinished.get(index if index is not None else next(iter(pairs)))
+    if gone is not None and (index is not None or len(pairs) == 1):  # half a pair: never read as a whole one
+        md = gone / METADATA
+        raise CorruptCheckpoint(
+            f"{md}: missing, so this accelerate checkpoint is incomplete (an unfinished save?)",
+            hint="DCP writes .metadata last; restore the folder from the original save",
+            path=str(md),
+        )
     if index is None:
         if len(pairs) > 1:
             raise UnknownFormat(
