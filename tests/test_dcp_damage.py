@@ -259,3 +259,32 @@ def test_accelerate_half_pair_is_refused(tmp_path: Path, gone: str) -> None:
         assert p.returncode == 2 and p.stderr.startswith(want), p.stderr
         assert not (tmp_path / "o.safetensors").exists()
     assert not zckpt.verify(d).ok
+
+
+@pytest.mark.parametrize(
+    ("where", "at"),
+    [("central", 6), ("central", 8), ("central", 10), ("central", 16), ("central", 24), ("central", 34),
+     ("local", 4), ("local", 6), ("local", 8), ("local", 14), ("local", 22)],
+)  # fmt: skip
+def test_flipped_directory_or_local_header_field_fails_verify(tmp_path: Path, where: str, at: int) -> None:
+    """Seed 12 case 155: a bit flipped in a directory entry of a chunk archive passed verify (``zipfile``
+    reads some fields only). Every field a reader may use is compared between the directory entry, the
+    local header and the data descriptor. ``at``: byte offset in the entry / header of ``data.pkl``."""
+    import io
+    import zipfile
+
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "fsdp2_bf16_w3" / "checkpoint", d)
+    md = pickles.load_opaque((d / ".metadata").read_bytes())
+    info = next(i for k, i in md.state["storage_data"].items() if k.state["fqn"] == "model.fc1.weight")
+    f, off, n = d / info.state["relative_path"], info.state["offset"], info.state["length"]
+    data = bytearray(f.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data[off : off + n]))) as zf:
+        pkl = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+        start_dir = zf.start_dir
+    base = off + (pkl.header_offset if where == "local" else start_dir)  # data.pkl's entry comes first
+    assert data[base : base + 4] == (b"PK\x03\x04" if where == "local" else b"PK\x01\x02")
+    data[base + at] ^= 0x04
+    f.write_bytes(bytes(data))
+    rep = zckpt.verify(d)
+    assert not rep.ok and {q.file for q in rep.problems} == {str(f)}, rep.problems

@@ -302,12 +302,54 @@ def check_archive_at(path: str, fd: int, offset: int, length: int) -> str | None
     try:
         with zipfile.ZipFile(Window(fd, offset, length)) as zf:
             bad = zf.testzip()
-            entries, start_dir = len(zf.infolist()), zf.start_dir
+            infos, start_dir = zf.infolist(), zf.start_dir
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
         return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
     if bad is not None:
         return f"zip record {bad} fails its CRC-32 check"
-    return _end_problem(fd, offset, length, entries, start_dir)
+    for info in infos:
+        why = _entry_problem(fd, offset, length, info)
+        if why is not None:
+            return f"zip record {info.filename}: {why}"
+    return _end_problem(fd, offset, length, len(infos), start_dir)
+
+
+def _entry_problem(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> str | None:
+    """A directory entry and its local header (and data descriptor, which torch writes) agree on everything a
+    reader may use (version needed, flags, method, CRC-32, sizes, name) and describe a plain stored record
+    (no comment, disk 0); ``zipfile`` reads only some of these. Timestamps, "version made by" and file
+    attributes are not checked (no reader uses them)."""
+    if info.header_offset + _LOCAL_HEADER.size > length:
+        return "local header outside the archive"
+    h = _LOCAL_HEADER.unpack(os.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset))
+    _, needed, flags, method, _, _, crc, csize, usize, nlen, xlen = h
+    name = os.pread(fd, nlen, offset + info.header_offset + _LOCAL_HEADER.size)
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+        return "not a stored record (compression method or sizes damaged)"
+    if info.comment or info.volume or info.flag_bits & ~0x808:
+        return "directory entry damaged (comment, disk number or flags)"
+    if (needed, flags, method) != (info.extract_version, info.flag_bits, info.compress_type):
+        return "directory entry and local header disagree (version needed, flags or method)"
+    if name != info.orig_filename.encode():
+        return "directory entry and local header name different records"
+    if flags & 0x8:  # CRC-32 and sizes follow the data, in a data descriptor; the local fields are 0
+        if crc or csize or usize:
+            return "local header CRC-32 or sizes set beside a data descriptor"
+        at = info.header_offset + _LOCAL_HEADER.size + nlen + xlen + info.compress_size
+        raw = os.pread(fd, 24, offset + at)
+        raw = raw[4:] if raw[:4] == b"PK\x07\x08" else raw
+        crc = int.from_bytes(raw[:4], "little")
+        wide = info.file_size >= 0xFFFFFFFF or info.header_offset >= 0xFFFFFFFF
+        w = 8 if wide else 4
+        csize, usize = (
+            int.from_bytes(raw[4 : 4 + w], "little"),
+            int.from_bytes(raw[4 + w : 4 + 2 * w], "little"),
+        )
+    elif csize == usize == 0xFFFFFFFF:  # zip64: the sizes live in the local extra field
+        csize, usize = info.compress_size, info.file_size
+    if (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
+        return "directory entry and local header disagree (CRC-32 or sizes)"
+    return None
 
 
 _EOCD = struct.Struct("<4s4H2LH")
