@@ -244,18 +244,21 @@ def test_flipped_end_record_field_fails_verify(tmp_path: Path, field: int) -> No
     assert all("zip" in q.message for q in rep.problems), rep.problems
 
 
-@pytest.mark.parametrize("gone", ["optimizer_0", "pytorch_model_fsdp_0"])
-def test_accelerate_half_pair_is_refused(tmp_path: Path, gone: str) -> None:
-    """Seed 12 case 126: accelerate's ``optimizer_0/.metadata`` deleted: the model folder alone was read as
-    the checkpoint (no optimizer, roles and ties changed), exit 0. Now refused, naming the missing file,
-    whichever folder is given."""
+@pytest.mark.parametrize(("gone", "how"), [("optimizer_0", "deleted"), ("pytorch_model_fsdp_0", "deleted"),
+                                           ("optimizer_0", "fifo")])  # fmt: skip
+def test_accelerate_half_pair_is_refused(tmp_path: Path, gone: str, how: str) -> None:
+    """Seed 12 case 126 (and 13/206, a FIFO in its place): accelerate's ``optimizer_0/.metadata`` deleted:
+    the model folder alone was read as the checkpoint (no optimizer, roles and ties changed), exit 0. Now
+    refused, naming the missing file, whichever folder is given."""
     d = tmp_path / "ck"
     shutil.copytree(FIX / "accelerate_w2" / "checkpoints" / "checkpoint_0", d)
     (d / gone / ".metadata").unlink()
+    if how == "fifo":
+        os.mkfifo(d / gone / ".metadata")
     other = "pytorch_model_fsdp_0" if gone == "optimizer_0" else "optimizer_0"
     for given in (d, d / other):
         p = _cli("consolidate", given, tmp_path / "o.safetensors", "--no-progress")
-        want = f"error: {d / gone / '.metadata'}: missing"
+        want = f"error: {d / gone / '.metadata'}: {'missing' if how == 'deleted' else 'not a readable'}"
         assert p.returncode == 2 and p.stderr.startswith(want), p.stderr
         assert not (tmp_path / "o.safetensors").exists()
     assert not zckpt.verify(d).ok

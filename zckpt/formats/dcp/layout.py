@@ -16,6 +16,7 @@ else (``train_state``, ``dataloader``, user keys) is client state at its path.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,15 +87,16 @@ def _accelerate(parent: Path, index: str | None) -> Source | None:
         m = _ACC_RE.match(d.name)
         if m and is_dcp_folder(d):
             pairs.setdefault(m.group(2), {})[m.group(1)] = d
-        elif m and d.is_dir() and _distcp_without_metadata(d):
+        elif m and d.is_dir():  # named as one half of a pair, but no readable .metadata
             unfinished[m.group(2)] = d
     if not pairs:
         return None
     gone = unfinished.get(index if index is not None else next(iter(pairs)))
     if gone is not None and (index is not None or len(pairs) == 1):  # half a pair: never read as a whole one
         md = gone / METADATA
+        what = "missing" if not os.path.lexists(md) else "not a readable DCP metadata file"
         raise CorruptCheckpoint(
-            f"{md}: missing, so this accelerate checkpoint is incomplete (an unfinished save?)",
+            f"{md}: {what}, so this accelerate checkpoint is incomplete (an unfinished save?)",
             hint="DCP writes .metadata last; restore the folder from the original save",
             path=str(md),
         )
