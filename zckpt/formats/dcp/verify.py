@@ -2,7 +2,8 @@
 
 Works from ``.metadata`` alone, so it reports every damaged file even when the reader could not open the
 checkpoint: every item's file present and the item's bytes inside it; the CRC-32 of every record of every
-embedded ``torch.save`` archive recomputed (tensor chunks and bytes items: a flipped bit anywhere is found);
+embedded ``torch.save`` archive recomputed (tensor chunks and bytes items: a flipped bit anywhere is found)
+and its directory entries, local headers, data descriptors and end records compared field by field;
 safetensors blobs parsed; every tensor's boxes tiling it (replicas counted once) with storage for each
 chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no stray files in a DCP folder
 (anything but ``.metadata``, the files it names and their ``.sha256`` sidecars).
