@@ -538,3 +538,72 @@ def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Pat
     with HashingSink(tmp_path / "loose.bin") as sink:
         sink.write(b"x" * 10)
     assert ("fsync", str(tmp_path / "loose.bin")) in events
+
+
+# ---- reshard --to dcp ----------------------------------------------------------------------------------
+def _metadata_folders_complete(work: Path) -> None:
+    """Any folder under ``work`` (the hidden staging folder of a killed run included) whose ``.metadata``
+    parses verifies clean: a ``.metadata`` never makes an incomplete folder look complete."""
+    from zckpt.errors import ZckptError
+    from zckpt.formats.dcp.metadata import load_metadata
+
+    for md in work.rglob(".metadata"):
+        try:
+            load_metadata(md.parent)
+        except ZckptError:
+            continue  # cut while being written: unreadable, so it marks nothing complete
+        assert verify_ok(md.parent), f"{md} parses but its folder does not verify"
+
+
+def _kill_near_metadata(pid: int, work: Path, rng: random.Random) -> str:
+    """SIGKILL within 0-250 ms of the moment a ``.metadata`` appears under ``work`` (being written in the
+    staging folder, or the folder being published): the moments a timed kill rarely hits."""
+    deadline = time.monotonic() + 120
+    while not any(work.rglob(".metadata")) and time.monotonic() < deadline and not exited(pid):
+        time.sleep(0.0005)
+    at = rng.uniform(0, 0.25)
+    time.sleep(at)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return "after-exit"
+    return f"metadata+{at:.3f}s"
+
+
+@pytest.mark.slow
+def test_reshard_to_dcp_sigkill_random(tmp_path: Path) -> None:
+    """Issue 24: 20 SIGKILLs at random moments of ``reshard --to dcp`` (a real torchtitan DCP save as source:
+    tensors, opaque values copied byte for byte) leave no output or a complete one that verify passes. Half
+    the kills are timed over the run, half land just after ``.metadata`` appears (written last, staged)."""
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "dcp" / "torchtitan_w2" / "checkpoint" / "step-3"
+    assert (src / ".metadata").is_file(), f"fixture missing: {src}"
+    args = ["reshard", src, None, "--world", "3", "--to", "dcp", "--no-progress"]
+    ref_dir = tmp_path / "ref"
+    r = cli(*[ref_dir if a is None else a for a in args])
+    assert r.code == 0, r.stderr
+    ref = tensors_of(ref_dir)
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    delay = {DELAY_ENV: "0.0002"}  # ~7000 small writes: ~1.5 s of write phase
+    timing = calibrate(lambda: fork(run_cli, [cal / "out" if a is None else a for a in args], env=delay), cal)
+    rng = random.Random(f"{SEED}-reshard-dcp")
+    seen: Counter[str] = Counter()
+    for trial in range(20):
+        work = tmp_path / f"t{trial}"
+        work.mkdir()
+        out = work / "out"
+        pid = fork(run_cli, [out if a is None else a for a in args], env=delay)
+        when = kill_at(pid, work, timing, rng) if trial % 2 else _kill_near_metadata(pid, work, rng)
+        wait(pid)
+        verdict = judge_output(out, ref)
+        seen[verdict] += 1
+        assert not verdict.startswith("CORRUPT"), f"trial {trial} killed at {when}: {verdict}"
+        if verdict == "complete":
+            assert (out / ".metadata").is_file() and not temps(out)
+        _metadata_folders_complete(work)
+        _no_visible_junk(work, {"out"})
+    work = tmp_path / "t0"
+    r = cli(*[work / "out" if a is None else a for a in args], "--overwrite")
+    assert r.code == 0, r.stderr
+    assert judge_output(work / "out", ref) == "complete" and not temps(work)
+    print(f"reshard --to dcp: {dict(seen)}")

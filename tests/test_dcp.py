@@ -226,6 +226,32 @@ def test_verify_truncated_missing_flipped_stray(tmp_path: Path) -> None:
     assert _kinds(d) == {"__7_0.distcp": "stale"}
 
 
+def test_verify_report_is_one_line_per_damaged_file(tmp_path: Path) -> None:
+    """Issue 24: two truncated rank files gave a 32-line report (20 items per file, then a count). Now one
+    line per damaged file (its first problem and how many more) and the summary; --json lists every item
+    and stays valid against docs/verify-json-schema.json."""
+    from test_diff import validate
+
+    d = _copy(tmp_path)
+    os.truncate(d / "__0_0.distcp", 30000)
+    os.truncate(d / "__1_0.distcp", 20000)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = [sys.executable, "-m", "zckpt.cli.app", "verify", str(d)]
+    p = subprocess.run(run, capture_output=True, text=True, env=env)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 3, p.stdout
+    assert lines[0].startswith(f"{d / '__0_0.distcp'}: ") and "and 9 more problems" in lines[0], lines[0]
+    assert lines[1].startswith(f"{d / '__1_0.distcp'}: ") and "ends past the end of the file" in lines[1]
+    assert lines[2].endswith("57 problems in 2 files"), lines[2]
+    js = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, env=env).stdout)
+    validate(js, json.loads((REPO / "docs" / "verify-json-schema.json").read_text()))
+    assert len(js["problems"]) == 57 and {Path(q["file"]).name for q in js["problems"]} == {
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }
+    assert all(q["kind"] == "truncated" for q in js["problems"])
+
+
 def test_damaged_metadata_is_one_line(tmp_path: Path) -> None:
     d = _copy(tmp_path)
     md = (d / ".metadata").read_bytes()

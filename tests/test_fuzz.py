@@ -19,3 +19,13 @@ def test_fast_selection_has_no_failures(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert rc == 0, out[-6000:]
     assert "60 cases" in out, out[-2000:]
+
+
+def test_dcp_families_handful(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The DCP families (``--dcp``) on a few cases: one per family of seed 0, each ending well."""
+    report = str(tmp_path / "dcp.json")
+    rc = suite.main(["--dcp", "--seed", "0", "--cases", "5", "--strict", "--report", report])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-6000:]
+    families = ("dcp-metadata", "dcp-chunks", "dcp-files", "dcp-paths", "dcp-signals")
+    assert "5 cases" in out and all(f in out for f in families), out[-2000:]

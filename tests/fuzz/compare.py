@@ -68,6 +68,8 @@ def compare_files(a: Path, b: Path) -> str | None:
     if da == db:
         return None
     try:
+        if a.name == ".metadata":
+            return compare_dcp_metadata(da, db)
         if a.suffix == ".safetensors":
             return compare_safetensors(da, db) or "bytes differ, tensors equal"
         if a.suffix == ".json":
@@ -138,6 +140,20 @@ def compare_zip(a: Path, b: Path) -> str | None:
         rb = {n.split("/", 1)[-1]: zb.read(n) for n in zb.namelist()}
     diff = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
     return f"zip records differ: {diff[:5]}" if diff else None
+
+
+def compare_dcp_metadata(da: bytes, db: bytes) -> str | None:
+    """Two DCP ``.metadata`` pickles (read inertly) equal but for ``storage_meta.save_id`` (a uuid4)."""
+    from tests.fuzz import pickles
+
+    def norm(data: bytes) -> bytes:
+        md = pickles.load_opaque(data)
+        sm = md.state.get("storage_meta") if isinstance(md.state, dict) else None
+        if isinstance(sm, pickles.Opaque) and isinstance(sm.state, dict):
+            sm.state.pop("save_id", None)
+        return pickles.dump_opaque(md)
+
+    return None if norm(da) == norm(db) else "DCP .metadata differs (save_id aside)"
 
 
 def compare_inspect(got: str, want: str) -> str | None:

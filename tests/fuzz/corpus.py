@@ -9,7 +9,10 @@ same run, or another run) that rank-file replacement and ``latest`` escapes use.
   native format (world 3, manifest sha256 over every rank file) and into DeepSpeed ZeRO-2/3 (world 2,
   sidecars removed so it looks like DeepSpeed's own output);
 - ``zckpt consolidate`` outputs: a plain ``.safetensors`` (no sidecar), one with its ``.sha256`` sidecar, a
-  sharded HF safetensors folder with index and config, a ``.bin``, a sharded HF ``.bin`` folder.
+  sharded HF safetensors folder with index and config, a ``.bin``, a sharded HF ``.bin`` folder;
+- real torch DCP saves (``fixtures/dcp``, kind ``dcp``): FSDP2 (fp32, bf16 world 3), FSDP1, HSDP, TP, 2-D,
+  torchtitan (``step-N`` folders), accelerate (model + optimizer folders), several files per rank, thread
+  writers, safetensors items, model only. They come last, so the older kinds' cases keep their bases.
 
 The cache key covers this module and the fixtures used, not zckpt itself: a checkpoint written by an older
 zckpt is still a valid input. Building takes ~30 s on 2 cores and runs one process at a time.
@@ -33,7 +36,7 @@ FIXTURES = ROOT / "fixtures" / "ds"
 PY = sys.executable
 DEFAULT_CACHE = Path(os.environ.get("ZCKPT_FUZZ_CACHE", Path(tempfile.gettempdir()) / "zckpt-fuzz-cache"))
 
-KINDS = ("deepspeed", "native", "safetensors", "hf", "bin", "hf-bin")
+KINDS = ("deepspeed", "native", "safetensors", "hf", "bin", "hf-bin", "dcp")
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,37 @@ def _build_consolidated(cache: Path, bases: list[Base]) -> None:
     bases.append(b)
 
 
+DCP_FIXTURES = ROOT / "fixtures" / "dcp"
+DCP_BASES = {  # base name: (fixture folder, the folder copied as ckpt/)
+    "dcp-fsdp2-w2": ("fsdp2_w2", "checkpoint"),
+    "dcp-fsdp2-bf16-w3": ("fsdp2_bf16_w3", "checkpoint"),
+    "dcp-fsdp1-w2": ("fsdp1_w2", "checkpoint"),
+    "dcp-hsdp-w4": ("hsdp_w4", "checkpoint"),
+    "dcp-tp-w2": ("tp_w2", "checkpoint"),
+    "dcp-tp2d-w4": ("tp2d_w4", "checkpoint"),
+    "dcp-torchtitan-w2": ("torchtitan_w2", "checkpoint"),
+    "dcp-accelerate-w2": ("accelerate_w2", "checkpoints/checkpoint_0"),
+    "dcp-perfile-w2": ("perfile_w2", "checkpoint"),
+    "dcp-threads-w2": ("threads_w2", "checkpoint"),
+    "dcp-stformat-w2": ("stformat_w2", "checkpoint"),
+    "dcp-model-only-w2": ("model_only_w2", "checkpoint"),
+}
+
+
+def _build_dcp(cache: Path, bases: list[Base]) -> None:
+    for name, (case, sub) in DCP_BASES.items():
+        src = DCP_FIXTURES / case / sub
+        if not src.is_dir():
+            raise RuntimeError(f"corpus: DCP fixture missing: {src} (fixtures/make_dcp_fixtures.py)")
+        folder = cache / name
+        folder.mkdir()
+        shutil.copytree(src, folder / "ckpt")
+        world = json.loads((DCP_FIXTURES / case / "case.json").read_text())["world"]
+        b = Base(name, "dcp", "ckpt", world)
+        b.save(folder)
+        bases.append(b)
+
+
 def cache_key() -> str:
     h = hashlib.sha256(Path(__file__).read_bytes())
     for case, donor in DS_FIXTURES.values():
@@ -211,6 +245,10 @@ def cache_key() -> str:
             if c is not None:
                 for f in sorted((FIXTURES / c).rglob("*.pt")):
                     h.update(f.name.encode() + f.read_bytes())
+    for case, sub in DCP_BASES.values():
+        for f in sorted((DCP_FIXTURES / case / sub).rglob("*")):
+            if f.is_file():
+                h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -228,6 +266,7 @@ def build(cache: Path = DEFAULT_CACHE) -> list[Base]:
             bases.append(b)
         _build_engine_bases(work, bases)
         _build_consolidated(work, bases)
+        _build_dcp(work, bases)
         (work / "done").write_text("\n".join(b.name for b in bases) + "\n")
         if final.exists():
             shutil.rmtree(final)

@@ -108,6 +108,7 @@ class Mutation:
 Mutator = Callable[[Path, random.Random], Mutation]
 
 ALL_KINDS = ("deepspeed", "native", "safetensors", "hf", "bin", "hf-bin")
+"""Every kind but ``dcp`` (its families are in ``tests.fuzz.dcp``)."""
 
 
 class NotApplicable(Exception):

@@ -41,7 +41,7 @@ KINDS = FAIL_KINDS + OK_KINDS
 MAX_ERROR = 300
 MAX_WHY = 400
 TIMEOUT = 10.0
-SHARDED = ("deepspeed", "native")
+SHARDED = ("deepspeed", "native", "dcp")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("reshard", ("reshard", "{in}", "{root}/out/rs", "--world", "{world}", "--no-progress"), True,
             SHARDED),
     Command("reshard-to-native", ("reshard", "{in}", "{root}/out/rs", "--world", "{world}", "--to", "native",
-                                  "--no-progress"), True, ("deepspeed",)),
+                                  "--no-progress"), True, ("deepspeed", "dcp")),
 )}  # fmt: skip
 
 

@@ -122,11 +122,12 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
     return prefix, out
 
 
-def _damaged(path: str, e: BaseException) -> CorruptCheckpoint:
+def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptCheckpoint:
+    """``path``: where, in the message (a file, or an archive inside one); ``file``: the file, if not it."""
     return CorruptCheckpoint(
         f"{path}: damaged torch zip archive ({type(e).__name__}: {str(e)[:120]})",
         hint="re-copy the file, or check the save finished",
-        path=path,
+        path=file or path,
     )
 
 
@@ -240,12 +241,19 @@ def archive_at(
     try:
         with zipfile.ZipFile(Window(fd, offset, length)) as zf:
             infos = {i.filename: i for i in zf.infolist()}
+            pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1:
+                raise CorruptCheckpoint(
+                    f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path
+                )
+            prefix = pkl[0][: -len("data.pkl")]
+            for other in infos.values():  # the small bookkeeping records (byteorder, version...) CRC-checked,
+                # as for whole files: no later read covers them
+                small = other.file_size <= _SMALL_RECORD and other.filename != pkl[0]
+                if small and not other.filename.startswith(prefix + "data/"):
+                    zf.read(other)
     except _ZIP_ERRORS as e:
-        raise _damaged(where, e) from None
-    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
-    if len(pkl) != 1:
-        raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
-    prefix = pkl[0][: -len("data.pkl")]
+        raise _damaged(where, e, path) from None
     start, size, crc = _record_at(where, fd, length, offset, infos[pkl[0]])
     data = storage.pread(fd, size, offset + start)
     if len(data) != size or zlib.crc32(data) != crc:
@@ -302,9 +310,90 @@ def check_archive_at(
                 recs = [_record_at(path, fd, length, offset, i) for i in infos]
                 crcs = ctx.crc_ranges(Path(path), [(offset + start, n) for start, n, _ in recs])
                 bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
+            start_dir = zf.start_dir
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
         return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
-    return None if bad is None else f"zip record {bad} fails its CRC-32 check"
+    if bad is not None:
+        return f"zip record {bad} fails its CRC-32 check"
+    for info in infos:
+        why = _entry_problem(fd, offset, length, info)
+        if why is not None:
+            return f"zip record {info.filename}: {why}"
+    return _end_problem(fd, offset, length, len(infos), start_dir)
+
+
+def _entry_problem(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> str | None:
+    """A directory entry and its local header (and data descriptor, which torch writes) agree on everything a
+    reader may use (version needed, flags, method, CRC-32, sizes, name) and describe a plain stored record
+    (no comment, disk 0); ``zipfile`` reads only some of these. Timestamps, "version made by" and file
+    attributes are not checked (no reader uses them)."""
+    if info.header_offset + _LOCAL_HEADER.size > length:
+        return "local header outside the archive"
+    h = _LOCAL_HEADER.unpack(storage.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset))
+    _, needed, flags, method, _, _, crc, csize, usize, nlen, xlen = h
+    name = storage.pread(fd, nlen, offset + info.header_offset + _LOCAL_HEADER.size)
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+        return "not a stored record (compression method or sizes damaged)"
+    if info.comment or info.volume or info.flag_bits & ~0x808:
+        return "directory entry damaged (comment, disk number or flags)"
+    if (needed, flags, method) != (info.extract_version, info.flag_bits, info.compress_type):
+        return "directory entry and local header disagree (version needed, flags or method)"
+    if name != info.orig_filename.encode():
+        return "directory entry and local header name different records"
+    if flags & 0x8:  # CRC-32 and sizes follow the data, in a data descriptor; the local fields are 0
+        if crc or csize or usize:
+            return "local header CRC-32 or sizes set beside a data descriptor"
+        at = info.header_offset + _LOCAL_HEADER.size + nlen + xlen + info.compress_size
+        raw = storage.pread(fd, 24, offset + at)
+        raw = raw[4:] if raw[:4] == b"PK\x07\x08" else raw
+        crc = int.from_bytes(raw[:4], "little")
+        wide = info.file_size >= 0xFFFFFFFF or info.header_offset >= 0xFFFFFFFF
+        w = 8 if wide else 4
+        csize, usize = (
+            int.from_bytes(raw[4 : 4 + w], "little"),
+            int.from_bytes(raw[4 + w : 4 + 2 * w], "little"),
+        )
+    elif csize == usize == 0xFFFFFFFF:  # zip64: the sizes live in the local extra field
+        csize, usize = info.compress_size, info.file_size
+    if (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
+        return "directory entry and local header disagree (CRC-32 or sizes)"
+    return None
+
+
+_EOCD = struct.Struct("<4s4H2LH")
+_LOC64 = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+
+
+def _end_problem(fd: int, offset: int, length: int, entries: int, start_dir: int) -> str | None:
+    """The end records of an archive that ends exactly at ``offset + length`` (as each DCP item does): every
+    field a reader may use (disk numbers, entry counts, directory size and offset, the zip64 locator) agrees
+    with the directory actually found; ``zipfile`` ignores most of them, other readers do not."""
+    if length < _EOCD.size:
+        return "no zip end record"
+    sig, disk, disk_cd, n1, n2, size32, off32, comment = _EOCD.unpack(
+        storage.pread(fd, _EOCD.size, offset + length - _EOCD.size)
+    )
+    if sig != b"PK\x05\x06" or disk or disk_cd or comment:
+        return "zip end record damaged (signature, disk numbers or comment length)"
+    end, loc = length - _EOCD.size, length - _EOCD.size - _LOC64.size
+    if loc >= _EOCD64.size and storage.pread(fd, 4, offset + loc) == b"PK\x06\x07":
+        _, d, at64, disks = _LOC64.unpack(storage.pread(fd, _LOC64.size, offset + loc))
+        if d or disks != 1 or at64 != loc - _EOCD64.size:
+            return "zip64 end locator damaged"
+        z = _EOCD64.unpack(storage.pread(fd, _EOCD64.size, offset + at64))
+        if z[0] != b"PK\x06\x06" or z[1] != _EOCD64.size - 12 or z[4] or z[5]:
+            return "zip64 end record damaged (signature, size or disk numbers)"
+        if z[6] != entries or z[7] != entries or z[8] != at64 - start_dir or z[9] != start_dir:
+            return "zip64 end record disagrees with the central directory (entries, size or offset)"
+        end = at64
+        counts_ok = n1 in (entries, 0xFFFF) and n2 in (entries, 0xFFFF)
+        dir_ok = size32 in (end - start_dir, 0xFFFFFFFF) and off32 in (start_dir, 0xFFFFFFFF)
+    else:
+        counts_ok, dir_ok = n1 == n2 == entries, size32 == end - start_dir and off32 == start_dir
+    if not (counts_ok and dir_ok):
+        return "zip end record disagrees with the central directory (entries, size or offset)"
+    return None
 
 
 def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:

@@ -16,8 +16,9 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
 5. The format's own checks (``Format.verify``): e.g. the native manifest's digests and sizes, HF shards
    on disk that the index does not list, DeepSpeed files written by different DeepSpeed versions.
 
-The report is ``ok`` only when there are no problems. When the reader fails, the file-level checks
-still run over the files found on disk, so one run lists every damaged file.
+The report is ``ok`` only when there are no problems; its text is one line per damaged file (the first
+problem and a count of the others) and a summary, ``--json`` lists every problem. When the reader fails,
+the file-level checks still run over the files found on disk, so one run lists every damaged file.
 """
 
 from __future__ import annotations
@@ -71,12 +72,24 @@ class VerifyReport:
         counts = f"{len(self.files)} files, {self.checksums} checksums verified"
         if self.tensors is not None:
             counts = f"{self.tensors} tensors, " + counts
-        verdict = "OK" if self.ok else f"{len(self.problems)} problem{'s' * (len(self.problems) != 1)}"
+        n, nf = len(self.problems), len({p.file for p in self.problems})
+        verdict = "OK" if self.ok else f"{n} problem{'s' * (n != 1)} in {nf} file{'s' * (nf != 1)}"
         return f"{self.path}: {what}: {counts}: {verdict}"
 
     def to_text(self) -> str:
-        """Every problem, one per line with its hint, as ``zckpt verify`` prints them."""
-        lines = [str(p) + (f" (hint: {p.hint})" if p.hint else "") for p in self.problems]
+        """One line per file with problems (its first problem, and how many more), then the summary;
+        ``to_json`` lists every problem."""
+        by_file: dict[str, list[Problem]] = {}
+        for p in self.problems:
+            by_file.setdefault(p.file, []).append(p)
+        lines = []
+        for ps in by_file.values():
+            line, more = str(ps[0]), len(ps) - 1
+            if more:
+                kinds = ", ".join(sorted({q.kind for q in ps}))
+                s = "s" * (more != 1)
+                line += f" (and {more} more problem{s} in this file: {kinds}; --json lists all)"
+            lines.append(line + (f" (hint: {ps[0].hint})" if ps[0].hint else ""))
         return "\n".join([*lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from types import TracebackType
 import torch
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
-from zckpt.formats.dcp.metadata import Chunk, StorageInfo
+from zckpt.formats.dcp.metadata import METADATA, Chunk, StorageInfo
 from zckpt.io import safetensors, storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.safetensors import Header
@@ -82,10 +82,12 @@ class Files:
 
     def path(self, info: StorageInfo) -> Path:
         rel = Path(info.file)
-        if rel.is_absolute() or ".." in rel.parts or not info.file:
+        if rel.is_absolute() or ".." in rel.parts or not info.file or "\x00" in info.file:
+            md = str(self.folder / METADATA)
             raise CorruptCheckpoint(
-                f"{self.folder}: storage file {info.file!r:.80} is not a name inside the folder",
-                path=str(self.folder),
+                f"{md}: storage file {info.file!r:.80} is not a name inside the folder",
+                hint="the .metadata file is damaged; restore it from the original save",
+                path=md,
             )
         return self.folder / rel
 
@@ -150,9 +152,10 @@ class Files:
             try:
                 self._headers[hkey] = safetensors.read_header(f, info.offset)
             except CorruptCheckpoint as err:
+                why = str(err).removeprefix(f"{f}: ")[:80]
                 raise CorruptCheckpoint(
                     f"{f}: the item at byte {info.offset} is neither a torch.save archive nor a safetensors "
-                    f"blob ({err})",
+                    f"blob ({why})",
                     path=f,
                 ) from None
         e = self._headers[hkey].tensors.get(key)

@@ -16,6 +16,7 @@ else (``train_state``, ``dataloader``, user keys) is client state at its path.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ OPTIM = ("optim", "optimizer")
 SCHEDULER = ("lr_scheduler", "scheduler")
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _ACC_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)$")
+_DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")
 SHARD_RE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 
@@ -80,12 +82,24 @@ def _steps(p: Path) -> list[tuple[int, Path]]:
 
 def _accelerate(parent: Path, index: str | None) -> Source | None:
     pairs: dict[str, dict[str, Path]] = {}
+    unfinished: dict[str, Path] = {}
     for d in parent.iterdir() if parent.is_dir() else ():
         m = _ACC_RE.match(d.name)
         if m and is_dcp_folder(d):
             pairs.setdefault(m.group(2), {})[m.group(1)] = d
+        elif m and d.is_dir():  # named as one half of a pair, but no readable .metadata
+            unfinished[m.group(2)] = d
     if not pairs:
         return None
+    gone = unfinished.get(index if index is not None else next(iter(pairs)))
+    if gone is not None and (index is not None or len(pairs) == 1):  # half a pair: never read as a whole one
+        md = gone / METADATA
+        what = "missing" if not os.path.lexists(md) else "not a readable DCP metadata file"
+        raise CorruptCheckpoint(
+            f"{md}: {what}, so this accelerate checkpoint is incomplete (an unfinished save?)",
+            hint="DCP writes .metadata last; restore the folder from the original save",
+            path=str(md),
+        )
     if index is None:
         if len(pairs) > 1:
             raise UnknownFormat(
@@ -106,9 +120,19 @@ def detect(p: Path) -> bool:
         return p.suffix == ".distcp" or p.name == METADATA
     if not p.is_dir():
         return False
-    if is_dcp_folder(p) or is_hf_shards(p):
+    if is_dcp_folder(p) or is_hf_shards(p) or _distcp_without_metadata(p):
         return True
     return bool(_steps(p)) or _accelerate_quiet(p)
+
+
+def _distcp_without_metadata(p: Path) -> bool:
+    """``__<rank>_<n>.distcp`` files and no ``.metadata``: an unfinished save (or one that lost it), claimed
+    so that ``resolve`` says so instead of "not a checkpoint"."""
+    try:
+        names = [f.name for f in p.iterdir()]
+    except OSError:
+        return False
+    return METADATA not in names and any(_DISTCP_RE.match(n) for n in names)
 
 
 def _accelerate_quiet(p: Path) -> bool:
@@ -153,7 +177,12 @@ def resolve(p: Path, tag: str | None = None) -> Source:
     acc = _accelerate(p, None)
     if acc is not None:
         return acc
-    raise CorruptCheckpoint(f"{p}: no {METADATA} (an unfinished save, or not a DCP folder)", path=str(p))
+    md = p / METADATA
+    raise CorruptCheckpoint(
+        f"{md}: missing (an unfinished save, or not a DCP folder)",
+        hint="DCP writes .metadata last; without it the .distcp files cannot be read",
+        path=str(md),
+    )
 
 
 # ---- keys ------------------------------------------------------------------------------------------

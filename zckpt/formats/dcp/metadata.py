@@ -250,9 +250,20 @@ def _storage(
         ix = _fields(where, MetadataIndex, "MetadataIndex")
         fqn = ix["fqn"].as_str(1 << 16)
         off = ix.get("offset")
-        key: StorageKey = (fqn, _ints(off) if fqn in tensors and off is not None else None)
         if fqn not in tensors and fqn not in byte_keys:
             raise ix["fqn"].fail("a key of state_dict_metadata")
+        key: StorageKey = (fqn, None)
+        if fqn in tensors:
+            if off is None:
+                raise ix.fail(f"the chunk offsets of tensor {fqn!r:.80}")
+            key = (fqn, _ints(off))
+            if key[1] not in {c.offsets for c in tensors[fqn].chunks}:
+                raise CorruptCheckpoint(
+                    f"{node.file}: storage_data names chunk {list(key[1])} of {fqn!r:.80}, which is not one "
+                    "of the tensor's chunks in state_dict_metadata",
+                    hint=_DAMAGED,
+                    path=node.file,
+                )
         si = _fields(Node(info, node.file, f"{where.where}.value"), StorageInfo_, "_StorageInfo")
         tr = si.get("transform_descriptors")
         out[key] = StorageInfo(
@@ -262,6 +273,44 @@ def _storage(
             tuple(n.as_str() for n in tr) if tr is not None else (),
         )
     return out
+
+
+_DAMAGED = "the .metadata file is damaged; restore it from the original save"
+
+
+def _planner_paths(pd: Node | None, order: list[str]) -> dict[str, tuple[str | int, ...]]:
+    """``planner_data``: each key's path, checked against the key it names. DCP flattens a state dict by
+    joining a value's path with dots, so a path must spell its key, and (when present at all) the table names
+    exactly the keys of ``state_dict_metadata``: a renamed path or key would put a tensor under another name.
+    None or empty: a saver that keeps no paths (``flatten_state_dict=False``), the keys' ``fallback_path``."""
+    paths: dict[str, tuple[str | int, ...]] = {}
+    if pd is None:
+        return paths
+    if not isinstance(pd.value, Mapping):
+        raise pd.fail("a dict of key paths")
+    src = pd.file
+    for key, p in pd.items():
+        parts = tuple(n.value for n in p)
+        if not parts or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
+            raise p.fail("a path of names and list indices")
+        spelled = ".".join(map(str, parts))
+        if spelled != key:
+            raise CorruptCheckpoint(
+                f"{src}: planner_data gives key {key!r:.80} the path {list(parts)!r:.80}, which spells "
+                f"{spelled!r:.80}",
+                hint=_DAMAGED,
+                path=src,
+            )
+        paths[key] = parts
+    known = set(order)
+    extra = next((k for k in paths if k not in known), None)
+    missing = next((k for k in order if k not in paths), None) if paths else None
+    if extra is not None or missing is not None:
+        what = f"names {extra!r:.80}, which" if extra is not None else f"lacks {missing!r:.80}, which"
+        is_not = "is not a key of" if extra is not None else "is a key of"
+        raise CorruptCheckpoint(f"{src}: planner_data {what} {is_not} state_dict_metadata", hint=_DAMAGED,
+                                path=src)  # fmt: skip
+    return paths
 
 
 def parse(root: Node) -> DcpMetadata:
@@ -276,16 +325,8 @@ def parse(root: Node) -> DcpMetadata:
             byte_keys.add(key)
         else:
             tensors[key] = _tensor(key, v)
-    paths: dict[str, tuple[str | int, ...]] = {}
-    pd = md.get("planner_data")
-    if pd is not None and isinstance(pd.value, Mapping):
-        for key, p in pd.items():
-            parts = tuple(n.value for n in p)
-            if not parts or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
-                raise p.fail("a path of names and list indices")
-            paths[key] = parts
-    keys = [k for k in paths if k in tensors or k in byte_keys]
-    keys += [k for k in order if k not in paths]
+    paths = _planner_paths(md.get("planner_data"), order)
+    keys = list(paths) + [k for k in order if k not in paths]
     for k in keys:
         paths.setdefault(k, fallback_path(k))
     sm = md.get("storage_meta")

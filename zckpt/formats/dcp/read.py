@@ -34,7 +34,7 @@ from zckpt.formats.dcp import hfshards, state
 from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
 from zckpt.formats.dcp.chunks import ChunkData, Files
 from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
-from zckpt.formats.dcp.metadata import METADATA, StorageKey, TensorMeta, load_metadata
+from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
 from zckpt.io import spans
 from zckpt.io.objstore import as_path
@@ -96,8 +96,35 @@ def load_folder(folder: Path, *, trust_pickle: bool = False) -> Loaded:
                 out.data[(key, box.offsets)] = d = files.tensor(key, box, info, t.dtype)
                 out.serialization.add("torch_save" if d.crc is not None else "safetensors")
         used = sorted({str(files.path(i)) for i in md.storage.values()})
+    _check_disjoint(md, out.data)
     out.files = [md.source, *used]
     return out
+
+
+def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData]) -> None:
+    """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
+    that item's values under this key). Tensor chunks of a safetensors blob all start at the blob: exempt."""
+    by_file: dict[str, list[tuple[int, int, StorageKey]]] = {}
+    for k, info in md.storage.items():
+        d = data.get(k)
+        if k[1] is not None and (d is None or d.crc is None):  # an empty chunk is never read
+            continue
+        by_file.setdefault(info.file, []).append((info.offset, info.offset + info.length, k))
+    for f, items in by_file.items():
+        items.sort(key=lambda it: (it[0], it[1]))
+        for (a0, a1, ka), (b0, b1, kb) in zip(items, items[1:], strict=False):
+            if b0 < a1:
+                where = str(md.folder / f)
+                raise CorruptCheckpoint(
+                    f"{where}: the items of {_name(ka)} (bytes [{a0}, {a1})) and {_name(kb)} (bytes [{b0}, "
+                    f"{b1})) overlap",
+                    hint="the .metadata file is damaged; restore it from the original save",
+                    path=where,
+                )
+
+
+def _name(k: StorageKey) -> str:
+    return f"{k[0]!r:.60}" + ("" if k[1] is None else f" chunk {list(k[1])}")
 
 
 def load_hf_shards(folder: Path) -> Loaded:
