@@ -201,7 +201,8 @@ def consolidate(
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
 ) -> ConsolidateResult:
-    """Write the model tensors of a checkpoint as one loadable model.
+    """Write the model tensors of a checkpoint as one loadable model; returns a ``ConsolidateResult``
+    listing the files written (on every rank, when distributed).
 
     Args:
         ckpt_or_path: an open ``Checkpoint`` or a path ``zckpt.open`` understands.
@@ -211,12 +212,10 @@ def consolidate(
         keep_fp32: fnmatch globs of tensor names kept in fp32.
         max_shard_size: shards of at most this size + an index: ``int`` bytes or ``"5GB"`` (a unit is
             required; ``zckpt.io.shards.parse_size``); a larger tensor gets its own shard, with a warning.
-        tag: checkpoint tag to read instead of ``latest``.
-        exclude_frozen: leave out frozen (``requires_grad=False``) params.
+        tag: checkpoint tag to read instead of ``latest``; exclude_frozen: leave out frozen params.
         format (`str`, *optional*): ``safetensors`` or ``bin``; default from ``out``'s suffix.
         overwrite: replace an existing ``out`` (an HF folder keeps the files zckpt does not write).
-        progress: show a tqdm bar (only on a terminal).
-        trust_pickle: resolve pickled globals outside the allowlist (only for files you trust).
+        progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
             default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
         distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
@@ -224,9 +223,7 @@ def consolidate(
             one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.
         verify_data: compare the checksums the input records over the bytes read (zip CRCs: DeepSpeed,
             ``.bin``), and refuse to publish damaged data (``zckpt.io.checks``).
-
-    Returns:
-        A ``ConsolidateResult`` listing the files written (on every rank, when distributed).
+        storage_options: the object-store client's options for ``s3://`` paths (``zckpt.io.objstore``).
 
     Raises:
         InvalidArgument (``ValueError``): a bad ``dtype``, ``max_shard_size`` or ``format``;
