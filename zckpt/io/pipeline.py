@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from zckpt.io import checks, storage
+from zckpt.io.scan import cores as _cores
 from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
 
 if TYPE_CHECKING:
@@ -40,13 +41,6 @@ R = TypeVar("R")
 
 class Sink(Protocol):
     def write(self, b: memoryview) -> int: ...
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 _sharing = 1

@@ -27,16 +27,21 @@ _READ = 8 << 20
 _local = threading.local()
 
 
-def threads() -> int:
-    """Scan threads: the usable cores (at most 16); ``ZCKPT_WORKERS`` overrides."""
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def threads(cap: int = 16, per: int = 1) -> int:
+    """Threads for work that scales with cores: one per ``per`` usable cores, at most ``cap`` (scans: every
+    core, at most 16); ``ZCKPT_WORKERS`` overrides."""
     env = os.environ.get("ZCKPT_WORKERS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    return max(1, min(cap, cores() // per))
 
 
 def _buf() -> memoryview:

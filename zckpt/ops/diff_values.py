@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from zckpt.io import scan
 from zckpt.io.spans import aligned_views
 from zckpt.model import TensorEntry, dtype_name
 from zckpt.ops.stats import is_exact, iter_chunks
@@ -233,16 +233,9 @@ def chunk_stream(pairs: list[Pair], chunk: int) -> Iterator[tuple[int, torch.Ten
 
 
 def compare_threads() -> int:
-    """Tensor pairs compared at once: half the usable cores, at most 8 (``ZCKPT_WORKERS`` overrides); each
+    """Tensor pairs compared at once: one per 2 usable cores, at most 8 (``ZCKPT_WORKERS`` overrides); each
     thread folds its own pair's chunks (torch releases the GIL), so a diff is not bound by one core."""
-    env = os.environ.get("ZCKPT_WORKERS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores // 2))
+    return scan.threads(cap=8, per=2)
 
 
 def compare_all(
