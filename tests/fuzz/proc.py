@@ -119,7 +119,12 @@ def _run(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str], on_tick
 
 def finish(p: subprocess.Popen[bytes], t0: float, timeout: float, args: list[str], cwd: str,
            on_tick: Tick | None = None) -> Proc:  # fmt: skip
-    """Watch ``p`` until it exits (killing it past the timeout or the RSS limit) and collect its output."""
+    """Watch ``p`` until it exits (killing it past the timeout or the RSS limit) and collect its output.
+
+    ``wait4``'s ``ru_maxrss`` is Linux's high-water mark of the child's memory *including the copy of this
+    process it was forked from* (recorded at ``execve``), so it is counted only above this process's own
+    resident size: a pytest process past 1 GB made every case look like a 1 GB run."""
+    parent_kb = _hwm_kb(os.getpid(), "VmRSS:")
     peak_kb, timed_out, over, status, ru_kb = 0, False, False, 0, 0
     while True:
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
@@ -141,15 +146,16 @@ def finish(p: subprocess.Popen[bytes], t0: float, timeout: float, args: list[str
     _kill_group(p.pid)  # anything it left running
     p.returncode = os.waitstatus_to_exitcode(status)
     out, err = p._fuzz_files  # type: ignore[attr-defined]
+    ru_kb = ru_kb if ru_kb > parent_kb else 0  # else it is this process's size, inherited at the fork
     return Proc(args, cwd, p.returncode, _read(out), _read(err), time.monotonic() - t0,
                 max(peak_kb, ru_kb) / 1024, timed_out, over)  # fmt: skip
 
 
-def _hwm_kb(pid: int) -> int:
+def _hwm_kb(pid: int, key: str = "VmHWM:") -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
