@@ -123,8 +123,8 @@ def finish(p: subprocess.Popen[bytes], t0: float, timeout: float, args: list[str
 
     ``wait4``'s ``ru_maxrss`` is Linux's high-water mark of the child's memory *including the copy of this
     process it was forked from* (recorded at ``execve``), so it is counted only above this process's own
-    resident size: a pytest process past 1 GB made every case look like a 1 GB run."""
-    parent_kb = _hwm_kb(os.getpid(), "VmRSS:")
+    high-water mark: a pytest process past 1 GB made every case look like a 1 GB run."""
+    parent_kb = _hwm_kb(os.getpid())  # its high-water mark: what a fork of it can inherit at most
     peak_kb, timed_out, over, status, ru_kb = 0, False, False, 0, 0
     while True:
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
