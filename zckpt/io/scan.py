@@ -5,7 +5,7 @@ A zip record's CRC-32 is cut into ``CHUNK_BYTES`` pieces read with ``pread`` and
 ``crc32`` where installed) on a pool of threads, then joined with ``crc32_combine``: one 18 GB record is
 checked at the speed of the disk, not of one core (``zipfile.testzip`` is one zlib stream on one thread).
 A whole-file sha256 is one sequential stream by nature, so files are hashed side by side instead
-(``sha256_files``). Both release the GIL while they read and checksum. Threads: ``threads()`` (the usable
+(``Scanner.sha256``). Both release the GIL while they read and checksum. Threads: ``threads()`` (the usable
 cores, at most 16, ``ZCKPT_WORKERS`` overrides); memory: one ``CHUNK_BYTES`` buffer per busy thread.
 """
 

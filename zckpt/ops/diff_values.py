@@ -223,15 +223,6 @@ def _result(common: dict[str, Any], acc: _Acc, owed: int, nonzero: bool, reasons
 Pair = tuple[str, str, TensorEntry, TensorEntry]
 
 
-def chunk_stream(pairs: list[Pair], chunk: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``(pair index, chunk of A, chunk of B)`` over every same-shape pair, in order: zero-copy views
-    of both files' page cache (see ``zckpt.io.spans.aligned_views``)."""
-    for i, (_, _, ea, eb) in enumerate(pairs):
-        if ea.shape == eb.shape:
-            for xa, xb in aligned_views(ea, eb, chunk):
-                yield i, xa, xb
-
-
 def compare_threads() -> int:
     """Tensor pairs compared at once: one per 2 usable cores, at most 8 (``ZCKPT_WORKERS`` overrides); each
     thread folds its own pair's chunks (torch releases the GIL), so a diff is not bound by one core."""
@@ -241,15 +232,8 @@ def compare_threads() -> int:
 def compare_all(
     pairs: list[Pair], atol: float, rtol: float, strict_dtype: bool, chunk: int, bar: tqdm
 ) -> list[TensorDiff]:
-    """``compare`` over every pair, in order: one stream on one thread, or ``compare_threads()`` pairs at
-    once, each on its own thread with its own working buffers."""
-    n = min(compare_threads(), len(pairs))
-    if n <= 1:
-        work, pending = Work(), Pending(chunk_stream(pairs, chunk))
-        return [
-            compare(ka, kb, ea, eb, atol, rtol, strict_dtype, pending.of(i), chunk, work, bar)
-            for i, (ka, kb, ea, eb) in enumerate(pairs)
-        ]
+    """``compare`` over every pair, in order, ``compare_threads()`` pairs at once, each thread with its own
+    working buffers; each pair's chunks are zero-copy views of both files' page cache (``aligned_views``)."""
     local = threading.local()
 
     def one(pair: Pair) -> TensorDiff:
@@ -259,28 +243,11 @@ def compare_all(
         chunks = iter(aligned_views(ea, eb, chunk)) if ea.shape == eb.shape else iter(())
         return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, local.work, bar)
 
+    n = min(compare_threads(), len(pairs))
+    if n <= 1:
+        return [one(p) for p in pairs]
     with ThreadPoolExecutor(n, thread_name_prefix="zckpt-diff") as pool:
         return list(pool.map(one, pairs))
-
-
-class Pending:
-    """Chunk pairs of one tensor pair, drawn from the shared prefetched stream."""
-
-    def __init__(self, stream: Iterator[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        self._stream = stream
-        self._head: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def of(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            if self._head is None:
-                self._head = next(self._stream, None)
-                if self._head is None:
-                    return
-            i, xa, xb = self._head
-            if i != index:
-                return
-            self._head = None
-            yield xa, xb
 
 
 class Work:
