@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 import zckpt
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, OutputExists
+from zckpt.io import fill, pipeline
 from zckpt.io import items as outputs
-from zckpt.io import pipeline
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, TrainingState
 
@@ -238,8 +238,18 @@ def test_failure_mid_write_leaves_no_files(tmp_path: Path, monkeypatch: pytest.M
             raise exc
         return real_tasks(it, chunk_bytes)
 
+    real_run = fill._fill_run
+
+    def flaky_run(r: fill.Run, dst: torch.Tensor, a: int) -> None:
+        if r.entry is not None and a == 0:
+            calls["n"] += 1
+            if calls["n"] == 3:  # two tensors already filled (safetensors goes through pipeline.fill)
+                raise exc
+        real_run(r, dst, a)
+
     monkeypatch.setattr(outputs.WriteItem, "chunks", flaky)
     monkeypatch.setattr(pipeline, "item_tasks", flaky_tasks)
+    monkeypatch.setattr(fill, "_fill_run", flaky_run)
     (tmp_path / "o").mkdir()
     with pytest.raises(type(exc)):
         zckpt.consolidate(ck, tmp_path / "o" / out_name, max_shard_size=200, progress=False)

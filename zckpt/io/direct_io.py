@@ -163,11 +163,13 @@ class DirectWriter:
         while self._loose:
             self._loose.pop(0).result()
 
-    def _submit(self, job: Callable[[], None], limit: int) -> None:
+    def _submit(self, job: Callable[[], None], limit: int) -> Future[None]:
         """Queue ``job``, then wait until at most ``limit`` queued jobs are unfinished (oldest first)."""
-        self._pending.append(self._pool.submit(job))
+        f = self._pool.submit(job)
+        self._pending.append(f)
         while len(self._pending) > limit:
             self._pending.popleft().result()
+        return f
 
     def _wait(self) -> None:
         while self._pending:
@@ -178,20 +180,42 @@ class DirectWriter:
             self._pwrite(whole[:n], off)
 
     # -- writes straight from the caller's memory ---------------------------------------------------
-    def _write_in_place(self, mv: memoryview) -> memoryview:
+    def write_owned(self, mv: memoryview) -> list[Future[None]]:
+        """Append ``mv``, written from where it lies when it is page-aligned at an aligned file offset
+        (else copied); returns what must finish before the caller may change ``mv`` (empty: copied)."""
+        if self._fill or self._off % ALIGN or address(mv) % ALIGN:
+            self.write(mv)
+            return []
+        busy: list[Future[None]] = []
+        self.write(self._write_in_place(mv, busy))
+        return busy
+
+    def _write_in_place(self, mv: memoryview, busy: list[Future[None]] | None = None) -> memoryview:
         """Queue the aligned part of ``mv`` (page-aligned, at an aligned file offset) for writing from where
-        it lies; returns the unaligned tail, which the caller copies."""
+        it lies; returns the unaligned tail, which the caller copies. ``busy`` collects the hash and the
+        writes that read ``mv``."""
         aligned = len(mv) - len(mv) % ALIGN
         step = self.opts.buf_bytes
         h = self._hash(mv[:aligned])
         if h is not None:
+            if len(self._loose) >= 64:
+                self._loose = [f for f in self._loose if not f.done()]
             self._loose.append(h)
+            if busy is not None:
+                busy.append(h)
         for a in range(0, aligned, step):
-            self._submit(
+            f = self._submit(
                 partial(self._pwrite, mv[a : min(aligned, a + step)], self._off + a), self.opts.in_flight
             )
+            if busy is not None:
+                busy.append(f)
         self._off += aligned
         return mv[aligned:]
+
+    @property
+    def head_room(self) -> int:
+        """Bytes that complete the current buffer (0 when it is empty)."""
+        return self.opts.buf_bytes - self._fill if self._fill else 0
 
     def _pwrite(self, view: memoryview, off: int) -> None:
         """Write ``view`` (a multiple of ``ALIGN`` long) at ``off``; plainly once ``O_DIRECT`` is refused."""

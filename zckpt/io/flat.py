@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from zckpt import partition
+from zckpt.io.fill import Layout, Run
 from zckpt.io.spans import CHUNK_BYTES, read_range, windows
 from zckpt.model import TensorEntry
 
@@ -59,6 +60,10 @@ class FlatSource:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def layout(self) -> Layout:
+        """The bytes of the tensor, for positional fills (``zckpt.io.pipeline.fill``)."""
+        return Layout(Run(s.entry, s.lo, s.numel, self.dtype) for s in self.segments)
 
     def chunks(self, max_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         step = max(1, max_bytes // max(self.dtype.itemsize, 1))

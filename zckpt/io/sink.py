@@ -91,6 +91,7 @@ class HashingSink(io.RawIOBase):
             except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
                 self._direct = None
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
+        self._fill_bufs: list[memoryview] = []  # ``fill_buffers``
         self._t_open = time.perf_counter()
         self._fsync_s = 0.0
         self._wall_s = 0.0
@@ -123,6 +124,41 @@ class HashingSink(io.RawIOBase):
             self._hasher.update(mv)
         self._pos += len(mv)
         return len(mv)
+
+    def write_owned(self, mv: memoryview) -> list[Future[None]]:
+        """Append ``mv`` (memory of the caller's that it reuses later, such as ``zckpt.io.pipeline.fill``'s
+        buffers): page-aligned memory at an aligned offset goes to the device from where it lies, hashed
+        meanwhile; returns what must finish before ``mv`` may change (empty: its bytes were copied)."""
+        if self._direct is None:
+            self.write(mv)
+            return []
+        if _TEST_DELAY_ENV in os.environ:
+            time.sleep(float(os.environ[_TEST_DELAY_ENV]))
+        busy = self._direct.write_owned(mv)
+        self._pos += len(mv)
+        return busy
+
+    @property
+    def piece_bytes(self) -> int:
+        """The size of the pieces ``write_owned`` writes best: a device write."""
+        return self._direct.opts.buf_bytes if self._direct is not None else direct_io.BUF_BYTES
+
+    @property
+    def head_room(self) -> int:
+        """Bytes that complete the device buffer being filled (0: the next byte starts a fresh one)."""
+        return self._direct.head_room if self._direct is not None else 0
+
+    @property
+    def in_flight(self) -> int:
+        """Device writes this file keeps outstanding."""
+        return self._direct.opts.in_flight if self._direct is not None else 1
+
+    def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]:
+        """``n`` page-aligned buffers of ``nbytes`` for ``write_owned``, kept until ``close()`` (one set
+        serves every fill of the file)."""
+        if len(self._fill_bufs) < n or (self._fill_bufs and len(self._fill_bufs[0]) != nbytes):
+            self._fill_bufs = [memoryview(direct_io.aligned_buffer(nbytes)) for _ in range(n)]
+        return self._fill_bufs[:n]
 
     @property
     def crcs(self) -> list[int]:
@@ -184,6 +220,7 @@ class HashingSink(io.RawIOBase):
                         remote_staging.record(self.path, self._url)
                     self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
+                    self._fill_bufs = []
                     self._wall_s = time.perf_counter() - self._t_open
         finally:
             super().close()

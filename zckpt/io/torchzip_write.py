@@ -26,13 +26,14 @@ import zipfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from zckpt.errors import Unsupported
 from zckpt.io import pipeline
 from zckpt.io.checks import crc32
+from zckpt.io.fill import Layout
 from zckpt.io.items import tensor_bytes
 from zckpt.io.pickle_safe import FOREIGN_CLASSES
 from zckpt.io.sink import HashingSink
@@ -162,8 +163,11 @@ class TorchZipWriter:
         self.zf = zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
         self._pool: ThreadPoolExecutor | None = None
 
-    def write_record(self, name: str, chunks: Iterable[bytes | memoryview | torch.Tensor], size: int) -> None:
-        """Add record ``<prefix>/<name>`` of ``size`` bytes from ``chunks``; data aligned to 64 bytes."""
+    def write_record(
+        self, name: str, chunks: Iterable[bytes | memoryview | torch.Tensor] | Layout, size: int
+    ) -> None:
+        """Add record ``<prefix>/<name>`` of ``size`` bytes from ``chunks`` (or a ``Layout``: filled block by
+        block on several threads, ``zckpt.io.pipeline.fill``); data aligned to 64 bytes."""
         info = zipfile.ZipInfo(f"{self.prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         info.compress_type = zipfile.ZIP_STORED
         info.file_size = size
@@ -173,9 +177,17 @@ class TorchZipWriter:
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         written = 0
         with self.zf.open(info, "w", force_zip64=zip64) as w:
+            overlap = size >= _OVERLAP_BYTES and hasattr(w, "_crc") and hasattr(w, "_file_size")
+            if isinstance(chunks, Layout):
+                if overlap and hasattr(self.sink, "write_owned"):  # the CRC comes from the filling threads
+                    w._crc = pipeline.fill(cast(pipeline.BlockSink, self.sink), chunks, crc=True)  # type: ignore[attr-defined]
+                    w._file_size += chunks.nbytes  # type: ignore[attr-defined]
+                    written = chunks.nbytes
+                    chunks = ()
+                else:
+                    chunks = chunks.chunks(pipeline.CHUNK_BYTES)
             # a lazy chunk stream is read ahead on a thread: its reads overlap the CRC, hash and write
             stream = chunks if isinstance(chunks, (list, tuple)) else pipeline.prefetch(chunks)
-            overlap = size >= _OVERLAP_BYTES and hasattr(w, "_crc") and hasattr(w, "_file_size")
             for c in stream:
                 data = tensor_bytes(c) if isinstance(c, torch.Tensor) else c
                 if overlap:  # the record's CRC on a helper thread while the chunk is written and hashed

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +37,7 @@ from zckpt.formats.dcp.metadata import METADATA
 from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
 from zckpt.formats.dcp.read import NAME
 from zckpt.io import storage
+from zckpt.io.fill import layout_of_items
 from zckpt.io.items import WriteItem, tensor_bytes
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.sink import HashingSink
@@ -242,6 +244,24 @@ class _Rel:
     def write(self, b: Any) -> int:
         return self.sink.write(b)
 
+    def write_owned(self, mv: memoryview) -> list[Future[None]]:
+        return self.sink.write_owned(mv)
+
+    def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]:
+        return self.sink.fill_buffers(n, nbytes)
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.sink.piece_bytes
+
+    @property
+    def head_room(self) -> int:
+        return self.sink.head_room
+
+    @property
+    def in_flight(self) -> int:
+        return self.sink.in_flight
+
     def tell(self) -> int:
         return self.sink.tell() - self.base
 
@@ -253,7 +273,7 @@ def _archive(sink: HashingSink, obj: Any, data: WriteItem | None) -> None:
     zw = TorchZipWriter(cast(HashingSink, _Rel(sink)))
     zw.write_header_records(pickle_obj(obj))
     if data is not None:
-        zw.write_record("data/0", data.chunks(), data.nbytes)
+        zw.write_record("data/0", layout_of_items([data]), data.nbytes)
     zw.close()
 
 

@@ -86,7 +86,7 @@ class Archive:
             w = TorchZipWriter(sink, prefix=path.stem)
             w.write_header_records(dumps(obj))
             for slot, src in self.storages:
-                w.write_record(f"data/{slot.key}", src.chunks(), src.nbytes)
+                w.write_record(f"data/{slot.key}", src.layout(), src.nbytes)
             w.close()
         finally:
             sink.close()
