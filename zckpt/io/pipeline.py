@@ -205,9 +205,11 @@ def fill(
     with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
             for k, (lo, hi) in enumerate(pieces):
-                if len(window) == nbuf:
+                # hand over what is filled (in order), and at most ``workers + 1`` pieces filling: the other
+                # buffers are the ones the device and the hash are reading
+                while window and (len(window) > workers or window[0][3].done()):
                     hand_over()
-                for w in busy[k % nbuf]:  # the piece that last used this buffer is on its way to the device
+                for w in busy[k % nbuf]:  # handed over ``nbuf - workers - 1`` pieces ago
                     w.result()
                 window.append((k, lo, hi, pool.submit(job, k, lo, hi)))
             while window:
