@@ -11,7 +11,8 @@ Parts, in order (each reuses what an earlier call left in ``--dir`` when the mac
 ``probe`` (``bench/disk_probe.py``: O_DIRECT write/read GB/s, sha256 GB/s), ``make`` (a real DeepSpeed 0.19.8
 ZeRO-3 bf16 save of GPT 1.5B, client AdamW, world 1, through ``bench/ckpt_bench.py --save-only``), ``w1``
 (jobs on it), ``w8`` (``zckpt reshard --world 8`` timed as the reshard row, then jobs on the copy), ``dcp``
-(``zckpt reshard --to dcp`` of the world-8 copy, then jobs on it). The jobs: consolidate ``--dtype fp32`` and
+(``zckpt reshard --to dcp`` of the world-8 copy, then jobs on it; ``drop-w1`` deletes the world-1 save first,
+``keep-w8`` keeps the world-8 copy). The jobs: consolidate ``--dtype fp32`` and
 default dtype, ``verify``, ``diff`` of the checkpoint against its fp32 consolidation, and with ``--peers``
 DeepSpeed's ``zero_to_fp32.py`` (+ ``sync``) and torch's ``dcp_to_torch_save`` (fsynced).
 
@@ -364,6 +365,8 @@ def main() -> None:
             run_job(ctx, job, a.cores, "warm", 1)
         if "keep-w8" not in parts:
             shutil.rmtree(w8, ignore_errors=True)
+        if "drop-w1" in parts:  # the 64 GB disk: the DCP copy, its fp32 consolidation and torch's .pt
+            shutil.rmtree(ds1, ignore_errors=True)
         run_set(ctx, jobs_for(ctx, dcp, "dcp", None))
     lines = [
         "| job | input | cores | cache | wall s (median) | runs | peak RSS MB | in GB | out GB | floor s "
