@@ -64,7 +64,7 @@ class Files:
         self.folder = folder
         self._fds: dict[str, tuple[int, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
-        self._memo: dict[tuple[bytes, bool], object] = {}
+        self.memo: dict[tuple[bytes, bool], object] = {}
 
     def __enter__(self) -> Files:
         return self
@@ -130,7 +130,7 @@ class Files:
 
     def _from_archive(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
         f, fd = self.open(info)
-        arc = archive_at(f, fd, info.offset, info.length, what=f"(chunk of {key!r:.80})", memo=self._memo)
+        arc = archive_at(f, fd, info.offset, info.length, what=f"(chunk of {key!r:.80})", memo=self.memo)
         ref = arc.obj
         where = f"{f}: chunk {list(box.offsets)} of {key!r:.80}"
         if not isinstance(ref, TensorRef):

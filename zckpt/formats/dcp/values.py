@@ -60,7 +60,8 @@ def decode(files: Files, key: str, info: StorageInfo, *, trust_pickle: bool) -> 
         why = f"the item of {key!r:.100} at byte {info.offset} is not a torch.save archive"
         raise CorruptCheckpoint(f"{f}: {why}", path=f)
     try:
-        obj = archive_at(f, fd, info.offset, info.length, what=f"(value of {key!r:.80})").obj
+        # the same pickle (an optimizer option of every parameter) is unpickled once
+        obj = archive_at(f, fd, info.offset, info.length, what=f"(value of {key!r:.80})", memo=files.memo).obj
     except UnsafePickle as e:
         why = f"<pickled object, not loaded: {_global_of(e)}; --trust-pickle loads it>"
         return Value(key, info, f, opaque=why)
