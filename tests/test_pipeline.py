@@ -126,17 +126,17 @@ def test_fill_matches_torch_at_every_cut(
 
     monkeypatch.setenv("ZCKPT_DIRECT_IO", direct)
     g = torch.Generator().manual_seed(1)
-    a = torch.randn(3001, generator=g)  # fp32 on disk, in pieces stored out of order
+    a = torch.randn(9001, generator=g)  # fp32 on disk, in pieces stored out of order
     b = torch.randn(777, generator=g).to(torch.bfloat16)  # bf16 on disk: cast up when fp32 is asked for
     v = torch.randn(5, generator=g)
-    ea = _file_entry(tmp_path, "a", a, [0, 1000, 1001, 3001])
+    ea = _file_entry(tmp_path, "a", a, [0, 1000, 1001, 9001])
     eb = _file_entry(tmp_path, "b", b, [0, 777])
     ev = TensorEntry("v", (5,), v.dtype, Role.PARAM, (Piece("", 0, v.dtype, 0, 5, value=v),))
-    runs = [Run(ea, 7, 2990, out_dtype), Run(None, 0, 3, out_dtype), Run(eb, 0, 777, out_dtype),
+    runs = [Run(ea, 7, 8990, out_dtype), Run(None, 0, 3, out_dtype), Run(eb, 0, 777, out_dtype),
             Run(ev, 1, 4, out_dtype), Run(ea, 0, 5, out_dtype)]  # fmt: skip
     want = b"".join(
         x.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes()
-        for x in (a[7:2997], torch.zeros(3), b.float(), v[1:5], a[:5])
+        for x in (a[7:8997], torch.zeros(3), b.float(), v[1:5], a[:5])
     )
     head = b"h" * 13  # the header written before: the first piece completes the device buffer
     opts = direct_io.WriteOptions(buf_bytes=8192, buffers=3)

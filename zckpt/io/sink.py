@@ -85,6 +85,7 @@ class HashingSink(io.RawIOBase):
         self._pos = 0
         if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written
             opts = direct_io.WriteOptions(buffers=2 if block is None else lanes() + 2)
+        self._opts = opts
         if self._url is None and opts.direct and direct_io.enabled():
             try:
                 self._direct = direct_io.DirectWriter(str(path), self._f.fileno(), opts, self._hasher.queue)
@@ -141,7 +142,7 @@ class HashingSink(io.RawIOBase):
     @property
     def piece_bytes(self) -> int:
         """The size of the pieces ``write_owned`` writes best: a device write."""
-        return self._direct.opts.buf_bytes if self._direct is not None else direct_io.BUF_BYTES
+        return self._opts.buf_bytes
 
     @property
     def head_room(self) -> int:
