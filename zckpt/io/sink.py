@@ -157,8 +157,10 @@ class HashingSink(io.RawIOBase):
     def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]:
         """``n`` page-aligned buffers of ``nbytes`` for ``write_owned``, kept until ``close()`` (one set
         serves every fill of the file)."""
-        if len(self._fill_bufs) < n or (self._fill_bufs and len(self._fill_bufs[0]) != nbytes):
-            self._fill_bufs = [memoryview(direct_io.aligned_buffer(nbytes)) for _ in range(n)]
+        if self._fill_bufs and len(self._fill_bufs[0]) != nbytes:
+            self._fill_bufs = []
+        while len(self._fill_bufs) < n:  # grown one at a time: never two sets alive at once
+            self._fill_bufs.append(memoryview(direct_io.aligned_buffer(nbytes)))
         return self._fill_bufs[:n]
 
     @property
