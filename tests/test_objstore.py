@@ -266,26 +266,75 @@ def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str
     _same(_cli("diff", "--series", str(run), "--json"), _cli("diff", "--series", url, "--json"), run, url)
 
 
-def test_read_ahead_windows_tile_the_record_and_stop_at_its_end(
-    s3_server: _s3.Server, s3env: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from a few window GETs
-    (the next one prefetched), and nothing past ``limit`` is fetched. Oracle: the uploaded bytes."""
-    import random
-
-    data = random.Random(5).randbytes(5 << 20)
-    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
-    objstore.configure({"window_bytes": str(1 << 20)})
-    url, lo, hi = "s3://ckpts/win/obj", 123_457, (4 << 20) + 999
-    objstore.size(url)
-    objstore.reset_stats()
+def _read_sequentially(url: str, lo: int, hi: int, step: int = 300_000) -> bytes:
     got = bytearray(hi - lo)
     at = lo
-    while at < hi:  # reads of 300 KB, not aligned to the windows
-        k = min(300_000, hi - at)
+    while at < hi:  # reads of 300 KB, not aligned to anything
+        k = min(step, hi - at)
         objstore.read_into(url, at, memoryview(got)[at - lo : at - lo + k], limit=hi)
         at += k
-    assert bytes(got) == data[lo:hi]
+    return bytes(got)
+
+
+def test_read_ahead_stream_tiles_the_record_and_stops_at_its_end(s3_server: _s3.Server, s3env: str) -> None:
+    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from a few streamed GETs
+    of doubling size (part_bytes 5 MiB: 5 + 10 + the rest), and nothing past ``limit`` is fetched. Oracle:
+    the uploaded bytes, and the doubling rule of ``ahead.Stream``."""
+    import random
+
+    data = random.Random(5).randbytes(20 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
+    objstore.configure({"window_bytes": str(1 << 20), "part_bytes": str(5 << 20)})
+    url, lo, hi = "s3://ckpts/win/obj", 123_457, (17 << 20) + 999
+    objstore.size(url)
+    objstore.reset_stats()
+    assert _read_sequentially(url, lo, hi) == data[lo:hi]
     st = objstore.stats()
-    assert st["bytes"] == hi - lo  # the windows tile [lo, hi): no byte twice, none past the limit
-    assert st["requests"] == -(-(hi - lo) // (1 << 20))  # one GET per 1 MiB window
+    assert st["bytes"] == hi - lo  # the stream tiles [lo, hi): no byte twice, none past the limit
+    assert st["requests"] == 3 and st["retries"] == 0
+
+
+def test_read_ahead_runs_ahead_of_the_reader_but_no_further(s3_server: _s3.Server, s3env: str) -> None:
+    """After one small read, the stream's thread fetches on by itself (the network overlaps the reader's
+    work) up to the read-ahead (``window_bytes``) past it, and stops there while the reader does not come
+    back. Oracle: the byte counts against the configured read-ahead."""
+    import time
+
+    data = bytes(range(256)) * (64 << 12)  # 64 MiB
+    s3_server.client().put_object(Bucket="ckpts", Key="win/ahead", Body=data)  # type: ignore[attr-defined]
+    ahead = 4 << 20
+    objstore.configure({"window_bytes": str(ahead)})
+    url = "s3://ckpts/win/ahead"
+    objstore.size(url)
+    objstore.reset_stats()
+    got = bytearray(1000)
+    objstore.read_into(url, 0, memoryview(got), limit=len(data))
+    assert bytes(got) == data[:1000]
+    deadline = time.monotonic() + 30
+    while objstore.stats()["bytes"] < ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    fetched = objstore.stats()["bytes"]
+    assert ahead <= fetched <= 1000 + ahead + (4 << 20)  # at most one window (4 MiB) past the read-ahead
+    objstore.configure(None)  # closes the stream
+
+
+def test_read_ahead_resumes_cut_off_bodies(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a proxy that cuts half the GET bodies off mid-way and answers 503 at random, a streamed
+    read resumes from the byte it stopped at: the bytes are exact."""
+    import random
+
+    data = random.Random(7).randbytes(24 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/cut", Body=data)  # type: ignore[attr-defined]
+    proxy = _s3.FaultProxy(s3_server.url, seed=3, p503=0.1, pdrop=0.0, ptrunc=0.5)
+    try:
+        for k, v in _s3.env_for(proxy.url):
+            monkeypatch.setenv(k, v)
+        objstore.configure({"part_bytes": str(5 << 20), "window_bytes": str(2 << 20)})
+        url = "s3://ckpts/win/cut"
+        objstore.reset_stats()
+        assert _read_sequentially(url, 10, len(data) - 10, step=1 << 20) == data[10:-10]
+        assert proxy.counts["faults"] > 0 and objstore.stats()["retries"] > 0
+    finally:
+        objstore.configure(None)
+        proxy.stop()

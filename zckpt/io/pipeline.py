@@ -162,6 +162,9 @@ def write_items(
             for t in tasks:
                 if len(window) == nslots:
                     total += _drain(window.pop(0)[0], write, on_bytes)
+                if t.span is not None and t.span.piece.value is None:  # an object fetches it from now on
+                    p = t.span.piece
+                    storage.expect(p.file, t.span.byte_offset, checks.record_end(p))
                 window.append((pool.submit(slots[k % nslots].fill, t), k))
                 k += 1
             while window:

@@ -80,6 +80,9 @@ def configure(options: Mapping[str, str] | None) -> None:
         _cache.clear()
         _sizes.clear()
         _windows.clear()
+        gone = list(_streams)
+    for s in gone:
+        s.close()
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -342,9 +345,12 @@ class _Window:
     start: int
     end: int
     data: Future[bytearray]
+    buf: bytearray
 
 
 _windows: OrderedDict[int, _Window] = OrderedDict()
+_streams: list[Any] = []
+"""The read-ahead streams (``ahead.Stream``), closed when their object is written, and by ``configure``."""
 
 
 def _forget(u: Url) -> None:
@@ -359,6 +365,9 @@ def _forget(u: Url) -> None:
             _cache.pop(ck)
         for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
             _windows.pop(wk)
+        gone = [s for s in _streams if s.key == str(u)]
+    for s in gone:
+        s.close()
 
 
 def _url(x: object) -> Url:
