@@ -2,15 +2,17 @@
 object (a ZeRO fp32 partition read param by param, a safetensors file read tensor by tensor) and fetches
 ahead of it on a thread of its own, so the network overlaps the reader's decoding, casting and writing.
 
-A stream is a few *streamed* ranged GETs of growing size (the read-ahead, doubling up to ``MAX_REQUEST``,
-never past the record's end): a 200 MB record costs 3 requests, not 25 parts, each body read as it arrives.
+A stream is one *streamed* ranged GET per ``MAX_REQUEST`` bytes of the record (never past its end), its body
+read as it arrives: a 200 MB record costs one request, not 25 parts (a store may charge per request; moto
+pays the whole object on each). A reader that leaves early costs what the socket held, not the whole range:
+the stream stops reading, and the connection is dropped once idle.
 Its bytes are handed out in windows of at most ``UNIT`` bytes, registered before they are filled so a
 reader waits on the one it needs; the thread stays at most ``window_bytes`` ahead of the furthest byte read
 (the HTTP body waits in the socket meanwhile). A body cut off mid-way is resumed from the byte it stopped at.
 A stream idle for ``IDLE_S`` seconds, or whose object is written (``client._forget``), is closed.
 
-Memory: the windows held, at most ``MAX_WINDOWS`` of ``UNIT`` bytes (the oldest dropped first), whatever the
-object size. A read that finds its window dropped is fetched directly (``read._read_parts``).
+Memory: the windows held, at most ``MAX_WINDOWS`` of ``UNIT`` bytes (those already read are dropped first,
+then the oldest), whatever the object size. A read whose window was dropped is fetched directly.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from zckpt.io.objstore.client import (
     _Window,
     _windows,
     error,
-    part_bytes,
 )
 
 UNIT = 4 << 20
@@ -41,6 +42,9 @@ MAX_REQUEST = 256 << 20
 """The largest ranged GET a stream makes."""
 IDLE_S = 30.0
 """A stream whose reader has not come back for this long is closed (its GET is dropped)."""
+GAP_WINDOWS = 4
+"""A reader (or a queued read) this many read-aheads past a stream's position waits for it; further on, it
+starts a stream of its own."""
 MAX_WINDOWS = 32
 """Windows held at once (whole process): ``MAX_WINDOWS * UNIT`` = 128 MiB at most."""
 _ids = iter(range(1 << 62))
@@ -61,12 +65,14 @@ class Stream:
         self.cond = threading.Condition()
         self.closed = False
         self._mine: list[_Window] = []
-        threading.Thread(target=self._run, name="zckpt-ahead", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="zckpt-ahead", daemon=True)
+        self._thread.start()
 
     # ---- the reader's side ----------------------------------------------------------------------------
     def will_reach(self, at: int) -> bool:
-        """This stream covers byte ``at`` soon: it lies ahead of what is fetched, within the read-ahead."""
-        return not self.closed and self.next <= at < min(self.end, self.next + self.ahead)
+        """This stream covers byte ``at`` soon: it lies ahead of what is fetched, at most ``GAP_WINDOWS``
+        read-aheads past it (the write pipeline queues reads a few chunks ahead of the one being read)."""
+        return not self.closed and self.next <= at < min(self.end, self.next + GAP_WINDOWS * self.ahead)
 
     def window(self, at: int) -> _Window | None:
         """The window holding byte ``at`` once the thread has registered it (None: the stream stopped)."""
@@ -93,7 +99,6 @@ class Stream:
     def _run(self) -> None:
         body: Iterator[Any] | None = None
         b_end = self.start
-        size = max(part_bytes(), self.ahead)
         pending = memoryview(b"")
         try:
             while True:
@@ -105,8 +110,7 @@ class Stream:
                         return
                     a = self.next
                 if body is None or a >= b_end:
-                    b_end = min(self.end, a + size)
-                    size = min(2 * size, MAX_REQUEST)
+                    b_end = min(self.end, a + MAX_REQUEST)
                     body, pending = self._open(a, b_end), memoryview(b"")
                 w = self._register(a, min(b_end, a + self.unit))
                 try:
@@ -124,11 +128,11 @@ class Stream:
                     _streams.remove(self)
 
     def _register(self, a: int, b: int) -> _Window:
-        w = _Window(self.key, a, b, Future(), bytearray(b - a))
+        w = _Window(self.key, a, b, Future(), bytearray(b - a), self)
         with _lock:
             _windows[next(_ids)] = w
             while len(_windows) > MAX_WINDOWS:
-                _windows.popitem(last=False)
+                _evict()
         with self.cond:
             self._mine = [x for x in self._mine if x.end > self.want - self.unit][-MAX_WINDOWS:] + [w]
             self.next = b
@@ -178,6 +182,15 @@ class Stream:
         return self._open(at, b_end)
 
 
+def _evict() -> None:
+    """Drop one window (``_lock`` held): the oldest one its reader has gone past, else the oldest."""
+    k = next((k for k, w in _windows.items() if w.owner is None or w.end <= w.owner.want), None)
+    if k is None:
+        _windows.popitem(last=False)
+    else:
+        del _windows[k]
+
+
 def _next(body: Iterator[Any]) -> tuple[bytes, BaseException | None]:
     """The body's next chunk, or why there is none (it ended early, or the connection failed)."""
     try:
@@ -188,22 +201,20 @@ def _next(body: Iterator[Any]) -> tuple[bytes, BaseException | None]:
         return b"", e
 
 
-def find(u: Url, at: int) -> tuple[_Window | None, Stream | None]:
+def find(u: Url, at: int, limit: int | None = None, ahead: int = 0) -> tuple[_Window | None, Stream | None]:
     """The window holding byte ``at`` of ``u``, if one is held, and the stream it came from; else a stream
-    that will reach ``at`` soon, if one runs."""
+    that will reach ``at`` soon, if one runs, or (given ``limit``) a new one from ``at`` to ``limit``. One
+    lock for the look-up and the start: two readers of one record never start two streams."""
     key = str(u)
     with _lock:
         w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
         mine = [s for s in _streams if s.key == key]
         s = next((s for s in mine if (s.start <= at < s.next if w else s.will_reach(at))), None)
+        passed = w is None and any(s.start <= at < s.next and not s.closed for s in mine)
+        if w is None and s is None and limit is not None and not passed:  # (passed: its window was dropped)
+            s = Stream(u, at, limit, ahead)
+            _streams.append(s)
     return w, s
-
-
-def start(u: Url, at: int, end: int, ahead: int) -> Stream:
-    s = Stream(u, at, end, ahead)
-    with _lock:
-        _streams.append(s)
-    return s
 
 
 def read(u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: Callable[..., None]) -> None:
@@ -213,10 +224,8 @@ def read(u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: C
     done, n = 0, len(out)
     while done < n:
         at = offset + done
-        w, s = find(u, at)
-        if w is None:
-            if s is None:
-                s = start(u, at, limit, ahead)
+        w, s = find(u, at, limit, ahead)
+        if w is None and s is not None:
             w = s.window(at)
         if w is None:
             direct(u, at, out[done:])
@@ -232,9 +241,7 @@ def read(u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: C
 def expect(u: Url, at: int, limit: int, ahead: int) -> None:
     """A reader will read on from byte ``at`` up to ``limit`` soon (``storage.expect``, from the write
     pipeline's queue): start its stream now, unless a window or a stream already covers ``at``."""
-    w, s = find(u, at)
-    if w is None and s is None:
-        start(u, at, limit, ahead)
+    find(u, at, limit, ahead)
 
 
 def held(u: Url, at: int) -> bool:

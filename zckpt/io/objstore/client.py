@@ -346,6 +346,8 @@ class _Window:
     end: int
     data: Future[bytearray]
     buf: bytearray
+    owner: Any = None
+    """The ``ahead.Stream`` that fills it."""
 
 
 _windows: OrderedDict[int, _Window] = OrderedDict()
