@@ -345,3 +345,58 @@ def test_read_ahead_resumes_cut_off_bodies(s3_server: _s3.Server, monkeypatch: p
     finally:
         objstore.configure(None)
         proxy.stop()
+
+
+def _profile_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, profile: str) -> None:
+    """A HOME whose ``~/.aws`` holds profile ``zck`` (the server's keys); ``AWS_PROFILE`` names ``profile``;
+    no key in the environment: the client must find the credentials through the profile."""
+    aws = tmp_path / "home" / ".aws"
+    aws.mkdir(parents=True)
+    (aws / "credentials").write_text("[zck]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    (aws / "config").write_text("[profile zck]\nregion = us-east-1\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_PROFILE", profile)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION",
+              "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):  # fmt: skip
+        monkeypatch.delenv(k, raising=False)
+    objstore.configure(None)
+
+
+def test_aws_profile_gives_the_credentials(
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``AWS_PROFILE`` with a credentials file in HOME (and no key in the environment) reaches the bucket:
+    consolidate's output equals the local run's."""
+    lp, url = inputs["ds/s3_fp32_w2"]
+    _profile_home(tmp_path, monkeypatch, s3_server.url, "zck")
+    try:
+        assert _cli("consolidate", str(lp), str(tmp_path / "local.safetensors"))[0] == 0
+        code, out = _cli("consolidate", url, str(tmp_path / "remote.safetensors"))
+        assert code == 0, out
+        assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    finally:
+        objstore.configure(None)
+
+
+def test_missing_aws_profile_is_one_line(
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    _, url = inputs["ds/s3_fp32_w2"]
+    _profile_home(tmp_path, monkeypatch, s3_server.url, "nosuch")
+    try:
+        code, out = _cli("inspect", url)
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 2, out
+        assert (
+            lines[0] == "error: s3://ckpts: no AWS profile 'nosuch' in ~/.aws/config or ~/.aws/credentials"
+        ), out
+        assert lines[1].startswith("hint: check AWS_PROFILE") and "Traceback" not in out
+    finally:
+        objstore.configure(None)

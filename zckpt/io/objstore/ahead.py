@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from zckpt.io.objstore import backend
 from zckpt.io.objstore.client import (
     _TRANSIENT,
     Url,
     _count,
     _lock,
     _retry,
-    _store,
     _streams,
     _Window,
     _windows,
@@ -140,14 +140,11 @@ class Stream:
         return w
 
     def _open(self, a: int, b: int) -> Iterator[Any]:
-        import obstore
-
-        u = self.url
+        u, be = self.url, backend.of(self.url)
 
         def once() -> Iterator[Any]:
             _count("requests")
-            res = obstore.get(_store(u), u.key, options={"range": (a, b)})
-            return iter(res.stream(min_chunk_size=1 << 20))
+            return be.stream(u, a, b)
 
         return _retry(once, u)
 

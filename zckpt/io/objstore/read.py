@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from zckpt.io.objstore import ahead
+from zckpt.io.objstore import ahead, backend
 from zckpt.io.objstore.client import (
     Url,
     _cache,
@@ -25,7 +25,6 @@ from zckpt.io.objstore.client import (
     _lock,
     _options,
     _retry,
-    _store,
     _url,
     in_flight,
     part_bytes,
@@ -40,11 +39,11 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _get(u: Url, a: int, b: int) -> memoryview:
-    import obstore
+    be = backend.of(u)
 
     def once() -> memoryview:
         _count("requests")
-        got = memoryview(obstore.get_range(_store(u), u.key, start=a, end=b))
+        got = memoryview(be.get_range(u, a, b))
         if len(got) != b - a:
             raise OSError(f"connection closed: {len(got)} of {b - a} bytes")
         _count("bytes", b - a)
