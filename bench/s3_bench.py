@@ -2,12 +2,18 @@
 against "download the folder with the same client, then consolidate locally".
 
     AWS_EC2_METADATA_DISABLED=true .venv/bin/python bench/s3_bench.py [--input bench/data/gpt16m_z3_w2]
+        [--link-mbit 1000] [--repeat 3]
 
-The input is built by ``.venv-ds/bin/python bench/make_inputs.py --only gpt16m_z3_w2`` (real DeepSpeed, 16M
-GPT, ZeRO-3, world 2, one AdamW step). Figures per job: wall time, peak RSS of the zckpt process, local disk
-written, and (through a counting proxy in front of the server) requests made and bytes fetched, against the
-bytes the output needs (the fp32 masters and the model-state files, not the Adam moments). Results go to
-stdout as one JSON object (``bench/RESULTS.md`` quotes them).
+The inputs are built by ``.venv-ds/bin/python bench/make_inputs.py --only gpt16m_z3_w2 gpt100m_z3_w2`` (real
+DeepSpeed, 16M / 100M GPT, ZeRO-3, world 2, one AdamW step). The server is moto in a process of its own.
+``--link-mbit``: both jobs' requests (the direct consolidate and the download) go through one proxy that
+carries at most that many megabits per second of response bodies in all, relayed as they arrive (a network
+link to the store); without it, both go straight to the server. Figures per job: wall time (each of
+``--repeat`` runs, the two jobs alternating which goes first, and their median), peak RSS of the zckpt
+process, local disk written, and (through a counting proxy in front of the server, in a run of its own)
+requests made and bytes fetched, against the bytes the output needs (the fp32 masters and the model-state
+files, not the Adam moments); the load average before and after. Results go to stdout as one JSON object
+(``bench/RESULTS.md`` quotes them).
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 REPO = Path(__file__).resolve().parents[1]
@@ -37,8 +45,8 @@ def _zckpt(args: list[str], env: dict[str, str]) -> tuple[float, int]:
     """Run the CLI in a child; (wall seconds, child's peak RSS in bytes)."""
     t = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, "-c", _RSS + "from zckpt.cli.app import main; main()", *args],
-        env={**env, "ZCKPT_FAST_EXIT": "0"},
+        [sys.executable, "-c", _RSS + _FAST_EXIT + "main()", *args],
+        env=env,
         capture_output=True,
         text=True,
     )
@@ -49,16 +57,30 @@ def _zckpt(args: list[str], env: dict[str, str]) -> tuple[float, int]:
 
 
 _RSS = """import atexit, re, sys
-atexit.register(lambda: print("PEAK_RSS", re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1],
-                              file=sys.stderr))
+def _peak():
+    print("PEAK_RSS", re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1], file=sys.stderr)
+    sys.stderr.flush()
+atexit.register(_peak)
 sys.argv[0] = "zckpt"
 """
 """Prepended to a child's code: it reports its own peak RSS (KiB, ``VmHWM``: ``ru_maxrss`` would carry this
 parent's peak across ``exec``) on stderr at exit."""
 
 
+_FAST_EXIT = """from zckpt.cli import app
+_exit = app._fast_exit
+def _fast_exit(code):
+    _peak()
+    _exit(code)
+app._fast_exit = _fast_exit
+from zckpt.cli.app import main
+"""
+"""Then the CLI as a user runs it, ending with its ``os._exit`` (no interpreter teardown: torch's and the
+store client's took 0.5-2.5 s, which the bench counted before), reporting its peak RSS just before."""
+
+
 def _rss(stderr: str) -> int:
-    return int(next(ln.split()[1] for ln in stderr.splitlines() if ln.startswith("PEAK_RSS"))) * 1024
+    return max(int(ln.split()[1]) for ln in stderr.splitlines() if ln.startswith("PEAK_RSS")) * 1024
 
 
 def _download(url: str, to: Path, env: dict[str, str]) -> tuple[float, int]:
@@ -89,6 +111,14 @@ with ThreadPoolExecutor(8) as pool:
     return time.perf_counter() - t, _rss(p.stderr)
 
 
+def _fresh(work: Path, *stems: str) -> None:
+    """Remove a job's earlier outputs (``<stem>.safetensors`` and its sidecars, the ``dl`` folder)."""
+    for stem in stems:
+        shutil.rmtree(work / stem, ignore_errors=True)
+        for f in work.glob(f"{stem}.safetensors*"):
+            f.unlink()
+
+
 def _needed(src: Path) -> int:
     """The bytes the output needs: the stored bytes of every model tensor (the fp32 masters, frozen params,
     buffers) plus the whole model-state files (read for their metadata)."""
@@ -109,61 +139,76 @@ def _needed(src: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", default=str(REPO / "bench" / "data" / "gpt16m_z3_w2"))
-    ap.add_argument("--link-mbps", type=float, default=0.0,
-                    help="time both jobs through a proxy carrying at most this many MB/s in all (a network "
+    ap.add_argument("--link-mbit", type=float, default=0.0,
+                    help="time both jobs through a proxy carrying at most this many Mbit/s in all (a network "
                     "link to the store; 0: straight to the local server)")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each job (median reported)")
     args = ap.parse_args()
     src = Path(args.input)
     if not (src / "latest").is_file():
         raise SystemExit(f"{src}: build it first: .venv-ds/bin/python bench/make_inputs.py --only {src.name}")
-    srv = _s3.start()
+    load0 = os.getloadavg()
+    srv = _s3.start_child()
     proxy = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0)
-    link = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0, rate=args.link_mbps * 1e6)
+    link = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0, rate=args.link_mbit * 1e6 / 8)
     work = Path(tempfile.mkdtemp(prefix="zckpt-s3bench-"))
-    out: dict[str, object] = {"input": src.name, "input_bytes": _du(src), "link_mbps": args.link_mbps or None}
+    out: dict[str, Any] = {"input": src.name, "input_bytes": _du(src), "link_mbit": args.link_mbit or None,
+                           "cores": os.cpu_count(), "load_before": [round(x, 1) for x in load0]}  # fmt: skip
     try:
         c = srv.client()
         c.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
         url = _s3.upload(c, src, "bench", src.name)
         base = {
             **os.environ,
-            "PYTHONPATH": str(REPO),
-            **dict(_s3.env_for(link.url if args.link_mbps else srv.url)),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            **dict(_s3.env_for(link.url if args.link_mbit else srv.url)),
         }
         counted = {**base, "AWS_ENDPOINT_URL": proxy.url}
         # bytes and requests, counted by the proxy (an oracle independent of zckpt's own counters)
         _zckpt(["consolidate", url, str(work / "counted.safetensors"), "--no-progress"], counted)
         needed = _needed(src)
-        out["direct"] = {
+        direct: dict[str, Any] = {
             "requests": proxy.counts["requests"],
             "bytes_fetched": proxy.counts["bytes"],
             "bytes_needed": needed,
             "fetched_over_needed": round(proxy.counts["bytes"] / needed, 3),
+            "wall_s": [],
         }
-        # wall, RSS, local disk: from the bucket
-        wall, rss = _zckpt(["consolidate", url, str(work / "direct.safetensors"), "--no-progress"], base)
-        out["direct"].update(wall_s=round(wall, 2), peak_rss=rss, local_disk=_du(work / "direct.safetensors"))  # type: ignore[attr-defined]
-        # download, then consolidate locally
-        dl_wall, dl_rss = _download(url, work / "dl", base)
-        wall2, rss2 = _zckpt(
-            ["consolidate", str(work / "dl"), str(work / "local.safetensors"), "--no-progress"], base
-        )
-        out["download_then_consolidate"] = {
-            "download_s": round(dl_wall, 2),
-            "consolidate_s": round(wall2, 2),
-            "wall_s": round(dl_wall + wall2, 2),
-            "peak_rss_download": dl_rss,
-            "peak_rss_consolidate": rss2,
-            "local_disk": _du(work / "dl") + _du(work / "local.safetensors"),
-        }
-        same = (work / "direct.safetensors").read_bytes() == (work / "local.safetensors").read_bytes()
-        out["identical_output"] = same
-        out["wall_ratio"] = round(wall / (dl_wall + wall2), 3)
+        dl: dict[str, Any] = {"download_s": [], "consolidate_s": [], "wall_s": []}
+        for i in range(args.repeat):
+            for job in ("direct", "download")[:: 1 if i % 2 == 0 else -1]:
+                _fresh(work, "direct" if job == "direct" else "local", "dl")
+                if job == "direct":
+                    wall, rss = _zckpt(
+                        ["consolidate", url, str(work / "direct.safetensors"), "--no-progress"], base
+                    )
+                    direct["wall_s"].append(round(wall, 2))
+                    direct.update(peak_rss=rss, local_disk=_du(work / "direct.safetensors"))
+                    continue
+                dl_wall, dl_rss = _download(url, work / "dl", base)
+                wall2, rss2 = _zckpt(
+                    ["consolidate", str(work / "dl"), str(work / "local.safetensors"), "--no-progress"], base
+                )
+                dl["download_s"].append(round(dl_wall, 2))
+                dl["consolidate_s"].append(round(wall2, 2))
+                dl["wall_s"].append(round(dl_wall + wall2, 2))
+                dl.update(peak_rss_download=dl_rss, peak_rss_consolidate=rss2,
+                          local_disk=_du(work / "dl") + _du(work / "local.safetensors"))  # fmt: skip
+            same = (work / "direct.safetensors").read_bytes() == (work / "local.safetensors").read_bytes()
+            out["identical_output"] = same and out.get("identical_output", True)
+        direct["median_s"] = statistics.median(direct["wall_s"])
+        dl["median_s"] = statistics.median(dl["wall_s"])
+        out["direct"], out["download_then_consolidate"] = direct, dl
+        out["wall_ratio"] = round(direct["median_s"] / dl["median_s"], 3)
+        out["wall_ratio_each"] = [
+            round(a / b, 3) for a, b in zip(direct["wall_s"], dl["wall_s"], strict=True)
+        ]
     finally:
         proxy.stop()
         link.stop()
         srv.stop()
         shutil.rmtree(work, ignore_errors=True)
+    out["load_after"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(out, indent=1))
 
 

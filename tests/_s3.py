@@ -69,6 +69,39 @@ def start() -> Server:
     return Server(f"http://127.0.0.1:{port}", srv)
 
 
+_CHILD_SERVER = """
+import os, sys
+from moto.server import ThreadedMotoServer
+s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+s.start()
+print("ready", flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+
+@dataclass
+class ChildServer(Server):
+    """A moto server in a process of its own (the benchmark's: its work does not share this process's GIL
+    with the client's side, as a real store would not)."""
+
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+def start_child() -> ChildServer:
+    port = free_port()
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD_SERVER, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return ChildServer(f"http://127.0.0.1:{port}", None, proc)
+
+
 _AUTH_SERVER = """
 import os, sys
 os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"  # the tests' 4 setup calls, then every request is checked
@@ -187,30 +220,36 @@ class FaultProxy:
                 hdrs = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
                 conn.request(self.command, self.path, body=body, headers=hdrs)
                 resp = conn.getresponse()
-                data = resp.read()
-                conn.close()
-                self.send_response(resp.status)
                 head = self.command == "HEAD"
+                length = None if head else resp.getheader("Content-Length")
+                if not head and length is None:  # chunked upstream: relay it whole
+                    data: bytes | None = resp.read()
+                    length = str(len(data))
+                else:
+                    data = None
+                self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     low = k.lower()
                     if low not in ("transfer-encoding", "connection") and (head or low != "content-length"):
                         self.send_header(k, v)
                 if not head:
-                    self.send_header("Content-Length", str(len(data)))
+                    self.send_header("Content-Length", str(length))
                 self.end_headers()
-                if fault == "trunc" and len(data) > 16:
+                n = 0 if head else int(str(length))
+                cut = n // 2 if fault == "trunc" and n > 16 else None
+                sent = proxy._relay(self.wfile, resp, data, n if cut is None else cut)
+                conn.close()
+                if cut is not None:
                     with lock:
                         proxy.counts["faults"] += 1
-                    self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 with lock:
-                    proxy.counts["bytes"] += len(data) if self.command == "GET" else 0
+                    proxy.counts["bytes"] += sent if self.command == "GET" else 0
                     if resp.status < 300:
                         proxy.log.append((self.command, self.path))
-                proxy._send(self.wfile, data)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
@@ -222,18 +261,28 @@ class FaultProxy:
     _link = threading.Lock()
     _free_at = 0.0
 
-    def _send(self, out: object, data: bytes) -> None:
-        """Write ``data``; with a ``rate``, 1 MiB at a time, each once the link carried the bytes before."""
-        if self.rate <= 0:
-            out.write(data)  # type: ignore[attr-defined]
-            return
-        for i in range(0, len(data), 1 << 20):
-            part = data[i : i + (1 << 20)]
-            with self._link:
-                start = max(time.monotonic(), self._free_at)
-                self._free_at = start + len(part) / self.rate
-            time.sleep(max(0.0, self._free_at - time.monotonic()))
-            out.write(part)  # type: ignore[attr-defined]
+    def _relay(self, out: object, resp: http.client.HTTPResponse, data: bytes | None, n: int) -> int:
+        """Relay ``n`` bytes of the upstream body to ``out`` as they arrive (1 MiB at a time: the client sees
+        the first bytes before the server has sent the last, as through a real link); with a ``rate``, each
+        piece once the link has carried the bytes before it. Returns the bytes relayed (a client that hangs
+        up stops the relay: only what it received counts)."""
+        sent = 0
+        while sent < n:
+            k = min(1 << 20, n - sent)
+            part = data[sent : sent + k] if data is not None else resp.read(k)
+            if not part:
+                break
+            if self.rate > 0:
+                with self._link:
+                    start = max(time.monotonic(), self._free_at)
+                    self._free_at = start + len(part) / self.rate
+                time.sleep(max(0.0, self._free_at - time.monotonic()))
+            try:
+                out.write(part)  # type: ignore[attr-defined]
+            except OSError:
+                break
+            sent += len(part)
+        return sent
 
     def stop(self) -> None:
         self._httpd.shutdown()

@@ -266,26 +266,136 @@ def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str
     _same(_cli("diff", "--series", str(run), "--json"), _cli("diff", "--series", url, "--json"), run, url)
 
 
-def test_read_ahead_windows_tile_the_record_and_stop_at_its_end(
-    s3_server: _s3.Server, s3env: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from a few window GETs
-    (the next one prefetched), and nothing past ``limit`` is fetched. Oracle: the uploaded bytes."""
-    import random
-
-    data = random.Random(5).randbytes(5 << 20)
-    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
-    objstore.configure({"window_bytes": str(1 << 20)})
-    url, lo, hi = "s3://ckpts/win/obj", 123_457, (4 << 20) + 999
-    objstore.size(url)
-    objstore.reset_stats()
+def _read_sequentially(url: str, lo: int, hi: int, step: int = 300_000) -> bytes:
     got = bytearray(hi - lo)
     at = lo
-    while at < hi:  # reads of 300 KB, not aligned to the windows
-        k = min(300_000, hi - at)
+    while at < hi:  # reads of 300 KB, not aligned to anything
+        k = min(step, hi - at)
         objstore.read_into(url, at, memoryview(got)[at - lo : at - lo + k], limit=hi)
         at += k
-    assert bytes(got) == data[lo:hi]
-    st = objstore.stats()
-    assert st["bytes"] == hi - lo  # the windows tile [lo, hi): no byte twice, none past the limit
-    assert st["requests"] == -(-(hi - lo) // (1 << 20))  # one GET per 1 MiB window
+    return bytes(got)
+
+
+def test_read_ahead_stream_tiles_the_record_and_stops_at_its_end(
+    s3_server: _s3.Server, s3env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequential reader with ``limit`` (the record's end) gets the exact bytes from one streamed GET per
+    ``MAX_REQUEST`` bytes (5 MiB here: 5 + 5 + 5 + the rest), and nothing past ``limit`` is fetched.
+    Oracle: the uploaded bytes, and the request sizes ``ahead.Stream`` documents."""
+    import random
+
+    from zckpt.io.objstore import ahead
+
+    data = random.Random(5).randbytes(20 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
+    url, lo, hi = "s3://ckpts/win/obj", 123_457, (17 << 20) + 999
+    for max_request, requests in ((ahead.MAX_REQUEST, 1), (5 << 20, 4)):
+        monkeypatch.setattr(ahead, "MAX_REQUEST", max_request)
+        objstore.configure({"window_bytes": str(1 << 20)})
+        objstore.size(url)  # the listing: not counted below
+        objstore.reset_stats()
+        assert _read_sequentially(url, lo, hi) == data[lo:hi]
+        st = objstore.stats()
+        assert st["bytes"] == hi - lo  # the stream tiles [lo, hi): no byte twice, none past the limit
+        assert st["requests"] == requests and st["retries"] == 0
+
+
+def test_read_ahead_runs_ahead_of_the_reader_but_no_further(s3_server: _s3.Server, s3env: str) -> None:
+    """After one small read, the stream's thread fetches on by itself (the network overlaps the reader's
+    work) up to the read-ahead (``window_bytes``) past it, and stops there while the reader does not come
+    back. Oracle: the byte counts against the configured read-ahead."""
+    import time
+
+    data = bytes(range(256)) * (64 << 12)  # 64 MiB
+    s3_server.client().put_object(Bucket="ckpts", Key="win/ahead", Body=data)  # type: ignore[attr-defined]
+    ahead = 4 << 20
+    objstore.configure({"window_bytes": str(ahead)})
+    url = "s3://ckpts/win/ahead"
+    objstore.size(url)
+    objstore.reset_stats()
+    got = bytearray(1000)
+    objstore.read_into(url, 0, memoryview(got), limit=len(data))
+    assert bytes(got) == data[:1000]
+    deadline = time.monotonic() + 30
+    while objstore.stats()["bytes"] < ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    fetched = objstore.stats()["bytes"]
+    # past the read-ahead: at most the window being filled and the body's last chunk (1 MiB and a frame)
+    assert ahead <= fetched <= 1000 + ahead + (4 << 20) + (2 << 20)
+    objstore.configure(None)  # closes the stream
+
+
+def test_read_ahead_resumes_cut_off_bodies(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a proxy that cuts half the GET bodies off mid-way and answers 503 at random, a streamed
+    read resumes from the byte it stopped at: the bytes are exact."""
+    import random
+
+    data = random.Random(7).randbytes(24 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="win/cut", Body=data)  # type: ignore[attr-defined]
+    proxy = _s3.FaultProxy(s3_server.url, seed=3, p503=0.1, pdrop=0.0, ptrunc=0.5)
+    try:
+        for k, v in _s3.env_for(proxy.url):
+            monkeypatch.setenv(k, v)
+        objstore.configure({"part_bytes": str(5 << 20), "window_bytes": str(2 << 20)})
+        url = "s3://ckpts/win/cut"
+        objstore.reset_stats()
+        assert _read_sequentially(url, 10, len(data) - 10, step=1 << 20) == data[10:-10]
+        assert proxy.counts["faults"] > 0 and objstore.stats()["retries"] > 0
+    finally:
+        objstore.configure(None)
+        proxy.stop()
+
+
+def _profile_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, profile: str) -> None:
+    """A HOME whose ``~/.aws`` holds profile ``zck`` (the server's keys); ``AWS_PROFILE`` names ``profile``;
+    no key in the environment: the client must find the credentials through the profile."""
+    aws = tmp_path / "home" / ".aws"
+    aws.mkdir(parents=True)
+    (aws / "credentials").write_text("[zck]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    (aws / "config").write_text("[profile zck]\nregion = us-east-1\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_PROFILE", profile)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION",
+              "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):  # fmt: skip
+        monkeypatch.delenv(k, raising=False)
+    objstore.configure(None)
+
+
+def test_aws_profile_gives_the_credentials(
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``AWS_PROFILE`` with a credentials file in HOME (and no key in the environment) reaches the bucket:
+    consolidate's output equals the local run's."""
+    lp, url = inputs["ds/s3_fp32_w2"]
+    _profile_home(tmp_path, monkeypatch, s3_server.url, "zck")
+    try:
+        assert _cli("consolidate", str(lp), str(tmp_path / "local.safetensors"))[0] == 0
+        code, out = _cli("consolidate", url, str(tmp_path / "remote.safetensors"))
+        assert code == 0, out
+        assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    finally:
+        objstore.configure(None)
+
+
+def test_missing_aws_profile_is_one_line(
+    inputs: dict[str, tuple[Path, str]],
+    s3_server: _s3.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    _, url = inputs["ds/s3_fp32_w2"]
+    _profile_home(tmp_path, monkeypatch, s3_server.url, "nosuch")
+    try:
+        code, out = _cli("inspect", url)
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 2, out
+        assert lines[0].startswith("error: s3://ckpts"), out
+        assert lines[0].endswith(": no AWS profile 'nosuch' in ~/.aws/config or ~/.aws/credentials"), out
+        assert lines[1].startswith("hint: check AWS_PROFILE") and "Traceback" not in out
+    finally:
+        objstore.configure(None)

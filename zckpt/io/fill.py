@@ -15,6 +15,7 @@ on several threads (``zckpt.io.sink.HashingSink.fill``) instead of streaming chu
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zckpt.io import checks, storage
+from zckpt.io import checks, objstore, storage
 from zckpt.io.spans import Span, spans
 from zckpt.model import TensorEntry
 
@@ -71,6 +72,31 @@ class Layout:
             end = min(hi, start + r.nbytes)
             _fill_run(r, dst[: end - lo], lo - start)
             dst = dst[end - lo :]
+            lo = end
+            i += 1
+
+    @functools.cached_property
+    def remote(self) -> bool:
+        """Some of the bytes come from an object store (reads worth announcing: ``storage.expect``)."""
+        return any(
+            objstore.is_url(p.file)
+            for r in self.runs
+            if r.entry is not None
+            for p in r.entry.pieces
+            if p.value is None
+        )
+
+    def sources(self, lo: int, hi: int) -> Iterator[Span]:
+        """The spans of stored pieces that stream bytes ``[lo, hi)`` are read from, in order."""
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while lo < hi and i < len(self.runs):
+            r, start = self.runs[i], self.starts[i]
+            end = min(hi, start + r.nbytes)
+            if r.entry is not None:
+                isz = r.dtype.itemsize
+                for s in spans(r.entry, r.lo + (lo - start) // isz, r.lo - (-(end - start) // isz)):
+                    if s.piece.value is None:
+                        yield s
             lo = end
             i += 1
 

@@ -211,6 +211,9 @@ def fill(
                     hand_over()
                 for w in busy[k % nbuf]:  # handed over ``nbuf - workers - 1`` pieces ago
                     w.result()
+                if layout.remote:  # an object starts fetching the piece's sources from now on
+                    for s in layout.sources(lo, hi):
+                        storage.expect(s.piece.file, s.byte_offset, checks.record_end(s.piece))
                 window.append((k, lo, hi, pool.submit(job, k, lo, hi)))
             while window:
                 hand_over()
@@ -251,6 +254,9 @@ def write_items(
             for t in tasks:
                 if len(window) == nslots:
                     total += _drain(window.pop(0)[0], write, on_bytes)
+                if t.span is not None and t.span.piece.value is None:  # an object fetches it from now on
+                    p = t.span.piece
+                    storage.expect(p.file, t.span.byte_offset, checks.record_end(p))
                 window.append((pool.submit(slots[k % nslots].fill, t), k))
                 k += 1
             while window:

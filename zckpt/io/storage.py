@@ -123,6 +123,34 @@ def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) 
     return raw
 
 
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """``path`` names an object in a store (``s3://...``), not a local file."""
+    return objstore.is_url(path)
+
+
+def will_open(paths: list[str]) -> None:
+    """A hint: these files are opened next (a sharded checkpoint's rank files). Objects fetch their last
+    blocks (where a zip archive's directory lies) in parallel now; local files ignore it."""
+    urls = [p for p in paths if objstore.is_url(p)]
+    if urls:
+        objstore.prefetch_ends(urls)
+
+
+def will_read(f: BinaryIO, spans: list[tuple[int, int]]) -> None:
+    """A hint: these small ``(offset, length)`` spans of the ``open_regular`` file ``f`` are read next (a zip
+    archive's local headers). An object fetches their blocks in parallel now; a local file ignores it."""
+    raw = getattr(f, "raw", f)
+    if isinstance(raw, objstore.RemoteFile):
+        objstore.prefetch(raw.url, spans)
+
+
+def expect(path: str, offset: int, limit: int | None) -> None:
+    """A hint: a sequential read from byte ``offset`` of ``path`` up to ``limit`` (a record's end) comes
+    soon. An object starts fetching it now (``objstore.expect``); a local file ignores it."""
+    if limit is not None and objstore.is_url(path):
+        objstore.expect(path, offset, limit)
+
+
 def pread(fd: int, n: int, offset: int) -> bytes:
     """``os.pread`` that also takes ``open_fd``'s handles of objects."""
     if fd < -1:

@@ -102,6 +102,7 @@ def _records(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checked]
         )
     prefix = pkl[0][: -len("data.pkl")]
     out: dict[str, Checked] = {}
+    storage.will_read(f, [(i.header_offset, _LOCAL_HEADER.size) for i in infos])
     for info in infos:
         _stored(path, info, path)
         f.seek(info.header_offset)

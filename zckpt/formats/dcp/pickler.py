@@ -10,7 +10,9 @@ with their field dict (as ``pickle`` writes them), ``TensorProperties`` with its
 from __future__ import annotations
 
 import copyreg
+import hashlib
 import io
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -113,37 +115,67 @@ class Stored:
     length: int
 
 
+def _save_id(
+    tensors: Sequence[TensorSpec], byte_keys: Sequence[str], stored: Sequence[Stored], digests: Sequence[str]
+) -> str:
+    """A UUID (version 4's layout, as ``torch`` makes with ``uuid4``) derived from what the checkpoint holds
+    and where (its items, their places, the data files' sha256s), not drawn at random: the same output
+    written twice, by one process or split over several, gets a byte-identical ``.metadata``; saves of
+    different content still get different ids (DCP uses ``save_id`` only to tell saves apart)."""
+    h = hashlib.sha256()
+    for d in sorted(digests):
+        h.update(d.encode())
+    for t in tensors:
+        h.update(repr((t.key, str(t.dtype), t.shape, t.boxes)).encode())
+    h.update(repr(sorted(byte_keys)).encode())
+    for s in stored:
+        h.update(repr((s.key, s.offsets, s.file, s.offset, s.length)).encode())
+    return str(uuid.UUID(bytes=h.digest()[:16], version=4))
+
+
 def dumps(
     tensors: Sequence[TensorSpec],
     byte_keys: Sequence[str],
     paths: Mapping[str, tuple[str | int, ...]],
     stored: Sequence[Stored],
     checkpoint_id: str | None = None,
+    digests: Sequence[str] = (),
 ) -> bytes:
     """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written. ``checkpoint_id`` (DCP
     records the folder it saved to; nothing reads it back) stays None: the writer only sees its staging
-    folder, published under another name."""
+    folder, published under another name. ``digests``: the data files' sha256s (``save_id`` is derived from
+    them and the items; ``stored`` is pickled in file and offset order, however the writers' records
+    arrive). Strings are interned and chunk offsets taken from the plan: the pickle's memo goes by object
+    identity, and records from other processes hold equal copies, which would be pickled again instead of
+    referenced. So one process and several write the same bytes."""
     sdm: dict[str, Any] = {}
     for t in tensors:
         props = _record(M.TensorProperties, dtype=t.dtype)
         chunks = [_record(M.ChunkStorageMetadata, offsets=Size(o), sizes=Size(s)) for o, s in t.boxes]
-        sdm[t.key] = _record(M.TensorStorageMetadata, properties=props, size=Size(t.shape), chunks=chunks)
+        sdm[sys.intern(t.key)] = _record(
+            M.TensorStorageMetadata, properties=props, size=Size(t.shape), chunks=chunks
+        )
     for k in byte_keys:
-        sdm[k] = _record(M.BytesStorageMetadata)
+        sdm[sys.intern(k)] = _record(M.BytesStorageMetadata)
     index = {(t.key, o): i for t in tensors for i, (o, _) in enumerate(t.boxes)}
+    boxes = {(t.key, o): o for t in tensors for o, _ in t.boxes}
+    stored = sorted(stored, key=lambda s: (s.file, s.offset, s.key))
     storage = {}
     for s in stored:
-        off = None if s.offsets is None else Size(s.offsets)
+        off = None if s.offsets is None else Size(boxes[(s.key, s.offsets)])  # the plan's tuple: see above
         ix = None if s.offsets is None else index[(s.key, s.offsets)]
-        mi = _record(M.MetadataIndex, fqn=s.key, offset=off, index=ix)
-        storage[mi] = _record(M.StorageInfo_, relative_path=s.file, offset=s.offset, length=s.length)
+        mi = _record(M.MetadataIndex, fqn=sys.intern(s.key), offset=off, index=ix)
+        storage[mi] = _record(
+            M.StorageInfo_, relative_path=sys.intern(s.file), offset=s.offset, length=s.length
+        )
     meta = _record(
-        M.StorageMeta, checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4()), load_id=None, modules=[]
-    )
+        M.StorageMeta, checkpoint_id=checkpoint_id, save_id=_save_id(tensors, byte_keys, stored, digests),
+        load_id=None, modules=[],
+    )  # fmt: skip
     md = _record(
         M.Metadata,
         state_dict_metadata=sdm,
-        planner_data={k: tuple(paths[k]) for k in sdm},
+        planner_data={k: tuple(sys.intern(x) if isinstance(x, str) else x for x in paths[k]) for k in sdm},
         storage_data=storage,
         storage_meta=meta,
         version=VERSION,

@@ -350,7 +350,8 @@ class DcpWriter(CheckpointWriter):
         """``.metadata`` from every unit's records: written last, its presence marks a complete save."""
         assert isinstance(plan, DcpPlan)
         stored = [s for r in records if isinstance(r, DcpRecord) for s in r.stored]
-        data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored)
+        digests = [f"{r.name} {r.digest.sha256 or ' '.join(r.digest.blocks)}" for r in records]
+        data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored, digests=digests)
         sink = HashingSink(out / METADATA)
         try:
             sink.write(data)

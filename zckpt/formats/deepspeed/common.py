@@ -5,7 +5,10 @@ places each trainable parameter in the per-rank flat fp32 vectors, with the entr
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import torch
 
 from zckpt.errors import ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
+from zckpt.io import storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.torchzip import load_archive
 from zckpt.model import Piece, Role, TensorEntry
@@ -64,6 +68,20 @@ def load(path: Path, trust: bool) -> Node:
     node = Node(obj, str(path))
     node.as_dict()
     return node
+
+
+def load_all(paths: list[Path], trust: bool) -> list[Callable[[], Node]]:
+    """``load`` of each file, as a call that returns it (or raises its error) when the caller asks, in any
+    order: the caller asks only for the files it needs. Local files load on that call; files in an object
+    store start loading side by side now (their zip directories, pickles and record headers are round trips
+    to the store)."""
+    if not paths or not storage.is_remote(str(paths[0])):
+        return [functools.partial(load, p, trust) for p in paths]
+    storage.will_open([str(p) for p in paths])
+    pool = ThreadPoolExecutor(min(len(paths), 8), thread_name_prefix="zckpt-open")
+    futures = [pool.submit(load, p, trust) for p in paths]
+    pool.shutdown(wait=False)
+    return [f.result for f in futures]
 
 
 def ref(node: Node) -> TensorRef:

@@ -23,6 +23,7 @@ from zckpt.formats.deepspeed.common import (
     DS_KEYS,
     MAX_WORLD,
     load,
+    load_all,
     optim_entries,
     ref,
     tied_from_module,
@@ -204,11 +205,12 @@ def _partition_count(o: Node) -> int:
 def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> tuple[list[Node], list[Node]]:
     """(each rank's optimizer file, its ``optimizer_state_dict``), for ranks ``0..partition_count-1``."""
     first = optim_files[min(optim_files)]
-    top_first = load(first, trust)
+    loads = dict(zip(optim_files, load_all(list(optim_files.values()), trust), strict=True))
+    top_first = loads[min(optim_files)]()
     o_first = top_first["optimizer_state_dict"]
     ws = _partition_count(o_first)
     check_ranks(td, optim_files, ws, "optimizer-states", first, first.name)
-    tops = [top_first if optim_files[r] == first else load(optim_files[r], trust) for r in range(ws)]
+    tops = [top_first if optim_files[r] == first else loads[r]() for r in range(ws)]
     osds = [o_first if t is top_first else t["optimizer_state_dict"] for t in tops]
     for o in osds:
         if o["partition_count"].value != o_first["partition_count"].value:

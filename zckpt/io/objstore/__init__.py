@@ -6,7 +6,8 @@ reach it. Its modules, each importing only those above it:
 - ``client``: URLs, configuration, the client per bucket, errors as one ``StorageError`` line naming the
   URL with a hint, retries, ``stats()``, the shared caches.
 - ``paths``: ``RemotePath`` and the listings behind it, ``size``, ``kind``, ``as_path``, ``absolute``.
-- ``read``: ranged reads (``read_into``: parts, read-ahead windows, the block cache), ``RemoteFile``.
+- ``ahead``: read-ahead streams for sequential readers (a few streamed GETs per record, on their own thread).
+- ``read``: ranged reads (``read_into``: parts, read-ahead, the block cache, ``prefetch``), ``RemoteFile``.
 - ``write``: ``Upload`` (multipart, visible only when it completes), ``upload_file``, ``put_bytes``,
   ``delete``, ``list_keys``.
 
@@ -22,6 +23,7 @@ because its URL says so. zckpt's own keys: ``in_flight`` (default 8), ``part_byt
 
 from __future__ import annotations
 
+from zckpt.io.objstore.ahead import MAX_WINDOWS
 from zckpt.io.objstore.client import (
     SCHEMES,
     Url,
@@ -40,9 +42,11 @@ from zckpt.io.objstore.paths import RemotePath, absolute, as_path, kind, size
 from zckpt.io.objstore.read import (
     BLOCK,
     CACHE_BLOCKS,
-    MAX_WINDOWS,
     RemoteFile,
+    expect,
     open_read,
+    prefetch,
+    prefetch_ends,
     read_into,
     window_bytes,
 )
@@ -62,6 +66,7 @@ __all__ = [
     "configure",
     "delete",
     "error",
+    "expect",
     "in_flight",
     "is_url",
     "kind",
@@ -70,6 +75,8 @@ __all__ = [
     "parse",
     "parse_options",
     "part_bytes",
+    "prefetch",
+    "prefetch_ends",
     "put_bytes",
     "read_into",
     "reset_stats",

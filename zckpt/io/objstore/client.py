@@ -21,7 +21,10 @@ from typing import Any
 from zckpt.errors import ObjectMissing, StorageError
 
 SCHEMES = ("s3",)
-"""Schemes served (the store client is built for S3 and S3-compatible stores; tested against one)."""
+"""Schemes served by obstore (S3 and S3-compatible stores; tested against one). Any other scheme that an
+installed fsspec knows goes through fsspec (``backend.Fsspec``)."""
+_LOCAL_SCHEMES = frozenset({"file", "local"})
+"""fsspec's names for the local disk: such a URL is refused (give the path itself)."""
 
 
 _OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
@@ -57,12 +60,62 @@ def parse(x: object) -> Url | None:
     if not isinstance(s, str):
         return None
     m = _URL.match(s)
-    if m is None or m.group(1) not in SCHEMES:
+    if m is None:
+        return None
+    if m.group(1) not in SCHEMES and not _fsspec_knows(m.group(1), s, explicit=m.group(2) == "/"):
         return None
     bucket, _, key = m.group(3).partition("/")
     if not bucket:
         return None
     return Url(m.group(1), bucket, key.strip("/"))
+
+
+def _fsspec_knows(scheme: str, s: str, explicit: bool) -> bool:
+    """``scheme`` is one an installed fsspec serves. A ``scheme://`` it does not know (or with fsspec not
+    installed) is refused in one line, and so is ``x:/...`` (what ``pathlib`` makes of ``x://...``) unless a
+    local file has that name."""
+    if len(scheme) < 2:  # a drive letter, not a scheme
+        return False
+    if scheme not in _LOCAL_SCHEMES:
+        try:
+            from fsspec.registry import known_implementations, registry
+        except ImportError:
+            known_implementations, registry = {}, {}
+        if scheme in known_implementations or scheme in registry:
+            return True
+    if not explicit and (os.path.lexists(s) or scheme in _LOCAL_SCHEMES):
+        return False  # a local path that looks like one (``pathlib`` keeps one slash of ``x://``)
+    shown = _URL.sub(r"\1://\3", s)
+    raise StorageError(
+        f"{shown}: no client for {scheme}:// URLs",
+        hint="s3:// is served by obstore (pip install 'zckpt[s3]'); other stores by an fsspec implementation "
+        "of the scheme (pip install 'zckpt[fsspec]' and the scheme's package, e.g. gcsfs)"
+        if scheme not in _LOCAL_SCHEMES
+        else "give the local path itself, without file://",
+        path=shown,
+    )
+
+
+def _fsspec_fs(u: Url) -> Any:
+    """The fsspec filesystem for ``u``'s scheme, built with the storage options (one per scheme)."""
+    with _lock:
+        fs = _stores.get(u.scheme + "://")
+    if fs is not None:
+        return fs
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(u.scheme, **{k: v for k, v in _options.items() if k not in _OWN_KEYS})
+    except ImportError as e:
+        raise StorageError(f"{u}: reading or writing {u.scheme}:// needs {e.name or 'its fsspec package'}",
+                           hint="pip install 'zckpt[fsspec]' and the package for the scheme",
+                           path=str(u)) from None  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a bad option: one line
+        raise StorageError(f"{u}: cannot configure the {u.scheme}:// client ({_first_line(e)})",
+                           hint="check --storage-option keys", path=str(u)) from None  # fmt: skip
+    with _lock:
+        _stores[u.scheme + "://"] = fs
+    return fs
 
 
 def is_url(x: object) -> bool:
@@ -80,6 +133,9 @@ def configure(options: Mapping[str, str] | None) -> None:
         _cache.clear()
         _sizes.clear()
         _windows.clear()
+        gone = list(_streams)
+    for s in gone:
+        s.close()
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -163,7 +219,7 @@ def _store(u: Url) -> Any:
     provider = None
     keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
     if not keyed and _has_profile():
-        provider = _profile_provider()
+        provider = _profile_provider(u)
     if not keyed and provider is None and not _other_chain(config):
         raise StorageError(
             f"{u}: no credentials for the store",
@@ -210,14 +266,48 @@ def _has_profile() -> bool:
     )
 
 
-def _profile_provider() -> Any:
-    """Credentials from an AWS profile (``AWS_PROFILE``, ``~/.aws``), through boto3 when it is installed."""
+def _profile_provider(u: Url) -> Any:
+    """Credentials from an AWS profile (``AWS_PROFILE``, ``~/.aws``), through boto3 when it is installed. A
+    profile that is not there is refused in one line, before any request."""
     try:
-        import boto3  # noqa: F401
+        import boto3
+        from botocore.exceptions import ProfileNotFound
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError:
         return None
-    return Boto3CredentialProvider()
+    try:
+        session = boto3.Session()
+    except ProfileNotFound:
+        name = os.environ.get("AWS_PROFILE", "")
+        raise StorageError(
+            f"{u}: no AWS profile {name!r} in ~/.aws/config or ~/.aws/credentials",
+            hint="check AWS_PROFILE (aws configure list-profiles), or set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY",
+            path=str(u),
+        ) from None
+    return Boto3CredentialProvider(session)
+
+
+class _NoObstore:
+    """Stand-ins for obstore's exception classes when obstore is not installed (an fsspec store only)."""
+
+    class NotFoundError(Exception): ...
+
+    class PermissionDeniedError(Exception): ...
+
+    class UnauthenticatedError(Exception): ...
+
+    class AlreadyExistsError(Exception): ...
+
+    class PreconditionError(Exception): ...
+
+
+def _ox() -> Any:
+    try:
+        from obstore import exceptions
+    except ImportError:
+        return _NoObstore
+    return exceptions
 
 
 def _first_line(e: BaseException) -> str:
@@ -227,8 +317,7 @@ def _first_line(e: BaseException) -> str:
 
 def error(e: BaseException, url: object) -> StorageError:
     """One line for a client error: no credentials, no such bucket or key, access denied, or other."""
-    from obstore import exceptions as ox
-
+    ox = _ox()
     msg = str(e)
     if isinstance(e, (FileNotFoundError, ox.NotFoundError)) or "NoSuchKey" in msg or "NoSuchBucket" in msg:
         if "NoSuchBucket" in msg or "bucket does not exist" in msg:
@@ -299,8 +388,7 @@ _TRANSIENT = (
 def _retry(fn: Any, url: object, tries: int = 6) -> Any:
     """``fn()`` retried with exponential backoff on what the client lets through as a transient failure (a
     response body cut off after its headers); anything else, or the last failure, as ``error``."""
-    from obstore import exceptions as ox
-
+    ox = _ox()
     delay = 0.05
     for k in range(tries):
         try:
@@ -342,9 +430,14 @@ class _Window:
     start: int
     end: int
     data: Future[bytearray]
+    buf: bytearray
+    owner: Any = None
+    """The ``ahead.Stream`` that fills it."""
 
 
 _windows: OrderedDict[int, _Window] = OrderedDict()
+_streams: list[Any] = []
+"""The read-ahead streams (``ahead.Stream``), closed when their object is written, and by ``configure``."""
 
 
 def _forget(u: Url) -> None:
@@ -359,6 +452,9 @@ def _forget(u: Url) -> None:
             _cache.pop(ck)
         for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
             _windows.pop(wk)
+        gone = [s for s in _streams if s.key == str(u)]
+    for s in gone:
+        s.close()
 
 
 def _url(x: object) -> Url:

@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import cast
 
 from zckpt.errors import ObjectMissing
+from zckpt.io.objstore import backend
 from zckpt.io.objstore.client import (
     Url,
     _count,
@@ -20,7 +21,6 @@ from zckpt.io.objstore.client import (
     _lock,
     _retry,
     _sizes,
-    _store,
     _url,
     is_url,
     parse,
@@ -33,14 +33,9 @@ def _list(u: Url) -> _Listing:
         hit = _listings.get(key)
     if hit is not None:
         return hit
-    import obstore
-
-    prefix = u.key + "/" if u.key else None
     _count("requests")
-    res = _retry(lambda: obstore.list_with_delimiter(_store(u), prefix), u)
-    dirs = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
-    files = {m["path"].rsplit("/", 1)[-1]: int(m["size"]) for m in res["objects"]}
-    out = _Listing(dirs, files)
+    dirs, files = _retry(lambda: backend.of(u).list_dir(u), u)
+    out = _Listing(frozenset(dirs), files)
     with _lock:
         _listings[key] = out
         for name, size in files.items():
@@ -62,11 +57,8 @@ def size(x: object) -> int:
             return listing.files[name]
         if name not in listing.dirs:
             raise ObjectMissing(f"{u}: no such key", hint="check the URL: list its folder", path=str(u))
-    import obstore
-
     _count("requests")
-    meta = _retry(lambda: obstore.head(_store(u), u.key), u)
-    n = int(meta["size"])
+    n = int(_retry(lambda: backend.of(u).head(u), u))
     with _lock:
         _sizes[str(u)] = n
     return n

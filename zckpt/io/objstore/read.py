@@ -1,9 +1,10 @@
 """Ranged reads: ``read_into`` fetches exactly ``[offset, offset + n)`` with ranged GETs, cut into parts of at
 most ``part_bytes`` that go out ``in_flight`` at a time. A reader that says how far it reads on (``limit``:
-the end of the checksummed record it is in) is served from read-ahead windows of ``window_bytes`` that tile
-the record and never pass its end (``_from_window``). Reads under ``BLOCK`` bytes (headers, pickles, small
-tensors) come from a small cache of aligned ``BLOCK``-byte blocks, so neighbouring small reads coalesce into
-one request. Memory: the caller's buffer, at most ``MAX_WINDOWS`` windows and ``CACHE_BLOCKS`` blocks.
+the end of the checksummed record it is in) is served by a read-ahead stream (``ahead``: a few streamed GETs
+that fetch up to ``window_bytes`` ahead of it on their own thread and never pass the record's end). Reads
+under ``BLOCK`` bytes (headers, pickles, small tensors) come from a small cache of aligned ``BLOCK``-byte
+blocks, so neighbouring small reads coalesce into one request; ``prefetch`` fetches several such blocks at
+once. Memory: the caller's buffer, at most ``ahead.MAX_WINDOWS`` windows and ``CACHE_BLOCKS`` blocks.
 ``RemoteFile`` and ``open_read``: a seekable file over an object.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 import io
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from zckpt.io.objstore import ahead, backend
 from zckpt.io.objstore.client import (
     Url,
     _cache,
@@ -22,10 +25,7 @@ from zckpt.io.objstore.client import (
     _lock,
     _options,
     _retry,
-    _store,
     _url,
-    _Window,
-    _windows,
     in_flight,
     part_bytes,
 )
@@ -39,11 +39,11 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _get(u: Url, a: int, b: int) -> memoryview:
-    import obstore
+    be = backend.of(u)
 
     def once() -> memoryview:
         _count("requests")
-        got = memoryview(obstore.get_range(_store(u), u.key, start=a, end=b))
+        got = memoryview(be.get_range(u, a, b))
         if len(got) != b - a:
             raise OSError(f"connection closed: {len(got)} of {b - a} bytes")
         _count("bytes", b - a)
@@ -75,77 +75,55 @@ def _block(u: Url, i: int, total: int) -> bytes:
     return data
 
 
-_window_ids = iter(range(1 << 62))
-
-
 def window_bytes() -> int:
+    """How far a sequential reader's stream fetches ahead of it (``ahead.Stream``), default 32 MiB."""
     return max(
         BLOCK, int(_options.get("window_bytes", os.environ.get("ZCKPT_S3_WINDOW_BYTES", str(32 << 20))))
     )
 
 
-def _from_window(u: Url, offset: int, out: memoryview, limit: int) -> None:
-    """Serve ``out`` from windows of ``[offset, limit)`` fetched ahead: one sequential reader's small or
-    medium reads (a ZeRO partition read param by param) become few large ranged GETs that tile the record,
-    never past ``limit`` (the end of the record being read). Once a read passes the middle of a window, the
-    next one is fetched in the background, so the network overlaps the reader's work. At most
-    ``MAX_WINDOWS`` windows are held."""
-    done, n = 0, len(out)
-    while done < n:
-        at = offset + done
-        w, mine = _window_at(u, at, max(window_bytes(), n - done), limit)
-        if mine:
-            _fill(u, w)
-        data = w.data.result()
-        k = min(n - done, w.end - at)
-        out[done : done + k] = memoryview(data)[at - w.start : at - w.start + k]
-        done += k
-        if w.end < limit and at + k > (w.start + w.end) // 2:
-            nxt, new = _window_at(u, w.end, window_bytes(), limit)
-            if new:
-                threading.Thread(target=_fill, args=(u, nxt, False), name="zckpt-ahead", daemon=True).start()
+def expect(x: object, offset: int, limit: int) -> None:
+    """A sequential read of ``[offset, limit)`` comes soon: its read-ahead stream starts now."""
+    u = _url(x)
+    end = min(limit, size(u))
+    if offset < end:
+        ahead.expect(u, offset, end, window_bytes())
 
 
-def _held(u: Url, at: int) -> bool:
-    """A window already holds byte ``at`` of ``u`` (a reader's last read of a record comes from it too)."""
-    key = str(u)
-    with _lock:
-        return any(w.url == key and w.start <= at < w.end for w in _windows.values())
-
-
-def _window_at(u: Url, at: int, size: int, limit: int) -> tuple[_Window, bool]:
-    """The window holding byte ``at`` of ``u``, or a new one ``[at, at + size)`` (clipped to ``limit``) that
-    the caller must fill (then True)."""
-    key = str(u)
-    with _lock:
-        w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
-        if w is not None:
-            return w, False
-        w = _Window(key, at, min(limit, at + size), Future())
-        _windows[next(_window_ids)] = w
-        while len(_windows) > MAX_WINDOWS:
-            _windows.popitem(last=False)
-        return w, True
-
-
-def _fill(u: Url, w: _Window, raise_: bool = True) -> None:
-    buf = bytearray(w.end - w.start)
-    try:
-        _read_parts(u, w.start, memoryview(buf))
-    except BaseException as e:
-        w.data.set_exception(e)
+def prefetch_ends(xs: Sequence[object]) -> None:
+    """The last block of each object, all fetched at once: a zip archive's end record and central
+    directory, for objects about to be opened."""
+    jobs = []
+    for x in xs[: CACHE_BLOCKS // 2]:
+        u = _url(x)
+        total = size(u)
+        last = (total - 1) // BLOCK
         with _lock:
-            for k in [k for k, v in _windows.items() if v is w]:
-                _windows.pop(k)
-        if raise_:
-            raise
-        return
-    w.data.set_result(buf)
+            if (str(u), last) in _cache:
+                continue
+        jobs.append((u, last, total))
+    if jobs:
+        for f in [_executor().submit(_block, *j) for j in jobs]:
+            f.result()
 
 
-MAX_WINDOWS = 4
-"""Windows held at once (whole process), prefetched ones included: memory ``MAX_WINDOWS * window_bytes`` at
-most (128 MiB)."""
+def prefetch(x: object, spans: list[tuple[int, int]]) -> None:
+    """Fetch the blocks under these small ``(offset, length)`` spans of the object, all at once (``in_flight``
+    requests in parallel), into the block cache: the reads that follow (a zip archive's local headers, one
+    per record) then cost one round trip together instead of one each. At most ``CACHE_BLOCKS // 2``
+    blocks; spans past the end are ignored."""
+    u = _url(x)
+    total = size(u)
+    want: list[int] = []
+    for off, n in spans:
+        for i in range(max(0, off) // BLOCK, (min(total, off + n) - 1) // BLOCK + 1):
+            if i not in want and i * BLOCK < total:
+                want.append(i)
+    with _lock:
+        want = [i for i in want if (str(u), i) not in _cache][: CACHE_BLOCKS // 2]
+    if len(want) > 1:
+        for f in [_executor().submit(_block, u, i, total) for i in want]:
+            f.result()
 
 
 def read_into(x: object, offset: int, out: memoryview, limit: int | None = None) -> None:
@@ -168,9 +146,9 @@ def read_into(x: object, offset: int, out: memoryview, limit: int | None = None)
     if (
         limit is not None
         and min(limit, total) >= offset + n
-        and (min(limit, total) > offset + n or _held(u, offset))
+        and (min(limit, total) > offset + n or ahead.held(u, offset))
     ):
-        _from_window(u, offset, out, min(limit, total))
+        ahead.read(u, offset, out, min(limit, total), window_bytes(), _read_parts)
         return
     if n < BLOCK:
         done = 0
@@ -229,8 +207,12 @@ class RemoteFile(io.RawIOBase):
         return self.pos
 
     def readinto(self, b: Any) -> int:
+        """A small read stops at the end of its block (a short read, as raw files may return): a buffered
+        reader's look-ahead does not cost a request for the next block."""
         mv = memoryview(b).cast("B")
         n = max(0, min(len(mv), self.size - self.pos))
+        if n < BLOCK:
+            n = min(n, BLOCK - self.pos % BLOCK)
         if n:
             read_into(self.url, self.pos, mv[:n])
             self.pos += n

@@ -11,7 +11,8 @@ import os
 from typing import Any
 
 from zckpt.errors import StorageError
-from zckpt.io.objstore.client import Url, _count, _forget, _retry, _store, _url, error, in_flight, part_bytes
+from zckpt.io.objstore import backend
+from zckpt.io.objstore.client import Url, _count, _forget, _retry, _url, error, part_bytes
 from zckpt.io.objstore.paths import _list
 
 
@@ -21,17 +22,8 @@ class Upload:
     ``abort()`` (or an error) leaves nothing, not even the parts."""
 
     def __init__(self, x: object) -> None:
-        import obstore
-
         self.url = _url(x)
-        self._w = _retry(
-            lambda: obstore.open_writer(
-                _store(self.url), self.url.key, buffer_size=part_bytes(), max_concurrency=in_flight()
-            ),
-            self.url,
-            tries=1,
-        )
-        self._w.__enter__()
+        self._w = _retry(lambda: backend.of(self.url).writer(self.url), self.url, tries=1)
         self._n = 0
         self.closed = False
 
@@ -53,7 +45,7 @@ class Upload:
             return
         self.closed = True
         try:
-            self._w.__exit__(None, None, None)
+            self._w.close()
         except Exception as e:  # noqa: BLE001 - one line
             raise error(e, self.url) from None
         _count("uploads")
@@ -66,14 +58,12 @@ class Upload:
             return
         self.closed = True
         with contextlib.suppress(Exception):  # best effort: never hide the error that caused the abort
-            self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            self._w.abort()
 
 
 def upload_file(local: str | os.PathLike[str], x: object, *, create: bool = False) -> None:
     """Upload the local file to ``x``: one PUT under a part, else a multipart upload. ``create``: fail with
     ``OutputExists`` if the object exists (``If-None-Match: *``: of two writers, one wins)."""
-    import obstore
-
     u = _url(x)
     n = os.path.getsize(local)
     if n <= part_bytes() or create:
@@ -83,7 +73,7 @@ def upload_file(local: str | os.PathLike[str], x: object, *, create: bool = Fals
             data = f.read()
         try:
             _count("requests")
-            _retry(lambda: obstore.put(_store(u), u.key, data, mode="create" if create else "overwrite"), u)
+            _retry(lambda: backend.of(u).put(u, data, create), u)
         except StorageError as e:
             if create and "already exists" in str(e).lower():
                 from zckpt.errors import OutputExists
@@ -111,8 +101,6 @@ def upload_file(local: str | os.PathLike[str], x: object, *, create: bool = Fals
 
 def delete(urls: list[str]) -> None:
     """Delete these objects (missing ones are fine)."""
-    import obstore
-
     by_bucket: dict[str, list[Url]] = {}
     for s in urls:
         u = _url(s)
@@ -121,33 +109,26 @@ def delete(urls: list[str]) -> None:
         for i in range(0, len(us), 1000):
             part = us[i : i + 1000]
             _count("requests")
-            _retry(lambda part=part: obstore.delete(_store(part[0]), [u.key for u in part]), part[0])
+            _retry(lambda part=part: backend.of(part[0]).delete(part), part[0])
             for u in part:
                 _forget(u)
 
 
 def list_keys(x: object, *, recursive: bool = True) -> list[str]:
     """The URLs of every object under the folder ``x`` (its whole subtree unless not ``recursive``)."""
-    import obstore
-
     u = _url(x)
-    prefix = u.key + "/" if u.key else None
     if not recursive:
         return [f"{u}/{n}" for n in sorted(_list(u).files)]
-    out: list[str] = []
     _count("requests")
-    for batch in _retry(lambda: list(obstore.list(_store(u), prefix)), u):
-        out += [f"{u.scheme}://{u.bucket}/{m['path']}" for m in batch]
-    return sorted(out)
+    keys = _retry(lambda: backend.of(u).list_all(u), u)
+    return sorted(f"{u.scheme}://{u.bucket}/{k}" for k in keys)
 
 
 def put_bytes(x: object, data: bytes) -> None:
     """One small object, written whole by one PUT (it replaces what was there)."""
-    import obstore
-
     u = _url(x)
     _count("requests")
-    _retry(lambda: obstore.put(_store(u), u.key, data), u)
+    _retry(lambda: backend.of(u).put(u, data, False), u)
     _count("uploads")
     _count("bytes_up", len(data))
     _forget(u)

@@ -1,0 +1,198 @@
+"""The client contract every store is used through, and its two implementations: ``S3`` (obstore, for
+``s3://``: tested against a real S3 server) and ``Fsspec`` (any other scheme an installed fsspec knows:
+``gs://``, ``az://``, ``hf://``, ``memory://``...; tested with fsspec's in-process ``memory://``).
+
+The contract: ranged reads (``get_range``) and streamed ranged reads (``stream``), a folder listing with
+sizes (``list_dir``), ``head``, whole-subtree ``list_all``, ``delete``, ``put`` (create-if-absent on
+request), and ``writer``, an object written as a stream that appears only when ``close`` completes it and
+never after ``abort``. ``S3`` does that with multipart uploads; ``Fsspec`` spools the object (in memory up to
+``part_bytes``, then in a local temporary file) and writes it whole at ``close``: a generic fsspec filesystem
+has no multipart upload to abort, so a partial object is never made visible. Its create-if-absent is a
+check before the write, not atomic.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from zckpt.errors import StorageError
+from zckpt.io.objstore.client import Url, _fsspec_fs, _store, in_flight, part_bytes
+
+
+class Writer(Protocol):
+    def write(self, b: bytes) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class S3:
+    """``s3://`` through obstore."""
+
+    def get_range(self, u: Url, a: int, b: int) -> Any:
+        import obstore
+
+        return obstore.get_range(_store(u), u.key, start=a, end=b)
+
+    def stream(self, u: Url, a: int, b: int) -> Iterator[bytes]:
+        import obstore
+
+        res = obstore.get(_store(u), u.key, options={"range": (a, b)})
+        return iter(res.stream(min_chunk_size=1 << 20))
+
+    def list_dir(self, u: Url) -> tuple[list[str], dict[str, int]]:
+        import obstore
+
+        res = obstore.list_with_delimiter(_store(u), u.key + "/" if u.key else None)
+        dirs = [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
+        return dirs, {m["path"].rsplit("/", 1)[-1]: int(m["size"]) for m in res["objects"]}
+
+    def head(self, u: Url) -> int:
+        import obstore
+
+        return int(obstore.head(_store(u), u.key)["size"])
+
+    def list_all(self, u: Url) -> list[str]:
+        import obstore
+
+        keys = []
+        for batch in obstore.list(_store(u), u.key + "/" if u.key else None):
+            keys += [m["path"] for m in batch]
+        return keys
+
+    def delete(self, us: list[Url]) -> None:
+        import obstore
+
+        obstore.delete(_store(us[0]), [u.key for u in us])
+
+    def put(self, u: Url, data: bytes, create: bool) -> None:
+        import obstore
+
+        obstore.put(_store(u), u.key, data, mode="create" if create else "overwrite")
+
+    def writer(self, u: Url) -> Writer:
+        return _S3Writer(u)
+
+
+class _S3Writer:
+    def __init__(self, u: Url) -> None:
+        import obstore
+
+        self._w = obstore.open_writer(_store(u), u.key, buffer_size=part_bytes(), max_concurrency=in_flight())
+        self._w.__enter__()
+
+    def write(self, b: bytes) -> None:
+        self._w.write(b)
+
+    def close(self) -> None:
+        self._w.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+class Fsspec:
+    """Any other scheme, through the fsspec filesystem registered for it."""
+
+    @staticmethod
+    def _p(u: Url) -> str:
+        return f"{u.bucket}/{u.key}" if u.key else u.bucket
+
+    def get_range(self, u: Url, a: int, b: int) -> Any:
+        return _fsspec_fs(u).cat_file(self._p(u), start=a, end=b)
+
+    def stream(self, u: Url, a: int, b: int) -> Iterator[bytes]:
+        fs, path, step = _fsspec_fs(u), self._p(u), max(1 << 20, part_bytes())
+
+        def chunks() -> Iterator[bytes]:
+            for at in range(a, b, step):
+                yield fs.cat_file(path, start=at, end=min(b, at + step))
+
+        return chunks()
+
+    def list_dir(self, u: Url) -> tuple[list[str], dict[str, int]]:
+        fs = _fsspec_fs(u)
+        try:
+            entries = fs.ls(self._p(u), detail=True)
+        except FileNotFoundError:
+            entries = []
+        dirs, files = [], {}
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if e.get("type") == "directory":
+                dirs.append(name)
+            else:
+                files[name] = int(e.get("size") or 0)
+        return dirs, files
+
+    def head(self, u: Url) -> int:
+        return int(_fsspec_fs(u).info(self._p(u))["size"])
+
+    def list_all(self, u: Url) -> list[str]:
+        fs, root = _fsspec_fs(u), self._p(u)
+        try:
+            found = fs.find(root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in found:
+            rel = str(p).lstrip("/")
+            bucket_rel = rel.partition("/")[2] if rel.startswith(u.bucket + "/") or rel == u.bucket else rel
+            out.append(bucket_rel)
+        return out
+
+    def delete(self, us: list[Url]) -> None:
+        fs = _fsspec_fs(us[0])
+        for u in us:
+            if fs.exists(self._p(u)):
+                fs.rm_file(self._p(u))
+
+    def put(self, u: Url, data: bytes, create: bool) -> None:
+        fs = _fsspec_fs(u)
+        if create and fs.exists(self._p(u)):
+            raise FileExistsError(f"{u}: already exists")
+        fs.pipe_file(self._p(u), data)
+
+    def writer(self, u: Url) -> Writer:
+        return _SpooledWriter(self, u)
+
+
+class _SpooledWriter:
+    """An object spooled here and written whole at ``close`` (``Fsspec``: nothing partial is ever seen)."""
+
+    def __init__(self, be: Fsspec, u: Url) -> None:
+        self._be, self._u = be, u
+        self._f = tempfile.SpooledTemporaryFile(max_size=part_bytes(), prefix="zckpt-up-")  # noqa: SIM115
+
+    def write(self, b: bytes) -> None:
+        self._f.write(b)
+
+    def close(self) -> None:
+        fs, path = _fsspec_fs(self._u), self._be._p(self._u)
+        try:
+            self._f.seek(0)
+            if not getattr(self._f, "_rolled", True):  # still in memory: one write of the whole object
+                fs.pipe_file(path, self._f.read())
+                return
+            with fs.open(path, "wb") as out:
+                while chunk := self._f.read(part_bytes()):
+                    out.write(chunk)
+        finally:
+            self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+_S3_BACKEND = S3()
+_FSSPEC_BACKEND = Fsspec()
+
+
+def of(u: Url) -> S3 | Fsspec:
+    """The client for ``u``'s scheme."""
+    if u.scheme == "s3":
+        return _S3_BACKEND
+    if u.scheme:
+        return _FSSPEC_BACKEND
+    raise StorageError(f"{u}: no client for this scheme", path=str(u))  # pragma: no cover - parse refuses
