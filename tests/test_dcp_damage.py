@@ -291,3 +291,41 @@ def test_flipped_directory_or_local_header_field_fails_verify(tmp_path: Path, wh
     f.write_bytes(bytes(data))
     rep = zckpt.verify(d)
     assert not rep.ok and {q.file for q in rep.problems} == {str(f)}, rep.problems
+
+
+@pytest.mark.parametrize("how", ["fifo", "missing", "garbage", "newer-garbage"])
+def test_torchtitan_step_without_readable_metadata_names_it(tmp_path: Path, how: str) -> None:
+    """Seed 14 case 61: a FIFO in place of torchtitan's ``step-3/.metadata``: the save folder was "not a
+    checkpoint zckpt recognises" (the step lookup skipped the step; verify named nothing). A step folder whose
+    ``.metadata`` is there but unreadable, newer than every readable step, or the only step's missing one, is
+    now refused naming that file; an older complete step is never read in its place."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    step = d / "step-3"
+    if how == "newer-garbage":  # a complete step-3, and a damaged step-5 after it
+        step = d / "step-5"
+        shutil.copytree(d / "step-3", step)
+    md = step / ".metadata"
+    md.unlink()
+    if how == "fifo":
+        os.mkfifo(md)
+    elif how != "missing":
+        md.write_bytes(b"not a pickle")
+    for args in (("consolidate", d), ("consolidate", d, "--tag", step.name)):
+        p = _cli(*args[:2], tmp_path / "o.safetensors", *args[2:], "--no-progress")
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) <= 2 and lines[0].startswith(f"error: {md}: "), p.stderr
+        assert not (tmp_path / "o.safetensors").exists()
+    rep = zckpt.verify(d)
+    assert not rep.ok and [q.file for q in rep.problems] == [str(md)], rep.problems
+
+
+def test_torchtitan_unfinished_newer_step_is_passed_over(tmp_path: Path) -> None:
+    """A newer ``step-N`` folder with ``.distcp`` files and no ``.metadata`` is a save in progress: like
+    torchtitan's own loader, the newest complete step is read."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    shutil.copytree(d / "step-3", d / "step-5")
+    (d / "step-5" / ".metadata").unlink()
+    with zckpt.open(d) as ck:
+        assert ck.meta.path == str(d / "step-3")
