@@ -49,10 +49,10 @@ def test_sigint_before_zckpt_ran_is_not_counted_as_its_traceback() -> None:
     from tests.fuzz.proc import Proc
     from tests.fuzz.scenario_run import before_zckpt
 
-    def proc(stderr: str, sig: int = signal.SIGINT) -> Proc:
-        return Proc([], "", 1, "", stderr, 0.1, 9.0, signalled=sig)
+    def proc(stderr: str, sig: int = signal.SIGINT, rc: int = 1) -> Proc:
+        return Proc([], "", rc, "", stderr, 0.1, 9.0, signalled=sig)
 
-    assert before_zckpt(proc(_RUNPY_INTERRUPTED))
+    assert before_zckpt(proc(_RUNPY_INTERRUPTED)) and before_zckpt(proc(_RUNPY_INTERRUPTED, rc=-2))
     ours = _RUNPY_INTERRUPTED.replace("/usr/lib/python3.11/operator.py", "/w/zckpt/cli/app.py")
     assert not before_zckpt(proc(ours))
     assert not before_zckpt(proc(_RUNPY_INTERRUPTED, signal.SIGTERM))

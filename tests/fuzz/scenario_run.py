@@ -119,11 +119,12 @@ _ZCKPT_FRAME = re.compile(r'File "[^"]*/zckpt/')
 
 def before_zckpt(p: proc.Proc) -> bool:
     """A SIGINT that landed while ``python -m`` was still importing ``runpy`` and the standard library
-    (seed 15 case 114, 0.07 s after start on a loaded machine: "Could not import runpy module", exit 1): a
-    traceback with no frame of zckpt, which installs its start-up handler at the top of its package."""
+    (seed 15 case 114, 0.07 s after start on a loaded machine: "Could not import runpy module", exit 1 or
+    SIGINT): a traceback with no frame of zckpt, which installs its start-up handler at the top of its
+    package."""
     return (
         p.signalled == signal.SIGINT
-        and p.rc == 1
+        and p.rc in (1, -signal.SIGINT)  # runpy's import failed, or the KeyboardInterrupt left as SIGINT
         and "Traceback (most recent call last)" in p.stderr
         and p.stderr.rstrip().endswith("KeyboardInterrupt")
         and _ZCKPT_FRAME.search(p.stderr) is None
