@@ -291,3 +291,82 @@ def test_flipped_directory_or_local_header_field_fails_verify(tmp_path: Path, wh
     f.write_bytes(bytes(data))
     rep = zckpt.verify(d)
     assert not rep.ok and {q.file for q in rep.problems} == {str(f)}, rep.problems
+
+
+@pytest.mark.parametrize("how", ["fifo", "missing", "garbage", "newer-garbage"])
+def test_torchtitan_step_without_readable_metadata_names_it(tmp_path: Path, how: str) -> None:
+    """Seed 14 case 61: a FIFO in place of torchtitan's ``step-3/.metadata``: the save folder was "not a
+    checkpoint zckpt recognises" (the step lookup skipped the step; verify named nothing). A step folder whose
+    ``.metadata`` is there but unreadable, newer than every readable step, or the only step's missing one, is
+    now refused naming that file; an older complete step is never read in its place."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    step = d / "step-3"
+    if how == "newer-garbage":  # a complete step-3, and a damaged step-5 after it
+        step = d / "step-5"
+        shutil.copytree(d / "step-3", step)
+    md = step / ".metadata"
+    md.unlink()
+    if how == "fifo":
+        os.mkfifo(md)
+    elif how != "missing":
+        md.write_bytes(b"not a pickle")
+    for args in (("consolidate", d), ("consolidate", d, "--tag", step.name)):
+        p = _cli(*args[:2], tmp_path / "o.safetensors", *args[2:], "--no-progress")
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) <= 2 and lines[0].startswith(f"error: {md}: "), p.stderr
+        assert not (tmp_path / "o.safetensors").exists()
+    rep = zckpt.verify(d)
+    assert not rep.ok and [q.file for q in rep.problems] == [str(md)], rep.problems
+
+
+def test_torchtitan_unfinished_newer_step_is_passed_over(tmp_path: Path) -> None:
+    """A newer ``step-N`` folder with ``.distcp`` files and no ``.metadata`` is a save in progress: like
+    torchtitan's own loader, the newest complete step is read."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    shutil.copytree(d / "step-3", d / "step-5")
+    (d / "step-5" / ".metadata").unlink()
+    with zckpt.open(d) as ck:
+        assert ck.meta.path == str(d / "step-3")
+
+
+def test_local_header_name_flip_is_one_short_line(tmp_path: Path) -> None:
+    """Seed 15 case 115: a bit flipped in the local header name of a value item's ``.data/serialization_id``
+    record: the error quoted zipfile's whole message (both names), a 304-char line. Now the header's name
+    only, without zipfile's class name."""
+    import io
+    import zipfile
+
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    md = pickles.load_opaque((d / "step-3" / ".metadata").read_bytes())
+    info = next(i for k, i in md.state["storage_data"].items() if k.state.get("offset") is None)
+    f, off, n = d / "step-3" / info.state["relative_path"], info.state["offset"], info.state["length"]
+    data = bytearray(f.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data[off : off + n]))) as zf:
+        rec = next(i for i in zf.infolist() if i.filename.endswith("/.data/serialization_id"))
+    at = off + rec.header_offset + 30 + len(rec.filename) - len("a/serialization_id")  # '.data' -> '.date'
+    assert data[at : at + 1] == b"a"
+    data[at] ^= 0x04
+    f.write_bytes(bytes(data))
+    p = _cli("consolidate", d, tmp_path / "o.safetensors", "--no-progress")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) <= 2 and lines[0].startswith(f"error: {f} "), p.stderr
+    assert "local header name" in lines[0] and "BadZipFile" not in lines[0], lines[0]
+    assert len(lines[0]) - len(str(f)) < 200, lines[0]
+
+
+def test_bytes_after_the_last_item_fail_verify(tmp_path: Path) -> None:
+    """Seed 15 case 165: 770 bytes appended to a ``.distcp`` file: verify said OK (items are read by offset,
+    and DCP writes a file's items back to back to its end). Files of safetensors items are not checked (their
+    header and alignment are between items): that fixture still verifies."""
+    d = tmp_path / "ck"
+    shutil.copytree(FIX / "torchtitan_w2" / "checkpoint", d)
+    f = d / "step-3" / "__0_0.distcp"
+    with f.open("ab") as out:
+        out.write(b"\0" * 770)
+    rep = zckpt.verify(d)
+    assert not rep.ok and [q.file for q in rep.problems] == [str(f)], rep.problems
+    assert "770 bytes after its last item" in rep.problems[0].message, rep.problems
+    assert zckpt.verify(FIX / "stformat_w2" / "checkpoint").ok

@@ -29,3 +29,30 @@ def test_dcp_families_handful(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert rc == 0, out[-6000:]
     families = ("dcp-metadata", "dcp-chunks", "dcp-files", "dcp-paths", "dcp-signals")
     assert "5 cases" in out and all(f in out for f in families), out[-2000:]
+
+
+_RUNPY_INTERRUPTED = """Could not import runpy module
+Traceback (most recent call last):
+  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load
+  File "<frozen runpy>", line 15, in <module>
+  File "/usr/lib/python3.11/operator.py", line 232, in attrgetter
+    class attrgetter:
+KeyboardInterrupt
+"""
+
+
+def test_sigint_before_zckpt_ran_is_not_counted_as_its_traceback() -> None:
+    """Seed 15 case 114: SIGINT 0.07 s after start hit ``python -m`` importing ``runpy`` (no zckpt code had
+    run). That traceback is Python's; one with a zckpt frame, or after another signal, is still counted."""
+    import signal
+
+    from tests.fuzz.proc import Proc
+    from tests.fuzz.scenario_run import before_zckpt
+
+    def proc(stderr: str, sig: int = signal.SIGINT, rc: int = 1) -> Proc:
+        return Proc([], "", rc, "", stderr, 0.1, 9.0, signalled=sig)
+
+    assert before_zckpt(proc(_RUNPY_INTERRUPTED)) and before_zckpt(proc(_RUNPY_INTERRUPTED, rc=-2))
+    ours = _RUNPY_INTERRUPTED.replace("/usr/lib/python3.11/operator.py", "/w/zckpt/cli/app.py")
+    assert not before_zckpt(proc(ours))
+    assert not before_zckpt(proc(_RUNPY_INTERRUPTED, signal.SIGTERM))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
 from pathlib import Path
 
 from tests.fuzz import proc
@@ -100,9 +102,33 @@ def _signal(m: Mutation, base: Base, refs: Refs, timeout: float) -> CaseResult:
     p = proc.run_zckpt(args, cwd=m.root, timeout=timeout, env=env, on_tick=_trigger(m, sent))
     p.signalled = sent[0] if sent else None
     outcome = classify(p, m, cmd, ref, timeout=timeout, before=before)
+    if before_zckpt(p):  # Python's own start-up: no program can catch it; what it left is still judged
+        rest = [w for w in outcome.why if not w.startswith("traceback: ")]
+        note = (
+            "note: SIGINT while the interpreter was starting, before any zckpt code ran (Python's traceback)"
+        )
+        outcome = worst([(w.split(": ", 1)[0], w.split(": ", 1)[1]) for w in rest] or [("ok-refused", "")])
+        outcome.why.append(note)
     if not sent:
         outcome.why.append("note: the signal was never sent (no staging folder seen, or it finished first)")
     return CaseResult(m, m.op, args, outcome, [p])
+
+
+_ZCKPT_FRAME = re.compile(r'File "[^"]*/zckpt/')
+
+
+def before_zckpt(p: proc.Proc) -> bool:
+    """A SIGINT that landed while ``python -m`` was still importing ``runpy`` and the standard library
+    (seed 15 case 114, 0.07 s after start on a loaded machine: "Could not import runpy module", exit 1 or
+    SIGINT): a traceback with no frame of zckpt, which installs its start-up handler at the top of its
+    package."""
+    return (
+        p.signalled == signal.SIGINT
+        and p.rc in (1, -signal.SIGINT)  # runpy's import failed, or the KeyboardInterrupt left as SIGINT
+        and "Traceback (most recent call last)" in p.stderr
+        and p.stderr.rstrip().endswith("KeyboardInterrupt")
+        and _ZCKPT_FRAME.search(p.stderr) is None
+    )
 
 
 def _kill_rerun(m: Mutation, base: Base, refs: Refs, timeout: float) -> CaseResult:

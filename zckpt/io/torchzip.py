@@ -10,6 +10,7 @@ does the same for an archive stored inside a bigger file (through a ``Window`` o
 from __future__ import annotations
 
 import copy
+import re
 import struct
 import zipfile
 import zlib
@@ -123,10 +124,26 @@ def record_offsets(path: str) -> tuple[str, dict[str, tuple[int, int]]]:
     return prefix, out
 
 
+_NAMES_DIFFER = re.compile(r"File name in directory (.*) and header (.*) differ", re.DOTALL)
+
+
+def _reason(e: BaseException) -> str:
+    """``zipfile``'s complaint, short enough for one error line: ``BadZipFile`` goes without its name (the
+    line says "damaged torch zip archive"), and a local header whose name differs from the directory's quotes
+    only the header's (two record names made one line too long)."""
+    text = str(e)
+    m = _NAMES_DIFFER.match(text)
+    if m:
+        text = f"local header name {m.group(2)[:60]} differs from the directory"
+    if isinstance(e, zipfile.BadZipFile):
+        return text[:100]
+    return f"{type(e).__name__}: {text[:100]}"
+
+
 def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptCheckpoint:
     """``path``: where, in the message (a file, or an archive inside one); ``file``: the file, if not it."""
     return CorruptCheckpoint(
-        f"{path}: damaged torch zip archive ({type(e).__name__}: {str(e)[:120]})",
+        f"{path}: damaged torch zip archive ({_reason(e)})",
         hint="re-copy the file, or check the save finished",
         path=file or path,
     )

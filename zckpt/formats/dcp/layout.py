@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from zckpt.errors import CorruptCheckpoint, KeyMappingError, UnknownFormat
+from zckpt.errors import CorruptCheckpoint, KeyMappingError, PermissionDenied, UnknownFormat
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.io import storage
 
@@ -71,13 +71,67 @@ class Source:
     tag: str | None = None
 
 
-def _steps(p: Path) -> list[tuple[int, Path]]:
+def _step_dirs(p: Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` folder of ``p``, oldest first."""
+    try:
+        children = list(p.iterdir()) if p.is_dir() else []
+    except OSError:
+        return []
     out = []
-    for d in p.iterdir() if p.is_dir() else ():
+    for d in children:
         m = _STEP_RE.match(d.name)
-        if m and is_dcp_folder(d):
+        if m and d.is_dir():
             out.append((int(m.group(1)), d))
     return sorted(out)
+
+
+def _steps(p: Path) -> list[tuple[int, Path]]:
+    """The ``step-N`` folders of ``p`` that hold a readable ``.metadata``, oldest first."""
+    return [(n, d) for n, d in _step_dirs(p) if is_dcp_folder(d)]
+
+
+def _unreadable(md: Path) -> str:
+    """Why the ``.metadata`` at ``md`` (not a readable DCP pickle) cannot be read, for an error line."""
+    if not os.path.lexists(md):
+        return "missing"
+    try:
+        with storage.open_regular(md):
+            pass
+    except CorruptCheckpoint as e:  # a FIFO, a device, a folder, a dangling link...
+        return str(e).removeprefix(f"{md}: ")
+    except PermissionDenied:  # not damage: said as what it is
+        raise
+    except OSError as e:
+        return f"cannot open ({e.strerror})"
+    return "not a DCP metadata pickle"
+
+
+def _broken_step(p: Path) -> Path | None:
+    """The ``.metadata`` of a ``step-N`` folder that a step lookup must not pass over: one that is there but
+    not readable, in a folder newer than every readable step (it is damage, not an unfinished save), or,
+    when no step is readable, a missing one beside ``.distcp`` files. A newer step folder with no
+    ``.metadata`` at all is an unfinished save: torchtitan skips it too, and so does ``resolve``."""
+    dirs = _step_dirs(p)
+    readable = [n for n, d in dirs if is_dcp_folder(d)]
+    newest = readable[-1] if readable else -1
+    for n, d in reversed(dirs):
+        if n > newest and os.path.lexists(d / METADATA):
+            return d / METADATA
+    if not readable:
+        for _, d in reversed(dirs):
+            if _distcp_without_metadata(d):
+                return d / METADATA
+    return None
+
+
+def _refuse_metadata(md: Path) -> CorruptCheckpoint:
+    what = _unreadable(md)
+    return CorruptCheckpoint(
+        f"{md}: {what}, so this DCP checkpoint cannot be read"
+        + (" (an unfinished save?)" if what == "missing" else ""),
+        hint="DCP writes .metadata last; restore the folder from the original save",
+        path=str(md),
+    )
 
 
 def _accelerate(parent: Path, index: str | None) -> Source | None:
@@ -122,7 +176,7 @@ def detect(p: Path) -> bool:
         return False
     if is_dcp_folder(p) or is_hf_shards(p) or _distcp_without_metadata(p):
         return True
-    return bool(_steps(p)) or _accelerate_quiet(p)
+    return bool(_steps(p)) or _broken_step(p) is not None or _accelerate_quiet(p)
 
 
 def _distcp_without_metadata(p: Path) -> bool:
@@ -152,6 +206,12 @@ def resolve(p: Path, tag: str | None = None) -> Source:
         )
     if tag is not None:
         inner = p if p.name == tag and is_dcp_folder(p) else p / tag
+        if (
+            not is_dcp_folder(inner)
+            and inner.is_dir()
+            and (os.path.lexists(inner / METADATA) or _distcp_without_metadata(inner))
+        ):
+            raise _refuse_metadata(inner / METADATA)
         if not is_dcp_folder(inner):
             raise CorruptCheckpoint(
                 f"{p}: no DCP folder {tag!r:.80} (one holding {METADATA})",
@@ -170,6 +230,9 @@ def resolve(p: Path, tag: str | None = None) -> Source:
         return Source(p, (p,), "dcp")
     if is_hf_shards(p):
         return Source(p, (p,), "hf-shards")
+    broken = _broken_step(p)
+    if broken is not None:
+        raise _refuse_metadata(broken)
     steps = _steps(p)
     if steps:
         d = steps[-1][1]

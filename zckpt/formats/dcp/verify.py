@@ -6,7 +6,8 @@ embedded ``torch.save`` archive recomputed (tensor chunks and bytes items: a fli
 and its directory entries, local headers, data descriptors and end records compared field by field;
 safetensors blobs parsed; every tensor's boxes tiling it (replicas counted once) with storage for each
 chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no stray files in a DCP folder
-(anything but ``.metadata``, the files it names and their ``.sha256`` sidecars).
+(anything but ``.metadata``, the files it names and their ``.sha256`` sidecars); no bytes of a file of
+``torch.save`` items outside every item (DCP writes them back to back, from the start to the end).
 """
 
 from __future__ import annotations
@@ -73,10 +74,30 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
             if why is not None:
                 per_file[f].append(Problem(f, f"{_item(key, info)}: {why}", "corrupt", "the file is damaged"))
     for f, bad in per_file.items():
+        if not bad and f not in {b for b, _ in blobs}:
+            why = _uncovered([(i.offset, i.length) for g, _, i in todo if g == f], sizes[f])
+            if why is not None:
+                bad.append(Problem(f, why, "inconsistent", "re-copy the file from the original save"))
+    for f, bad in per_file.items():
         if bad:
             ctx.broken.add(f)
         out += bad  # every damaged item: the text report shows one line per file, --json all of them
     return out
+
+
+def _uncovered(spans_: list[tuple[int, int]], size: int) -> str | None:
+    """Bytes of a file of ``torch.save`` items that no item of ``.metadata`` covers. DCP's file writer
+    writes a file's items back to back from byte 0 to its end; safetensors-format files (their header,
+    alignment) are not checked."""
+    pos = 0
+    for off, n in sorted(spans_):
+        if off > pos:
+            return f"bytes [{pos}, {off}) belong to no item of the metadata (a gap between items)"
+        pos = max(pos, off + n)
+    if pos < size:
+        return (f"{size - pos} bytes after its last item (at {pos}) belong to no item of the metadata "
+                "(grown or appended to after the save?)")  # fmt: skip
+    return None
 
 
 def _check_item(
