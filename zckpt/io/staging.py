@@ -23,8 +23,8 @@ returns one).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
+import functools
 import os
 import re
 import shutil
@@ -56,10 +56,21 @@ _AT_FDCWD = -100
 _TMP_MARK = ".zckpt-tmp-"
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library already loaded in this process (``dlopen(NULL)``). Not ``ctypes.util.find_library``: it
+    runs ``ldconfig`` in a forked copy of this process, which a large process pays for (and its memory is
+    briefly counted twice by whoever sums a process tree's RSS)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def _renameat2(a: Path, b: Path, flags: int) -> bool:
     """``renameat2(a, b, flags)`` (Linux); False where the kernel or filesystem does not offer it."""
-    libc_name = ctypes.util.find_library("c")
-    fn = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+    lib = _libc()
+    fn = getattr(lib, "renameat2", None) if lib is not None else None
     if fn is None:
         return False
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
