@@ -161,7 +161,7 @@ def test_sigkill_mid_upload_never_looks_complete(
     """Kill ``reshard --to native`` at 20 random moments (uniform over an uninterrupted run's duration): the
     output is absent, or holds data objects without the manifest and ``latest`` (an incomplete checkpoint
     that does not look complete), or is complete and verifies clean. Never a manifest without its data."""
-    env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.01",
+    env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.2",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # fmt: skip
     c = s3_server.client()
 
