@@ -71,6 +71,8 @@ def start() -> Server:
 
 _CHILD_SERVER = """
 import os, sys
+if len(sys.argv) > 2:  # IAM: the first N requests go unchecked (the tests' setup calls), then every one is
+    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = sys.argv[2]
 from moto.server import ThreadedMotoServer
 s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
 s.start()
@@ -78,6 +80,17 @@ print("ready", flush=True)
 sys.stdin.read()
 s.stop()
 """
+
+
+def _spawn(*args: str, quiet: bool = True) -> tuple[int, subprocess.Popen[bytes]]:
+    """A moto server in a child process on a free port (``_CHILD_SERVER``), once it answers."""
+    port = free_port()
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+    argv = [sys.executable, "-c", _CHILD_SERVER, str(port), *args]
+    err = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return port, proc
 
 
 @dataclass
@@ -94,24 +107,8 @@ class ChildServer(Server):
 
 
 def start_child() -> ChildServer:
-    port = free_port()
-    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD_SERVER, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    port, proc = _spawn()
     return ChildServer(f"http://127.0.0.1:{port}", None, proc)
-
-
-_AUTH_SERVER = """
-import os, sys
-os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"  # the tests' 4 setup calls, then every request is checked
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
-s.start()
-print("ready", flush=True)
-sys.stdin.read()
-s.stop()
-"""
 
 
 @dataclass
@@ -132,11 +129,7 @@ class AuthServer:
 def start_authenticating() -> AuthServer:
     import boto3
 
-    port = free_port()
-    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
-    proc = subprocess.Popen([sys.executable, "-c", _AUTH_SERVER, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    port, proc = _spawn("4", quiet=False)  # the 4 setup calls below, then every request is checked
     url = f"http://127.0.0.1:{port}"
     kw = {"endpoint_url": url, **_boto_creds()}
     s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
