@@ -204,13 +204,16 @@ def test_sigint_cleans_up(src: Path, tmp_path: Path) -> None:
         work.mkdir()
         log = tmp_path / f"t{trial}.log"
         args = [*job[:2], work / str(job[2]), *job[3:]]
-        pid = fork(run_cli, args, env={DELAY_ENV: "0.05"}, log=log)
+        # every write waits 0.4 s before it starts, and the signal comes at most 0.25 s after the first
+        # temporary file is seen: it lands before the first write is through, however few writes the job
+        # makes (a 1.5 KiB output is one or two), at a random point of the staging window
+        pid = fork(run_cli, args, env={DELAY_ENV: "0.4"}, log=log)
         deadline = time.monotonic() + 60
         while not temps(work):
             assert not exited(pid), "finished before any write was seen"
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        time.sleep(rng.uniform(0.0, 0.2))
+        time.sleep(rng.uniform(0.0, 0.25))
         os.kill(pid, signal.SIGINT)
         code = wait(pid)
         text = log.read_text()
