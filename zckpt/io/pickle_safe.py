@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import io
 import pickle
-import pickletools
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from typing import Any, BinaryIO
 import torch
 
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
+from zckpt.io.pickle_scan import prescan
 from zckpt.model import Checked
 
 
@@ -354,46 +354,9 @@ MAX_NODES_PER_BYTE = 8
 """An unpickled structure, expanded as a tree (shared sub-objects counted at every use), may have at most
 this many nodes per byte of its file (plus a constant): shared-reference bombs are refused."""
 
-_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
 
-
-def _prescan(data: bytes, source: str) -> None:
-    """Walk the opcodes without building anything (``pickletools.genops``): every length prefix must fit
-    the data (no allocation from a lying length), memo indices must be the sequential ones a pickler writes
-    (no 2**28-slot memo), and the stack must stay shallow."""
-    memo = 0
-    depth = 0
-    marks: list[int] = []
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            name = op.name
-            if name in _MEMO_PUTS:
-                if not isinstance(arg, int) or arg > memo:
-                    raise UnsafePickle(f"{source}: pickle memo index {arg} out of sequence", path=source)
-                memo = max(memo, arg + 1)
-            elif name == "MEMOIZE":
-                memo += 1
-            elif name in _MEMO_GETS and (not isinstance(arg, int) or arg >= memo):
-                raise UnsafePickle(f"{source}: pickle reads memo slot {arg} before writing it", path=source)
-            before, after = op.stack_before, op.stack_after
-            if pickletools.markobject in before:
-                if not marks:
-                    raise UnsafePickle(f"{source}: pickle pops a mark it never pushed", path=source)
-                depth = marks.pop()
-                before = [x for x in before if x not in (pickletools.markobject, pickletools.stackslice)]
-            depth = max(0, depth - len(before))
-            if pickletools.markobject in after:
-                marks.append(depth)
-            depth += len([x for x in after if x is not pickletools.markobject])
-            if depth + len(marks) > MAX_STACK:
-                raise UnsafePickle(f"{source}: pickle nests deeper than {MAX_STACK} levels", path=source)
-    except UnsafePickle:
-        raise
-    except (ValueError, TypeError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(
-            f"{source}: unreadable pickle ({type(e).__name__}: {str(e)[:120]})", path=source
-        ) from None
+_LEAVES = frozenset({int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.Size, StorageRef})
+"""Types whose objects hold nothing to walk (``torch.Size`` holds ints only)."""
 
 
 def _children(o: Any) -> list[Any]:
@@ -411,31 +374,37 @@ def _children(o: Any) -> list[Any]:
 def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
     """Refuse cycles, nesting deeper than ``MAX_DEPTH`` and structures that expand (shared sub-objects
     counted at every use) to more than ``max_nodes``: every later walk over the object then terminates
-    quickly, recursive or not. Iterative, each distinct object visited once."""
+    quickly, recursive or not. Iterative, each distinct object visited once (leaves not at all)."""
     size: dict[int, int] = {}
     on_path: set[int] = set()
-    stack: list[tuple[Any, int, bool]] = [(obj, 1, False)]
+    leaves = _LEAVES
+    stack: list[tuple[Any, int, list[Any] | None]] = [(obj, 1, None)]
     while stack:
         o, level, done = stack.pop()
         k = id(o)
-        if done:
+        if done is not None:  # its children are all sized
             on_path.discard(k)
-            size[k] = 1 + sum(size.get(id(c), 1) for c in _children(o))
-            if size[k] > max_nodes:
+            n = 1 + len(done)
+            for c in done:
+                n += size.get(id(c), 1) - 1
+            size[k] = n
+            if n > max_nodes:
                 raise UnsafePickle(
                     f"{source}: pickled structure expands to more than {max_nodes} objects", path=source
                 )
             continue
+        if type(o) in leaves or k in size:
+            continue
         kids = _children(o)
-        if not kids or k in size:
+        if not kids:
             continue
         if k in on_path:
             raise UnsafePickle(f"{source}: pickled structure refers to itself", path=source)
         if level > MAX_DEPTH:
             raise UnsafePickle(f"{source}: pickled structure nests deeper than {MAX_DEPTH}", path=source)
         on_path.add(k)
-        stack.append((o, level, True))
-        stack.extend((c, level + 1, False) for c in kids)
+        stack.append((o, level, kids))
+        stack.extend([(c, level + 1, None) for c in kids if type(c) not in leaves])
 
 
 def safe_loads(
@@ -447,9 +416,10 @@ def safe_loads(
     extra: Mapping[tuple[str, str], Any] | None = None,
 ) -> Any:
     """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs), bounded: see
-    ``_prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint``/``UnsafePickle``. ``extra``
-    allows more globals for this one pickle (a format's own inert stand-ins, e.g. DCP's metadata classes)."""
-    _prescan(data, source)
+    ``zckpt.io.pickle_scan.prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint`` or
+    ``UnsafePickle``. ``extra`` allows more globals for this one pickle (a format's own inert stand-ins, e.g.
+    DCP's metadata classes)."""
+    prescan(data, source, MAX_STACK)
     try:
         obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle, extra=extra).load()
     except UnsafePickle as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
-from zckpt.io import storage
+from zckpt.io import storage, zipdir
 from zckpt.io.integrity import Problem, VerifyContext, problem_from
 from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
 from zckpt.io.window import Window
@@ -55,9 +55,13 @@ _SMALL_RECORD = 1 << 20
 """Records outside ``data/`` up to this size are read (and so CRC-checked) when an archive is opened."""
 
 
-def _stored(where: str, info: zipfile.ZipInfo, path: str | None = None) -> None:
-    """A record torch wrote: stored (uncompressed), so its central directory's two sizes are equal (a
-    bigger uncompressed size would still pass ``zipfile``'s CRC check, reading only the stored bytes)."""
+def _stored(where: str, info: zipfile.ZipInfo | zipdir.Entry, path: str | None = None) -> None:
+    """A record torch wrote: stored (uncompressed, not encrypted), so its central directory's two sizes are
+    equal (a bigger uncompressed size would still pass a CRC check reading only the stored bytes)."""
+    if info.flag_bits & 0x1:
+        raise Unsupported(
+            f"{where}: record {info.filename!r:.80} is encrypted; torch never writes that", path=path
+        )
     if info.compress_type != zipfile.ZIP_STORED:
         raise Unsupported(
             f"{where}: record {info.filename!r:.80} is compressed; torch never writes that", path=path
@@ -135,7 +139,7 @@ def _reason(e: BaseException) -> str:
     m = _NAMES_DIFFER.match(text)
     if m:
         text = f"local header name {m.group(2)[:60]} differs from the directory"
-    if isinstance(e, zipfile.BadZipFile):
+    if isinstance(e, (zipfile.BadZipFile, zipdir.ZipError)):
         return text[:100]
     return f"{type(e).__name__}: {text[:100]}"
 
@@ -228,23 +232,19 @@ def archive_at(
     archives of same-shaped tensors hold identical pickles)."""
     where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
     win = Window(fd, offset, length)
-    try:
-        with zipfile.ZipFile(win) as zf:
-            infos = {i.filename: i for i in zf.infolist()}
-            pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise CorruptCheckpoint(
-                    f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path
-                )
-            prefix = pkl[0][: -len("data.pkl")]
-            for other in infos.values():  # the small bookkeeping records (byteorder, version...) CRC-checked,
-                # as for whole files: no later read covers them
-                small = other.file_size <= _SMALL_RECORD and other.filename != pkl[0]
-                if small and not other.filename.startswith(prefix + "data/"):
-                    zf.read(other)
-    except _ZIP_ERRORS as e:
-        raise _damaged(where, e, path) from None
-    start, size, crc = _record_at(where, win, infos[pkl[0]])
+    infos = _directory(where, win, path)
+    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
+    prefix = pkl[0][: -len("data.pkl")]
+    for other in infos.values():  # the small bookkeeping records (byteorder, version...) CRC-checked, as for
+        # whole files: no later read covers them
+        small = other.file_size <= _SMALL_RECORD and other.filename != pkl[0]
+        if small and not other.filename.startswith(prefix + "data/"):
+            a, n, c = _record_at(where, win, other, path)
+            if zlib.crc32(win.pread(n, a)) != c:
+                raise _damaged(where, zipdir.ZipError(f"Bad CRC-32 for file {other.filename!r:.80}"), path)
+    start, size, crc = _record_at(where, win, infos[pkl[0]], path)
     data = win.pread(size, start)
     if len(data) != size or zlib.crc32(data) != crc:
         raise CorruptCheckpoint(
@@ -262,7 +262,7 @@ def archive_at(
         name = f"{prefix}data/{ref.storage.key}"
         if name not in infos:
             raise CorruptCheckpoint(f"{where}: tensor storage record {name!r:.80} is missing", path=path)
-        a, n, c = _record_at(where, win, infos[name])
+        a, n, c = _record_at(where, win, infos[name], path)
         _check_view(where, name, ref, n)
         ref.file, ref.byte_offset = path, offset + a + ref.offset * ref.dtype.itemsize
         ref.check = Checked(path, offset + a, n, c, f"zip record {name}{' of ' + what if what else ''}")
@@ -276,12 +276,27 @@ def _fresh(obj: Any) -> Any:
     return copy.copy(obj) if isinstance(obj, TensorRef) and obj.attrs is None else copy.deepcopy(obj)
 
 
-def _record_at(where: str, win: Window, info: zipfile.ZipInfo) -> tuple[int, int, int]:
+def _directory(where: str, win: Window, path: str) -> dict[str, zipdir.Entry]:
+    try:
+        return zipdir.read(win.pread, win.length).entries
+    except zipdir.ZipError as e:
+        raise _damaged(where, e, path) from None
+
+
+def _record_at(where: str, win: Window, info: zipdir.Entry, path: str | None = None) -> tuple[int, int, int]:
     """(data offset inside the archive, size, CRC-32) of one stored record, from its local header."""
-    _stored(where, info)
-    if not 0 <= info.header_offset <= win.length - _LOCAL_HEADER.size:
-        raise CorruptCheckpoint(f"{where}: record {info.filename!r:.80} starts outside its archive")
-    start = _data_start(where, info, win.pread(_LOCAL_HEADER.size, info.header_offset), win.length)
+    _stored(where, info, path)
+    if not 0 <= info.header_offset <= win.length - zipdir.LOCAL_HEADER.size:
+        raise CorruptCheckpoint(
+            f"{where}: record {info.filename!r:.80} starts outside its archive", path=path
+        )
+    head = win.pread(zipdir.LOCAL_HEADER.size + len(info.orig), info.header_offset)
+    try:
+        start = zipdir.data_start(info, head, win.length)
+    except zipdir.ZipError as e:
+        raise CorruptCheckpoint(
+            f"{where}: {e}", hint="re-copy the file, or check the save finished", path=path
+        ) from None
     return start, info.file_size, info.CRC
 
 
@@ -293,15 +308,16 @@ def check_archive_at(
     ``ctx``, stored records are checked in pieces on its scan threads (``zckpt.io.scan``)."""
     win = Window(fd, offset, length)
     try:
-        with zipfile.ZipFile(win) as zf:
-            infos = zf.infolist()
-            if ctx is None or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-                bad = zf.testzip()
-            else:
-                recs = [_record_at(path, win, i) for i in infos]
-                crcs = ctx.crc_ranges(Path(path), [(offset + start, n) for start, n, _ in recs])
-                bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
-            start_dir = zf.start_dir
+        d = zipdir.read(win.pread, win.length)
+        infos = list(d.entries.values())
+        if any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits & 0x1 for i in infos):
+            return "zip records unreadable (compressed or encrypted)"
+        recs = [_record_at(path, win, i) for i in infos]
+        if ctx is None:
+            crcs = [_crc_of(win, start, n) for start, n, _ in recs]
+        else:
+            crcs = ctx.crc_ranges(Path(path), [(offset + start, n) for start, n, _ in recs])
+        bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
         return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
     if bad is not None:
@@ -310,10 +326,17 @@ def check_archive_at(
         why = _entry_problem(win, info)
         if why is not None:
             return f"zip record {info.filename}: {why}"
-    return _end_problem(win, len(infos), start_dir)
+    return _end_problem(win, len(infos), d.start_dir)
 
 
-def _entry_problem(win: Window, info: zipfile.ZipInfo) -> str | None:
+def _crc_of(win: Window, start: int, n: int, step: int = 8 << 20) -> int:
+    crc = 0
+    for at in range(start, start + n, step):
+        crc = zlib.crc32(win.pread(min(step, start + n - at), at), crc)
+    return crc
+
+
+def _entry_problem(win: Window, info: zipdir.Entry) -> str | None:
     """A directory entry and its local header (and data descriptor, which torch writes) agree on everything a
     reader may use (version needed, flags, method, CRC-32, sizes, name) and describe a plain stored record
     (no comment, disk 0); ``zipfile`` reads only some of these. Timestamps, "version made by" and file
@@ -329,7 +352,7 @@ def _entry_problem(win: Window, info: zipfile.ZipInfo) -> str | None:
         return "directory entry damaged (comment, disk number or flags)"
     if (needed, flags, method) != (info.extract_version, info.flag_bits, info.compress_type):
         return "directory entry and local header disagree (version needed, flags or method)"
-    if name != info.orig_filename.encode():
+    if name != info.orig:
         return "directory entry and local header name different records"
     if flags & 0x8:  # CRC-32 and sizes follow the data, in a data descriptor; the local fields are 0
         if crc or csize or usize:

@@ -16,8 +16,9 @@ costs two reads instead of a dozen (a DCP checkpoint has thousands of chunk arch
 
 class Window(io.RawIOBase):
     """Read-only, seekable file over bytes ``[offset, offset + length)`` of the open descriptor ``fd`` (reads
-    are ``pread``: several windows may share one descriptor). The first and last ``_EDGE`` bytes are read
-    once, at the first read that needs them, and served from memory after that."""
+    are ``pread``: several windows may share one descriptor). The first and last ``_EDGE`` bytes (all of a
+    window up to twice that) are read once, at the first read that needs them, and served from memory after
+    that."""
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
         super().__init__()
@@ -32,6 +33,9 @@ class Window(io.RawIOBase):
         for lo, data in self._edges:
             if lo <= at and at + n <= lo + len(data):
                 return data[at - lo : at + n - lo]
+        if not self._edges and self.length <= 2 * _EDGE:  # a small archive: all of it in one read
+            self._edges.append((0, storage.pread(self.fd, self.length, self.base)))
+            return self._edges[0][1][at : at + n]
         if n <= _EDGE and len(self._edges) < 2:
             lo = 0 if at + n <= _EDGE else max(0, self.length - _EDGE)
             if lo <= at and at + n <= lo + min(_EDGE, self.length - lo):

@@ -64,6 +64,8 @@ class Files:
         self.folder = folder
         self._fds: dict[str, tuple[int, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
+        self._paths: dict[str, Path] = {}
+        self._names: dict[str, str] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
 
     def __enter__(self) -> Files:
@@ -81,6 +83,12 @@ class Files:
         self._fds.clear()
 
     def path(self, info: StorageInfo) -> Path:
+        p = self._paths.get(info.file)
+        if p is None:
+            p = self._paths[info.file] = self._checked_path(info)
+        return p
+
+    def _checked_path(self, info: StorageInfo) -> Path:
         rel = Path(info.file)
         if rel.is_absolute() or ".." in rel.parts or not info.file or "\x00" in info.file:
             md = str(self.folder / METADATA)
@@ -93,7 +101,9 @@ class Files:
 
     def open(self, info: StorageInfo) -> tuple[str, int]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
-        f = str(self.path(info))
+        f = self._names.get(info.file)
+        if f is None:
+            f = self._names[info.file] = str(self.path(info))
         if f not in self._fds:
             if not storage.exists(f):
                 raise ShardMismatch(
