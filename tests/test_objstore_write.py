@@ -158,7 +158,8 @@ def test_failure_leaves_nothing(
 def test_sigkill_mid_upload_never_looks_complete(
     src: tuple[Path, str], s3_server: _s3.Server, s3env: object
 ) -> None:
-    """Kill ``reshard --to native`` at 20 random moments (uniform over an uninterrupted run's duration): the
+    """Kill ``reshard --to native`` at 20 random moments (half uniform over an uninterrupted run's duration,
+    half within 0.3 s of the first object's upload, each write slowed by 0.2 s): the
     output is absent, or holds data objects without the manifest and ``latest`` (an incomplete checkpoint
     that does not look complete), or is complete and verifies clean. Never a manifest without its data."""
     env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.2",
@@ -188,7 +189,15 @@ def test_sigkill_mid_upload_never_looks_complete(
     for i in range(20):
         dst = f"s3://ckpts/wkill/{i}"
         p = launch(dst)
-        time.sleep(rng.uniform(0.3, 1.1) * took)
+        if i % 2:  # uniform over the run
+            time.sleep(rng.uniform(0.3, 1.1) * took)
+        else:  # soon after the first object shows: in the middle of the uploads, whatever the run's pace
+            deadline = time.monotonic() + 2 * took
+            while (
+                not _s3.keys(c, "ckpts", f"wkill/{i}/") and p.poll() is None and time.monotonic() < deadline
+            ):
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)
         p.wait()
         names = _s3.keys(c, "ckpts", f"wkill/{i}/")

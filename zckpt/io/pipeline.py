@@ -202,6 +202,15 @@ def fill(
         if on_bytes is not None:
             on_bytes(hi - lo)
 
+    if len(pieces) == 1:  # one piece: filled here (a pool would cost a thread start and a hand-off)
+        (lo, hi), buf = pieces[0], bufs[0][: pieces[0][1]]
+        layout.fill(buf, lo)
+        out = checks.crc32(_bytes(buf)) if crc else 0
+        for w in sink.write_owned(_bytes(buf)):
+            w.result()
+        if on_bytes is not None:
+            on_bytes(hi - lo)
+        return out
     with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
             for k, (lo, hi) in enumerate(pieces):

@@ -94,6 +94,7 @@ class HashingSink(io.RawIOBase):
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
         self._fill_bufs: list[memoryview] = []  # ``fill_buffers``
         self._t_open = time.perf_counter()
+        self._delay = float(os.environ.get(_TEST_DELAY_ENV) or 0)  # read once per file, not per write
         self._fsync_s = 0.0
         self._wall_s = 0.0
 
@@ -106,8 +107,8 @@ class HashingSink(io.RawIOBase):
     def write(self, b: object, stable: bool = False) -> int:
         """Append ``b``. ``stable``: ``b`` stays unchanged until ``close()`` (see the module doc)."""
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if _TEST_DELAY_ENV in os.environ:  # test hook: lets kill tests land in the middle of a write
-            time.sleep(float(os.environ[_TEST_DELAY_ENV]))
+        if self._delay:  # test hook: lets kill tests land in the middle of a write
+            time.sleep(self._delay)
         if self._direct is not None:  # it hands every byte to the hash threads itself (``_hasher.queue``)
             self._direct.write(mv, stable)
         elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
@@ -133,8 +134,8 @@ class HashingSink(io.RawIOBase):
         if self._direct is None:
             self.write(mv)
             return []
-        if _TEST_DELAY_ENV in os.environ:
-            time.sleep(float(os.environ[_TEST_DELAY_ENV]))
+        if self._delay:
+            time.sleep(self._delay)
         busy = self._direct.write_owned(mv)
         self._pos += len(mv)
         return busy

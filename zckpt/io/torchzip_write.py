@@ -186,8 +186,10 @@ class TorchZipWriter:
                     chunks = ()
                 else:
                     chunks = chunks.chunks(pipeline.CHUNK_BYTES)
-            # a lazy chunk stream is read ahead on a thread: its reads overlap the CRC, hash and write
-            stream = chunks if isinstance(chunks, (list, tuple)) else pipeline.prefetch(chunks)
+            # a lazy chunk stream of a large record is read ahead on a thread: its reads overlap the CRC, hash
+            # and write (a small one is read here: a thread per record costs more than it saves)
+            lazy = not isinstance(chunks, (list, tuple)) and size > pipeline.CHUNK_BYTES
+            stream = pipeline.prefetch(chunks) if lazy else chunks
             for c in stream:
                 data = tensor_bytes(c) if isinstance(c, torch.Tensor) else c
                 if overlap:  # the record's CRC on a helper thread while the chunk is written and hashed

@@ -20,6 +20,7 @@ Every item is one ``torch.save``-compatible zip archive (``zckpt.io.torchzip_wri
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -269,9 +270,29 @@ class _Rel:
         pass
 
 
-def _archive(sink: HashingSink, obj: Any, data: WriteItem | None) -> None:
+@functools.lru_cache(maxsize=4096)
+def _tensor_pickle(dtype: torch.dtype, sizes: tuple[int, ...]) -> bytes:
+    """A chunk's ``data.pkl``: the same for every chunk of one dtype and shape (thousands per checkpoint)."""
+    return pickle_obj(TensorSlot(StorageSlot("0", dtype, math.prod(sizes)), sizes))
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar_pickle(kind: str, text: str, value: Any) -> bytes:
+    """A plain value's ``data.pkl`` (an optimizer option of every parameter: thousands of equal ones), keyed
+    by type and ``repr`` (``0.0 == -0.0`` and ``1 == 1.0 == True`` must not share a pickle)."""
+    return pickle_obj(value)
+
+
+def _value_pickle(v: Any) -> bytes:
+    return _scalar_pickle(type(v).__name__, repr(v), v) if type(v) in _SCALARS else pickle_obj(v)
+
+
+def _archive(sink: HashingSink, pickled: bytes, data: WriteItem | None) -> None:
     zw = TorchZipWriter(cast(HashingSink, _Rel(sink)))
-    zw.write_header_records(pickle_obj(obj))
+    zw.write_header_records(pickled)
     if data is not None:
         zw.write_record("data/0", layout_of_items([data]), data.nbytes)
     zw.close()
@@ -286,14 +307,14 @@ def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
             sink.write(tensor_bytes(buf))
         return
     if it.entry is None:
-        _archive(sink, it.value, None)
+        _archive(sink, _value_pickle(it.value), None)
         return
     e, dt = it.entry, cast(torch.dtype, it.dtype)
     n = math.prod(it.sizes)
     inner = n // it.sizes[0] if it.sizes and it.sizes[0] else 1
     lo = it.offsets[0] * inner if it.offsets else 0
     item = WriteItem(it.key, e, dt, span=(lo, lo + n))
-    _archive(sink, TensorSlot(StorageSlot("0", dt, n), it.sizes), item)
+    _archive(sink, _tensor_pickle(dt, tuple(it.sizes)), item)
 
 
 class DcpWriter(CheckpointWriter):
