@@ -136,7 +136,12 @@ def get(name: str) -> Format:
 
 
 def open_checkpoint(
-    path: str | Path, *, tag: str | None = None, format: str | None = None, trust_pickle: bool = False
+    path: str | Path,
+    *,
+    tag: str | None = None,
+    format: str | None = None,
+    trust_pickle: bool = False,
+    model_only: bool = False,
 ) -> Checkpoint:
     """Open a checkpoint lazily: headers and metadata only; tensor bytes are read on access.
 
@@ -150,6 +155,9 @@ def open_checkpoint(
             ``hf``, ``torch``...); default: detected from the files.
         trust_pickle: resolve pickled globals outside zckpt's allowlist (only for files you trust);
             nothing is ever unpickled outside the allowlisted unpickler otherwise.
+        model_only: the model tensors are all the caller needs: a format may then leave out optimizer
+            and training state (DCP does: it opens only the model chunks' archives), and
+            ``optim_keys()`` may be empty.
 
     Returns:
         A ``Checkpoint``: a ``Mapping`` of model tensors by state-dict name (``ckpt["emb.weight"]`` reads
@@ -175,4 +183,6 @@ def open_checkpoint(
     """
     check_access(as_path(path), tag)
     fmt = get(format) if format is not None else detect(path)
+    if model_only:
+        return fmt.read_model(as_path(path), tag=tag, trust_pickle=trust_pickle)
     return fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)

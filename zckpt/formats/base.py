@@ -109,6 +109,12 @@ class Format(abc.ABC):
     @abc.abstractmethod
     def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint: ...
 
+    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        """What a job that needs the model tensors only (consolidate) reads: by default all of ``read``; a
+        format may leave out optimizer and training state it would otherwise have to locate (DCP: the
+        thousands of archives of optimizer chunks and values). Its ``optim_keys()`` may then be empty."""
+        return self.read(path, tag=tag, trust_pickle=trust_pickle)
+
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Format-specific integrity checks (the reader's own cross-checks already ran in ``read``)."""
         return []

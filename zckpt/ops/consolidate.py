@@ -308,7 +308,7 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
 def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:
     if isinstance(ckpt_or_path, Checkpoint):
         return ckpt_or_path
-    return open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle)
+    return open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle, model_only=True)
 
 
 def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:

@@ -37,6 +37,9 @@ class DcpFormat(Format):
     def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         return read.read(path, tag=tag, trust_pickle=trust_pickle)
 
+    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        return read.read(path, tag=tag, trust_pickle=trust_pickle, model_only=True)
+
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         return verify(path, ckpt, ctx)
 

@@ -70,13 +70,16 @@ class Loaded:
         self.serialization |= other.serialization
 
 
-def load_folder(folder: Path, *, trust_pickle: bool = False) -> Loaded:
-    """Metadata, chunk locations and decoded values of one DCP folder."""
+def load_folder(folder: Path, *, trust_pickle: bool = False, model_only: bool = False) -> Loaded:
+    """Metadata, chunk locations and decoded values of one DCP folder (``model_only``: the model tensors'
+    chunks only; every other item is checked against the metadata but not opened)."""
     md = load_metadata(folder)
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
     with Files(folder) as files:
         for key in md.keys:
             t = md.tensors.get(key)
+            if model_only and classify(md.paths[key], t is not None).kind != "model":
+                continue
             if t is None:
                 info = md.storage.get((key, None))
                 if info is None:
@@ -208,14 +211,17 @@ class Parts:
     tied: dict[str, str]
 
 
-def entries(ld: Loaded, slots: Mapping[str, Slot]) -> Parts:
-    """Model and optimizer entries, client tensors and ties (see the module doc)."""
+def entries(ld: Loaded, slots: Mapping[str, Slot], *, model_only: bool = False) -> Parts:
+    """Model and optimizer entries, client tensors and ties (see the module doc); ``model_only``: the model
+    entries and ties only (nothing else was located)."""
     model = [k for k in ld.keys if k in ld.tensors and slots[k].kind == "model"]
     trainable = {slots[k].name for k in ld.keys if slots[k].kind == "optim"}
     tied = ties(ld, model, slots, trainable)
     out = Parts([], [], {}, tied)
     for k in ld.keys:
         s = slots[k]
+        if model_only and s.kind != "model":
+            continue
         if k in ld.tensors:
             t = ld.tensors[k]
             if s.kind == "model" and s.name not in tied:
@@ -248,27 +254,34 @@ def _precision(model: list[TensorEntry]) -> str:
     return precision_of(dts.pop()) if len(dts) == 1 else "fp32"
 
 
-def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+def read(
+    path: Path, *, tag: str | None = None, trust_pickle: bool = False, model_only: bool = False
+) -> Checkpoint:
+    """The checkpoint at ``path``; ``model_only``: its model tensors and precision only (no optimizer or
+    training state: for consolidate, which then opens a third of the archives)."""
     src = resolve(as_path(path), tag)
     ld = Loaded()
     for folder in src.folders:
         part = (
             load_hf_shards(folder)
             if src.layout == "hf-shards"
-            else load_folder(folder, trust_pickle=trust_pickle)
+            else load_folder(folder, trust_pickle=trust_pickle, model_only=model_only)
         )
         ld.merge(part, folder)
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
-    parts = entries(ld, slots)
-    groups, sched, client, raw = state.assemble(slots, ld.paths, ld.values, parts.client_tensors)
-    ts = TrainingState(
-        precision=_precision(parts.model),
-        optimizer=state.optimizer(groups, parts.optim),
-        scheduler=sched,
-        counters=state.counters(client, parts.optim),
-        client_state=client,
-        framework={NAME: {"layout": src.layout, "raw": raw}},
-    )
+    parts = entries(ld, slots, model_only=model_only)
+    if model_only:
+        ts = TrainingState(precision=_precision(parts.model), framework={NAME: {"layout": src.layout}})
+    else:
+        groups, sched, client, raw = state.assemble(slots, ld.paths, ld.values, parts.client_tensors)
+        ts = TrainingState(
+            precision=_precision(parts.model),
+            optimizer=state.optimizer(groups, parts.optim),
+            scheduler=sched,
+            counters=state.counters(client, parts.optim),
+            client_state=client,
+            framework={NAME: {"layout": src.layout, "raw": raw}},
+        )
     values = {k: v.describe() for k, v in ld.values.items() if slots[k].kind != "group"}
     meta = CheckpointMeta(
         format=NAME,
