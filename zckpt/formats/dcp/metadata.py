@@ -17,6 +17,7 @@ never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes)
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -205,8 +206,20 @@ def load_metadata(folder: Path) -> DcpMetadata:
         raise CorruptCheckpoint(f"{src}: empty file (0 bytes)", hint="the save did not finish", path=src)
     if len(data) > MAX_METADATA or data[:1] != b"\x80":
         raise CorruptCheckpoint(f"{src}: not a DCP metadata pickle", path=src)
-    obj = safe_loads(data, source=src, extra=ALLOWED)
-    return parse(Node(obj, src))
+    key = (src, hashlib.blake2b(data, digest_size=16).digest())
+    got = _PARSED.get(key)
+    if got is None:
+        got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
+        while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
+            del _PARSED[next(iter(_PARSED))]
+        _PARSED[key] = got
+    return got
+
+
+_PARSED: dict[tuple[str, bytes], DcpMetadata] = {}
+"""The last ``.metadata`` files parsed (a DCP checkpoint has one per folder), by path and the digest of
+their bytes (read in full each time: a changed file is parsed again). ``DcpMetadata`` is frozen; its
+mappings are only read."""
 
 
 def _fields(node: Node, cls: type, expected: str) -> Node:

@@ -32,7 +32,7 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.dcp import hfshards, state
 from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
-from zckpt.formats.dcp.chunks import ChunkData, Files
+from zckpt.formats.dcp.chunks import ZIP_MAGIC, ChunkData, Files
 from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
@@ -70,10 +70,13 @@ class Loaded:
         self.serialization |= other.serialization
 
 
-def load_folder(folder: Path, *, trust_pickle: bool = False, model_only: bool = False) -> Loaded:
-    """Metadata, chunk locations and decoded values of one DCP folder (``model_only``: the model tensors'
-    chunks only; every other item is checked against the metadata but not opened)."""
-    md = load_metadata(folder)
+def load_folder(
+    folder: Path, *, trust_pickle: bool = False, model_only: bool = False, md: DcpMetadata | None = None
+) -> Loaded:
+    """Metadata (``md`` when already parsed), chunk locations and decoded values of one DCP folder
+    (``model_only``: the model tensors' chunks only; every other item is checked against the metadata but
+    not opened)."""
+    md = md if md is not None else load_metadata(folder)
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
     with Files(folder) as files:
         for key in md.keys:
@@ -99,18 +102,27 @@ def load_folder(folder: Path, *, trust_pickle: bool = False, model_only: bool = 
                 out.data[(key, box.offsets)] = d = files.tensor(key, box, info, t.dtype)
                 out.serialization.add("torch_save" if d.crc is not None else "safetensors")
         used = sorted({str(files.path(i)) for i in md.storage.values()})
-    _check_disjoint(md, out.data)
+        blobs = {info.file for k, info in md.storage.items() if (c := out.data.get(k)) and c.crc is None}
+        if model_only:  # a file's tensor items are all archives or (safetensors format) all in its blob
+            seen = set(blobs)
+            for k, info in md.storage.items():
+                if k[1] is not None and k not in out.data and info.file not in seen and info.length:
+                    seen.add(info.file)
+                    if files.magic(info) != ZIP_MAGIC:
+                        blobs.add(info.file)
+    _check_disjoint(md, out.data, blobs)
     out.files = [md.source, *used]
     return out
 
 
-def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData]) -> None:
+def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData], blobs: set[str]) -> None:
     """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
-    that item's values under this key). Tensor chunks of a safetensors blob all start at the blob: exempt."""
+    that item's values under this key), whether or not they were opened. Tensor chunks in the safetensors
+    blob of a file of ``blobs`` all start at the blob, and empty chunks are never read: exempt."""
+    numel: dict[StorageKey, int] = {(k, c.offsets): c.numel for k, t in md.tensors.items() for c in t.chunks}
     by_file: dict[str, list[tuple[int, int, StorageKey]]] = {}
     for k, info in md.storage.items():
-        d = data.get(k)
-        if k[1] is not None and (d is None or d.crc is None):  # an empty chunk is never read
+        if k[1] is not None and (info.file in blobs or not numel.get(k, 1)):
             continue
         by_file.setdefault(info.file, []).append((info.offset, info.offset + info.length, k))
     for f, items in by_file.items():
