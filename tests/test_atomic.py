@@ -222,6 +222,65 @@ def test_sigint_cleans_up(src: Path, tmp_path: Path) -> None:
         assert not list(work.iterdir()), list(work.iterdir())
 
 
+def _signal_at_rename(n: int, sig: int, body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` with the renames instrumented: ``sig`` sent to self right after the n-th (0: just before the
+    first one, while the staged files are fsynced)."""
+
+    def run() -> Any:
+        count = [0]
+        real_fsync_tree = staging._fsync_tree
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def inner(*a: Any, **k: Any) -> Any:
+                res = fn(*a, **k)
+                count[0] += 1
+                if count[0] == n:
+                    os.kill(os.getpid(), sig)
+                return res
+
+            return inner
+
+        def fsync_tree(*a: Any) -> Any:
+            real_fsync_tree(*a)
+            if n == 0:
+                os.kill(os.getpid(), sig)
+                time.sleep(1)  # its handler runs here (the sleep is cut short), before the renames
+
+        os.replace = wrap(os.replace)  # type: ignore[assignment]
+        os.rename = wrap(os.rename)  # type: ignore[assignment]
+        staging._renameat2 = wrap(staging._renameat2)
+        staging._fsync_tree = fsync_tree
+        return body()
+
+    return run
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "hf"])
+def test_signal_during_the_renames_waits_for_them(name: str, src: Path, tmp_path: Path) -> None:
+    """Ctrl-C or SIGTERM while the commit's renames run (fuzz seed 18, cases 114 and 254: "refused but left
+    output"): held until the last rename, then the job is done: exit 0, a warning, the output complete over
+    the older one. Before the renames: exit 130/143 and the older output untouched."""
+    ref = _ref(src, tmp_path, name)
+    old = _ref(src, tmp_path, "old-" + name, "--dtype", "bf16")
+    n = _count_renames(lambda: run_cli(["consolidate", src, tmp_path / "c" / name]), tmp_path / "n")
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        for k in range(n + 1):
+            work = tmp_path / f"{sig.name}-{k}"
+            work.mkdir()
+            _old_output(src, work / name)
+            log = tmp_path / f"{sig.name}-{k}.log"
+            args = ["consolidate", src, work / name, "--overwrite", "--no-progress"]
+            got = wait(fork(_signal_at_rename(k, sig, lambda a=args: run_cli(a)), log=log))
+            text = log.read_text()
+            assert "Traceback" not in text, text
+            if k == 0:
+                assert got == code and judge_output(work / name, old) == "complete", (k, got, text)
+            else:
+                assert got == 0 and "after the output was published" in text, (k, got, text)
+                assert judge_output(work / name, ref) == "complete", (k, text)
+            assert not temps(work), temps(work)
+
+
 def test_output_folder_mode_is_not_private(src: Path, tmp_path: Path) -> None:
     """The staging folder (mkdtemp: 0700) becomes the output: it must get the umask's usual mode."""
     r = cli("consolidate", src, tmp_path / "hf")

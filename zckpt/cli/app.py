@@ -82,6 +82,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
         _leave_startup()
+        from zckpt.io import interrupts  # after torch's import, which ``_leave_startup`` guards
+
+        start = interrupts.mark()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("always" if debug else "default")
@@ -106,6 +109,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt as e:
             stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
+            if interrupts.published_since(start):  # it came after the output was in place: the job is done
+                Output.warning(f"{stopped} after the output was published; it is complete")
+                return None
             Output.error(f"{stopped}; no partial output was left behind")
             _said.interrupted = True
             raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None

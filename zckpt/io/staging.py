@@ -6,7 +6,8 @@ folder is published with one rename that refuses to replace anything (``RENAME_N
 overwriting, swaps old and new in one ``RENAME_EXCHANGE`` (``publish_folder``, also the engine's): of two
 writers racing for one output, one wins whole and the other fails. Staging folders are named
 ``.<dest>.zckpt-tmp-<host>-<pid>-<random>``; a later run into the same folder removes those whose process
-is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable.
+is gone (a killed run's leftovers) and says so. ``fsync_path`` makes one path durable. Ctrl-C and SIGTERM
+wait while the renames run (``zckpt.io.interrupts``).
 
 Overwriting never deletes a file zckpt did not write. The caller says which paths of an existing folder
 output are its own (``owns``: its shard set, index, sidecars, the files it copies in); any other file is
@@ -36,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
-from zckpt.io import objstore, remote_staging, sink
+from zckpt.io import interrupts, objstore, remote_staging, sink
 from zckpt.io.digest import BLOCK_SIDECAR
 from zckpt.io.remote_staging import RemoteStaging
 
@@ -240,6 +241,7 @@ class Staging:
             os.umask(umask)
             os.chmod(self.dir, 0o777 & ~umask)
         self._done = False
+        interrupts.opened(self)
         self._key = Path(os.path.abspath(self.dir))
         sink.defer_fsync(self._key)
 
@@ -268,6 +270,7 @@ class Staging:
         self._release()
         shutil.rmtree(self.dir, ignore_errors=True)
         self._done = True
+        interrupts.closed(self, published=False)
 
     def _release(self) -> None:
         sink.undefer_fsync(self._key)
@@ -279,6 +282,10 @@ class Staging:
         if self.is_dir and self.overwrite and self.owns is not None and self.dest.is_dir():
             self.kept = _keep_foreign(self.dest, self.dir, self.owns)
         _fsync_tree(self.dir)
+        with interrupts.held():  # no interrupt between two renames, nor after the last one unrecorded
+            return self._move_into_place()
+
+    def _move_into_place(self) -> list[Path]:
         names = sorted(p.name for p in self.dir.iterdir() if p.name not in self.kept)
         if self.is_dir:
             move(self.dir, self.dest, replace=self.overwrite)
@@ -303,6 +310,7 @@ class Staging:
                 f.unlink(missing_ok=True)
         _fsync_dir(self.dest.parent)
         self._done = True
+        interrupts.closed(self, published=True)
         return final
 
 
