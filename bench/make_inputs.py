@@ -47,6 +47,7 @@ MODELS = {
     "gpt100m": {"vocab": 50304, "dim": 768, "layers": 9, "seq": 16},
     "gpt400m": {"vocab": 50304, "dim": 1024, "layers": 28, "seq": 16},
     "gpt1b": {"vocab": 50304, "dim": 2048, "layers": 20, "seq": 16},
+    "gpt48l": {"vocab": 4096, "dim": 256, "layers": 48, "seq": 16},  # many small tensors: per-item costs
 }
 INPUTS = {
     "gpt16m_z3_w2": {"model": "gpt16m", "stage": 3, "world": 2, "save_steps": [1]},  # bench/s3_bench.py
@@ -57,7 +58,10 @@ INPUTS = {
     "gpt1b_z3_w2": {"model": "gpt1b", "stage": 3, "world": 2, "save_steps": [0]},
 }
 DEFAULT = [n for n in INPUTS if n != "gpt16m_z3_w2"]  # the object-store bench builds its own
-DCP_INPUTS = {"gpt400m_dcp_w2": {"model": "gpt400m", "world": 2}}
+DCP_INPUTS = {
+    "gpt400m_dcp_w2": {"model": "gpt400m", "world": 2},
+    "gpt48l_dcp_w4": {"model": "gpt48l", "world": 4},
+}
 """Built with the main venv (torch's FSDP2 + DCP), not DeepSpeed."""
 
 

@@ -27,6 +27,7 @@ losses agree with DeepSpeed's. These rows go into their own table in the same se
     .venv/bin/python bench/run.py --only consolidate   # groups: consolidate reshard diff verify scale engine
     .venv/bin/python bench/run.py --only engine --no-build --no-record --engine-repeat 1
     .venv/bin/python bench/run.py --only dcp             # 400M FSDP2 DCP: zckpt vs dcp_to_torch_save
+    .venv/bin/python bench/run.py --only dcp-items       # ~10k small DCP items: per-item costs
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ OUT = DATA / "out"
 VPY = str(REPO / ".venv/bin/python")
 DSPY = str(REPO / ".venv-ds/bin/python")
 ZCKPT = [VPY, "-m", "zckpt.cli.app"]
-GROUPS = ("consolidate", "reshard", "diff", "verify", "scale", "engine", "dcp")
+GROUPS = ("consolidate", "reshard", "diff", "verify", "scale", "engine", "dcp", "dcp-items")
 DCP_INPUT = "gpt400m_dcp_w2"
 DCP_CKPT = f"{DCP_INPUT}/checkpoint_0"  # accelerate's pair: pytorch_model_fsdp_0/ + optimizer_0/
+ITEMS_INPUT = "gpt48l_dcp_w4"  # 48 narrow layers under FSDP2 at world 4: ~10k items of a few KB to 1 MB
+ITEMS_CKPT = f"{ITEMS_INPUT}/checkpoint_0"
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false")
 # engine group: CPU/gloo at world 2, one single-threaded rank per core
 ENGINE_WORLD, ENGINE_STEPS, ENGINE_WARMUP, ENGINE_MICROS = 2, 10, 2, (1, 4)
@@ -284,8 +287,9 @@ def run_row(row: Row, repeat: int, cache: str, inputs: list[Path]) -> None:
 # ---- the plan --------------------------------------------------------------------------------------------
 def build_inputs(names: list[str]) -> None:
     """DeepSpeed inputs through the dev venv; the DCP input (FSDP2, torch only) through the main venv."""
-    ds = [n for n in names if n != DCP_INPUT]
-    for py, these in ((DSPY, ds), (VPY, [n for n in names if n == DCP_INPUT])):
+    torch_only = {DCP_INPUT, ITEMS_INPUT}
+    ds = [n for n in names if n not in torch_only]
+    for py, these in ((DSPY, ds), (VPY, [n for n in names if n in torch_only])):
         if these:
             cmd = [py, str(HERE / "make_inputs.py"), "--only", *these]
             subprocess.run(cmd, check=True, env=ENV, cwd=str(REPO))
@@ -524,6 +528,8 @@ def plan_rows(groups: set[str], workers: int | None) -> list[Row]:
         )
     if "dcp" in groups:
         rows += dcp_rows(w)
+    if "dcp-items" in groups:
+        rows += dcp_items_rows(w)
     for r in rows:  # DeepSpeed's converters do not fsync: charge them the flush zckpt and the floor pay
         if is_deepspeed(r) and r.group != "engine":
             r.cmd = [DSPY, str(HERE / "then_sync.py"), *r.cmd[1:]]
@@ -555,6 +561,25 @@ def dcp_rows(w: list[str]) -> list[Row]:
         Row("dcp", "zckpt reshard --to dcp w3 (model+optim)", DCP_CKPT,
             [*ZCKPT, "reshard", str(ck), str(o("w3")), "--world", "3", "--to", "dcp", "--no-progress", *w],
             out=o("w3"), floor_of="floor reshard"),
+    ]  # fmt: skip
+
+
+def dcp_items_rows(w: list[str]) -> list[Row]:
+    """A DCP checkpoint of many small items (48 layers, FSDP2 world 4, AdamW): what each command costs per
+    item (opening ~10k archives and a ~2 MB .metadata), beside torch's dcp_to_torch_save of the model."""
+    ck = DATA / ITEMS_CKPT
+    o = lambda s: OUT / f"{ITEMS_INPUT}-{s}"  # noqa: E731
+    return [
+        Row("dcp-items", "zckpt consolidate fp32 single", ITEMS_CKPT,
+            [*ZCKPT, "consolidate", str(ck), str(o("fp32.safetensors")), "--dtype", "fp32", "--no-progress",
+             *w], out=o("fp32.safetensors"), ds_of="dcp_to_torch_save (model)"),
+        Row("dcp-items", "dcp_to_torch_save (model)", ITEMS_CKPT,
+            [VPY, str(HERE / "dcp_to_torch_save.py"), str(ck / "pytorch_model_fsdp_0"), str(o("torch.pt"))],
+            out=o("torch.pt")),
+        Row("dcp-items", "zckpt verify", ITEMS_CKPT, [*ZCKPT, "verify", str(ck), *w]),
+        Row("dcp-items", "zckpt reshard --to dcp w8 (model+optim)", ITEMS_CKPT,
+            [*ZCKPT, "reshard", str(ck), str(o("w8")), "--world", "8", "--to", "dcp", "--no-progress", *w],
+            out=o("w8")),
     ]  # fmt: skip
 
 
@@ -827,6 +852,8 @@ def main() -> None:
             "model folder (target <= 0.5 with peak RSS <= 512 MB); accelerate merge-weights is the same "
             "torch load, then a safetensors save."
         )
+    if "dcp-items" in groups:
+        need = (need if groups - {"engine", "dcp-items"} else set()) | {ITEMS_INPUT}
     if not args.no_build and need:
         build_inputs(sorted(need))
     OUT.mkdir(parents=True, exist_ok=True)

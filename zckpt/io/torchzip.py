@@ -327,10 +327,10 @@ def check_archive_at(
     if bad is not None:
         return f"zip record {bad} fails its CRC-32 check"
     for info in infos:
-        why = _entry_problem(win, info)
+        why = zipdir.entry_problem(win.pread, win.length, info)
         if why is not None:
             return f"zip record {info.filename}: {why}"
-    return _end_problem(win, len(infos), d.start_dir)
+    return zipdir.end_problem(win.pread, win.length, len(infos), d.start_dir)
 
 
 def _crc_of(win: Window, start: int, n: int, step: int = 8 << 20) -> int:
@@ -338,81 +338,6 @@ def _crc_of(win: Window, start: int, n: int, step: int = 8 << 20) -> int:
     for at in range(start, start + n, step):
         crc = zlib.crc32(win.pread(min(step, start + n - at), at), crc)
     return crc
-
-
-def _entry_problem(win: Window, info: zipdir.Entry) -> str | None:
-    """A directory entry and its local header (and data descriptor, which torch writes) agree on everything a
-    reader may use (version needed, flags, method, CRC-32, sizes, name) and describe a plain stored record
-    (no comment, disk 0); ``zipfile`` reads only some of these. Timestamps, "version made by" and file
-    attributes are not checked (no reader uses them)."""
-    if info.header_offset + _LOCAL_HEADER.size > win.length:
-        return "local header outside the archive"
-    h = _LOCAL_HEADER.unpack(win.pread(_LOCAL_HEADER.size, info.header_offset))
-    _, needed, flags, method, _, _, crc, csize, usize, nlen, xlen = h
-    name = win.pread(nlen, info.header_offset + _LOCAL_HEADER.size)
-    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-        return "not a stored record (compression method or sizes damaged)"
-    if info.comment or info.volume or info.flag_bits & ~0x808:
-        return "directory entry damaged (comment, disk number or flags)"
-    if (needed, flags, method) != (info.extract_version, info.flag_bits, info.compress_type):
-        return "directory entry and local header disagree (version needed, flags or method)"
-    if name != info.orig:
-        return "directory entry and local header name different records"
-    if flags & 0x8:  # CRC-32 and sizes follow the data, in a data descriptor; the local fields are 0
-        if crc or csize or usize:
-            return "local header CRC-32 or sizes set beside a data descriptor"
-        at = info.header_offset + _LOCAL_HEADER.size + nlen + xlen + info.compress_size
-        raw = win.pread(24, at)
-        raw = raw[4:] if raw[:4] == b"PK\x07\x08" else raw
-        crc = int.from_bytes(raw[:4], "little")
-        wide = info.file_size >= 0xFFFFFFFF or info.header_offset >= 0xFFFFFFFF
-        w = 8 if wide else 4
-        csize, usize = (
-            int.from_bytes(raw[4 : 4 + w], "little"),
-            int.from_bytes(raw[4 + w : 4 + 2 * w], "little"),
-        )
-    elif csize == usize == 0xFFFFFFFF:  # zip64: the sizes live in the local extra field
-        csize, usize = info.compress_size, info.file_size
-    if (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
-        return "directory entry and local header disagree (CRC-32 or sizes)"
-    return None
-
-
-_EOCD = struct.Struct("<4s4H2LH")
-_LOC64 = struct.Struct("<4sLQL")
-_EOCD64 = struct.Struct("<4sQ2H2L4Q")
-
-
-def _end_problem(win: Window, entries: int, start_dir: int) -> str | None:
-    """The end records of an archive that ends exactly at ``offset + length`` (as each DCP item does): every
-    field a reader may use (disk numbers, entry counts, directory size and offset, the zip64 locator) agrees
-    with the directory actually found; ``zipfile`` ignores most of them, other readers do not."""
-    length = win.length
-    if length < _EOCD.size:
-        return "no zip end record"
-    sig, disk, disk_cd, n1, n2, size32, off32, comment = _EOCD.unpack(
-        win.pread(_EOCD.size, length - _EOCD.size)
-    )
-    if sig != b"PK\x05\x06" or disk or disk_cd or comment:
-        return "zip end record damaged (signature, disk numbers or comment length)"
-    end, loc = length - _EOCD.size, length - _EOCD.size - _LOC64.size
-    if loc >= _EOCD64.size and win.pread(4, loc) == b"PK\x06\x07":
-        _, d, at64, disks = _LOC64.unpack(win.pread(_LOC64.size, loc))
-        if d or disks != 1 or at64 != loc - _EOCD64.size:
-            return "zip64 end locator damaged"
-        z = _EOCD64.unpack(win.pread(_EOCD64.size, at64))
-        if z[0] != b"PK\x06\x06" or z[1] != _EOCD64.size - 12 or z[4] or z[5]:
-            return "zip64 end record damaged (signature, size or disk numbers)"
-        if z[6] != entries or z[7] != entries or z[8] != at64 - start_dir or z[9] != start_dir:
-            return "zip64 end record disagrees with the central directory (entries, size or offset)"
-        end = at64
-        counts_ok = n1 in (entries, 0xFFFF) and n2 in (entries, 0xFFFF)
-        dir_ok = size32 in (end - start_dir, 0xFFFFFFFF) and off32 in (start_dir, 0xFFFFFFFF)
-    else:
-        counts_ok, dir_ok = n1 == n2 == entries, size32 == end - start_dir and off32 == start_dir
-    if not (counts_ok and dir_ok):
-        return "zip end record disagrees with the central directory (entries, size or offset)"
-    return None
 
 
 def _check_view(path: str, name: str, ref: TensorRef, nbytes: int) -> None:
