@@ -206,6 +206,14 @@ def test_interrupt_outside_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch
     assert capsys.readouterr().err == ""
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT at its default, so Python installs its handler even under a parent that ignores
+    SIGINT (a job started in the background of a non-interactive shell), which these tests would miss."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 _SLOW_TORCH = """
 import os, sys, time
 from pathlib import Path
@@ -236,7 +244,9 @@ def test_interrupt_while_torch_imports_is_the_startup_guards(model: Path, tmp_pa
     flag = tmp_path / "flag"
     env = {**os.environ, "SLOW_TORCH_FLAG": str(flag), "ZCKPT_DEBUG": ""}
     argv = [sys.executable, "-c", _SLOW_TORCH, "inspect", str(model)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default
+    )
     deadline = time.monotonic() + 60
     while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

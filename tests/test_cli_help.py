@@ -132,6 +132,14 @@ def test_usage_error_is_plain_text() -> None:
     assert "Error: Invalid value for '--format'" in res.stderr and "╭" not in res.stderr, res.stderr
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT at its default, so Python installs its handler even under a parent that ignores
+    SIGINT (a job started in the background of a non-interactive shell), which these tests would miss."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 _SLOW_TORCH = """
 import os, sys, time
 from pathlib import Path
@@ -160,7 +168,9 @@ def test_python_m_keeps_the_startup_guard(module: str, tmp_path: Path) -> None:
     flag = tmp_path / "flag"
     env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SLOW_TORCH_FLAG": str(flag)}
     argv = [sys.executable, "-m", module, "inspect", str(FIXTURE)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default
+    )
     deadline = time.monotonic() + 60
     while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
