@@ -357,7 +357,8 @@ def test_local_header_name_flip_is_one_short_line(tmp_path: Path) -> None:
     assert len(lines[0]) - len(str(f)) < 200, lines[0]
     assert not zckpt.verify(d).ok
     # consolidate opens the model chunks only: the value's archive is not read, the model is intact
-    ref = zckpt.consolidate(FIX / "torchtitan_w2" / "checkpoint", tmp_path / "ref.safetensors", progress=False)
+    src = FIX / "torchtitan_w2" / "checkpoint"
+    ref = zckpt.consolidate(src, tmp_path / "ref.safetensors", progress=False)
     got = zckpt.consolidate(d, tmp_path / "o.safetensors", progress=False)
     assert got.bytes == ref.bytes
     assert (tmp_path / "o.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
