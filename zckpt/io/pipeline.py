@@ -203,10 +203,9 @@ def fill(
             on_bytes(hi - lo)
 
     if len(pieces) == 1:  # one piece: filled here (a pool would cost a thread start and a hand-off)
-        (lo, hi), buf = pieces[0], bufs[0][: pieces[0][1]]
-        layout.fill(buf, lo)
-        out = checks.crc32(_bytes(buf)) if crc else 0
-        for w in sink.write_owned(_bytes(buf)):
+        lo, hi = pieces[0]
+        out = job(0, lo, hi)
+        for w in sink.write_owned(_bytes(bufs[0][: hi - lo])):
             w.result()
         if on_bytes is not None:
             on_bytes(hi - lo)

@@ -315,11 +315,12 @@ def check_archive_at(
         recs = [_record_at(path, win, i) for i in infos]
         # small records from the window's memory, here; big ones in pieces on the scan threads (a hand-off
         # per small record cost more than its CRC: DCP archives hold ~6 records each, thousands of archives)
-        big = [k for k, (_, n, _) in enumerate(recs) if ctx is not None and n > _SMALL_RECORD]
+        big = {k for k, (_, n, _) in enumerate(recs) if ctx is not None and n > _SMALL_RECORD}
         crcs = [_crc_of(win, start, n) if k not in big else 0 for k, (start, n, _) in enumerate(recs)]
         if ctx is not None and big:
-            got = ctx.crc_ranges(Path(path), [(offset + recs[k][0], recs[k][1]) for k in big])
-            for k, c in zip(big, got, strict=True):
+            order = sorted(big)
+            got = ctx.crc_ranges(Path(path), [(offset + recs[k][0], recs[k][1]) for k in order])
+            for k, c in zip(order, got, strict=True):
                 crcs[k] = c
         bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash

@@ -65,7 +65,6 @@ class Files:
         self._fds: dict[str, tuple[int, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
         self._paths: dict[str, Path] = {}
-        self._names: dict[str, str] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
 
     def __enter__(self) -> Files:
@@ -101,9 +100,7 @@ class Files:
 
     def open(self, info: StorageInfo) -> tuple[str, int]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
-        f = self._names.get(info.file)
-        if f is None:
-            f = self._names[info.file] = str(self.path(info))
+        f = str(self.path(info))
         if f not in self._fds:
             if not storage.exists(f):
                 raise ShardMismatch(
