@@ -363,6 +363,8 @@ def main() -> None:
         if not (dcp / ".metadata").exists():
             job = reshard_job(src, dcp, src.name, ["--world", "8", "--to", "dcp"])
             run_job(ctx, job, a.cores, "warm", 1)
+            if job.name in a.profile:
+                profile(ctx, job)  # its output stays: the DCP copy
         if "keep-w8" not in parts:
             shutil.rmtree(w8, ignore_errors=True)
         if "drop-w1" in parts:  # the 64 GB disk: the DCP copy, its fp32 consolidation and torch's .pt
