@@ -22,6 +22,9 @@ its hash thread) sees every byte in stream order: a full buffer as it is handed 
 buffer is refilled once both are done), memory written in place as it is queued; the caller's ``write``
 only copies, so hashing and device writes run back to back on their own threads.
 
+``reserve()`` / ``commit(n)`` let the caller fill the current buffer in place (a small record read straight
+into it: no copy, no wait unless every buffer is in flight).
+
 ``read_direct(fd, offset, buf)`` fills an aligned buffer from an aligned file offset with one ``O_DIRECT``
 ``pread`` loop (short at the end of the file), falling back to a plain ``pread`` where it is refused.
 ``aligned_buffer`` allocates such a buffer; ``address`` says where a buffer lies.
@@ -211,6 +214,25 @@ class DirectWriter:
                 busy.append(f)
         self._off += aligned
         return mv[aligned:]
+
+    # -- filled in place --------------------------------------------------------------------------
+    def reserve(self) -> memoryview:
+        """The free rest of the buffer being filled (at least one byte): the caller writes the stream's next
+        bytes straight into it, then ``commit``s how many. No copy, and nothing waits for the device unless
+        every buffer is in flight."""
+        if not self._bufs:
+            self._bufs = [mmap.mmap(-1, self.opts.buf_bytes) for _ in range(self.opts.buffers)]
+            self._hashes = [None] * len(self._bufs)
+        return memoryview(self._bufs[self._cur])[self._fill :]
+
+    def commit(self, n: int) -> None:
+        """``n`` bytes of the last ``reserve`` are the stream's next bytes."""
+        if n < 0 or self._fill + n > self.opts.buf_bytes:
+            raise ValueError(f"commit of {n} bytes past the reserved buffer")
+        self._fill += n
+        self.copied += n
+        if self._fill == self.opts.buf_bytes:
+            self._hand_over()
 
     @property
     def head_room(self) -> int:

@@ -11,8 +11,9 @@ release the GIL, so the stages run in parallel on separate cores. Memory: ``work
 one source chunk (plus its cast), whatever the model size; no Python loop ever touches elements.
 
 ``default_workers()`` is the pool size when none is given: the usable cores minus one (the writer and
-the hasher need one), at least 1 and at most 4 (reads and writes saturate a disk long before more
-threads help), overridable with ``ZCKPT_WORKERS``. Measured on 2 cores: 1 reader beats 2.
+the hasher need one), at least 1 and at most 8, divided among the files ``each_file`` writes side by side,
+overridable with ``ZCKPT_WORKERS``. Measured on 2 cores: 1 reader beats 2; on the 16-core H200 host 4
+fillers left a 1.5B consolidate waiting on its reads a third of its write phase.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import torch
 from zckpt.io import checks, storage
 from zckpt.io.fill import Layout, layout_of_items
 from zckpt.io.scan import cores as _cores
+from zckpt.io.scan import shared, sharing
 from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
 
 if TYPE_CHECKING:
     from zckpt.io.items import WriteItem
+    from zckpt.io.sink import FillRing
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -45,15 +48,12 @@ class Sink(Protocol):
     def write(self, b: memoryview) -> int: ...
 
 
-_sharing = 1
-"""Output files being written at once by ``each_file``: they share the reader threads."""
-
-
 def default_workers() -> int:
     env = os.environ.get("ZCKPT_WORKERS")
     if env:
-        return max(1, int(env) // _sharing)
-    return max(1, min(4, _cores() - 1) // _sharing)  # the writer and the hasher need a core too
+        return max(1, int(env) // sharing())
+    # the device writes and the hash lanes need cores too; files written side by side share these
+    return max(1, min(8, _cores() - 1) // sharing())
 
 
 def files_in_flight(n: int) -> int:
@@ -70,12 +70,10 @@ def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
     once, results in order. A file's sha256 is one sequential stream on one core (1.1-1.4 GB/s with SHA-NI),
     slower than an NVMe disk: streams side by side are what let a many-file output reach the disk's speed.
     The first error is raised once the files already started have stopped."""
-    global _sharing
     k = files_in_flight(len(jobs))
     if k <= 1:
         return [write(j) for j in jobs]
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-file") as pool:
-        _sharing = k
+    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-file") as pool, shared(k):
         futures = [pool.submit(write, j) for j in jobs]
         try:
             return [f.result() for f in futures]
@@ -83,8 +81,6 @@ def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
             for f in futures:
                 f.cancel()
             raise
-        finally:
-            _sharing = 1
 
 
 @dataclass(frozen=True)
@@ -151,14 +147,33 @@ class BlockSink(Sink, Protocol):
 
     def write_owned(self, mv: memoryview) -> list[Future[None]]: ...
 
-    def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]: ...
+    def fill_ring(self) -> FillRing: ...
+
+    def reserve(self) -> memoryview: ...
+
+    def commit(self, n: int) -> None: ...
 
 
-def _pieces(size: int, first: int, step: int) -> list[tuple[int, int]]:
-    """``[0, size)`` cut at ``first`` (when > 0), then every ``step`` bytes."""
-    cuts = [0, *([first] if 0 < first < size else []), *range(first if first > 0 else step, size, step)]
-    cuts = sorted(set(cuts)) + [size]
-    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+def _in_place(sink: BlockSink, layout: Layout, lo: int, hi: int, crc: bool, on_bytes: Progress) -> int:
+    """Bytes ``[lo, hi)`` of ``layout`` filled on this thread straight into the sink's own buffer
+    (``reserve``/``commit``); returns their CRC-32 with ``crc``."""
+    out = 0
+    while lo < hi:
+        mv = sink.reserve()
+        n = min(len(mv), hi - lo)
+        dst = torch.frombuffer(mv, dtype=torch.uint8)[:n]
+        layout.fill(dst, lo)
+        if crc:
+            out = checks.crc32_combine(out, checks.crc32(_bytes(dst)), n)
+        del dst
+        sink.commit(n)
+        if on_bytes is not None:
+            on_bytes(n)
+        lo += n
+    return out
+
+
+Progress = Callable[[int], None] | None
 
 
 def fill(
@@ -166,73 +181,95 @@ def fill(
     layout: Layout,
     *,
     workers: int | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Progress = None,
     crc: bool = False,
 ) -> int:
-    """Append ``layout``'s bytes to ``sink``, its device-write-sized pieces filled side by side on
-    ``workers`` threads (``Layout.fill``: reads and casts straight into page-aligned buffers) and handed to
-    the sink in order, each written from where it lies (``write_owned``) while the next ones fill. Nothing
-    is copied on the way, and no single thread carries every byte. Returns the CRC-32 of the bytes with
-    ``crc`` (combined from the pieces', computed on the filling threads), else 0."""
+    """Append ``layout``'s bytes to ``sink`` with no copy on the way. The bytes that complete the sink's
+    current device buffer, and a last partial piece, are filled on this thread straight into the sink's
+    buffer (``reserve``/``commit``: a small record costs no thread and no wait on the device). Whole
+    device-write-sized pieces between them are filled side by side on ``workers`` threads (``Layout.fill``:
+    reads and casts into page-aligned buffers of the sink's ``FillRing``) and handed over in order, each
+    written from where it lies (``write_owned``) while the next ones fill; the ring remembers what still
+    reads each buffer, so the next fill goes on without waiting for these writes. Returns the CRC-32 of the
+    bytes with ``crc`` (combined from the pieces', computed on the filling threads), else 0."""
     size = layout.nbytes
     if not size:
         return 0
     step = sink.piece_bytes
-    pieces = _pieces(size, sink.head_room, step)
-    workers = min(len(pieces), default_workers() if workers is None else max(1, workers))
-    nbuf = min(len(pieces), workers + sink.in_flight + 1)
-    bufs = [torch.frombuffer(b, dtype=torch.uint8) for b in sink.fill_buffers(nbuf, step)]
-    busy: list[list[Future[None]]] = [[] for _ in bufs]
+    head = min(size, sink.head_room)
+    out = _in_place(sink, layout, 0, head, crc, on_bytes) if head else 0
+    end = head + (size - head) // step * step  # whole pieces: [head, end)
+    pieces = [(lo, lo + step) for lo in range(head, end, step)]
+    if pieces:
+        out = _pieces_fill(sink, layout, pieces, out, workers, on_bytes, crc)
+    if end < size:
+        c = _in_place(sink, layout, end, size, crc, on_bytes)
+        out = checks.crc32_combine(out, c, size - end) if crc else 0
+    return out
 
-    def job(k: int, lo: int, hi: int) -> int:
-        dst = bufs[k % nbuf][: hi - lo]
+
+def _pieces_fill(
+    sink: BlockSink,
+    layout: Layout,
+    pieces: list[tuple[int, int]],
+    out: int,
+    workers: int | None,
+    on_bytes: Progress,
+    crc: bool,
+) -> int:
+    step = sink.piece_bytes
+    workers = min(len(pieces), default_workers() if workers is None else max(1, workers))
+    ring = sink.fill_ring()
+    cap = workers + sink.in_flight + 1
+
+    def job(i: int, lo: int, hi: int) -> int:
+        dst = torch.frombuffer(ring.bufs[i], dtype=torch.uint8)[: hi - lo]
         layout.fill(dst, lo)
         return checks.crc32(_bytes(dst)) if crc else 0
 
-    out = 0
     window: collections.deque[tuple[int, int, int, Future[int]]] = collections.deque()
 
     def hand_over() -> None:
         nonlocal out
-        k, lo, hi, f = window.popleft()
+        i, lo, hi, f = window.popleft()
         c = f.result()
         if crc:
             out = checks.crc32_combine(out, c, hi - lo)
-        busy[k % nbuf] = sink.write_owned(_bytes(bufs[k % nbuf][: hi - lo]))
+        ring.busy(i, sink.write_owned(ring.bufs[i][: hi - lo]))
         if on_bytes is not None:
             on_bytes(hi - lo)
 
     if len(pieces) == 1:  # one piece: filled here (a pool would cost a thread start and a hand-off)
         lo, hi = pieces[0]
-        out = job(0, lo, hi)
-        for w in sink.write_owned(_bytes(bufs[0][: hi - lo])):
-            w.result()
-        if on_bytes is not None:
-            on_bytes(hi - lo)
+        i = ring.take(cap, step)
+        window.append((i, lo, hi, _done(job(i, lo, hi))))
+        hand_over()
         return out
     with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
-            for k, (lo, hi) in enumerate(pieces):
+            for lo, hi in pieces:
                 # hand over what is filled (in order), and at most ``workers + 1`` pieces filling: the other
                 # buffers are the ones the device and the hash are reading
                 while window and (len(window) > workers or window[0][3].done()):
                     hand_over()
-                for w in busy[k % nbuf]:  # handed over ``nbuf - workers - 1`` pieces ago
-                    w.result()
+                i = ring.take(cap, step)  # waits for the writes of the piece that used it last
                 if layout.remote:  # an object starts fetching the piece's sources from now on
                     for s in layout.sources(lo, hi):
                         storage.expect(s.piece.file, s.byte_offset, checks.record_end(s.piece))
-                window.append((k, lo, hi, pool.submit(job, k, lo, hi)))
+                window.append((i, lo, hi, pool.submit(job, i, lo, hi)))
             while window:
                 hand_over()
         except BaseException:
             for *_, pending in window:
                 pending.cancel()
             raise
-    for b in busy:
-        for w in b:
-            w.result()
     return out
+
+
+def _done(v: int) -> Future[int]:
+    f: Future[int] = Future()
+    f.set_result(v)
+    return f
 
 
 def write_items(

@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +33,27 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+_sharing = 1
+"""Output files being written at once (``zckpt.io.pipeline.each_file``): they share the cores and the I/O
+buffers."""
+
+
+def sharing() -> int:
+    """How many output files are being written side by side now (1 outside ``each_file``)."""
+    return _sharing
+
+
+@contextlib.contextmanager
+def shared(k: int) -> Iterator[None]:
+    """``k`` output files are written side by side inside the block."""
+    global _sharing
+    _sharing = k
+    try:
+        yield
+    finally:
+        _sharing = 1
 
 
 def threads(cap: int = 16, per: int = 1) -> int:

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import direct_io, objstore, remote_staging
+from zckpt.io import direct_io, objstore, remote_staging, scan
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
@@ -61,6 +61,43 @@ def _fsync_deferred(path: Path) -> bool:
         return any(d in path.parents for d in _active_staging)
 
 
+class FillRing:
+    """A file's reusable fill buffers (page-aligned, ``piece`` bytes each, at most ``cap``) and, per buffer,
+    the writes and hashes still reading it: ``take`` hands out the least recently used one once they end."""
+
+    def __init__(self) -> None:
+        self.bufs: list[memoryview] = []
+        self._busy: list[list[Future[None]]] = []
+        self._next = 0
+
+    def take(self, cap: int, nbytes: int) -> int:
+        """The index of a free buffer of ``nbytes`` (a new one while fewer than ``cap`` exist)."""
+        if self.bufs and len(self.bufs[0]) != nbytes:
+            self.wait()
+            self.bufs, self._busy, self._next = [], [], 0
+        if len(self.bufs) < cap and self._next == len(self.bufs):
+            self.bufs.append(memoryview(direct_io.aligned_buffer(nbytes)))
+            self._busy.append([])
+        i = self._next % len(self.bufs)
+        self._next = i + 1
+        for w in self._busy[i]:
+            w.result()
+        self._busy[i] = []
+        return i
+
+    def busy(self, i: int, waits: list[Future[None]]) -> None:
+        """Buffer ``i`` is read by ``waits`` until they end."""
+        self._busy[i] = waits
+
+    def wait(self) -> None:
+        for ws in self._busy:
+            for w in ws:
+                w.result()
+
+    def release(self) -> None:
+        self.bufs, self._busy, self._next = [], [], 0
+
+
 class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
     folder's commit) and writes the sidecar."""
@@ -83,8 +120,10 @@ class HashingSink(io.RawIOBase):
         self._f = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
-        if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written
-            opts = direct_io.WriteOptions(buffers=2 if block is None else lanes() + 2)
+        if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written;
+            # files written side by side (``scan.sharing``) keep two each: together they fill the device
+            one = block is None or scan.sharing() > 1
+            opts = direct_io.WriteOptions(buffers=2 if one else lanes() + 2)
         self._opts = opts
         if self._url is None and opts.direct and direct_io.enabled():
             try:
@@ -92,7 +131,8 @@ class HashingSink(io.RawIOBase):
             except OSError:  # no O_DIRECT on this filesystem: plain buffered writes
                 self._direct = None
         self._hashing: list[Future[None]] = []  # queued hashes of stable writes
-        self._fill_bufs: list[memoryview] = []  # ``fill_buffers``
+        self._ring = FillRing()  # ``fill_ring``
+        self._scratch: memoryview | None = None  # ``reserve`` without O_DIRECT
         self._t_open = time.perf_counter()
         self._delay = float(os.environ.get(_TEST_DELAY_ENV) or 0)  # read once per file, not per write
         self._fsync_s = 0.0
@@ -155,14 +195,32 @@ class HashingSink(io.RawIOBase):
         """Device writes this file keeps outstanding."""
         return self._direct.opts.in_flight if self._direct is not None else 1
 
-    def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]:
-        """``n`` page-aligned buffers of ``nbytes`` for ``write_owned``, kept until ``close()`` (one set
-        serves every fill of the file)."""
-        if self._fill_bufs and len(self._fill_bufs[0]) != nbytes:
-            self._fill_bufs = []
-        while len(self._fill_bufs) < n:  # grown one at a time: never two sets alive at once
-            self._fill_bufs.append(memoryview(direct_io.aligned_buffer(nbytes)))
-        return self._fill_bufs[:n]
+    def fill_ring(self) -> FillRing:
+        """The page-aligned buffers ``zckpt.io.pipeline.fill`` fills for ``write_owned``, kept until
+        ``close()`` with what still reads each: one ring serves every fill of the file, so a record's end
+        never waits for its own writes."""
+        return self._ring
+
+    def reserve(self) -> memoryview:
+        """Memory for the file's next bytes (at least one byte): fill it, then ``commit`` how many. With
+        ``O_DIRECT`` it is the free rest of the device buffer being filled (no copy); else a scratch
+        buffer that ``commit`` writes."""
+        if self._direct is not None:
+            return self._direct.reserve()
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(self._opts.buf_bytes))
+        return self._scratch
+
+    def commit(self, n: int) -> None:
+        """``n`` bytes of the last ``reserve`` are the file's next bytes."""
+        if self._direct is None:
+            assert self._scratch is not None
+            self.write(self._scratch[:n])
+            return
+        if self._delay:
+            time.sleep(self._delay)
+        self._direct.commit(n)
+        self._pos += n
 
     @property
     def crcs(self) -> list[int]:
@@ -224,7 +282,8 @@ class HashingSink(io.RawIOBase):
                         remote_staging.record(self.path, self._url)
                     self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
-                    self._fill_bufs = []
+                    self._ring.release()
+                    self._scratch = None
                     self._wall_s = time.perf_counter() - self._t_open
         finally:
             super().close()

@@ -15,7 +15,7 @@ What is written (keys as torchtitan's ``CheckpointManager`` and ``flatten_optimi
 - ``.metadata`` last (``finish``), pickled under DCP's class names (``pickler``).
 
 Every item is one ``torch.save``-compatible zip archive (``zckpt.io.torchzip_write``) streamed into a
-``HashingSink`` (``.sha256`` sidecar per file); the folder is staged and published whole by ``ops/reshard``.
+``HashingSink`` (a ``.sha256.json`` block-digest sidecar per file, hashed on several cores); the folder is staged and published whole by ``ops/reshard``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from zckpt.formats.dcp.metadata import METADATA
 from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
 from zckpt.formats.dcp.read import NAME
 from zckpt.io import storage
+from zckpt.io.digest import BLOCK_BYTES
 from zckpt.io.fill import layout_of_items
 from zckpt.io.items import WriteItem, tensor_bytes
 from zckpt.io.safetensors import FileRecord
-from zckpt.io.sink import HashingSink
+from zckpt.io.sink import FillRing, HashingSink
 from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter
 from zckpt.io.torchzip_write import dumps as pickle_obj
 from zckpt.model import Role, TensorEntry
@@ -248,8 +249,14 @@ class _Rel:
     def write_owned(self, mv: memoryview) -> list[Future[None]]:
         return self.sink.write_owned(mv)
 
-    def fill_buffers(self, n: int, nbytes: int) -> list[memoryview]:
-        return self.sink.fill_buffers(n, nbytes)
+    def fill_ring(self) -> FillRing:
+        return self.sink.fill_ring()
+
+    def reserve(self) -> memoryview:
+        return self.sink.reserve()
+
+    def commit(self, n: int) -> None:
+        self.sink.commit(n)
 
     @property
     def piece_bytes(self) -> int:
@@ -351,7 +358,7 @@ class DcpWriter(CheckpointWriter):
         mine.sort(key=lambda it: it.entry is not None)  # bytes items first, as DCP writes them
         name = f"__{unit}_0.distcp"
         out.mkdir(parents=True, exist_ok=True)
-        sink = HashingSink(out / name)
+        sink = HashingSink(out / name, block=BLOCK_BYTES)  # its digest: blocks, hashed on several cores
         stored = []
         try:
             for it in mine:

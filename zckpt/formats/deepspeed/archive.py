@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from zckpt.errors import Unsupported
+from zckpt.io.digest import BLOCK_BYTES
 from zckpt.io.flat import FlatSource, whole
 from zckpt.io.items import entry_from_tensor
 from zckpt.io.pickle_safe import TensorRef, _Record
@@ -81,7 +82,7 @@ class Archive:
 
     def save(self, path: Path, obj: Any) -> FileRecord:
         """Write the archive (pickle first, then each storage streamed) and its sidecar."""
-        sink = HashingSink(path)
+        sink = HashingSink(path, block=BLOCK_BYTES)  # its digest: blocks, hashed on several cores
         try:
             w = TorchZipWriter(sink, prefix=path.stem)
             w.write_header_records(dumps(obj))
