@@ -283,6 +283,7 @@ def main() -> None:
         default=["ds-w8"],
         help="inputs whose consolidate fp32 and verify also run at each --cores-scan count",
     )
+    ap.add_argument("--reshard-repeat", type=int, default=0, help="runs of the reshard rows (0: --repeat)")
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
     ap.add_argument("--size", default="1.5b")
@@ -353,7 +354,7 @@ def main() -> None:
         if not (w8 / "latest").exists():
             job = reshard_job(ds1, w8, "ds-w1", ["--world", "8"])
             run_job(
-                ctx, job, a.cores, "warm", max(1, a.repeat)
+                ctx, job, a.cores, "warm", max(1, a.reshard_repeat or a.repeat)
             )  # the last run's output stays: the world-8 copy
             if "reshard --world 8" in a.profile:
                 profile(ctx, job)  # its output stays too
@@ -362,7 +363,7 @@ def main() -> None:
         src = w8 if (w8 / "latest").exists() else ds1
         if not (dcp / ".metadata").exists():
             job = reshard_job(src, dcp, src.name, ["--world", "8", "--to", "dcp"])
-            run_job(ctx, job, a.cores, "warm", max(1, a.repeat))  # the last run's output stays: the DCP copy
+            run_job(ctx, job, a.cores, "warm", max(1, a.reshard_repeat or a.repeat))  # the last output stays
             if job.name in a.profile:
                 profile(ctx, job)  # its output stays: the DCP copy
         if "keep-w8" not in parts:

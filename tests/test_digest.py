@@ -18,7 +18,7 @@ import torch
 from _fixtures import fixture
 
 import zckpt
-from zckpt.io import direct_io
+from zckpt.io import direct_io, scan
 from zckpt.io.digest import block_digests, lanes
 from zckpt.io.sink import HashingSink
 
@@ -66,6 +66,12 @@ def test_block_digests_and_crcs_match_hashlib_and_zlib(
     assert block_digests(tmp_path / "f", block, total) == want
     with pytest.raises(EOFError):
         block_digests(tmp_path / "f", block, total + 1)
+    monkeypatch.setenv("ZCKPT_HASH_THREADS", "3")  # lanes that do not divide the block count
+    assert block_digests(tmp_path / "f", block, total) == want
+    with scan.shared(8):  # files checked side by side: one lane each
+        assert block_digests(tmp_path / "f", block, total) == want
+        with pytest.raises(EOFError):
+            block_digests(tmp_path / "f", block, total + 1)
     assert lanes() >= 1
 
 

@@ -117,7 +117,8 @@ def test_fill_matches_torch_at_every_cut(
 ) -> None:
     """``pipeline.fill`` through a real ``HashingSink`` with 8 KiB device pieces: pieces cut mid-element and
     mid-run, casts, zeros and in-memory values, written from the fill buffers (``O_DIRECT``) or copied
-    (buffered); the file, its block digests and the CRC-32 equal torch's bytes, zlib's CRC and hashlib's."""
+    (buffered), three records back to back (big, small, big: the sink's ring and buffer carry over); the
+    file, its block digests and the CRC-32s equal torch's bytes, zlib's CRCs and hashlib's."""
     import hashlib
     import zlib
 
@@ -142,13 +143,17 @@ def test_fill_matches_torch_at_every_cut(
     opts = direct_io.WriteOptions(buf_bytes=8192, buffers=3)
     path = tmp_path / "out.bin"
     sink = HashingSink(path, opts, block=4096)
+    small = Layout([Run(eb, 3, 50, out_dtype)])  # records back to back: big, small, big on one sink
+    small_want = b[3:53].to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes()
     try:
         sink.write(head)
-        crc = pipeline.fill(sink, Layout(runs), workers=workers, crc=True)
+        crcs = [
+            pipeline.fill(sink, lay, workers=workers, crc=True) for lay in (Layout(runs), small, Layout(runs))
+        ]
     finally:
         sink.close()
     data = path.read_bytes()
-    assert data == head + want
-    assert crc == zlib.crc32(want)
+    assert data == head + want + small_want + want
+    assert crcs == [zlib.crc32(want), zlib.crc32(small_want), zlib.crc32(want)]
     blocks = sink.digest().blocks
     assert list(blocks) == [hashlib.sha256(data[i : i + 4096]).hexdigest() for i in range(0, len(data), 4096)]

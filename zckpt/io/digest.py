@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import storage
+from zckpt.io import scan, storage
 from zckpt.io.checks import crc32
 
 BLOCK_BYTES = 16 << 20
@@ -186,33 +186,36 @@ def _all(futures: list[Future[None]]) -> Future[None]:
 
 
 def block_digests(f: Path, block: int, size: int) -> list[str]:
-    """The sha256 of each ``block``-byte block of the first ``size`` bytes of ``f``: read in order on this
-    thread (one sequential stream, what disks and readahead do best), hashed on ``lanes()`` threads (a file
-    shorter than ``size``: ``EOFError``). Memory: ``lanes() + 1`` blocks."""
+    """The sha256 of each ``block``-byte block of the first ``size`` bytes of ``f`` (a file shorter than
+    ``size``: ``EOFError``), on ``lanes()`` threads, fewer when several files are checked side by side
+    (``scan.sharing``): lane ``j`` reads blocks ``j, j + n, ...`` in ``_READ`` pieces and hashes each as it
+    reads. Memory: one ``_READ`` buffer per lane, whatever the block size."""
     count = -(-size // block) if size else 0
-    n = lanes()
-    bufs = [bytearray(min(block, size)) for _ in range(min(count, n + 1))]
-    out: list[Future[str]] = []
+    n = max(1, min(count, lanes() // scan.sharing()))
+    out = [""] * count
     fd = storage.open_fd(str(f))
+
+    def lane(j: int) -> None:
+        mv = memoryview(bytearray(min(_READ, block, max(size, 1))))
+        for i in range(j, count, n):
+            h, lo, end = hashlib.sha256(), i * block, min(size, (i + 1) * block)
+            for a in range(lo, end, len(mv)):
+                part = mv[: min(len(mv), end - a)]
+                if storage.pread_into(fd, part, a) != len(part):
+                    raise EOFError(f"{f}: ends inside block {i}")
+                h.update(part)
+            out[i] = h.hexdigest()
+
     try:
-        with ThreadPoolExecutor(n, thread_name_prefix="zckpt-verify") as pool:
-            for i in range(count):
-                k = i % len(bufs)
-                if i >= len(bufs):
-                    out[i - len(bufs)].result()  # that buffer's hash is done: refill it
-                view = memoryview(bufs[k])[: min(block, size - i * block)]
-                for a in range(0, len(view), _READ):
-                    part = view[a : a + _READ]
-                    if storage.pread_into(fd, part, i * block + a) != len(part):
-                        raise EOFError(f"{f}: ends inside block {i}")
-                out.append(pool.submit(_sha256_hex, view))
-            return [h.result() for h in out]
+        if n == 1:
+            lane(0)
+        else:
+            with ThreadPoolExecutor(n, thread_name_prefix="zckpt-verify") as pool:
+                for r in [pool.submit(lane, j) for j in range(n)]:
+                    r.result()
+        return out
     finally:
         storage.close_fd(fd)
-
-
-def _sha256_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
 
 
 def write_block_sidecar(path: Path, digest: FileDigest, size: int, durable: bool = True) -> Path:

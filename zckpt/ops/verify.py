@@ -158,9 +158,8 @@ def _verify(
     name = fmt.name if fmt is not None else None
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
-    with ThreadPoolExecutor(
-        max(1, min(len(files), scan.threads())), thread_name_prefix="zckpt-verify"
-    ) as pool:
+    k = max(1, min(len(files), scan.threads()))
+    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
         for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
             file_problems += found
     if ckpt is not None:

@@ -15,7 +15,8 @@ What is written (keys as torchtitan's ``CheckpointManager`` and ``flatten_optimi
 - ``.metadata`` last (``finish``), pickled under DCP's class names (``pickler``).
 
 Every item is one ``torch.save``-compatible zip archive (``zckpt.io.torchzip_write``) streamed into a
-``HashingSink`` (a ``.sha256.json`` block-digest sidecar per file, hashed on several cores); the folder is staged and published whole by ``ops/reshard``.
+``HashingSink`` (a ``.sha256.json`` block-digest sidecar per file, hashed on several cores); the folder is
+staged and published whole by ``ops/reshard``.
 """
 
 from __future__ import annotations
