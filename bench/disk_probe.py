@@ -28,6 +28,22 @@ def _drop() -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def sweep(fd: int, total: int, bs: int, depth: int, bufs: list[mmap.mmap], mode: str = "write") -> None:
+    """``total`` bytes of ``fd`` written (or read) in order: ``bs`` per request, ``depth`` in flight."""
+    with ThreadPoolExecutor(depth) as pool:
+        futs = []
+        for i, off in enumerate(range(0, total, bs)):
+            if len(futs) >= depth:
+                futs.pop(0).result()
+            buf = memoryview(bufs[i % len(bufs)])[:bs]
+            if mode == "write":
+                futs.append(pool.submit(os.pwrite, fd, buf, off))
+            else:
+                futs.append(pool.submit(os.preadv, fd, [buf], off))
+        for f in futs:
+            f.result()
+
+
 def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
     folder.mkdir(parents=True, exist_ok=True)
     path, total, bs = str(folder / "probe.bin"), gib << 30, 64 << 20
@@ -42,17 +58,7 @@ def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
             flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if mode == "write" else os.O_RDONLY
             fd = os.open(path, flags | os.O_DIRECT, 0o644)
             t = time.perf_counter()
-            with ThreadPoolExecutor(depth) as pool:
-                futs = []
-                for i, off in enumerate(range(0, total, bs)):
-                    if len(futs) >= depth:
-                        futs.pop(0).result()
-                    if mode == "write":
-                        futs.append(pool.submit(os.pwrite, fd, bufs[i % depth], off))
-                    else:
-                        futs.append(pool.submit(os.preadv, fd, [bufs[i % depth]], off))
-                for f in futs:
-                    f.result()
+            sweep(fd, total, bs, depth, bufs, mode)
             if mode == "write":
                 os.fsync(fd)
             os.close(fd)

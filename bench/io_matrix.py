@@ -23,6 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from disk_probe import sweep  # bench/ is on sys.path when run as a script
+
 
 def emit(**kw: object) -> None:
     print("IOM " + json.dumps(kw), flush=True)
@@ -31,14 +33,7 @@ def emit(**kw: object) -> None:
 def write(path: str, total: int, bs: int, depth: int, bufs: list[mmap.mmap]) -> float:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     t = time.perf_counter()
-    with ThreadPoolExecutor(depth) as pool:
-        futs = []
-        for i, off in enumerate(range(0, total, bs)):
-            if len(futs) >= depth:
-                futs.pop(0).result()
-            futs.append(pool.submit(os.pwrite, fd, memoryview(bufs[i % len(bufs)])[:bs], off))
-        for f in futs:
-            f.result()
+    sweep(fd, total, bs, depth, bufs)
     os.fsync(fd)
     os.close(fd)
     return total / (time.perf_counter() - t) / 1e9
@@ -73,7 +68,13 @@ def main() -> None:
     out = str(a.dir / "iom.bin")
     for bs in sizes:
         for depth in depths:
-            emit(what="write", mib=bs >> 20, depth=depth, load=0, gbs=round(write(out, total, bs, depth, bufs), 3))
+            emit(
+                what="write",
+                mib=bs >> 20,
+                depth=depth,
+                load=0,
+                gbs=round(write(out, total, bs, depth, bufs), 3),
+            )
     cached = str(a.dir / "cached.bin")  # buffered, so it stays in the page cache
     with open(cached, "wb") as f:
         for _ in range(total // len(bufs[0])):
