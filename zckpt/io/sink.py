@@ -12,8 +12,9 @@ multipart upload that completes at ``close()``.
 
 ``write(b, stable=True)`` is for callers whose bytes stay unchanged until ``close()`` (a snapshot): the
 hash is queued on the hash threads without waiting and aligned memory goes to the device without a copy,
-so hashing and device writes run side by side over the whole file, not chunk by chunk. ``stats()`` says
-where the time went.
+so hashing and device writes run side by side over the whole file, not chunk by chunk. ``reserve()`` /
+``commit(n)`` let a filler read the file's next bytes straight into the device buffer, and ``fill_ring()``
+keeps ``zckpt.io.pipeline.fill``'s buffers (``FillRing``) across records. ``stats()``: where the time went.
 """
 
 from __future__ import annotations
