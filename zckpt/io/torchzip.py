@@ -395,8 +395,17 @@ def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -
     size = storage.file_size(fh)
     starts = []
     for info in infos:
+        # the name as the directory stores it (zipfile decoded it as UTF-8 or cp437, both reversible)
+        raw = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
         fh.seek(info.header_offset)
-        starts.append(_data_start(str(f), info, fh.read(_LOCAL_HEADER.size), size, str(f)))
+        head = fh.read(_LOCAL_HEADER.size + len(raw))
+        starts.append(_data_start(str(f), info, head[: _LOCAL_HEADER.size], size, str(f)))
+        if head[_LOCAL_HEADER.size :] != raw:  # torch's reader never looks: only verify can tell
+            raise CorruptCheckpoint(
+                f"{f}: zip record {info.filename!r:.80}: its local header names another record",
+                hint="the file is damaged; restore it from a good copy",
+                path=str(f),
+            )
     try:
         crcs = ctx.crc_ranges(f, [(s, i.file_size) for s, i in zip(starts, infos, strict=True)])
     except EOFError as e:
