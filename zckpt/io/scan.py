@@ -47,13 +47,13 @@ def sharing() -> int:
 
 @contextlib.contextmanager
 def shared(k: int) -> Iterator[None]:
-    """``k`` output files are written side by side inside the block."""
+    """``k`` output files are written side by side inside the block (the count before is restored after)."""
     global _sharing
-    _sharing = k
+    outer, _sharing = _sharing, k
     try:
         yield
     finally:
-        _sharing = 1
+        _sharing = outer
 
 
 def threads(cap: int = 16, per: int = 1) -> int:
