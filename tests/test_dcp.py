@@ -478,3 +478,50 @@ def test_reshard_to_dcp_summary_has_no_zero_stage(tmp_path: Path) -> None:
     assert zckpt.reshard(src, tmp_path / "j", world=2, to="dcp", progress=False).stage is None
     with pytest.raises(ValueError, match="a DCP checkpoint has no ZeRO stage"):
         zckpt.reshard(src, tmp_path / "s", world=2, to="dcp", stage=2, progress=False)
+
+
+def _respec(md: Any) -> tuple[list[Any], list[str], Any, list[Any]]:
+    from zckpt.formats.dcp import pickler as pk
+
+    tensors = [
+        pk.TensorSpec(k, t.dtype, t.shape, tuple((c.offsets, c.sizes) for c in t.chunks))
+        for k, t in md.tensors.items()
+    ]
+    stored = [pk.Stored(k, off, si.file, si.offset, si.length) for (k, off), si in md.storage.items()]
+    return tensors, sorted(md.byte_keys), md.paths, stored
+
+
+def test_metadata_c_pickler_writes_the_pure_picklers_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.metadata`` is written by the C pickler with the stand-ins' GLOBALs renamed afterwards; the bytes
+    must be exactly those of the pure-Python ``MetadataPickler`` (the oracle that real torch reads), for
+    every real fixture, and a key that spells a stand-in's GLOBAL must fall back to the pure pickler."""
+    import torch.distributed.checkpoint.metadata as real
+
+    from zckpt.formats.dcp import metadata as md_mod
+    from zckpt.formats.dcp import pickler as pk
+
+    def both(*args: Any) -> tuple[bytes, bytes]:
+        fast = pk.dumps(*args, digests=["0" * 64])
+        with monkeypatch.context() as m:
+            m.setattr(pk, "_c_dumps", lambda md: None)
+            slow = pk.dumps(*args, digests=["0" * 64])
+        return fast, slow
+
+    folders = [f for case in ALL for f in _dirs(case) if (f / ".metadata").is_file()]
+    assert len(folders) >= len(READABLE)
+    for folder in folders:
+        md = md_mod.load_metadata(folder)
+        fast, slow = both(*_respec(md))
+        assert fast == slow, folder
+        back = md_mod.parse(md_mod.Node(md_mod.safe_loads(fast, source="x", extra=md_mod.ALLOWED), "x"))
+        assert (set(back.keys), back.tensors, back.storage) == (set(md.keys), md.tensors, md.storage), folder
+    tensors, byte_keys, paths, stored = _respec(md_mod.load_metadata(_dirs(FIX / "fsdp2_w2")[0]))
+    odd = "w.zckpt.formats.dcp.metadata\nMetadata\n"  # a key spelling a stand-in's own GLOBAL
+    t0 = tensors[0]
+    tensors[0] = pk.TensorSpec(odd, t0.dtype, t0.shape, t0.boxes)
+    stored = [pk.Stored(odd, s.offsets, s.file, s.offset, s.length) if s.key == t0.key else s for s in stored]
+    paths = {(odd if k == t0.key else k): ((odd,) if k == t0.key else v) for k, v in paths.items()}
+    fast, slow = both(tensors, byte_keys, paths, stored)
+    assert fast == slow
+    loaded = pickle.loads(fast)  # real torch's classes
+    assert isinstance(loaded, real.Metadata) and odd in loaded.state_dict_metadata

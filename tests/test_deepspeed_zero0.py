@@ -144,3 +144,27 @@ def test_equal_16bit_in_different_groups_falls_back(tmp_path: Path) -> None:
     model = [("a", v, 0), ("b", v.clone(), 1)]
     d, _ = _save(tmp_path, model)
     _assert_fallback(ds.read(d), model, "param groups 0 and 1")
+
+
+def test_module_param_swapped_with_an_optimizer_state_is_refused(tmp_path: Path) -> None:
+    """Fuzz seed 2 case 217 on the real DeepSpeed 0.19.8 ZeRO-0 bf16 save: the frozen ``frozen.weight`` and
+    ``state[4].exp_avg_sq`` traded places. The module no longer matches its fp32 masters, so the reader
+    falls back to the module weights, which now hold the moment; the state's shape (the frozen param's)
+    is not its master's, and that is refused, naming the file."""
+    import shutil
+
+    import pytest
+
+    from zckpt.errors import ShardMismatch
+
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2"
+    d = tmp_path / "ckpt"
+    shutil.copytree(src, d)
+    f = d / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)  # the committed fixture: our own file
+    st = sd["optimizer"]["optimizer_state_dict"]["state"][4]
+    sd["module"]["frozen.weight"], st["exp_avg_sq"] = st["exp_avg_sq"], sd["module"]["frozen.weight"]
+    torch.save(sd, f)
+    with pytest.raises(ShardMismatch, match=r"mp_rank_00_model_states\.pt: optimizer state 'exp_avg_sq' of "
+                       r"fp32_groups\[0\]\[4\] has shape \[7, 7\], its fp32 master \[7\]"):  # fmt: skip
+        ds.read(d)

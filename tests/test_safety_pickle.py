@@ -347,3 +347,17 @@ def test_heldout_checkpoints_with_planted_payload(tmp_path: Path, evil_path: Pat
                 assert str(planted) in line, line
             assert not (work / "out.safetensors").exists()
     assert not evil_path.exists()
+
+
+def test_gc_paused_restores_the_state_it_found() -> None:
+    import gc
+
+    from zckpt.io.pickle_safe import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner exit leaves the outer pause alone
+    assert gc.isenabled()

@@ -12,12 +12,14 @@ warning) — only for files you wrote yourself.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 import io
 import pickle
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -407,6 +409,21 @@ def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
         stack.extend([(c, level + 1, None) for c in kids if type(c) not in leaves])
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic GC off while a large pickle is unpickled and walked: the objects it makes trigger
+    generation-2 collections that each rescan them all (a 2.3 MB DCP ``.metadata``: 0.7 s unpickling with
+    the GC on, 0.1 s off). Unpickled graphs hold no cycles (``_check_graph`` refuses them), so nothing waits
+    for the collector. Restores the state it found, so nested uses are safe."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def safe_loads(
     data: bytes,
     *,
@@ -420,6 +437,17 @@ def safe_loads(
     ``UnsafePickle``. ``extra`` allows more globals for this one pickle (a format's own inert stand-ins, e.g.
     DCP's metadata classes)."""
     prescan(data, source, MAX_STACK)
+    with gc_paused():
+        return _load_checked(data, source, trust_pickle, max_bytes, extra)
+
+
+def _load_checked(
+    data: bytes,
+    source: str,
+    trust_pickle: bool,
+    max_bytes: int | None,
+    extra: Mapping[tuple[str, str], Any] | None,
+) -> Any:
     try:
         obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle, extra=extra).load()
     except UnsafePickle as e:

@@ -30,7 +30,7 @@ from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
 from zckpt.io import storage
 from zckpt.io.objstore import as_path
-from zckpt.io.pickle_safe import _Record, safe_loads
+from zckpt.io.pickle_safe import _Record, gc_paused, safe_loads
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -209,7 +209,8 @@ def load_metadata(folder: Path) -> DcpMetadata:
     key = (src, hashlib.blake2b(data, digest_size=16).digest())
     got = _PARSED.get(key)
     if got is None:
-        got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
+        with gc_paused():  # parse makes ~100k small records (see gc_paused)
+            got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
         while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
             del _PARSED[next(iter(_PARSED))]
         _PARSED[key] = got
@@ -229,9 +230,26 @@ def _fields(node: Node, cls: type, expected: str) -> Node:
 
 
 def _ints(node: Node) -> tuple[int, ...]:
+    got = _plain_ints(node.value)
+    if got is not None:
+        return got
     if not isinstance(node.value, (tuple, list)) or len(node.value) > 64:
         raise node.fail("a tuple of sizes")
     return tuple(n.as_int(lo=0) for n in node)
+
+
+_SEQS = (tuple, list, torch.Size)
+
+
+def _plain_ints(v: Any) -> tuple[int, ...] | None:
+    """``v`` as a tuple when it is a short sequence of plain non-negative ints (what every real file holds),
+    else None: the checked path then names what is wrong. A 2.3 MB ``.metadata`` has ~45k of these."""
+    if type(v) in _SEQS and len(v) <= 64:
+        for x in v:
+            if type(x) is not int or x < 0:
+                return None
+        return tuple(v)
+    return None
 
 
 def _tensor(key: str, node: Node) -> TensorMeta:
@@ -244,21 +262,43 @@ def _tensor(key: str, node: Node) -> TensorMeta:
     shape = _ints(t["size"])
     chunks = []
     for c in t["chunks"]:
-        cf = _fields(c, ChunkStorageMetadata, "ChunkStorageMetadata")
-        off, size = _ints(cf["offsets"]), _ints(cf["sizes"])
-        if len(off) != len(shape) or len(size) != len(shape):
-            raise c.fail(f"a box of {len(shape)} dimensions (tensor {list(shape)})")
-        if any(o + s > d for o, s, d in zip(off, size, shape, strict=True)):
-            raise c.fail(f"a box inside the tensor's shape {list(shape)}")
-        chunks.append(Chunk(off, size))
+        box = _plain_box(c.value, shape)
+        if box is None:
+            cf = _fields(c, ChunkStorageMetadata, "ChunkStorageMetadata")
+            off, size = _ints(cf["offsets"]), _ints(cf["sizes"])
+            if len(off) != len(shape) or len(size) != len(shape):
+                raise c.fail(f"a box of {len(shape)} dimensions (tensor {list(shape)})")
+            if any(o + s > d for o, s, d in zip(off, size, shape, strict=True)):
+                raise c.fail(f"a box inside the tensor's shape {list(shape)}")
+            box = Chunk(off, size)
+        chunks.append(box)
     return TensorMeta(dtype, shape, tuple(chunks))
+
+
+def _plain_box(c: Any, shape: tuple[int, ...]) -> Chunk | None:
+    """The chunk when ``c`` is a well-formed box inside ``shape``, else None (the checked path explains)."""
+    if type(c) is not ChunkStorageMetadata:
+        return None
+    d = c.__dict__
+    off, size = _plain_ints(d.get("offsets")), _plain_ints(d.get("sizes"))
+    if off is None or size is None or len(off) != len(shape) or len(size) != len(shape):
+        return None
+    for o, s, n in zip(off, size, shape, strict=True):
+        if o + s > n:
+            return None
+    return Chunk(off, size)
 
 
 def _storage(
     node: Node, tensors: Mapping[str, TensorMeta], byte_keys: frozenset[str]
 ) -> dict[StorageKey, StorageInfo]:
     out: dict[StorageKey, StorageInfo] = {}
+    boxes: dict[str, frozenset[tuple[int, ...]]] = {}
     for idx, info in node.as_dict().items():
+        plain = _plain_storage(idx, info, tensors, byte_keys, boxes)
+        if plain is not None:
+            out[plain[0]] = plain[1]
+            continue
         where = Node(idx, node.file, f"{node.where}[{idx!r:.60}]")
         ix = _fields(where, MetadataIndex, "MetadataIndex")
         fqn = ix["fqn"].as_str(1 << 16)
@@ -286,6 +326,45 @@ def _storage(
             tuple(n.as_str() for n in tr) if tr is not None else (),
         )
     return out
+
+
+def _plain_storage(
+    idx: Any,
+    info: Any,
+    tensors: Mapping[str, TensorMeta],
+    byte_keys: frozenset[str],
+    boxes: dict[str, frozenset[tuple[int, ...]]],
+) -> tuple[StorageKey, StorageInfo] | None:
+    """One well-formed ``storage_data`` entry, or None (the checked path in ``_storage`` names what is wrong).
+    ``boxes`` caches each tensor's chunk offsets."""
+    if type(idx) is not MetadataIndex or type(info) is not StorageInfo_:
+        return None
+    fqn = idx.__dict__.get("fqn")
+    if type(fqn) is not str or len(fqn) > 1 << 16:
+        return None
+    key: StorageKey
+    if fqn in tensors:
+        off = _plain_ints(idx.__dict__.get("offset"))
+        known = boxes.get(fqn)
+        if known is None:
+            known = boxes[fqn] = frozenset(c.offsets for c in tensors[fqn].chunks)
+        if off is None or off not in known:
+            return None
+        key = (fqn, off)
+    elif fqn in byte_keys:
+        key = (fqn, None)
+    else:
+        return None
+    d = info.__dict__
+    path, offset, length = d.get("relative_path"), d.get("offset"), d.get("length")
+    tr = d.get("transform_descriptors")
+    if type(path) is not str or len(path) > 4096 or type(offset) is not int or type(length) is not int:
+        return None
+    if offset < 0 or length < 0:
+        return None
+    if tr is not None and not (type(tr) in _SEQS and all(type(x) is str and len(x) <= 4096 for x in tr)):
+        return None
+    return key, StorageInfo(path, offset, length, tuple(tr) if tr is not None else ())
 
 
 _DAMAGED = "the .metadata file is damaged; restore it from the original save"

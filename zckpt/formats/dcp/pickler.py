@@ -12,6 +12,7 @@ from __future__ import annotations
 import copyreg
 import hashlib
 import io
+import pickle
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from zckpt.formats.dcp import metadata as M
+from zckpt.io.pickle_safe import gc_paused
 from zckpt.io.torchzip_write import GlobalRef, TorchPickler
 
 _DCP = "torch.distributed.checkpoint"
@@ -141,6 +143,20 @@ def dumps(
     checkpoint_id: str | None = None,
     digests: Sequence[str] = (),
 ) -> bytes:
+    """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written (see ``_dumps``), with
+    Python's cyclic GC paused: the ~100k records and memo entries it makes would each trigger a rescan."""
+    with gc_paused():
+        return _dumps(tensors, byte_keys, paths, stored, checkpoint_id, digests)
+
+
+def _dumps(
+    tensors: Sequence[TensorSpec],
+    byte_keys: Sequence[str],
+    paths: Mapping[str, tuple[str | int, ...]],
+    stored: Sequence[Stored],
+    checkpoint_id: str | None = None,
+    digests: Sequence[str] = (),
+) -> bytes:
     """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written. ``checkpoint_id`` (DCP
     records the folder it saved to; nothing reads it back) stays None: the writer only sees its staging
     folder, published under another name. ``digests``: the data files' sha256s (``save_id`` is derived from
@@ -180,6 +196,56 @@ def dumps(
         storage_meta=meta,
         version=VERSION,
     )
+    fast = _c_dumps(md)
+    if fast is not None:
+        return fast
     buf = io.BytesIO()
     MetadataPickler(buf).dump(md)
     return buf.getvalue()
+
+
+class _CPickler(pickle.Pickler):
+    """The C pickler over the same graph: ``MetadataPickler``'s reductions, with the stand-in classes
+    pickled under their own (importable) names, renamed afterwards by ``_c_dumps``. 20x faster than the
+    pure-Python pickler on a 14k-chunk ``.metadata`` (3.9 s -> 0.2 s)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is Size:
+            return (torch.Size, (obj.dims,))
+        if t is M.TensorProperties:
+            state = (obj.__dict__["dtype"], _Call(_LAYOUT, _STRIDED), False, _Call(_MEM_FORMAT, (0,)), False)
+            return (copyreg.__newobj__, (M.TensorProperties,), state)  # type: ignore[attr-defined]
+        if t is _Call:
+            return (_CALLABLES[obj.func], obj.args)
+        return NotImplemented
+
+
+_STRIDED = ("torch.strided",)
+_CALLABLES = {_LAYOUT: torch.serialization._get_layout, _MEM_FORMAT: M._mem_format}
+_OWN_NAMES: list[tuple[Any, tuple[str, str]]] = [
+    *NAMES.items(),
+    (M._mem_format, (_MEM_FORMAT.module, _MEM_FORMAT.name)),
+]
+_RENAMES = [
+    (f"{obj.__module__}\n{obj.__qualname__}\n".encode(), f"{mod}\n{name}\n".encode())
+    for obj, (mod, name) in _OWN_NAMES
+]
+"""Each stand-in's GLOBAL arguments as the C pickler writes them, and DCP's."""
+
+
+def _c_dumps(md: Any) -> bytes | None:
+    """``md`` pickled by the C pickler, each stand-in's GLOBAL renamed to DCP's name; None when the rename
+    would be ambiguous. A class's GLOBAL is written once (memoized), so a name that occurs more than once
+    also occurs inside a string (a key spelling it, newlines included) and is left to the pure-Python
+    pickler. Protocol 2 has no frames, and GLOBAL's arguments are newline-ended, so renaming moves nothing
+    else."""
+    buf = io.BytesIO()
+    _CPickler(buf, protocol=2).dump(md)
+    data = buf.getvalue()
+    for own, dcp in _RENAMES:
+        n = data.count(b"c" + own)
+        if n > 1 or (n == 1 and data.count(own) != 1):
+            return None
+        data = data.replace(b"c" + own, b"c" + dcp)
+    return data

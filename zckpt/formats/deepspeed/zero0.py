@@ -196,6 +196,24 @@ def _check_state_keys(states: dict[tuple[int, int], dict[str, Any]], file: str) 
     )
 
 
+def _check_state_shapes(
+    states: dict[tuple[int, int], dict[str, Any]], groups: list[list[TensorRef]], file: str
+) -> None:
+    """Each optimizer state tensor has its fp32 master's shape (torch keeps ``exp_avg`` & co. per element of
+    the param it steps), or is a scalar (``step``). Checked before the matching, so that a file whose module
+    weights fall back to PARAM entries is still refused when a state was swapped with another tensor."""
+    for (g, i), st in states.items():
+        want = tuple(groups[g][i].shape)
+        for s, v in st.items():
+            if isinstance(v, TensorRef) and not is_scalar(v) and tuple(v.shape) != want:
+                raise ShardMismatch(
+                    f"{file}: optimizer state {s!r:.40} of fp32_groups[{g}][{i}] has shape {list(v.shape)}, "
+                    f"its fp32 master {list(want)}",
+                    hint="the file was altered, or its optimizer keeps states zckpt does not know",
+                    path=file,
+                )
+
+
 def _check_indices(params: list[list[int]], state: dict[Any, Any], file: str) -> None:
     """torch's ``state_dict`` numbers the params of all groups once each and keys ``state`` by those numbers:
     a number listed twice, or a state under a number no group lists, is a damaged file (its state would
@@ -286,13 +304,14 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
         why = masters if isinstance(masters, str) else None
     if why is None:
         assert not isinstance(masters, str)
+        states, state_note = _states_by_slot(inner, masters)
+        _check_state_shapes(states, masters, str(mfile))
         with checks.verifying():  # a flipped bit must fail its record's CRC, not the matching
             res = _match(params, masters)
             if isinstance(res, str):
                 why = res
             else:
                 got, digest = res
-                states, state_note = _states_by_slot(inner, masters)
                 _check_state_keys(states, str(mfile))
                 why = _tie_problem(params, masters, got, digest, states)
     if why is not None:
