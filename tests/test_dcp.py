@@ -216,7 +216,16 @@ def _kinds(d: Path) -> dict[str, str]:
     return {Path(p.file).name: p.kind for p in zckpt.verify(d).problems}
 
 
-def test_verify_truncated_missing_flipped_stray(tmp_path: Path) -> None:
+@pytest.mark.parametrize("small", [None, 0], ids=["as-is", "every-record-on-the-scan-threads"])
+def test_verify_truncated_missing_flipped_stray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int | None
+) -> None:
+    """``small=0``: every record's CRC-32 is computed on the scan threads while later archives are parsed
+    (``start_archive_check``), as the big records of a real-size checkpoint are."""
+    if small is not None:
+        from zckpt.io import torchzip
+
+        monkeypatch.setattr(torchzip, "_SMALL_RECORD", small)
     d = _copy(tmp_path)
     os.truncate(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size - 100)
     assert _kinds(d) == {"__1_0.distcp": "truncated"}

@@ -89,27 +89,43 @@ def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: Thread
     """The CRC-32 of each ``(start, size)`` byte range of the file, computed in ``CHUNK_BYTES`` pieces on
     ``pool`` (a short file: ``EOFError``)."""
     fd = storage.open_fd(str(path))
-    jobs: list[list[tuple[Future[int], int]]] = []
     try:
+        return PendingCrcs(fd, ranges, pool).result()
+    finally:  # the pending pieces are all done or cancelled by now (``result``)
+        storage.close_fd(fd)
+
+
+class PendingCrcs:
+    """The CRC-32s of byte ranges of an open descriptor, being computed in pieces on a pool: ``result``
+    waits for them; the caller keeps the descriptor open until it has returned."""
+
+    def __init__(self, fd: int, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> None:
+        self._jobs: list[list[tuple[Future[int], int]]] = []
         for start, size in ranges:
             cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
-            jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
-        out = []
-        for job in jobs:
-            crc = 0
-            for fut, n in job:
-                crc = crc32_combine(crc, fut.result(), n)
-            out.append(crc)
-        return out
-    finally:  # no piece may still read the descriptor once it is closed
-        futs = [fut for job in jobs for fut, _ in job]
+            self._jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
+
+    def result(self) -> list[int]:
+        try:
+            out = []
+            for job in self._jobs:
+                crc = 0
+                for fut, n in job:
+                    crc = crc32_combine(crc, fut.result(), n)
+                out.append(crc)
+            return out
+        finally:  # no piece may still read the descriptor once the caller closes it
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel what has not started and wait for what has (a piece never outlives its descriptor)."""
+        futs = [fut for job in self._jobs for fut, _ in job]
         for fut in futs:
             fut.cancel()
         for fut in futs:
             if not fut.cancelled():
                 with contextlib.suppress(BaseException):
                     fut.result()
-        storage.close_fd(fd)
 
 
 def sha256_file(f: str | Path) -> str:
@@ -130,8 +146,10 @@ class Scanner:
     """The thread pool of one verify run: ``crc_ranges`` pieces and whole-file sha256s share it."""
 
     def __init__(self, n: int | None = None) -> None:
-        self.pool = ThreadPoolExecutor(n or threads(), thread_name_prefix="zckpt-scan")
-        self._crc_pool = ThreadPoolExecutor(n or threads(), thread_name_prefix="zckpt-crc")
+        self.width = n or threads()
+        """Threads computing CRC pieces (and, on the other pool, sha256s)."""
+        self.pool = ThreadPoolExecutor(self.width, thread_name_prefix="zckpt-scan")
+        self._crc_pool = ThreadPoolExecutor(self.width, thread_name_prefix="zckpt-crc")
         self._sha: dict[str, Future[str]] = {}
         self._lock = threading.Lock()
 
@@ -145,6 +163,10 @@ class Scanner:
 
     def crc_ranges(self, path: str | Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
         return crc_ranges(path, ranges, self._crc_pool)
+
+    def crc_pending(self, fd: int, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:
+        """The CRC-32s of ``ranges`` of the open ``fd``, started now (see ``PendingCrcs``)."""
+        return PendingCrcs(fd, ranges, self._crc_pool)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -14,6 +14,7 @@ import re
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -306,32 +307,56 @@ def check_archive_at(
     """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
     record's name, or a description of why the archive cannot be read; None when it is intact. With
     ``ctx``, stored records are checked in pieces on its scan threads (``zckpt.io.scan``)."""
+    return start_archive_check(path, fd, offset, length, ctx)()
+
+
+def start_archive_check(
+    path: str, fd: int, offset: int, length: int, ctx: VerifyContext | None = None
+) -> Callable[[], str | None]:
+    """``check_archive_at`` in two steps: the archive is parsed and its small records checked now, its big
+    records' CRC-32s started on ``ctx``'s scan threads; the call returned waits for them and gives the
+    verdict. A caller checking thousands of archives (DCP) starts the next ones meanwhile, so the scan
+    threads are all busy even when each archive holds one record; ``fd`` stays open until the call."""
     win = Window(fd, offset, length)
     try:
         d = zipdir.read(win.pread, win.length)
         infos = list(d.entries.values())
         if any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits & 0x1 for i in infos):
-            return "zip records unreadable (compressed or encrypted)"
+            return lambda: "zip records unreadable (compressed or encrypted)"
         recs = [_record_at(path, win, i) for i in infos]
         # small records from the window's memory, here; big ones in pieces on the scan threads (a hand-off
         # per small record cost more than its CRC: DCP archives hold ~6 records each, thousands of archives)
-        big = {k for k, (_, n, _) in enumerate(recs) if ctx is not None and n > _SMALL_RECORD}
+        scanner = ctx.scanner if ctx is not None else None
+        big = sorted(k for k, (_, n, _) in enumerate(recs) if scanner is not None and n > _SMALL_RECORD)
         crcs = [_crc_of(win, start, n) if k not in big else 0 for k, (start, n, _) in enumerate(recs)]
-        if ctx is not None and big:
-            order = sorted(big)
-            got = ctx.crc_ranges(Path(path), [(offset + recs[k][0], recs[k][1]) for k in order])
-            for k, c in zip(order, got, strict=True):
-                crcs[k] = c
-        bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
+        pending = None
+        if scanner is not None and big:
+            pending = scanner.crc_pending(fd, [(offset + recs[k][0], recs[k][1]) for k in big])
     except Exception as e:  # noqa: BLE001 - any zip failure on damaged bytes is a finding, not a crash
-        return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
-    if bad is not None:
-        return f"zip record {bad} fails its CRC-32 check"
-    for info in infos:
-        why = zipdir.entry_problem(win.pread, win.length, info)
-        if why is not None:
-            return f"zip record {info.filename}: {why}"
-    return zipdir.end_problem(win.pread, win.length, len(infos), d.start_dir)
+        why = _unreadable(e)
+        return lambda: why
+
+    def verdict() -> str | None:
+        try:
+            if pending is not None:
+                for k, c in zip(big, pending.result(), strict=True):
+                    crcs[k] = c
+            bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
+            if bad is not None:
+                return f"zip record {bad} fails its CRC-32 check"
+            for info in infos:
+                why = zipdir.entry_problem(win.pread, win.length, info)
+                if why is not None:
+                    return f"zip record {info.filename}: {why}"
+            return zipdir.end_problem(win.pread, win.length, len(infos), d.start_dir)
+        except Exception as e:  # noqa: BLE001 - as above
+            return _unreadable(e)
+
+    return verdict
+
+
+def _unreadable(e: Exception) -> str:
+    return f"zip records unreadable ({type(e).__name__}: {str(e)[:100]})"
 
 
 def _crc_of(win: Window, start: int, n: int, step: int = 8 << 20) -> int:

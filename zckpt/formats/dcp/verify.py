@@ -12,6 +12,8 @@ chunk; tied aliases (``meta.tied``) holding the same bytes as their owner; no st
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from zckpt.formats.dcp.read import load_folder, pieces
 from zckpt.io import safetensors, spans, storage
 from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 from zckpt.io.objstore import as_path
-from zckpt.io.torchzip import check_archive_at
+from zckpt.io.torchzip import start_archive_check
 from zckpt.model import Role, TensorEntry
 
 
@@ -64,9 +66,22 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
                 continue
             files.open(info)  # opened here, once: the checks below share the descriptors across threads
             todo.append((f, key, info))
-        # every item's archive checked in order, here: its big records in pieces on the scan threads (a
-        # thread per item made thousands of small archives' parsing fight over the GIL: 3x slower)
-        whys = [_check_item(files, info, blobs, ctx) for _, _, info in todo]
+        # every item's archive parsed in order, here (a thread per item made thousands of small archives'
+        # parsing fight over the GIL: 3x slower), its big records' CRCs computed on the scan threads while the
+        # next archives are parsed: up to ``_AHEAD`` per scan thread started and not yet judged
+        whys: list[str | None] = []
+        ahead: deque[Callable[[], str | None]] = deque()
+        limit = _AHEAD * (ctx.scanner.width if ctx.scanner is not None else 1)
+        try:
+            for _, _, info in todo:
+                ahead.append(_start_item(files, info, blobs, ctx))
+                if len(ahead) > limit:
+                    whys.append(ahead.popleft()())
+            while ahead:
+                whys.append(ahead.popleft()())
+        finally:  # the CRC pieces still running read descriptors that ``files`` closes
+            for pending in ahead:
+                pending()
         for (f, key, info), why in zip(todo, whys, strict=True):
             if why is not None:
                 per_file[f].append(Problem(f, f"{_item(key, info)}: {why}", "corrupt", "the file is damaged"))
@@ -97,23 +112,34 @@ def _uncovered(spans_: list[tuple[int, int]], size: int) -> str | None:
     return None
 
 
-def _check_item(
+_AHEAD = 4
+"""Archives started per scan thread before the oldest one's verdict is awaited."""
+
+
+def _start_item(
     files: Files, info: StorageInfo, blobs: set[tuple[str, int]], ctx: VerifyContext
-) -> str | None:
+) -> Callable[[], str | None]:
+    """The item's check started (``start_archive_check``); the call returned gives its verdict."""
     f, fd = files.open(info)
     head = storage.pread(fd, 4, info.offset)
     if info.transforms or head == ZSTD_MAGIC:
-        return None  # compressed items: the reader reports them as unsupported
+        return _none  # compressed items: the reader reports them as unsupported
     if head == ZIP_MAGIC:
         ctx.count(1)
-        return check_archive_at(f, fd, info.offset, info.length, ctx)
+        return start_archive_check(f, fd, info.offset, info.length, ctx)
     if (f, info.offset) not in blobs:
         blobs.add((f, info.offset))
         try:
             safetensors.read_header(f, info.offset)
         except ZckptError as e:
-            why = str(e).removeprefix(f + ": ")[:80]
-            return f"neither a torch.save archive nor a safetensors blob ({why})"
+            why = (
+                f"neither a torch.save archive nor a safetensors blob ({str(e).removeprefix(f + ': ')[:80]})"
+            )
+            return lambda: why
+    return _none
+
+
+def _none() -> None:
     return None
 
 
