@@ -135,21 +135,8 @@ def _save_id(
     return str(uuid.UUID(bytes=h.digest()[:16], version=4))
 
 
+@gc_paused()  # the ~100k records and memo entries it makes would each trigger a full GC rescan
 def dumps(
-    tensors: Sequence[TensorSpec],
-    byte_keys: Sequence[str],
-    paths: Mapping[str, tuple[str | int, ...]],
-    stored: Sequence[Stored],
-    checkpoint_id: str | None = None,
-    digests: Sequence[str] = (),
-) -> bytes:
-    """The ``.metadata`` pickle of a checkpoint whose items ``stored`` are written (see ``_dumps``), with
-    Python's cyclic GC paused: the ~100k records and memo entries it makes would each trigger a rescan."""
-    with gc_paused():
-        return _dumps(tensors, byte_keys, paths, stored, checkpoint_id, digests)
-
-
-def _dumps(
     tensors: Sequence[TensorSpec],
     byte_keys: Sequence[str],
     paths: Mapping[str, tuple[str | int, ...]],
