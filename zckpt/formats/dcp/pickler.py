@@ -4,7 +4,9 @@
 Built on ``zckpt.io.torchzip_write.TorchPickler`` (protocol 2, globals by name): dataclasses as NEWOBJ + BUILD
 with their field dict (as ``pickle`` writes them), ``TensorProperties`` with its 5-tuple state (what its
 ``__setstate__`` takes), ``torch.Size`` / the memory-format enum / ``_get_layout`` as REDUCE calls, dtypes as
-``torch.<name>`` globals.
+``torch.<name>`` globals. The same bytes come from the C pickler (``_CPickler``, 20x faster on a 14k-chunk
+file), the stand-ins' GLOBALs renamed to DCP's names afterwards; the pure-Python ``MetadataPickler`` writes
+the rare file where that rename would be ambiguous.
 """
 
 from __future__ import annotations
