@@ -917,3 +917,25 @@ def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("state", "start"))
     pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.delete_at(obj, path))})
     run_all(ck, tmp_path, f.name, "fragment_address")
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_latest_as_a_link_to_no_file_is_named(tmp_path: Path, kind: str) -> None:
+    """Fuzz seed 9 case 249: a save folder whose ``latest`` is a symbolic link leading nowhere (target gone,
+    or a loop) was reported as "not a checkpoint, but holds 1 (global_step3)": every command now names
+    ``latest`` and what is wrong with it, for DeepSpeed and native saves alike (exit 2, one line)."""
+    import zckpt
+
+    nat = tmp_path / "native"
+    zckpt.reshard(fixture("ds", DS2), nat, world=2, to="native", progress=False)
+    ds = tmp_path / "ds"
+    shutil.copytree(fixture("ds", DS2), ds)
+    for save in (ds, nat):
+        latest = save / "latest"
+        latest.unlink()
+        latest.symlink_to(save / "gone" if kind == "dangling" else "latest")
+        for argv in (("inspect", save), ("consolidate", save, tmp_path / "o.safetensors")):
+            assert_one_line_error(cli(*argv), str(latest), "symbolic link", "leads to no file")
+        assert not (tmp_path / "o.safetensors").exists()
+        r = cli("verify", save)  # a report: the problem line names latest, exit 1
+        assert r.code == 1 and f"{latest}: a symbolic link" in r.stdout and "Traceback" not in r.stderr, r

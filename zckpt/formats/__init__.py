@@ -11,7 +11,7 @@ from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, UnknownFormat
-from zckpt.formats._latest import LATEST, valid_tag
+from zckpt.formats._latest import LATEST, refuse_dangling, valid_tag
 from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
 from zckpt.io import objstore, storage
@@ -105,6 +105,7 @@ def detect(path: str | Path) -> Format:
         if not children:
             raise UnknownFormat(f"{p}: the folder is empty", hint=_HINT, path=str(p))
         inner = [d for d in children if d.is_dir() and any(f.detect(d) for f in fmts)]
+        refuse_dangling(p, inner[-1] if inner else None)
         if inner:  # one level too high: name the checkpoints inside
             names = ", ".join(d.name for d in inner[:5]) + (", ..." if len(inner) > 5 else "")
             raise UnknownFormat(

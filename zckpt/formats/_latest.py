@@ -29,11 +29,31 @@ def valid_tag(tag: str) -> bool:
     )
 
 
+def refuse_dangling(save_dir: Path, example: Path | None = None) -> None:
+    """A ``latest`` that is a symbolic link leading to no file (its target gone, or a loop) is refused in
+    those words, naming it (``example``: a tag folder to suggest instead)."""
+    latest = save_dir / LATEST
+    if not latest.is_symlink() or latest.exists():
+        return
+    try:
+        target = os.readlink(latest)
+    except OSError:
+        target = "?"
+    instead = f", or give the tag folder, e.g. {example}" if example is not None else ", or pass --tag"
+    raise CorruptCheckpoint(
+        f"{latest}: a symbolic link to {target!r:.120} that leads to no file (its target is missing, or a "
+        "loop)",
+        hint=f"rewrite `latest` as a file holding the tag folder's name{instead}",
+        path=str(latest),
+    )
+
+
 def read_latest(save_dir: Path) -> str | None:
     """The tag ``save_dir/latest`` names, checked; None when there is no ``latest`` file."""
     path = save_dir / LATEST
     if not path.exists() and not path.is_symlink():
         return None
+    refuse_dangling(save_dir)
     with storage.open_regular(path) as f:
         raw = f.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
