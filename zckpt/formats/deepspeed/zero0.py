@@ -161,10 +161,11 @@ def _tie_problem(
 
 
 def _states_by_slot(
-    inner: dict[str, Any], groups: list[list[TensorRef]]
+    inner: dict[str, Any], groups: list[list[TensorRef]], file: str
 ) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None]:
-    """{(group, index in group): torch optimizer state}; the torch state is keyed by the flat param index
-    listed in ``param_groups[g]["params"]``."""
+    """{(group, index in group): torch optimizer state}, each state's tensors checked against their master's
+    shape (``_check_state_shapes``); the torch state is keyed by the flat param index listed in
+    ``param_groups[g]["params"]``."""
     pgs = inner.get("param_groups") or []
     if len(pgs) != len(groups) or any(
         len(pg.get("params", [])) != len(grp) for pg, grp in zip(pgs, groups, strict=False)
@@ -177,6 +178,7 @@ def _states_by_slot(
             st = state.get(idx, state.get(str(idx)))
             if isinstance(st, dict):
                 out[(g, i)] = st
+    _check_state_shapes(out, groups, file)
     return out, None
 
 
@@ -304,8 +306,7 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
         why = masters if isinstance(masters, str) else None
     if why is None:
         assert not isinstance(masters, str)
-        states, state_note = _states_by_slot(inner, masters)
-        _check_state_shapes(states, masters, str(mfile))
+        states, state_note = _states_by_slot(inner, masters, str(mfile))
         with checks.verifying():  # a flipped bit must fail its record's CRC, not the matching
             res = _match(params, masters)
             if isinstance(res, str):
