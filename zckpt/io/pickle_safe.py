@@ -424,6 +424,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@gc_paused()  # the objects it unpickles and walks would each trigger a full GC rescan
 def safe_loads(
     data: bytes,
     *,
@@ -437,17 +438,6 @@ def safe_loads(
     ``UnsafePickle``. ``extra`` allows more globals for this one pickle (a format's own inert stand-ins, e.g.
     DCP's metadata classes)."""
     prescan(data, source, MAX_STACK)
-    with gc_paused():
-        return _load_checked(data, source, trust_pickle, max_bytes, extra)
-
-
-def _load_checked(
-    data: bytes,
-    source: str,
-    trust_pickle: bool,
-    max_bytes: int | None,
-    extra: Mapping[tuple[str, str], Any] | None,
-) -> Any:
     try:
         obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle, extra=extra).load()
     except UnsafePickle as e:
