@@ -1,8 +1,14 @@
-"""Object-store benchmark: consolidate a ZeRO-3 checkpoint straight from an S3 bucket (a local moto server)
+"""Object-store benchmark: consolidate a ZeRO-3 checkpoint straight from an S3 bucket (a local server)
 against "download the folder with the same client, then consolidate locally".
 
     AWS_EC2_METADATA_DISABLED=true .venv/bin/python bench/s3_bench.py [--input bench/data/gpt16m_z3_w2]
-        [--link-mbit 1000] [--repeat 3]
+        [--server moto|s3rver] [--link-mbit 1000] [--repeat 3]
+
+``--server``: moto (the tests' server, in a process of its own; it builds the whole object for every ranged
+GET and serialises the requests of one object, so a ranged read costs the object's size), or s3rver
+(Node.js, ``bench/s3rver/package.json``, installed there by ``npm ci`` on first use; it streams a range from
+the object's file, so a ranged GET costs its range, as on S3). Both are real S3 API servers on 127.0.0.1
+that the client talks HTTP to.
 
 The inputs are built by ``.venv-ds/bin/python bench/make_inputs.py --only gpt16m_z3_w2 gpt100m_z3_w2`` (real
 DeepSpeed, 16M / 100M GPT, ZeRO-3, world 2, one AdamW step). The server is moto in a process of its own.
@@ -22,11 +28,13 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +89,54 @@ store client's took 0.5-2.5 s, which the bench counted before), reporting its pe
 
 def _rss(stderr: str) -> int:
     return max(int(ln.split()[1]) for ln in stderr.splitlines() if ln.startswith("PEAK_RSS")) * 1024
+
+
+@dataclass
+class S3rver:
+    """s3rver in a child process on a free port, objects in a temporary folder; its fixed credentials."""
+
+    url: str
+    _proc: subprocess.Popen[bytes]
+    _dir: str
+    creds = {
+        "AWS_ACCESS_KEY_ID": "S3RVER",
+        "AWS_SECRET_ACCESS_KEY": "S3RVER",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+    @classmethod
+    def start(cls) -> S3rver:
+        home = REPO / "bench" / "s3rver"
+        exe = home / "node_modules" / ".bin" / "s3rver"
+        if not exe.exists():
+            if shutil.which("npm") is None:
+                raise SystemExit("--server s3rver needs Node.js and npm (or use --server moto)")
+            subprocess.run(["npm", "ci", "--silent", "--no-audit", "--no-fund"], cwd=home, check=True)
+        port, data = _s3.free_port(), tempfile.mkdtemp(prefix="zckpt-s3rver-")
+        argv = [str(exe), "-d", data, "-a", "127.0.0.1", "-p", str(port), "--silent", "--no-vhost-buckets"]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return cls(f"http://127.0.0.1:{port}", proc, data)
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"s3rver did not start (exit {proc.poll()})") from None
+                time.sleep(0.1)
+
+    def client(self) -> object:
+        import boto3
+
+        c = self.creds
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=c["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=c["AWS_SECRET_ACCESS_KEY"],
+                            region_name=c["AWS_DEFAULT_REGION"])  # fmt: skip
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=30)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _download(url: str, to: Path, env: dict[str, str]) -> tuple[float, int]:
@@ -143,17 +199,20 @@ def main() -> None:
                     help="time both jobs through a proxy carrying at most this many Mbit/s in all (a network "
                     "link to the store; 0: straight to the local server)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of each job (median reported)")
+    ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server (see above)")
     args = ap.parse_args()
     src = Path(args.input)
     if not (src / "latest").is_file():
         raise SystemExit(f"{src}: build it first: .venv-ds/bin/python bench/make_inputs.py --only {src.name}")
     load0 = os.getloadavg()
-    srv = _s3.start_child()
+    srv = _s3.start_child() if args.server == "moto" else S3rver.start()
+    creds = S3rver.creds if args.server == "s3rver" else _s3.CREDS
     proxy = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0)
     link = _s3.FaultProxy(srv.url, p503=0, pdrop=0, ptrunc=0, rate=args.link_mbit * 1e6 / 8)
     work = Path(tempfile.mkdtemp(prefix="zckpt-s3bench-"))
     out: dict[str, Any] = {"input": src.name, "input_bytes": _du(src), "link_mbit": args.link_mbit or None,
-                           "cores": os.cpu_count(), "load_before": [round(x, 1) for x in load0]}  # fmt: skip
+                           "server": args.server, "cores": os.cpu_count(),
+                           "load_before": [round(x, 1) for x in load0]}  # fmt: skip
     try:
         c = srv.client()
         c.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
@@ -162,6 +221,7 @@ def main() -> None:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
             **dict(_s3.env_for(link.url if args.link_mbit else srv.url)),
+            **creds,
         }
         counted = {**base, "AWS_ENDPOINT_URL": proxy.url}
         # bytes and requests, counted by the proxy (an oracle independent of zckpt's own counters)

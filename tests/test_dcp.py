@@ -130,12 +130,13 @@ def test_diff_against_dcp_to_torch_save_is_clean(case_dir: Path) -> None:
 
 @pytest.mark.parametrize("case_dir", ALL, ids=_ids)
 def test_model_only_open_is_the_full_opens_model(case_dir: Path) -> None:
-    """What consolidate opens (``model_only``: the model chunks' archives only) has the full open's model
-    entries, pieces, roles, ties and precision, and no optimizer state."""
+    """What consolidate and diff open (``model_only``: the model chunks' archives, and what gives the step)
+    has the full open's model entries, pieces, roles, ties, precision and step, and no optimizer state."""
     path = _dirs(case_dir)[0]
     with zckpt.open(path) as full, zckpt.open(path, model_only=True) as part:
         assert [repr(e) for e in part.model_entries()] == [repr(e) for e in full.model_entries()]
         assert (part.meta.tied, part.meta.state.precision) == (full.meta.tied, full.meta.state.precision)
+        assert part.meta.step == full.meta.step
         assert part.optim_keys() == [] and part.meta.state.optimizer is None
         for name in list(full)[:3]:
             assert torch.equal(part[name], full[name])

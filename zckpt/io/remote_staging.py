@@ -16,9 +16,14 @@ without it leaves nothing) with a store's means:
   looking complete before its data is replaced), and old objects the new output does not have are deleted
   after it is published.
 - ``abort()`` (an error, Ctrl-C): in-flight uploads are aborted by their sinks; every object already
-  uploaded (this process's and, on the same host, other ranks', listed in ``UPLOADS``) is deleted.
-  A SIGKILL leaves at most uploaded data objects and incomplete multipart uploads, never a completing object
-  without its data.
+  uploaded (this process's and, on the same host, other ranks', listed in ``UPLOADS``, and other hosts'
+  that ``adopt`` named) is deleted. A SIGKILL leaves at most uploaded data objects and incomplete multipart
+  uploads, never a completing object without its data.
+
+Several nodes (torchrun): ranks on rank 0's host write into its folder. A rank on another host, where that
+folder is not, writes into a ``Follower``: a stand-in of its own for the same destination, whose data files
+stream the same way; ``flush()`` uploads its small files (sidecars) and returns what it uploaded, which rank
+0 ``adopt``s before it publishes; an error deletes what the follower uploaded.
 """
 
 from __future__ import annotations
@@ -161,6 +166,12 @@ class RemoteStaging:
                     raise OutputExists(f"{base}/{n} already exists", hint="pass --overwrite to replace it",
                                        path=f"{base}/{n}")  # fmt: skip
 
+    def adopt(self, urls: list[str]) -> None:
+        """Objects other hosts' ranks uploaded for this output (``Follower.flush``): deleted by an abort,
+        listed by ``commit``."""
+        with _lock, open(self.dir / UPLOADS, "a") as f:
+            f.writelines(u + "\n" for u in urls)
+
     def _uploaded(self) -> list[str]:
         f = self.dir / UPLOADS
         return f.read_text().split() if f.is_file() else []
@@ -207,6 +218,41 @@ class RemoteStaging:
         self._release()
         self._done = True
         return [objstore.as_path(u) for u in written]
+
+
+def on_this_host(folder: Path, url: str) -> bool:
+    """Whether ``folder`` (rank 0's staging folder) is here, standing for ``url``: ranks of rank 0's host
+    write into it; a rank on another node writes into a ``Follower``."""
+    m = _marker(folder)
+    return m is not None and m[0] == url
+
+
+class Follower(RemoteStaging):
+    """A rank's share of ``RemoteStaging`` output on another host (see the module doc): a marked stand-in of
+    its own; ``flush()`` uploads its small files and returns every URL it uploaded; leaving the ``with`` block
+    without it deletes them."""
+
+    def __init__(self, url: str, *, is_dir: bool) -> None:  # no checks: rank 0's RemoteStaging made them
+        self.url, self.dest, self.is_dir, self.overwrite = url, objstore.as_path(url), is_dir, True
+        self.owns, self._old, self.kept, self._done = None, [], [], False
+        self.dir = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
+        (self.dir / MARKER).write_text(json.dumps({"dest": url, "is_dir": is_dir}))
+        with _lock:
+            _marked[self.dir] = (url, is_dir)
+
+    def flush(self) -> list[str]:
+        base = self.url if self.is_dir else self.url.rsplit("/", 1)[0]
+        for p in sorted(self.dir.rglob("*")):
+            rel = p.relative_to(self.dir).as_posix()
+            if p.is_file() and p.name not in (MARKER, UPLOADS):
+                if COMPLETING.search(rel) or LATEST.search(rel):  # rank 0 writes those, last
+                    raise RuntimeError(f"{rel}: a completing object written off rank 0")
+                objstore.upload_file(p, f"{base}/{rel}", create=False)
+                record(p, f"{base}/{rel}")
+        urls = self._uploaded()
+        self._release()
+        self._done = True
+        return urls
 
 
 def local_stand_in(dest: str | os.PathLike[str]) -> Path:

@@ -183,6 +183,41 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
         return []
 
 
+class Share:
+    """Where one process of a split job writes its files (``share``), and what it uploaded there."""
+
+    def __init__(self, folder: Path, follower: remote_staging.Follower | None) -> None:
+        self.dir = folder
+        self._follower = follower
+
+    def __enter__(self) -> Share:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._follower is not None and et is not None:
+            self._follower.abort()
+
+    def done(self) -> list[str]:
+        """The objects this process uploaded off rank 0's host (``RemoteStaging.adopt`` them on rank 0)."""
+        return self._follower.flush() if self._follower is not None else []
+
+
+def share(staging: str, dest: Path, *, is_dir: bool) -> Share:
+    """The folder a process writes its share of a split job's output into: rank 0's staging folder
+    ``staging``, except for an ``s3://`` output on another node, where that folder is not: a
+    ``remote_staging.Follower`` of its own there (see that module)."""
+    folder = Path(staging)
+    if not objstore.is_url(dest):
+        return Share(folder, None)
+    url = str(objstore.as_path(dest))
+    if remote_staging.on_this_host(folder, url):
+        return Share(folder, None)
+    m = remote_staging.Follower(url, is_dir=is_dir)
+    return Share(m.dir, m)
+
+
 class Staging:
     """A hidden temporary folder beside ``dest``; writers put files in ``.dir`` under their final names.
 

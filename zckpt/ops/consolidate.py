@@ -56,8 +56,9 @@ from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
+from zckpt.io.remote_staging import RemoteStaging
 from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
-from zckpt.io.staging import Staging
+from zckpt.io.staging import Staging, share
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
@@ -261,7 +262,7 @@ def consolidate(
         staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        files, kept = _write(g, p, Path(staging), st, progress, workers, verify_data)
+        files, kept = _write(g, p, out, Path(staging), st, progress, workers, verify_data)
     return _result(out, p, files, kept)
 
 
@@ -333,26 +334,33 @@ def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
 def _write(
     g: zgroup.Group,
     p: _Plan,
+    out: Path,
     staging: Path,
     st: Staging | None,
     progress: bool,
     workers: int | None,
     verify_data: bool,
 ) -> tuple[list[Path], tuple[str, ...]]:
-    """Every rank writes its shards (rank 0 also the index), then rank 0 adds the HF files and publishes."""
+    """Every rank writes its shards (rank 0 also the index; a rank on another node than rank 0, into an
+    ``s3://`` output, through a stand-in of its own: ``staging.share``), then rank 0 adds the HF files and
+    publishes."""
     mine = sum(it.nbytes for s in plan_shards(p.items, p.shard)[g.rank :: g.world] for it in s)
 
-    def write() -> None:
+    def write() -> list[str]:
         bar_on = progress and g.rank == 0
-        with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
-            opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
-            p.writer.write_into(staging, p.base, p.items, opts)
+        with share(str(staging), out, is_dir=p.is_dir) as mine_at:
+            with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
+                opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
+                p.writer.write_into(mine_at.dir, p.base, p.items, opts)
+            return mine_at.done()
 
-    g.step("consolidate: writing shards", write)
+    elsewhere = g.gather(g.step("consolidate: writing shards", write))
 
     def publish() -> tuple[list[str], list[str]] | None:
         if st is None:
             return None
+        if isinstance(st, RemoteStaging):  # what ranks on other nodes uploaded
+            st.adopt([u for urls in elsewhere for u in urls])
         weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
         hf_files.copy(p.extras, st.dir, weights)
         final = [str(f) for f in st.commit()]

@@ -263,9 +263,9 @@ def diff(
     if top is not None and top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     maps = tuple(_parse_map(m) for m in map)
-    ca, close_a = _open(a, tag_a, trust_pickle)
+    ca, close_a = _open(a, tag_a, trust_pickle, include_optimizer)
     try:
-        cb, close_b = _open(b, tag_b, trust_pickle)
+        cb, close_b = _open(b, tag_b, trust_pickle, include_optimizer)
         try:
             with checks.verifying(verify_data):
                 return _diff(
@@ -279,10 +279,14 @@ def diff(
             ca.close()
 
 
-def _open(x: str | Path | Checkpoint, tag: str | None, trust_pickle: bool) -> tuple[Checkpoint, bool]:
+def _open(
+    x: str | Path | Checkpoint, tag: str | None, trust_pickle: bool, optim: bool
+) -> tuple[Checkpoint, bool]:
+    """``x`` opened (model tensors and step only, unless optimizer states are compared: a DCP checkpoint
+    then opens a third of its archives); whether to close it after."""
     if isinstance(x, Checkpoint):
         return x, False
-    return open_checkpoint(x, tag=tag, trust_pickle=trust_pickle), True
+    return open_checkpoint(x, tag=tag, trust_pickle=trust_pickle, model_only=not optim), True
 
 
 def _parse_map(m: str | tuple[str, str]) -> tuple[str, str]:

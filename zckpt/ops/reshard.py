@@ -40,8 +40,9 @@ from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks, objstore
 from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
+from zckpt.io.remote_staging import RemoteStaging
 from zckpt.io.safetensors import FileRecord
-from zckpt.io.staging import Staging
+from zckpt.io.staging import Staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
 from zckpt.ops.paths import check_overlap, input_root
@@ -227,16 +228,21 @@ def reshard(
         st = g.step("reshard: staging the output", make_staging)
         staging, digest0 = g.broadcast((str(st.dir), job.digest) if st is not None else None)
         g.check_same("the reshard plan", job.digest, digest0)
-        mine = g.step(
-            "reshard: writing rank files", lambda: _write_units(g, job, Path(staging), progress, verify_data)
-        )
-        shares: list[Any] = g.gather(mine)
-        records = [r for recs, _ in shares for r in recs]
+
+        def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
+            with share(staging, job.dst, is_dir=True) as mine_at:
+                recs, names = _write_units(g, job, mine_at.dir, progress, verify_data)
+                return recs, names, mine_at.done()
+
+        shares: list[Any] = g.gather(g.step("reshard: writing rank files", write))
+        records = [r for recs, _, _ in shares for r in recs]
 
         last: list[tuple[str, int]] = []
 
         def publish() -> None:
             if st is not None:
+                if isinstance(st, RemoteStaging):  # what ranks on other nodes uploaded
+                    st.adopt([u for _, _, urls in shares for u in urls])
                 if job.side is not None:
                     job.side.write(st.dir, lambda n, b: last.append((n, b)))
                 with checks.verifying(verify_data):
@@ -244,7 +250,7 @@ def reshard(
                 st.commit()
 
         g.step("reshard: publishing the output", publish)
-    written = [w for _, names in shares for w in names] + g.broadcast(last)
+    written = [w for _, names, _ in shares for w in names] + g.broadcast(last)
     res = job.result
     res.files = sorted(f for f, _ in written)
     res.bytes_written = sum(n for _, n in written)

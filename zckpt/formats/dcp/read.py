@@ -78,10 +78,11 @@ def load_folder(
     not opened)."""
     md = md if md is not None else load_metadata(folder)
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
+    keep = _model_and_step(md) if model_only else None
     with Files(folder) as files:
         for key in md.keys:
             t = md.tensors.get(key)
-            if model_only and classify(md.paths[key], t is not None).kind != "model":
+            if keep is not None and key not in keep:
                 continue
             if t is None:
                 info = md.storage.get((key, None))
@@ -113,6 +114,20 @@ def load_folder(
     _check_disjoint(md, out.data, blobs)
     out.files = [md.source, *used]
     return out
+
+
+def _model_and_step(md: DcpMetadata) -> set[str]:
+    """The keys a model-only open reads: the model tensors, and what gives the step (``state.counters``):
+    the client's ``train_state`` values (torchtitan) and the first optimizer ``step`` state (one archive)."""
+    keep: set[str] = set()
+    step: str | None = None
+    for key in md.keys:
+        s = classify(md.paths[key], key in md.tensors)
+        if s.kind == "model" or (s.kind == "client" and s.path[:1] == ("train_state",)):
+            keep.add(key)
+        elif step is None and s.kind == "optim" and s.state == "step":
+            step = key
+    return keep if step is None else keep | {step}
 
 
 def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData], blobs: set[str]) -> None:
@@ -254,6 +269,18 @@ def entries(ld: Loaded, slots: Mapping[str, Slot], *, model_only: bool = False) 
     return out
 
 
+def _step_entry(ld: Loaded, key: str, s: Slot) -> TensorEntry | None:
+    """The optimizer ``step`` state at ``key`` when a model-only open read it (``_model_and_step``)."""
+    if s.kind != "optim" or s.state != "step":
+        return None
+    if key in ld.tensors:
+        t = ld.tensors[key]
+        if not all((key, b.offsets) in ld.data for b in distinct(t.chunks)):
+            return None  # not opened
+        return TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, key), state=s.state)
+    return _optim_value(key, s, ld.values[key]) if key in ld.values else None
+
+
 def _world(ld: Loaded, src: Source) -> int:
     if src.layout == "hf-shards":
         return max(1, len(ld.files))
@@ -283,7 +310,13 @@ def read(
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
     parts = entries(ld, slots, model_only=model_only)
     if model_only:
-        ts = TrainingState(precision=_precision(parts.model), framework={NAME: {"layout": src.layout}})
+        step = [e for k in ld.keys if (e := _step_entry(ld, k, slots[k])) is not None]
+        client = state.assemble(slots, ld.paths, ld.values, {})[2]
+        ts = TrainingState(
+            precision=_precision(parts.model),
+            counters=state.counters(client, step),
+            framework={NAME: {"layout": src.layout}},
+        )
     else:
         groups, sched, client, raw = state.assemble(slots, ld.paths, ld.values, parts.client_tensors)
         ts = TrainingState(
