@@ -298,6 +298,11 @@ def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.T
     return torch.frombuffer(mm, dtype=dtype, count=count, offset=byte_offset)
 
 
+_AROUND = 64 << 10
+"""Linux's fault-around window (``fault_around_bytes``, 64 KiB by default): a read fault maps the cached pages
+of the aligned window around it, so the pages just before and after a viewed range are mapped too."""
+
+
 def release(path: str, offset: int, nbytes: int) -> None:
     """Drop the pages of a consumed byte range from this process (``MADV_DONTNEED``), so streaming a
     checkpoint does not grow RSS by its size. Safe on the copy-on-write mapping: untouched private
@@ -305,7 +310,7 @@ def release(path: str, offset: int, nbytes: int) -> None:
     if objstore.is_url(path):
         return
     mm, size = _map(path)
-    start = offset - offset % mmap.PAGESIZE
-    end = min(size, offset + nbytes)
+    start = offset - offset % _AROUND
+    end = min(size, -(-(offset + nbytes) // _AROUND) * _AROUND)
     if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
