@@ -51,12 +51,16 @@ $(DSSTAMP): requirements-ds.txt
 fixtures: $(DSSTAMP)
 	$(DSVENV)/bin/python fixtures/make_fixtures.py
 
-# Two sections appended to bench/RESULTS.md: every group with a warm page cache (the engine group included:
+# Sections appended to bench/RESULTS.md: every group with a warm page cache (the engine group included:
 # plain PyTorch, the engine and DeepSpeed at world 2 on CPU/gloo), then consolidate and scale (DeepSpeed's
-# converters included) with caches dropped before every run (drop_caches: needs root).
+# converters included) with caches dropped before every run (drop_caches: needs root), then consolidate
+# from a local S3 server against download-then-consolidate: moto, and s3rver where npm is installed.
 bench: setup $(DSSTAMP)
 	$(VPY) bench/run.py
 	$(VPY) bench/run.py --cache cold --only consolidate scale --repeat 1 --ds-repeat 1 --no-build
+	$(VPY) bench/s3_bench.py --server moto --input bench/data/gpt100m_z3_w2 --append bench/RESULTS.md
+	if command -v npm >/dev/null; then $(VPY) bench/s3_bench.py --server s3rver \
+	  --input bench/data/gpt100m_z3_w2 --append bench/RESULTS.md; fi
 
 clean:
 	rm -rf $(VENV) $(DSVENV) out demo-out

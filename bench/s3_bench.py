@@ -200,6 +200,7 @@ def main() -> None:
                     "link to the store; 0: straight to the local server)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of each job (median reported)")
     ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server (see above)")
+    ap.add_argument("--append", metavar="MD", help="also append the result as a section of this Markdown")
     args = ap.parse_args()
     src = Path(args.input)
     if not (src / "latest").is_file():
@@ -270,6 +271,32 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     out["load_after"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(out, indent=1))
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write(_section(out, " ".join(sys.argv[1:])))
+
+
+def _section(r: dict[str, Any], argv: str) -> str:
+    """One run of this bench as a ``bench/RESULTS.md`` section (the columns of its earlier sections)."""
+    d, dl = r["direct"], r["download_then_consolidate"]
+    mb = 1e6
+    link = f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else "raw"
+    return (
+        f"\n## {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC — object storage — "
+        f"`bench/s3_bench.py {argv}`\n\n"
+        f"{r['cores']} cores, load {r['load_before'][0]} → {r['load_after'][0]}; outputs byte-identical: "
+        f"{r['identical_output']}; local disk {d['local_disk'] / mb:,.1f} MB against "
+        f"{dl['local_disk'] / mb:,.1f} MB.\n\n"
+        "| input (size; what the output needs) | server, link | from the bucket: requests, bytes (× needed), "
+        "wall (runs), peak RSS | download (runs) + consolidate (runs) = median | ratio (each run) |\n"
+        "|---|---|---|---|---|\n"
+        f"| {r['input']} ({r['input_bytes'] / 1e9:.2f} GB; {d['bytes_needed'] / mb:,.1f} MB) | "
+        f"{r['server']}, {link} | {d['requests']}, {d['bytes_fetched'] / mb:,.1f} MB "
+        f"({d['fetched_over_needed']}×), "
+        f"{d['median_s']:.2f} s ({' '.join(map(str, d['wall_s']))}), {d['peak_rss'] / 2**20:.0f} MB | "
+        f"{' '.join(map(str, dl['download_s']))} + {' '.join(map(str, dl['consolidate_s']))} = "
+        f"{dl['median_s']:.2f} s | {r['wall_ratio']} ({' '.join(map(str, r['wall_ratio_each']))}) |\n"
+    )
 
 
 if __name__ == "__main__":
