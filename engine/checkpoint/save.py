@@ -3,7 +3,9 @@
 Protocol (both modes; every rank calls ``save``):
 
 1. rank 0 empties the staging folder ``.<tag>.staging`` (a killed save's leftovers) and a barrier on the
-   training group follows, so no rank writes into it before;
+   training group follows, so no rank writes into it before (an ``s3://`` save dir: a local stand-in whose
+   rank files stream to the bucket; a rank on another node makes its node's own stand-in after the barrier,
+   reports the object it uploaded with its result, and removes that stand-in once the save is over);
 2. each rank captures its part (``engine.checkpoint.content``) and writes its rank file into the staging
    folder through the native format's one writer (``zckpt.formats.native.write``): ``write_rank`` straight
    from the live tensors (synchronous), or ``write_rank_views`` from the snapshot (asynchronous,
@@ -68,6 +70,9 @@ class RankResult:
     record: FileRecord | None
     rng: dict[str, Any]
     error: str | None
+    uploaded: tuple[str, ...] = ()
+    """``s3://`` save dir: the object this rank's file was streamed to (part of the published tag, or
+    deleted by rank 0 if the save fails)."""
 
 
 def write_options(cfg: WriterConfig) -> WriteOptions:
@@ -113,21 +118,30 @@ def save(
 
 
 def prepare(eng: Engine, root: Path, tag: str) -> None:
-    """Step 1: a fresh staging folder, created by rank 0 before any rank writes into it."""
+    """Step 1: a fresh staging folder, created by rank 0 before any rank writes into it. For an ``s3://``
+    save dir, a rank on another node than rank 0 (where that folder is not) then makes its host's own
+    stand-in for the same tag folder (its rank file streams from there to the bucket)."""
     stage = staging_dir(root, tag)
+    remote = objstore.is_url(root)
     if eng.comm.rank == 0:
         shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
         stage.mkdir(parents=True)
-        if objstore.is_url(root):  # ranks stream their rank files from here to the bucket
+        if remote:  # ranks stream their rank files from here to the bucket
             remote_staging.mark(stage, root / tag)
     eng.comm.barrier()
+    if remote and not remote_staging.on_this_host(stage, str(as_path(root / tag))):
+        stage.mkdir(parents=True, exist_ok=True)
+        remote_staging.mark(stage, root / tag)
 
 
 def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecord]) -> None:
     """Steps 2 and 3 on this rank: ``write()`` its rank file, then agree and publish over ``group``."""
     own: Exception | None = None
+    remote = objstore.is_url(job.root)
     try:
-        mine = RankResult(write(), job.rng, None)
+        rec = write()
+        t = remote_staging.target(job.rank_path) if remote else None
+        mine = RankResult(rec, job.rng, None, (t[1],) if t is not None else ())
     except Exception as e:  # reported to every rank, then raised here
         own = e
         mine = RankResult(None, job.rng, f"rank {job.rank}: {type(e).__name__}: {e}")
@@ -141,11 +155,13 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
         if err is not None:
-            if objstore.is_url(job.root):
-                remote_staging.discard_dir(job.stage_dir)
+            if remote:  # every rank's uploaded file, wherever its node
+                remote_staging.discard_dir(job.stage_dir, [u for r in results for u in r.uploaded])
             else:
                 shutil.rmtree(job.stage_dir, ignore_errors=True)
     err = group.broadcast_object(err)
+    if remote and job.rank != 0 and remote_staging.on_this_host(job.stage_dir, str(as_path(job.tag_dir))):
+        shutil.rmtree(job.stage_dir, ignore_errors=True)  # another node's stand-in (rank 0 removed its own)
     if own is not None:
         raise own
     if err is not None:
@@ -174,7 +190,9 @@ def _publish(job: RankSave, results: list[RankResult]) -> None:
     for f in job.stage_dir.iterdir():
         fsync_path(f)
     fsync_path(job.stage_dir)
-    publish_folder(job.stage_dir, job.tag_dir, overwrite=True)
+    publish_folder(
+        job.stage_dir, job.tag_dir, overwrite=True, uploaded=[u for r in results for u in r.uploaded]
+    )
     if job.save_latest:
         write_latest(job.root, job.tag)
 

@@ -266,14 +266,18 @@ def local_stand_in(dest: str | os.PathLike[str]) -> Path:
 
 def mark(folder: Path, dest: str | os.PathLike[str]) -> None:
     """Make ``folder`` (fresh, local) the stand-in of the folder ``dest``: data files written in it are
-    streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``."""
+    streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``. The marker appears whole
+    (written aside, then renamed): the ranks of a node may mark the same folder at once."""
     url = str(objstore.as_path(dest))
-    (folder / MARKER).write_text(json.dumps({"dest": url, "is_dir": True}))
+    tmp = folder / f"{MARKER}.{os.getpid()}.{threading.get_ident()}"
+    tmp.write_text(json.dumps({"dest": url, "is_dir": True}))
+    os.replace(tmp, folder / MARKER)
 
 
-def publish_dir(folder: Path, dest: str | os.PathLike[str]) -> None:
+def publish_dir(folder: Path, dest: str | os.PathLike[str], also: list[str] | None = None) -> None:
     """Publish a marked stand-in folder: its local files uploaded (completing ones last), replacing what
-    was there; old objects under ``dest`` that this save did not write are deleted; the folder removed."""
+    was there; old objects under ``dest`` that this save did not write (this host's ranks, listed in the
+    folder, and ``also``: other nodes' ranks) are deleted; the folder removed."""
     url = str(objstore.as_path(dest))
     old = objstore.list_keys(url) if objstore.kind(url) is not None else []
     objstore.delete([u for u in old if COMPLETING.search(u) or LATEST.search(u)])
@@ -281,12 +285,14 @@ def publish_dir(folder: Path, dest: str | os.PathLike[str]) -> None:
     st.url, st.dest, st.is_dir, st.overwrite, st.dir, st._old, st._done = (
         url, objstore.as_path(url), True, True, folder, old, False,
     )  # fmt: skip
+    st.adopt(also or [])
     st.commit()
 
 
-def discard_dir(folder: Path) -> None:
-    """A failed save: delete what its ranks uploaded, remove the stand-in folder."""
+def discard_dir(folder: Path, also: list[str] | None = None) -> None:
+    """A failed save: delete what its ranks uploaded (those of this host, listed in the folder, and ``also``:
+    other nodes' objects), remove the stand-in folder."""
     f = folder / UPLOADS
     with contextlib.suppress(StorageError):
-        objstore.delete(f.read_text().split() if f.is_file() else [])
+        objstore.delete(sorted(set((f.read_text().split() if f.is_file() else []) + (also or []))))
     shutil.rmtree(folder, ignore_errors=True)

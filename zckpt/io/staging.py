@@ -115,11 +115,12 @@ def move(src: Path, dest: Path, *, replace: bool) -> None:
     os.rename(src, dest)
 
 
-def publish_folder(staged: Path, target: Path, *, overwrite: bool) -> None:
+def publish_folder(staged: Path, target: Path, *, overwrite: bool, uploaded: Sequence[str] = ()) -> None:
     """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably. A URL
-    ``target`` (``staged`` made by ``remote_staging.mark``) is published in order instead (no rename)."""
+    ``target`` (``staged`` made by ``remote_staging.mark``) is published in order instead (no rename);
+    ``uploaded``: its objects that ranks on other nodes streamed (they are part of it)."""
     if objstore.is_url(target):
-        remote_staging.publish_dir(staged, target)
+        remote_staging.publish_dir(staged, target, list(uploaded))
         return
     move(staged, target, replace=overwrite)
     _fsync_dir(target.parent)
