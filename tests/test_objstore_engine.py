@@ -76,7 +76,7 @@ def _boom(*a: Any, **k: Any) -> Any:
     raise OSError(5, "injected write error")
 
 
-def _two_nodes(rank: int, world: int, url: str, local: str) -> dict[str, Any]:
+def _two_nodes(rank: int, world: int, url: str, local: str, decoupled: bool) -> dict[str, Any]:
     """World 2, process 1 acting as another node (a temporary folder of its own, so rank 0's stand-in is not
     there): a save, then one that fails on rank 0 after process 1 uploaded its rank file."""
     import os
@@ -86,39 +86,46 @@ def _two_nodes(rank: int, world: int, url: str, local: str) -> dict[str, Any]:
 
     if rank == 1:
         tempfile.tempdir = tempfile.mkdtemp(prefix="zckpt-node1-")
-    eng, _ = R.train(rank, world, R.config(3), 2)
-    eng.save_checkpoint(local, tag="t")
-    eng.save_checkpoint(url, tag="t")
-    real = W.write_rank
+    cfg = {**R.config(3), "checkpoint": {"writer": {"decoupled": True}}} if decoupled else R.config(3)
+    eng, _ = R.train(rank, world, cfg, 2)
+    for dest in (local, url):
+        eng.save_checkpoint(dest, tag="t")
+        eng.wait_for_checkpoint()
+    name = "write_rank_views" if decoupled else "write_rank"
+    real = getattr(W, name)
     if rank == 0:
-        W.write_rank = _boom
+        setattr(W, name, _boom)
     try:
         eng.save_checkpoint(url, tag="bad")
+        eng.wait_for_checkpoint()
         failure = "none"
     except Exception as e:  # noqa: BLE001 - the outcome is the result
-        failure = type(e).__name__
-    W.write_rank = real
+        failure = type(e).__name__ if not isinstance(e.__cause__, OSError) else "OSError"
+    setattr(W, name, real)
     eng.destroy()
     left = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("zckpt-s3-save-")]
     return {"failure": failure, "left": left if rank == 1 else []}
 
 
-def test_engine_save_from_two_nodes(s3env: Any, tmp_path: Path) -> None:
-    """Ranks on different nodes save one checkpoint to the bucket: its objects equal a local save's; a save
-    that fails on rank 0 deletes the rank file the other node uploaded; no stand-in is left on that node."""
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_engine_save_from_two_nodes(decoupled: bool, s3env: Any, tmp_path: Path) -> None:
+    """Ranks on different nodes save one checkpoint to the bucket (sync and async): its objects equal a local
+    save's; a save that fails on rank 0 deletes the rank file the other node uploaded; no stand-in is left on
+    that node."""
     from _dist import run
 
     c = s3env
-    res = run(_two_nodes, 2, "s3://ckpts/nodes-engine", str(tmp_path / "local"))
+    pre = f"nodes-engine-{int(decoupled)}"
+    res = run(_two_nodes, 2, f"s3://ckpts/{pre}", str(tmp_path / "local"), decoupled)
     assert [r["failure"] for r in res] == ["OSError", "CheckpointSaveError"], res
     assert res[1]["left"] == [], res
-    keys = _s3.keys(c, "ckpts", "nodes-engine/")
+    keys = _s3.keys(c, "ckpts", f"{pre}/")
     names = ("latest", "t/manifest.json", "t/rank_00000.safetensors", "t/rank_00001.safetensors")
-    assert keys == [f"nodes-engine/{n}" for n in names], keys
+    assert keys == [f"{pre}/{n}" for n in names], keys
     local = tmp_path / "local" / "t"
     for r in (0, 1):
         name = f"rank_{r:05d}.safetensors"
-        assert _get(c, f"nodes-engine/t/{name}") == (local / name).read_bytes(), name
-    got = json.loads(_get(c, "nodes-engine/t/manifest.json"))
+        assert _get(c, f"{pre}/t/{name}") == (local / name).read_bytes(), name
+    got = json.loads(_get(c, f"{pre}/t/manifest.json"))
     assert _strip_writer(got) == _strip_writer(json.loads((local / "manifest.json").read_text()))
-    assert _get(c, "nodes-engine/latest") == b"t"
+    assert _get(c, f"{pre}/latest") == b"t"
