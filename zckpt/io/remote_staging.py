@@ -56,6 +56,11 @@ _lock = threading.Lock()
 _marked: dict[Path, tuple[str, bool]] = {}
 
 
+def _bookkeeping(name: str) -> bool:
+    """A stand-in folder's own files (the marker, its temporary copy, the upload list): never uploaded."""
+    return name.startswith(MARKER) or name == UPLOADS
+
+
 def _marker(folder: Path) -> tuple[str, bool] | None:
     hit = _marked.get(folder)
     if hit is not None:
@@ -195,7 +200,7 @@ class RemoteStaging:
         local = sorted(
             p.relative_to(self.dir).as_posix()
             for p in self.dir.rglob("*")
-            if p.is_file() and p.name not in (MARKER, UPLOADS)
+            if p.is_file() and not _bookkeeping(p.name)
         )
 
         def rank(rel: str) -> int:
@@ -244,7 +249,7 @@ class Follower(RemoteStaging):
         base = self.url if self.is_dir else self.url.rsplit("/", 1)[0]
         for p in sorted(self.dir.rglob("*")):
             rel = p.relative_to(self.dir).as_posix()
-            if p.is_file() and p.name not in (MARKER, UPLOADS):
+            if p.is_file() and not _bookkeeping(p.name):
                 if COMPLETING.search(rel) or LATEST.search(rel):  # rank 0 writes those, last
                     raise RuntimeError(f"{rel}: a completing object written off rank 0")
                 objstore.upload_file(p, f"{base}/{rel}", create=False)
