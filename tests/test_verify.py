@@ -81,6 +81,38 @@ def test_clean_safetensors_with_sidecar(tmp_path: Path) -> None:
     _check_json(r)
 
 
+@pytest.mark.parametrize("stand_in", ["dev-zero", "fifo", "dangling-link", "folder"])
+@pytest.mark.parametrize("suffix", [".sha256.json", ".sha256"])
+def test_sidecar_that_is_no_regular_file_is_named(stand_in: str, suffix: str, tmp_path: Path) -> None:
+    """A checksum sidecar replaced by a device, a FIFO, a link to nothing or a folder: verify names it and
+    consolidate refuses naming it (before, it read as "no sidecar": OK, checksums unchecked)."""
+    import os
+
+    import zckpt
+    from zckpt.errors import CorruptCheckpoint
+
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    f.with_name(f.name + ".sha256.json").unlink()
+    side = f.with_name(f.name + suffix)
+    if stand_in == "dev-zero":
+        side.symlink_to("/dev/zero")
+    elif stand_in == "fifo":
+        os.mkfifo(side)
+    elif stand_in == "dangling-link":
+        side.symlink_to(tmp_path / "gone")
+    else:
+        side.mkdir()
+    r = verify(f)
+    assert not r.ok and [(p.file, p.kind) for p in r.problems] == [(str(side), "corrupt")], r.to_text()
+    assert "checksum sidecar is" in str(r.problems[0])
+    _check_json(r)
+    with pytest.raises(CorruptCheckpoint, match="checksum sidecar is") as e:
+        zckpt.consolidate(f, tmp_path / "out.safetensors", progress=False)
+    assert e.value.path == str(side)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     _write_st(f)

@@ -69,7 +69,10 @@ def _pick_region(path: Path, base: Base, rng: random.Random) -> layout.Region:
 def _edit(data: bytearray, edit: str, at: int, n: int, rng: random.Random) -> int:
     """Apply ``edit`` at byte ``at`` (``n`` bytes where it takes a length); returns the bytes touched."""
     if edit == "flip":
+        was = data[at]
         for _ in range(rng.randint(1, 3)):
+            data[at] ^= 1 << rng.randrange(8)
+        if data[at] == was:  # the flips cancelled out: a byte left as it was is no mutation
             data[at] ^= 1 << rng.randrange(8)
         return 1
     if edit == "overwrite":

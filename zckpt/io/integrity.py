@@ -10,6 +10,7 @@ digests recorded by a format's own manifest, compared through ``compare_sha`` (w
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -141,12 +142,21 @@ def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: Verify
     ]
 
 
+def _not_regular(side: Path) -> Problem | None:
+    """A ``Problem`` when a sidecar's name exists but is no regular file: a device, pipe, socket, folder or
+    link to nothing stands where the checksums should be (never read as "no sidecar")."""
+    if side.is_file() or not os.path.lexists(side):
+        return None
+    what = "a link to nothing" if side.is_symlink() and not side.exists() else "not a regular file"
+    return Problem(str(side), f"checksum sidecar is {what}", "corrupt", "restore the sidecar, or delete it")
+
+
 def sidecar_digest(f: Path) -> str | Problem | None:
     """The sha256 that ``<f>.sha256`` records for ``f``; None when there is no sidecar; a ``Problem``
     naming the sidecar when it is not one ``<hex digest>  <name>`` line for ``f``."""
     side = f.with_name(f.name + SIDECAR)
     if not side.is_file():
-        return None
+        return _not_regular(side)
     try:
         with storage.open_regular(side) as fh:
             fields = fh.read(4096).decode().split()
@@ -165,7 +175,7 @@ def block_sidecar_digest(f: Path) -> tuple[FileDigest, int] | Problem | None:
     it is not one for ``f``."""
     side = f.with_name(f.name + BLOCK_SIDECAR)
     if not side.is_file():
-        return None
+        return _not_regular(side)
     try:
         doc = json.loads(
             storage.read_capped(side, 64 << 20, "a block-digest sidecar", "restore or delete it")
