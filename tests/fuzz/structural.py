@@ -373,12 +373,14 @@ def _tensor_edit(table: str, how: str) -> Callable[[dict[str, Any], random.Rando
             return f"{name}.shape: {old} -> {e['shape']}"
         if how == "dtype":
             old = e["dtype"]
-            e["dtype"] = rng.choice(("float16", "bfloat16", "int32", "int8", "float128", "F32", ""))
+            dtypes = ("float16", "bfloat16", "int32", "int8", "float128", "F32", "")
+            e["dtype"] = rng.choice([d for d in dtypes if d != old])  # the value it had is no mutation
             return f"{name}.dtype: {old} -> {e['dtype']}"
         if how == "partitioned":
             e["partitioned"] = rng.choice((not e.get("partitioned"), "yes", None, 1))
             return f"{name}.partitioned -> {e['partitioned']!r}"
-        e["role"] = rng.choice(("buffer", "frozen", "optim", "bogus", None, 3))
+        roles = ("buffer", "frozen", "optim", "bogus", None, 3)
+        e["role"] = rng.choice([r for r in roles if r != e.get("role")])
         return f"{name}.role -> {e['role']!r}"
 
     return edit
