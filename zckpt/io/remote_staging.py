@@ -61,6 +61,23 @@ def _bookkeeping(name: str) -> bool:
     return name.startswith(MARKER) or name == UPLOADS
 
 
+def _write_marker(folder: Path, url: str, is_dir: bool) -> None:
+    """Mark ``folder`` as the stand-in of ``url``. The marker appears whole (written aside, then renamed): the
+    ranks of a node may mark the same folder at once."""
+    tmp = folder / f"{MARKER}.{os.getpid()}.{threading.get_ident()}"
+    tmp.write_text(json.dumps({"dest": url, "is_dir": is_dir}))
+    os.replace(tmp, folder / MARKER)
+
+
+def _new_stand_in(url: str, is_dir: bool) -> Path:
+    """A fresh local folder marked as the stand-in of ``url`` (known to this process without reading it)."""
+    folder = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
+    _write_marker(folder, url, is_dir)
+    with _lock:
+        _marked[folder] = (url, is_dir)
+    return folder
+
+
 def _marker(folder: Path) -> tuple[str, bool] | None:
     hit = _marked.get(folder)
     if hit is not None:
@@ -133,10 +150,7 @@ class RemoteStaging:
                     hint="remove it first or choose another output path",
                     path=self.url,
                 )
-        self.dir = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
-        (self.dir / MARKER).write_text(json.dumps({"dest": self.url, "is_dir": is_dir}))
-        with _lock:
-            _marked[self.dir] = (self.url, is_dir)
+        self.dir = _new_stand_in(self.url, is_dir)
         self._old: list[str] = []
         self.kept: list[str] = []
         """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write)."""
@@ -194,19 +208,26 @@ class RemoteStaging:
             _marked.pop(self.dir, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def commit(self) -> list[Any]:
-        """Upload the local files (data, then completing objects, then ``latest``); returns the outputs."""
-        base = self.url if self.is_dir else self.url.rsplit("/", 1)[0]
-        local = sorted(
+    def _base(self) -> str:
+        """The folder URL the local files' relative paths are under."""
+        return self.url if self.is_dir else self.url.rsplit("/", 1)[0]
+
+    def _local(self) -> list[str]:
+        """The files written into the local folder (not its bookkeeping), as paths relative to it, sorted."""
+        return sorted(
             p.relative_to(self.dir).as_posix()
             for p in self.dir.rglob("*")
             if p.is_file() and not _bookkeeping(p.name)
         )
 
+    def commit(self) -> list[Any]:
+        """Upload the local files (data, then completing objects, then ``latest``); returns the outputs."""
+        base = self._base()
+
         def rank(rel: str) -> int:
             return 2 if LATEST.search(rel) else 1 if COMPLETING.search(rel) else 0
 
-        for rel in sorted(local, key=lambda r: (rank(r), r)):
+        for rel in sorted(self._local(), key=lambda r: (rank(r), r)):
             url = f"{base}/{rel}"
             objstore.upload_file(self.dir / rel, url, create=rank(rel) > 0 and not self.overwrite)
             record(self.dir / rel, url)
@@ -240,20 +261,15 @@ class Follower(RemoteStaging):
     def __init__(self, url: str, *, is_dir: bool) -> None:  # no checks: rank 0's RemoteStaging made them
         self.url, self.dest, self.is_dir, self.overwrite = url, objstore.as_path(url), is_dir, True
         self.owns, self._old, self.kept, self._done = None, [], [], False
-        self.dir = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
-        (self.dir / MARKER).write_text(json.dumps({"dest": url, "is_dir": is_dir}))
-        with _lock:
-            _marked[self.dir] = (url, is_dir)
+        self.dir = _new_stand_in(url, is_dir)
 
     def flush(self) -> list[str]:
-        base = self.url if self.is_dir else self.url.rsplit("/", 1)[0]
-        for p in sorted(self.dir.rglob("*")):
-            rel = p.relative_to(self.dir).as_posix()
-            if p.is_file() and not _bookkeeping(p.name):
-                if COMPLETING.search(rel) or LATEST.search(rel):  # rank 0 writes those, last
-                    raise RuntimeError(f"{rel}: a completing object written off rank 0")
-                objstore.upload_file(p, f"{base}/{rel}", create=False)
-                record(p, f"{base}/{rel}")
+        base = self._base()
+        for rel in self._local():
+            if COMPLETING.search(rel) or LATEST.search(rel):  # rank 0 writes those, last
+                raise RuntimeError(f"{rel}: a completing object written off rank 0")
+            objstore.upload_file(self.dir / rel, f"{base}/{rel}", create=False)
+            record(self.dir / rel, f"{base}/{rel}")
         urls = self._uploaded()
         self._release()
         self._done = True
@@ -271,12 +287,8 @@ def local_stand_in(dest: str | os.PathLike[str]) -> Path:
 
 def mark(folder: Path, dest: str | os.PathLike[str]) -> None:
     """Make ``folder`` (fresh, local) the stand-in of the folder ``dest``: data files written in it are
-    streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``. The marker appears whole
-    (written aside, then renamed): the ranks of a node may mark the same folder at once."""
-    url = str(objstore.as_path(dest))
-    tmp = folder / f"{MARKER}.{os.getpid()}.{threading.get_ident()}"
-    tmp.write_text(json.dumps({"dest": url, "is_dir": True}))
-    os.replace(tmp, folder / MARKER)
+    streamed to ``dest`` (``streamed``), the rest uploaded by ``publish_dir``."""
+    _write_marker(folder, str(objstore.as_path(dest)), True)
 
 
 def publish_dir(folder: Path, dest: str | os.PathLike[str], also: list[str] | None = None) -> None:

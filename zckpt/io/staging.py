@@ -23,6 +23,7 @@ returns one).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -32,7 +33,7 @@ import shutil
 import socket
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -184,39 +185,21 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
         return []
 
 
-class Share:
-    """Where one process of a split job writes its files (``share``), and what it uploaded there."""
-
-    def __init__(self, folder: Path, follower: remote_staging.Follower | None) -> None:
-        self.dir = folder
-        self._follower = follower
-
-    def __enter__(self) -> Share:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._follower is not None and et is not None:
-            self._follower.abort()
-
-    def done(self) -> list[str]:
-        """The objects this process uploaded off rank 0's host (``RemoteStaging.adopt`` them on rank 0)."""
-        return self._follower.flush() if self._follower is not None else []
-
-
-def share(staging: str, dest: Path, *, is_dir: bool) -> Share:
-    """The folder a process writes its share of a split job's output into: rank 0's staging folder
-    ``staging``, except for an ``s3://`` output on another node, where that folder is not: a
-    ``remote_staging.Follower`` of its own there (see that module)."""
+@contextlib.contextmanager
+def share(staging: str, dest: Path, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], list[str]]]]:
+    """(the folder a process writes its share of a split job's output into, ``done``): rank 0's staging
+    folder ``staging``, except for an ``s3://`` output on another node, where that folder is not: a
+    ``remote_staging.Follower`` of its own there (see that module). ``done()`` once the share is written:
+    the objects uploaded off rank 0's host, for rank 0 to ``RemoteStaging.adopt``; leaving the block by an
+    error (or without ``done()``) deletes them."""
     folder = Path(staging)
-    if not objstore.is_url(dest):
-        return Share(folder, None)
-    url = str(objstore.as_path(dest))
-    if remote_staging.on_this_host(folder, url):
-        return Share(folder, None)
-    m = remote_staging.Follower(url, is_dir=is_dir)
-    return Share(m.dir, m)
+    url = str(objstore.as_path(dest)) if objstore.is_url(dest) else None
+    if url is None or remote_staging.on_this_host(folder, url):
+        yield folder, list
+        return
+    follower = remote_staging.Follower(url, is_dir=is_dir)
+    with follower:
+        yield follower.dir, follower.flush
 
 
 class Staging:

@@ -348,11 +348,11 @@ def _write(
 
     def write() -> list[str]:
         bar_on = progress and g.rank == 0
-        with share(str(staging), out, is_dir=p.is_dir) as mine_at:
+        with share(str(staging), out, is_dir=p.is_dir) as (folder, done):
             with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
                 opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
-                p.writer.write_into(mine_at.dir, p.base, p.items, opts)
-            return mine_at.done()
+                p.writer.write_into(folder, p.base, p.items, opts)
+            return done()
 
     elsewhere = g.gather(g.step("consolidate: writing shards", write))
 

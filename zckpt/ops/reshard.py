@@ -230,9 +230,9 @@ def reshard(
         g.check_same("the reshard plan", job.digest, digest0)
 
         def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
-            with share(staging, job.dst, is_dir=True) as mine_at:
-                recs, names = _write_units(g, job, mine_at.dir, progress, verify_data)
-                return recs, names, mine_at.done()
+            with share(staging, job.dst, is_dir=True) as (folder, done):
+                recs, names = _write_units(g, job, folder, progress, verify_data)
+                return recs, names, done()
 
         shares: list[Any] = g.gather(g.step("reshard: writing rank files", write))
         records = [r for recs, _, _ in shares for r in recs]
