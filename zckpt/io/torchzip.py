@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
-from zckpt.io import storage, zipdir
+from zckpt.io import storage, zipdir, zipshape
 from zckpt.io.integrity import Problem, VerifyContext, problem_from
 from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
 from zckpt.io.window import Window
@@ -233,7 +233,16 @@ def archive_at(
     archives of same-shaped tensors hold identical pickles)."""
     where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
     win = Window(fd, offset, length)
-    infos = _directory(where, win, path)
+    known = zipshape.known(win.pread, length)  # an archive laid out as one parsed before: no parse
+    d = known.directory if known is not None else _directory(where, win, path)
+    infos = d.entries
+    checked = known.datas if known is not None else {}  # records ``known`` read and checked
+
+    def record(e: zipdir.Entry) -> tuple[int, int, int]:
+        if known is not None:
+            return known.records[e.filename]  # (the directory's CRC-32s are the learned archive's)
+        return _record_at(where, win, e, path)
+
     pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpoint(f"{where}: {len(pkl)} data.pkl records; not a torch.save archive", path=path)
@@ -241,16 +250,18 @@ def archive_at(
     for other in infos.values():  # the small bookkeeping records (byteorder, version...) CRC-checked, as for
         # whole files: no later read covers them
         small = other.file_size <= _SMALL_RECORD and other.filename != pkl[0]
-        if small and not other.filename.startswith(prefix + "data/"):
-            a, n, c = _record_at(where, win, other, path)
+        if small and not other.filename.startswith(prefix + "data/") and other.filename not in checked:
+            a, n, c = record(other)
             if zlib.crc32(win.pread(n, a)) != c:
                 raise _damaged(where, zipdir.ZipError(f"Bad CRC-32 for file {other.filename!r:.80}"), path)
-    start, size, crc = _record_at(where, win, infos[pkl[0]], path)
-    data = win.pread(size, start)
-    if len(data) != size or zlib.crc32(data) != crc:
-        raise CorruptCheckpoint(
-            f"{where}: {pkl[0]} fails its CRC-32 check", hint="the file is damaged", path=path
-        )
+    start, size, crc = record(infos[pkl[0]])
+    data = checked.get(pkl[0])
+    if data is None:
+        data = win.pread(size, start)
+        if len(data) != size or zlib.crc32(data) != crc:
+            raise CorruptCheckpoint(
+                f"{where}: {pkl[0]} fails its CRC-32 check", hint="the file is damaged", path=path
+            )
     key = (data, trust_pickle)
     if memo is not None and key in memo:
         obj = _fresh(memo[key])
@@ -263,11 +274,13 @@ def archive_at(
         name = f"{prefix}data/{ref.storage.key}"
         if name not in infos:
             raise CorruptCheckpoint(f"{where}: tensor storage record {name!r:.80} is missing", path=path)
-        a, n, c = _record_at(where, win, infos[name], path)
+        a, n, c = record(infos[name])
         _check_view(where, name, ref, n)
         ref.file, ref.byte_offset = path, offset + a + ref.offset * ref.dtype.itemsize
         ref.check = Checked(path, offset + a, n, c, f"zip record {name}{' of ' + what if what else ''}")
         records[name] = (offset + a, n, c)
+    if known is None:
+        zipshape.learn(win.pread, length, d)
     return EmbeddedArchive(obj, records)
 
 
@@ -277,9 +290,9 @@ def _fresh(obj: Any) -> Any:
     return copy.copy(obj) if isinstance(obj, TensorRef) and obj.attrs is None else copy.deepcopy(obj)
 
 
-def _directory(where: str, win: Window, path: str) -> dict[str, zipdir.Entry]:
+def _directory(where: str, win: Window, path: str) -> zipdir.Directory:
     try:
-        return zipdir.read(win.pread, win.length).entries
+        return zipdir.read(win.pread, win.length)
     except zipdir.ZipError as e:
         raise _damaged(where, e, path) from None
 
@@ -319,16 +332,24 @@ def start_archive_check(
     threads are all busy even when each archive holds one record; ``fd`` stays open until the call."""
     win = Window(fd, offset, length)
     try:
-        d = zipdir.read(win.pread, win.length)
+        known = zipshape.known(win.pread, win.length)  # an archive laid out as one checked before: no parse
+        d = known.directory if known is not None else zipdir.read(win.pread, win.length)
         infos = list(d.entries.values())
         if any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits & 0x1 for i in infos):
             return lambda: "zip records unreadable (compressed or encrypted)"
-        recs = [_record_at(path, win, i) for i in infos]
+        if known is not None:
+            recs = list(known.records.values())
+        else:
+            recs = [_record_at(path, win, i) for i in infos]
+        done = known.datas if known is not None else {}  # records already checked against their CRC-32
         # small records from the window's memory, here; big ones in pieces on the scan threads (a hand-off
         # per small record cost more than its CRC: DCP archives hold ~6 records each, thousands of archives)
         scanner = ctx.scanner if ctx is not None else None
         big = sorted(k for k, (_, n, _) in enumerate(recs) if scanner is not None and n > _SMALL_RECORD)
-        crcs = [_crc_of(win, start, n) if k not in big else 0 for k, (start, n, _) in enumerate(recs)]
+        crcs = [
+            c if i.filename in done else _crc_of(win, start, n) if k not in big else 0
+            for k, (i, (start, n, c)) in enumerate(zip(infos, recs, strict=True))
+        ]
         pending = None
         if scanner is not None and big:
             pending = scanner.crc_pending(fd, [(offset + recs[k][0], recs[k][1]) for k in big])
@@ -344,11 +365,16 @@ def start_archive_check(
             bad = next((i.filename for i, r, c in zip(infos, recs, crcs, strict=True) if c != r[2]), None)
             if bad is not None:
                 return f"zip record {bad} fails its CRC-32 check"
+            if known is not None:  # entries, local headers, descriptors and end records: the shape's, clean
+                return None
             for info in infos:
                 why = zipdir.entry_problem(win.pread, win.length, info)
                 if why is not None:
                     return f"zip record {info.filename}: {why}"
-            return zipdir.end_problem(win.pread, win.length, len(infos), d.start_dir)
+            why = zipdir.end_problem(win.pread, win.length, len(infos), d.start_dir)
+            if why is None:
+                zipshape.learn(win.pread, win.length, d)
+            return why
         except Exception as e:  # noqa: BLE001 - as above
             return _unreadable(e)
 
