@@ -21,6 +21,12 @@ from zckpt.formats.dcp.metadata import load_metadata
 from zckpt.io import zipdir, zipshape
 
 
+@pytest.fixture(autouse=True)
+def _no_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test learns its own shapes (the cache is process-wide)."""
+    monkeypatch.setattr(zipshape, "_SHAPES", {})
+
+
 def _torch_archive(t: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     torch.save(t, buf)
@@ -117,6 +123,18 @@ def test_a_changed_crc_must_change_in_the_directory_and_descriptor_alike() -> No
     both[desc : desc + 4] = new.to_bytes(4, "little")
     k2 = zipshape.known(_reader(bytes(both)), len(both))
     assert k2 is not None and k2.records[k.gap][2] == new and _agrees(bytes(both), k2)
+
+
+def test_a_damaged_first_archive_does_not_stop_its_shape_being_learned() -> None:
+    good = _torch_archive(torch.arange(10.0))
+    bad = bytearray(good)
+    bad[31] ^= 1  # a letter of the first local header's name: data_start refuses it, the directory reads
+    assert _full(bytes(bad)) is None
+    _learned(bytes(bad))  # not learnable: counted, not remembered
+    assert zipshape.known(_reader(good), len(good)) is None
+    _learned(good)
+    assert zipshape.known(_reader(good), len(good)) is not None
+    assert zipshape.known(_reader(bytes(bad)), len(bad)) is None
 
 
 def test_zckpt_written_dcp_archives(tmp_path: Path) -> None:

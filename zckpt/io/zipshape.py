@@ -86,9 +86,11 @@ class _Shape:
     gap: str | None
 
 
-_SHAPES: dict[tuple[int, bytes], _Shape | None] = {}
-"""Shapes by the archive's length and end record (which fix the central directory's size and place); None
-for one tried and not learnable (not tried again)."""
+_SHAPES: dict[tuple[int, bytes], _Shape | int] = {}
+"""Shapes by the archive's length and end record (which fix the central directory's size and place); for
+one not learnable, how many archives with that key failed (one damaged archive does not stop the next from
+being learned; ``_TRIES`` failures do)."""
+_TRIES = 8
 _MAX = 512
 _LOCK = threading.Lock()
 
@@ -99,7 +101,7 @@ def known(pread: zipdir.Pread, length: int) -> Known | None:
     if length < _EOCD:
         return None
     s = _SHAPES.get((length, pread(_EOCD, length - _EOCD)))
-    if s is None:
+    if s is None or isinstance(s, int):
         return None
     vals: tuple[object, ...] = ()
     for r in s.regions:
@@ -127,21 +129,21 @@ def learn(pread: zipdir.Pread, length: int, d: zipdir.Directory) -> None:
     """Remember the shape of the archive read through ``pread`` (``d``: ``zipdir.read``'s parse of it) for
     ``known``, if it passes every check in full and is laid out as torch writes (each record's CRC-32 and
     sizes in a signed data descriptor after it, no zip64 extra fields, no comment, at most one record over
-    4 KiB);
-    else remember that it is not learnable."""
+    4 KiB); else count a failure for its key."""
     if length < _EOCD:
         return
     key = (length, pread(_EOCD, length - _EOCD))
-    if key in _SHAPES:
+    failed = _SHAPES.get(key, 0)
+    if not isinstance(failed, int) or failed >= _TRIES:
         return
     try:
-        shape = _shape(pread, length, d)
+        shape: _Shape | int | None = _shape(pread, length, d)
     except (zipdir.ZipError, struct.error, ValueError):
         shape = None
     with _LOCK:
         while len(_SHAPES) >= _MAX:
             del _SHAPES[next(iter(_SHAPES))]
-        _SHAPES[key] = shape
+        _SHAPES[key] = shape if shape is not None else failed + 1
 
 
 def _shape(pread: zipdir.Pread, length: int, d: zipdir.Directory) -> _Shape | None:

@@ -116,6 +116,28 @@ def load_folder(
     return out
 
 
+_RECENT: dict[str, tuple[DcpMetadata, Loaded]] = {}
+"""The folders the last ``read`` loaded (by path): the ``.metadata`` parse it used and what they hold. Never
+mutated (``read`` merges them into a fresh ``Loaded``)."""
+
+
+def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
+    if len(_RECENT) >= 4:
+        _RECENT.clear()
+    _RECENT[str(folder)] = (md, part)
+
+
+def model_of(folder: Path, md: DcpMetadata) -> Loaded:
+    """The model chunks of the DCP folder whose parsed ``.metadata`` is ``md``: what the last ``read`` of it
+    loaded (the model, whether or not that read was model-only) when it used this very parse (the same object:
+    ``load_metadata`` gives one parse per file content), else loaded model-only now. verify's checks after
+    its open so read the folder's chunk archives once, not twice."""
+    got = _RECENT.get(str(folder))
+    if got is not None and got[0] is md:
+        return got[1]
+    return load_folder(folder, model_only=True, md=md)
+
+
 def _model_and_step(md: DcpMetadata) -> set[str]:
     """The keys a model-only open reads: the model tensors, and what gives the step (``state.counters``):
     the client's ``train_state`` values (torchtitan) and the first optimizer ``step`` state (one archive)."""
@@ -301,11 +323,12 @@ def read(
     src = resolve(as_path(path), tag)
     ld = Loaded()
     for folder in src.folders:
-        part = (
-            load_hf_shards(folder)
-            if src.layout == "hf-shards"
-            else load_folder(folder, trust_pickle=trust_pickle, model_only=model_only)
-        )
+        if src.layout == "hf-shards":
+            part = load_hf_shards(folder)
+        else:
+            md = load_metadata(folder)
+            part = load_folder(folder, trust_pickle=trust_pickle, model_only=model_only, md=md)
+            _keep(folder, md, part)
         ld.merge(part, folder)
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
     parts = entries(ld, slots, model_only=model_only)
