@@ -16,6 +16,7 @@ else (``train_state``, ``dataloader``, user keys) is client state at its path.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -294,7 +295,8 @@ def classify(path: tuple[str | int, ...], is_tensor: bool) -> Slot:
     return Slot("client", path=path)
 
 
+@functools.lru_cache(maxsize=4096)
 def rank_of(file: str) -> int | None:
-    """The saving rank in a ``__<rank>_<n>.distcp`` name."""
+    """The saving rank in a ``__<rank>_<n>.distcp`` name (cached: asked once per chunk, of a few files)."""
     m = re.match(r"^__(\d+)_\d+\.distcp$", Path(file).name)
     return int(m.group(1)) if m else None
