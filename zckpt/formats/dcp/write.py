@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
 from zckpt.formats.dcp.read import NAME
-from zckpt.io import storage
+from zckpt.io import pipeline, storage, zipdir
 from zckpt.io.digest import BLOCK_BYTES
 from zckpt.io.fill import layout_of_items
 from zckpt.io.items import WriteItem, tensor_bytes
@@ -239,21 +241,36 @@ def _state(p: _Planner, ckpt: Checkpoint) -> list[str]:
 
 class _Rel:
     """A sink seen from ``base``: each archive's zip offsets and 64-byte alignment count from its own start,
-    as in a standalone ``torch.save`` file (DCP loads every item from its own byte range)."""
+    as in a standalone ``torch.save`` file (DCP loads every item from its own byte range). Writes under
+    ``_SMALL`` bytes (zipfile's headers, descriptors, directory entries and small records: ~40 per archive)
+    gather here and reach the sink as one write before the next big one, a fill, or ``flush``."""
+
+    _SMALL = 64 << 10
 
     def __init__(self, sink: HashingSink) -> None:
         self.sink, self.base = sink, sink.tell()
+        self._held = bytearray()
 
     def write(self, b: Any) -> int:
+        n = len(memoryview(b).cast("B"))
+        if n < self._SMALL:
+            self._held += b
+            if len(self._held) >= self._SMALL:
+                self.flush()
+            return n
+        self.flush()
         return self.sink.write(b)
 
     def write_owned(self, mv: memoryview) -> list[Future[None]]:
+        self.flush()
         return self.sink.write_owned(mv)
 
     def fill_ring(self) -> FillRing:
+        self.flush()
         return self.sink.fill_ring()
 
     def reserve(self) -> memoryview:
+        self.flush()
         return self.sink.reserve()
 
     def commit(self, n: int) -> None:
@@ -265,6 +282,7 @@ class _Rel:
 
     @property
     def head_room(self) -> int:
+        self.flush()  # the room left in the sink's buffer once the held bytes are in it
         return self.sink.head_room
 
     @property
@@ -272,10 +290,12 @@ class _Rel:
         return self.sink.in_flight
 
     def tell(self) -> int:
-        return self.sink.tell() - self.base
+        return self.sink.tell() + len(self._held) - self.base
 
     def flush(self) -> None:
-        pass
+        if self._held:
+            self.sink.write(bytes(self._held))
+            self._held.clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -298,12 +318,97 @@ def _value_pickle(v: Any) -> bytes:
     return _scalar_pickle(type(v).__name__, repr(v), v) if type(v) in _SCALARS else pickle_obj(v)
 
 
-def _archive(sink: HashingSink, pickled: bytes, data: WriteItem | None) -> None:
-    zw = TorchZipWriter(cast(HashingSink, _Rel(sink)))
+class _Recorder:
+    """A sink that keeps the bytes written to it, but for one big write it only counts (``_frame``)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.pos = 0
+        self.gap: tuple[int, int] | None = None
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        if len(mv) >= _Rel._SMALL:
+            if self.gap is not None:
+                raise RuntimeError("a second big write in one archive frame")
+            self.gap = (self.pos, len(mv))
+        else:
+            self.parts.append(bytes(mv))
+        self.pos += len(mv)
+        return len(mv)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A chunk archive around its data: the bytes before and after (``TorchZipWriter``'s own, made once per
+    pickle and size), and where the data's CRC-32 goes in ``after`` (its data descriptor and its directory
+    entry)."""
+
+    before: bytes
+    after: bytes
+    crc_at: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=1024)
+def _frame(pickled: bytes, nbytes: int) -> _Frame:
+    """The frame of every chunk archive with this ``data.pkl`` and ``nbytes`` of data: ``TorchZipWriter``
+    writes one with zeros as data (an anonymous mapping, read only by the CRC-32), and the data's CRC-32 is
+    found where zip puts it: right after the data (its descriptor) and in data/0's directory entry."""
+    rec = _Recorder()
+    zw = TorchZipWriter(cast(HashingSink, rec))
     zw.write_header_records(pickled)
-    if data is not None:
-        zw.write_record("data/0", layout_of_items([data]), data.nbytes)
+    zeros = mmap.mmap(-1, max(nbytes, 1))
+    try:
+        view = memoryview(zeros)[:nbytes]
+        crc = zlib.crc32(view).to_bytes(4, "little")
+        zw.write_record("data/0", [view] if nbytes >= _Rel._SMALL else [bytes(view)], nbytes)
+        view.release()
+    finally:
+        zeros.close()
     zw.close()
+    whole = b"".join(rec.parts)
+    if rec.gap is None:  # the data is in ``whole``: where its record says
+        d = zipdir.read(lambda n, at: whole[at : at + n], len(whole))
+        e = d.entries[_DATA0.decode()]
+        head = whole[e.header_offset : e.header_offset + zipdir.LOCAL_HEADER.size + len(e.orig)]
+        start = zipdir.data_start(e, head, len(whole))
+        before, after = whole[:start], whole[start + nbytes :]
+    else:
+        before, after = whole[: rec.gap[0]], whole[rec.gap[0] :]
+    entry = after.find(_DATA0) - 46  # data/0's directory entry (its local header is in ``before``)
+    if after[:8] != b"PK\x07\x08" + crc or entry < 0 or after[entry : entry + 4] != b"PK\x01\x02":
+        raise RuntimeError("chunk archive frame: no data descriptor or directory entry for data/0")
+    if after[entry + 16 : entry + 20] != crc:
+        raise RuntimeError("chunk archive frame: data/0's directory entry holds another CRC-32")
+    return _Frame(before, after, (4, entry + 16))
+
+
+_DATA0 = b"archive/data/0"
+
+
+def _archive(sink: HashingSink, pickled: bytes, data: WriteItem | None) -> None:
+    if data is None:
+        rel = _Rel(sink)
+        zw = TorchZipWriter(cast(HashingSink, rel))
+        zw.write_header_records(pickled)
+        zw.close()
+        rel.flush()
+        return
+    frame = _frame(pickled, data.nbytes)
+    rel = _Rel(sink)
+    rel.write(frame.before)
+    crc = pipeline.fill(cast(pipeline.BlockSink, rel), layout_of_items([data]), crc=True)
+    after = bytearray(frame.after)
+    for at in frame.crc_at:
+        after[at : at + 4] = crc.to_bytes(4, "little")
+    rel.write(after)
+    rel.flush()
 
 
 def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
