@@ -6,6 +6,8 @@ measured in one session on one machine (a tree: a folder holding a ``zckpt`` pac
         --job "consolidate=consolidate CK OUT.safetensors --dtype fp32 --no-progress --overwrite" \
         --job "verify=verify CK"
 
+``--clean PATH`` removes an output before each run, so that no run pays for replacing the last one's.
+
 Each line printed: ``AB <job> <tree> run<k> rc=<rc> <wall s> <peak RSS MB>``, then one median line per job
 and tree. Each run imports ``zckpt`` from its tree (first on ``sys.path``, ahead of the working folder);
 ``PYTHONPATH`` keeps what it held after the tree (site packages installed beside it).
@@ -17,10 +19,18 @@ import argparse
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def main() -> None:
@@ -28,6 +38,7 @@ def main() -> None:
     ap.add_argument("--tree", action="append", required=True, help="NAME=FOLDER")
     ap.add_argument("--job", action="append", required=True, help="NAME=zckpt arguments")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--clean", action="append", default=[], help="a path removed before each run (untimed)")
     a = ap.parse_args()
     trees = [t.split("=", 1) for t in a.tree]
     jobs = [j.split("=", 1) for j in a.job]
@@ -36,6 +47,8 @@ def main() -> None:
     for k in range(a.repeat):
         for jname, args in jobs:
             for tname, folder in trees if k % 2 == 0 else reversed(trees):
+                for path in a.clean:
+                    remove(path)
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (folder, base) if p))
                 run = f"import sys, runpy; sys.path[0] = {os.path.abspath(folder)!r}; "
                 run += "runpy.run_module('zckpt.cli.app', run_name='__main__')"  # not the cwd's zckpt
