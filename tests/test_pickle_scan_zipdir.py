@@ -5,6 +5,8 @@
 too deep), over thousands of damaged pickles of every protocol; it may leave argument parsing to the C
 unpickler. ``zckpt.io.zipdir`` must read the same entries (names, offsets, sizes, CRC-32s) as ``zipfile``
 from real ``torch.save`` archives, zip64 ones included, and refuse damaged directories with ``ZipError``.
+The graph check after unpickling (``pickle_safe._check_graph``) must bound exactly the tree a naive recursive
+walk would see, and refuse cycles, deep nesting and shared-reference bombs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
 from zckpt.io import zipdir
-from zckpt.io.pickle_safe import MAX_STACK, safe_loads
+from zckpt.io.pickle_safe import MAX_STACK, _check_graph, safe_loads
 from zckpt.io.pickle_scan import prescan
 
 
@@ -125,6 +127,51 @@ def test_prescan_hostile_pickles(data: bytes, kind: str, why: str) -> None:
         prescan(data, "f.pkl", MAX_STACK)
     with pytest.raises(exc):  # and safe_loads refuses it the same way, before the unpickler runs
         safe_loads(data, source="f.pkl")
+
+
+def _tree_size(o: object) -> int:
+    """The oracle: the object as a tree, shared sub-objects counted at every use (leaves and empty ones 1; a
+    ``torch.Size`` is a leaf: it holds ints only)."""
+    kids = [*o.keys(), *o.values()] if type(o) is dict else list(o) if type(o) in (list, tuple) else []
+    return 1 + sum(_tree_size(c) for c in kids)
+
+
+def _random_dag(rng: random.Random) -> object:
+    made: list[object] = [rng.choice([0, 1.5, "s", b"b", None, True, torch.Size([2, 3])])]
+    for _ in range(rng.randrange(1, 40)):
+        kids = [rng.choice(made) for _ in range(rng.randrange(0, 5))]  # earlier objects, shared or leaves
+        kind = rng.randrange(3)
+        made.append(
+            kids if kind == 0 else tuple(kids) if kind == 1 else {f"k{i}": k for i, k in enumerate(kids)}
+        )
+    return made[-1]
+
+
+def test_graph_check_bounds_the_tree_a_walk_would_see() -> None:
+    """``_check_graph`` (each distinct object visited once) passes at exactly the expanded tree size that a
+    naive recursive walk counts, and refuses one below it; cycles and deep nesting are refused."""
+    rng = random.Random(5)
+    for _ in range(300):
+        obj = _random_dag(rng)
+        n = _tree_size(obj)
+        _check_graph(obj, "x", n)
+        if n > 1 and isinstance(obj, (list, tuple, dict)) and obj:
+            with pytest.raises(UnsafePickle, match="expands to more than"):
+                _check_graph(obj, "x", n - 1)
+    loop: list[object] = [1]
+    loop.append([loop])
+    with pytest.raises(UnsafePickle, match="refers to itself"):
+        safe_loads(pickle.dumps(loop, protocol=2), source="x")
+    deep: list[object] = []
+    for _ in range(300):
+        deep = [deep, 0]
+    with pytest.raises(UnsafePickle, match="nests deeper"):
+        safe_loads(pickle.dumps(deep, protocol=4), source="x")
+    bomb: object = [0] * 16
+    for _ in range(7):  # 16**8 nodes as a tree from a few hundred bytes
+        bomb = [bomb] * 16
+    with pytest.raises(UnsafePickle, match="expands to more than"):
+        safe_loads(pickle.dumps(bomb, protocol=4), source="x")
 
 
 def test_prescan_passes_what_pickle_writes() -> None:

@@ -380,20 +380,21 @@ def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
     size: dict[int, int] = {}
     on_path: set[int] = set()
     leaves = _LEAVES
+    # (object, level, None) to visit; (object, number of children, inner children) once they are sized.
+    # A leaf child counts 1 (leaves are never in ``size``), so a container of leaves alone is sized at once:
+    # most of a DCP ``.metadata`` (its storage records and chunk boxes), which halves the walk there.
     stack: list[tuple[Any, int, list[Any] | None]] = [(obj, 1, None)]
     while stack:
-        o, level, done = stack.pop()
+        o, level, inner = stack.pop()
         k = id(o)
-        if done is not None:  # its children are all sized
+        if inner is not None:  # its children are all sized (``level`` holds their number here)
             on_path.discard(k)
-            n = 1 + len(done)
-            for c in done:
+            n = 1 + level
+            for c in inner:
                 n += size.get(id(c), 1) - 1
             size[k] = n
             if n > max_nodes:
-                raise UnsafePickle(
-                    f"{source}: pickled structure expands to more than {max_nodes} objects", path=source
-                )
+                raise _expands(source, max_nodes)
             continue
         if type(o) in leaves or k in size:
             continue
@@ -404,9 +405,19 @@ def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
             raise UnsafePickle(f"{source}: pickled structure refers to itself", path=source)
         if level > MAX_DEPTH:
             raise UnsafePickle(f"{source}: pickled structure nests deeper than {MAX_DEPTH}", path=source)
+        inner = [c for c in kids if type(c) not in leaves]
+        if not inner:
+            size[k] = 1 + len(kids)
+            if 1 + len(kids) > max_nodes:
+                raise _expands(source, max_nodes)
+            continue
         on_path.add(k)
-        stack.append((o, level, kids))
-        stack.extend([(c, level + 1, None) for c in kids if type(c) not in leaves])
+        stack.append((o, len(kids), inner))
+        stack.extend([(c, level + 1, None) for c in inner])
+
+
+def _expands(source: str, max_nodes: int) -> UnsafePickle:
+    return UnsafePickle(f"{source}: pickled structure expands to more than {max_nodes} objects", path=source)
 
 
 @contextlib.contextmanager
