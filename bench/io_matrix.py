@@ -9,6 +9,11 @@
   ``pread`` a cached file and sha256 what they read (what a consolidate's fill and hash lanes do meanwhile).
 - ``pread``: a cached (just written, buffered) file read back with ``pread`` into page-aligned buffers of
   16 MiB on 1, 4 and 8 threads: the page cache's speed per reader.
+- ``cold``: the same file read after the page cache is dropped (root only; skipped otherwise), 16 MiB
+  requests: buffered on 1 and 4 threads (the kernel's readahead alone, what zckpt's readers get today),
+  buffered with ``POSIX_FADV_WILLNEED`` 64 MiB ahead of the reader, and ``O_DIRECT`` at depth 1 and 4; with
+  the device's ``read_ahead_kb``. Which of them reaches the probe's ``O_DIRECT`` read speed says how a cold
+  consolidate should read.
 """
 
 from __future__ import annotations
@@ -49,6 +54,45 @@ def preader(path: str, stop: threading.Event, k: int, n: int) -> None:
         hashlib.sha256(memoryview(buf)[:got]).digest()
         off += n * (16 << 20)
     os.close(fd)
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def read_ahead_kb(path: str) -> str:
+    dev = os.stat(path).st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for q in (sysfs / "queue/read_ahead_kb", sysfs / "../queue/read_ahead_kb"):
+        if q.exists():
+            return q.read_text().strip()
+    return "unknown"
+
+
+def cold_read(path: str, total: int, threads: int, *, direct: bool = False, ahead: int = 0) -> float:
+    """Read ``path`` cold in 16 MiB requests, ``threads`` readers interleaved (reader k takes requests k,
+    k + threads, ...); ``ahead``: each reader asks ``WILLNEED`` for that many bytes past its request."""
+    bs = 16 << 20
+
+    def rd(k: int) -> int:
+        buf = mmap.mmap(-1, bs)  # page-aligned, as O_DIRECT needs
+        fd, n = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0)), 0
+        for off in range(k * bs, total, threads * bs):
+            if ahead:
+                os.posix_fadvise(fd, off + bs, ahead, os.POSIX_FADV_WILLNEED)
+            n += os.preadv(fd, [buf], off)
+        os.close(fd)
+        return n
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        n = sum(pool.map(rd, range(threads)))
+    return n / (time.perf_counter() - t) / 1e9
 
 
 def main() -> None:
@@ -92,6 +136,22 @@ def main() -> None:
         with ThreadPoolExecutor(threads) as pool:
             n = sum(pool.map(rd, range(threads)))
         emit(what="pread cached", threads=threads, mib=16, gbs=round(n / (time.perf_counter() - t) / 1e9, 3))
+    ra = read_ahead_kb(cached)
+    for name, threads, direct, ahead in (
+        ("buffered", 1, False, 0),
+        ("buffered", 4, False, 0),
+        ("buffered, WILLNEED 64 MiB ahead", 1, False, 64 << 20),
+        ("O_DIRECT", 1, True, 0),
+        ("O_DIRECT", 4, True, 0),
+    ):
+        if not drop_caches():
+            emit(what="cold", skipped="cannot drop the page cache (not root)")
+            break
+        gbs = cold_read(cached, total, threads, direct=direct, ahead=ahead)
+        emit(what="cold", how=name, threads=threads, mib=16, read_ahead_kb=ra, gbs=round(gbs, 3))
+    with open(cached, "rb") as f:  # cached again for the loaded writes below
+        while f.read(64 << 20):
+            pass
     for bs, depth in ((16 << 20, 1), (16 << 20, 4), (64 << 20, 1), (64 << 20, 2)):
         if bs not in sizes:
             continue
