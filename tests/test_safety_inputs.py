@@ -908,6 +908,32 @@ def test_zero0_param_group_index_with_no_state(tmp_path: Path) -> None:
     run_all(ck, tmp_path, f.name, "param index 7")
 
 
+@pytest.mark.parametrize(
+    ("case", "pattern", "holder"),
+    [
+        ("s0_bf16_w2", "mp_rank_00_model_states.pt", "optimizer_state_dict"),  # ZeRO-0: the torch optimizer's
+        (
+            DS2,
+            "zero_pp_rank_*_optim_states.pt",
+            "base_optimizer_state",
+        ),  # every rank's file (one alone differs
+        (DS3, "zero_pp_rank_*_optim_states.pt", "optimizer_state_dict"),  # from the others: caught before)
+    ],
+)
+def test_optimizer_state_dict_without_its_state(case: str, pattern: str, holder: str, tmp_path: Path) -> None:
+    """Fuzz seed 13/199: the torch optimizer state dict's ``state`` renamed. torch always saves it (empty
+    before the first step), so its absence is damage; read as "no moments", ``reshard`` wrote a checkpoint
+    without Adam state, exit 0. Refused, naming the (first) file and ``state``."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    files = sorted((ck / "global_step3").glob(pattern))
+    for f in files:
+        obj = pickles.load_opaque(pickles.read_pickle(f))
+        path = next(p for p, _ in pickles.walk(obj, 8) if p[-2:] == (("key", holder), ("key", "state")))
+        obj = pickles.rename_at(obj, path, "state_renamed")
+        pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, files[0].name, ".state is missing")
+
+
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
     not an AttributeError from printing the damaged record."""

@@ -265,7 +265,9 @@ def _partitioned(
     sp = m0.get("shared_params")
     body.tied = {a: o.as_str() for a, o in sp.items()} if sp is not None else tied_from_module(module, set())
     body.entries = part.layout.entries(part.flats, Role.PARAM, None)
-    states = [dict((b.get("state") or Node({}, b.file)).int_items()) for b in bases]
+    # torch's state_dict always holds ``state`` (empty before the first step): a file without it lost every
+    # param's moments, refused here rather than resharded without them
+    states = [dict(b["state"].int_items()) for b in bases]
     opt_entries, body.state_names = optim_entries(part.layout, states, part.sizes)
     body.entries += _frozen(models, module, part, body.tied, ws, is3)
     body.entries += opt_entries

@@ -249,6 +249,14 @@ def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
 
     if not isinstance(inner, dict):
         raise bad("optimizer_state_dict", inner, "a dict")
+    lost = [k for k in ("state", "param_groups") if k not in inner]
+    if lost:  # torch's state_dict always holds both (``state`` empty before the first step)
+        where = "optimizer.optimizer_state_dict" if "optimizer_state_dict" in opt else "optimizer"
+        raise CorruptCheckpoint(
+            f"{file}: {where}.{lost[0]} is missing",
+            hint="the file was altered or is damaged",
+            path=file,
+        )
     pgs = inner.get("param_groups", [])
     if not isinstance(pgs, list):
         raise bad("param_groups", pgs, "a list")
