@@ -119,7 +119,7 @@ def build_zero12(tmp: Path, stage: int, ws: int, *, bf16_optimizer: bool = False
     m["frozen_param_fragments"] = {n: t.bfloat16() for n, t in frozen.items()} if stage == 2 else None
     torch.save(m, td / "mp_rank_00_model_states.pt")
     for r in range(ws):
-        fp32, pads, state = [], [], {}
+        fp32, pads, state, maps = [], [], {}, []
         for gi, g in enumerate(GROUPS):
             flat = torch.cat([params[n].reshape(-1) for n in g])
             mflat = torch.cat([moments[n].reshape(-1) for n in g])
@@ -133,6 +133,13 @@ def build_zero12(tmp: Path, stage: int, ws: int, *, bf16_optimizer: bool = False
             pad = hi - max(lo, min(hi, n_g))
             fp32.append(padded[lo:hi].clone() if bf16_optimizer else padded[lo : hi - pad].clone())
             pads.append(pad)
+            maps.append(OrderedDict())  # param_slice_mappings: each param's piece in this partition
+            start = 0
+            for n in g:
+                a, b = max(start, lo), min(start + params[n].numel(), hi)
+                if b > a:
+                    maps[-1][n] = fragment_address(numel=b - a, start=a - lo)
+                start += params[n].numel()
             state[gi] = {
                 "step": torch.tensor(5.0),
                 "exp_avg": mpad[lo:hi].clone(),
@@ -145,6 +152,7 @@ def build_zero12(tmp: Path, stage: int, ws: int, *, bf16_optimizer: bool = False
                 for gi in range(len(GROUPS))]},
             "single_partition_of_fp32_groups": fp32, "zero_stage": ZeroStageEnum(stage),
             "group_paddings": pads, "partition_count": [ws] * len(GROUPS), "ds_version": "0.19.8",
+            "param_slice_mappings": maps,
         }  # fmt: skip
         if bf16_optimizer:
             for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage"):

@@ -934,6 +934,31 @@ def test_optimizer_state_dict_without_its_state(case: str, pattern: str, holder:
     run_all(ck, tmp_path, files[0].name, ".state is missing")
 
 
+@pytest.mark.parametrize("key", ["group_paddings", "param_slice_mappings"])
+@pytest.mark.parametrize(
+    ("case", "file"),
+    [
+        (DS2, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        ("s1_bf16_w2", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ],
+)
+def test_zero12_optimizer_file_without_a_key_deepspeed_always_writes(
+    case: str, file: str, key: str, tmp_path: Path
+) -> None:
+    """Fuzz seed 13/111: ``group_paddings`` removed from a ZeRO-2 optimizer file. zckpt derives the padding
+    and cross-checks its math against ``param_slice_mappings``, so outputs were right, but verify said OK on
+    a file DeepSpeed could not load (and without the mappings the cross-check is skipped). From DeepSpeed
+    0.10 on both are always written: refused, naming the file and the key (ZeRO-2, bf16 ZeRO-1 optimizer)."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = ck / "global_step3" / file
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(
+        p for p, _ in pickles.walk(obj, 8) if p[-2:] == (("key", "optimizer_state_dict"), ("key", key))
+    )
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.delete_at(obj, path))})
+    run_all(ck, tmp_path, f.name, f"{key} is missing")
+
+
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
     not an AttributeError from printing the damaged record."""

@@ -40,6 +40,11 @@ _REQUIRED_SINCE = (0, 10)
 """DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``
 and ``shared_params``: a file without them was altered, and reading on would drop tensors silently."""
 _MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params")
+_ZERO12_KEYS = ("group_paddings", "param_slice_mappings")
+"""What a ZeRO-1/2 (and ``BF16_Optimizer``) ``optimizer_state_dict`` always holds from DeepSpeed 0.7.4 on
+(checked, like ``_MODEL_KEYS``, from ``_REQUIRED_SINCE``): zckpt derives the padding itself and cross-checks
+its math against the slice mappings, so a file without them would read right but pass unchecked, and
+DeepSpeed itself could not load it."""
 
 
 @dataclass
@@ -237,6 +242,15 @@ def _partitioned(
         )
     o0 = osds[0]
     is3 = o0.has("fp32_flat_groups")
+    for top, o in zip(tops, osds, strict=True):
+        version = top.value.get("ds_version") or o.value.get("ds_version")
+        lost = [k for k in _ZERO12_KEYS if not o.has(k)] if not is3 else []
+        if lost and _version(version) >= _REQUIRED_SINCE:
+            raise CorruptCheckpoint(
+                f"{o.file}: optimizer_state_dict.{lost[0]} is missing (DeepSpeed {version} always writes it)",
+                hint="the file was altered; restore it",
+                path=o.file,
+            )
     bf16_opt = not is3 and not o0.has("zero_stage")
     stage = 3 if is3 else (1 if bf16_opt else o0["zero_stage"].as_int(lo=1, hi=2))
     models = [m0]
