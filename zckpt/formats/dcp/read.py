@@ -127,13 +127,13 @@ def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
     _RECENT[str(folder)] = (md, part)
 
 
-def model_of(folder: Path, md: DcpMetadata) -> Loaded:
+def model_of(folder: Path, md: DcpMetadata | None) -> Loaded:
     """The model chunks of the DCP folder whose parsed ``.metadata`` is ``md``: what the last ``read`` of it
     loaded (the model, whether or not that read was model-only) when it used this very parse (the same object:
-    ``load_metadata`` gives one parse per file content), else loaded model-only now. verify's checks after
-    its open so read the folder's chunk archives once, not twice."""
+    ``load_metadata`` gives one parse per file content), else loaded model-only now (``md`` None: parsed
+    now). verify's checks after its open so read the folder's chunk archives once, not twice."""
     got = _RECENT.get(str(folder))
-    if got is not None and got[0] is md:
+    if got is not None and md is not None and got[0] is md:
         return got[1]
     return load_folder(folder, model_only=True, md=md)
 

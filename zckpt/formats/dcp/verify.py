@@ -25,7 +25,7 @@ from zckpt.formats.dcp.boxes import distinct, tiling_problem
 from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
 from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
-from zckpt.formats.dcp.read import load_folder, model_of, pieces
+from zckpt.formats.dcp.read import model_of, pieces
 from zckpt.io import safetensors, spans, storage
 from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 from zckpt.io.objstore import as_path
@@ -174,8 +174,7 @@ def _ties(ckpt: Checkpoint, mds: dict[str, DcpMetadata]) -> list[Problem]:
     by_name = {}
     for folder in ckpt.meta.extra.get("folders") or []:
         f = as_path(folder)
-        md = mds.get(str(f))
-        ld = model_of(f, md) if md is not None else load_folder(f, model_only=True)
+        ld = model_of(f, mds.get(str(f)))
         for k in ld.keys:
             s = classify(ld.paths[k], k in ld.tensors)
             if s.kind == "model" and s.name in ckpt.meta.tied:

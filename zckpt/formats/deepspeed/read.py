@@ -89,15 +89,21 @@ def _model0(td: Path, model_files: dict[int, Path], trust: bool) -> Node:
             f"{m0.file}: `module` is {type(m0['module'].value).__name__} (pipeline-parallel layer files?)",
             path=m0.file,
         )
-    if _version(m0.value.get("ds_version")) >= _REQUIRED_SINCE:
-        for k in _MODEL_KEYS:
-            if not m0.has(k):
-                raise CorruptCheckpoint(
-                    f"{m0.file}: {k} is missing (DeepSpeed {m0.value.get('ds_version')} always writes it)",
-                    hint="the file was altered; restore it",
-                    path=m0.file,
-                )
+    _require(m0, _MODEL_KEYS, m0.value.get("ds_version"))
     return m0
+
+
+def _require(node: Node, keys: tuple[str, ...], version: Any, where: str = "") -> None:
+    """A file of DeepSpeed ``_REQUIRED_SINCE`` or later must hold every key of ``keys`` (DeepSpeed always
+    writes them): one missing is refused, naming it (``where``: the dict's path in the file)."""
+    if _version(version) >= _REQUIRED_SINCE:
+        for k in keys:
+            if not node.has(k):
+                raise CorruptCheckpoint(
+                    f"{node.file}: {where}{k} is missing (DeepSpeed {version} always writes it)",
+                    hint="the file was altered; restore it",
+                    path=node.file,
+                )
 
 
 def _names(node: Node | None) -> list[str]:
@@ -242,15 +248,10 @@ def _partitioned(
         )
     o0 = osds[0]
     is3 = o0.has("fp32_flat_groups")
-    for top, o in zip(tops, osds, strict=True):
-        version = top.value.get("ds_version") or o.value.get("ds_version")
-        lost = [k for k in _ZERO12_KEYS if not o.has(k)] if not is3 else []
-        if lost and _version(version) >= _REQUIRED_SINCE:
-            raise CorruptCheckpoint(
-                f"{o.file}: optimizer_state_dict.{lost[0]} is missing (DeepSpeed {version} always writes it)",
-                hint="the file was altered; restore it",
-                path=o.file,
-            )
+    if not is3:
+        for top, o in zip(tops, osds, strict=True):
+            version = top.value.get("ds_version") or o.value.get("ds_version")
+            _require(o, _ZERO12_KEYS, version, "optimizer_state_dict.")
     bf16_opt = not is3 and not o0.has("zero_stage")
     stage = 3 if is3 else (1 if bf16_opt else o0["zero_stage"].as_int(lo=1, hi=2))
     models = [m0]
