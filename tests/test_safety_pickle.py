@@ -361,3 +361,35 @@ def test_gc_paused_restores_the_state_it_found() -> None:
             assert not gc.isenabled()
         assert not gc.isenabled()  # the inner exit leaves the outer pause alone
     assert gc.isenabled()
+
+
+def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc() -> None:
+    """A library caller's collector is left alone; the CLI (which calls ``own_gc`` after importing torch)
+    gets a DCP open's records frozen out of later full collections, and the checkpoint still reads."""
+    import gc
+
+    import zckpt
+    from zckpt.formats.dcp import metadata as dcp_metadata
+    from zckpt.io import pickle_safe
+
+    ck = ROOT / "fixtures" / "dcp" / "fsdp2_w2" / "checkpoint"
+    assert (ck / ".metadata").is_file()
+    assert not pickle_safe._GC.owned
+    gc.unfreeze()
+    dcp_metadata._PARSED.clear()
+    zckpt.open(ck)
+    assert gc.get_freeze_count() == 0  # not ours: nothing frozen
+    code = (
+        "import gc, sys\n"
+        "from zckpt.cli.app import _leave_startup\n"
+        "assert 'torch' not in sys.modules\n"
+        "_leave_startup()\n"
+        "n_torch = gc.get_freeze_count()\n"
+        "import zckpt\n"
+        f"ck = zckpt.open({str(ck)!r})\n"
+        "print(n_torch, gc.get_freeze_count() - n_torch, len(ck.entries))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    n_torch, n_open, n_entries = map(int, out.split())
+    assert n_torch > 50_000  # torch's own objects (~150k), frozen once it is imported
+    assert n_open > n_entries  # the open's records (metadata, chunks, entries)

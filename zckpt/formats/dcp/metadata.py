@@ -209,7 +209,7 @@ def load_metadata(folder: Path) -> DcpMetadata:
     key = (src, hashlib.blake2b(data, digest_size=16).digest())
     got = _PARSED.get(key)
     if got is None:
-        with gc_paused():  # parse makes ~100k small records (see gc_paused)
+        with gc_paused(long_lived=True):  # parse makes ~100k small records, kept (see gc_paused)
             got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
         while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
             del _PARSED[next(iter(_PARSED))]

@@ -38,6 +38,7 @@ from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, Tensor
 from zckpt.formats.dcp.values import Value, decode
 from zckpt.io import spans
 from zckpt.io.objstore import as_path
+from zckpt.io.pickle_safe import gc_paused
 from zckpt.model import Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 
@@ -320,6 +321,11 @@ def read(
 ) -> Checkpoint:
     """The checkpoint at ``path``; ``model_only``: its model tensors and precision only (no optimizer or
     training state: for consolidate, which then opens a third of the archives)."""
+    with gc_paused(long_lived=True):  # ~2 records per chunk, kept for the command (see gc_paused)
+        return _read(path, tag, trust_pickle, model_only)
+
+
+def _read(path: Path, tag: str | None, trust_pickle: bool, model_only: bool) -> Checkpoint:
     src = resolve(as_path(path), tag)
     ld = Loaded()
     for folder in src.folders:
