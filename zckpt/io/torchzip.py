@@ -225,14 +225,17 @@ def archive_at(
     trust_pickle: bool = False,
     what: str = "",
     memo: dict[tuple[bytes, bool], Any] | None = None,
+    win: Window | None = None,
 ) -> EmbeddedArchive:
     """Parse the torch.save archive at bytes ``[offset, offset + length)`` of ``path`` (open as ``fd``)
     through a window of the file: its central directory, ``data.pkl`` (CRC-32 checked) and the local headers
     of ``data.pkl`` and of the storages it names; no storage byte is read. ``what`` names the item in errors;
     ``memo`` (pickle bytes -> unpickled object) skips unpickling a ``data.pkl`` already seen (DCP's chunk
-    archives of same-shaped tensors hold identical pickles)."""
+    archives of same-shaped tensors hold identical pickles); ``win``: a ``Window`` of those bytes already
+    read from (its edges are reused)."""
     where = f"{path} [{offset}, +{length}){' ' + what if what else ''}"
-    win = Window(fd, offset, length)
+    if win is None or (win.fd, win.base, win.length) != (fd, offset, length):
+        win = Window(fd, offset, length)
     known = zipshape.known(win.pread, length)  # an archive laid out as one parsed before: no parse
     d = known.directory if known is not None else _directory(where, win, path)
     infos = d.entries

@@ -25,6 +25,7 @@ from zckpt.io import safetensors, storage
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.safetensors import Header
 from zckpt.io.torchzip import archive_at
+from zckpt.io.window import Window
 from zckpt.model import Checked
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -121,23 +122,31 @@ class Files:
         return f, fd
 
     def magic(self, info: StorageInfo) -> bytes:
-        f, fd = self.open(info)
-        return storage.pread(fd, 4, info.offset)
+        return self.window(info).pread(4, 0)
+
+    def window(self, info: StorageInfo) -> Window:
+        """The item's bytes as a ``Window`` (its first read fetches the head an archive parse needs next)."""
+        _, fd = self.open(info)
+        return Window(fd, info.offset, info.length)
 
     def tensor(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
         """The chunk ``box`` of tensor ``key`` (stored dtype ``dtype``), located and checked."""
         if info.transforms:
             raise unsupported_transform(self.path(info), info)
-        head = self.magic(info)
+        win = self.window(info)
+        head = win.pread(4, 0)
         if head == ZIP_MAGIC:
-            return self._from_archive(key, box, info, dtype)
+            return self._from_archive(key, box, info, dtype, win)
         if head == ZSTD_MAGIC:
             raise unsupported_transform(self.path(info), info)
         return self._from_blob(key, box, info, dtype)
 
-    def _from_archive(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
+    def _from_archive(
+        self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype, win: Window
+    ) -> ChunkData:
         f, fd = self.open(info)
-        arc = archive_at(f, fd, info.offset, info.length, what=f"(chunk of {key!r:.80})", memo=self.memo)
+        what = f"(chunk of {key!r:.80})"
+        arc = archive_at(f, fd, info.offset, info.length, what=what, memo=self.memo, win=win)
         ref = arc.obj
         where = f"{f}: chunk {list(box.offsets)} of {key!r:.80}"
         if not isinstance(ref, TensorRef):

@@ -56,12 +56,14 @@ def decode(files: Files, key: str, info: StorageInfo, *, trust_pickle: bool) -> 
     if info.length > MAX_DECODED:
         why = f"<{info.length} bytes, not decoded: larger than {MAX_DECODED >> 20} MiB>"
         return Value(key, info, f, opaque=why)
-    if files.magic(info) != ZIP_MAGIC:
+    win = files.window(info)
+    if win.pread(4, 0) != ZIP_MAGIC:
         why = f"the item of {key!r:.100} at byte {info.offset} is not a torch.save archive"
         raise CorruptCheckpoint(f"{f}: {why}", path=f)
     try:
         # the same pickle (an optimizer option of every parameter) is unpickled once
-        obj = archive_at(f, fd, info.offset, info.length, what=f"(value of {key!r:.80})", memo=files.memo).obj
+        what = f"(value of {key!r:.80})"
+        obj = archive_at(f, fd, info.offset, info.length, what=what, memo=files.memo, win=win).obj
     except UnsafePickle as e:
         why = f"<pickled object, not loaded: {_global_of(e)}; --trust-pickle loads it>"
         return Value(key, info, f, opaque=why)
