@@ -168,3 +168,21 @@ def test_module_param_swapped_with_an_optimizer_state_is_refused(tmp_path: Path)
     with pytest.raises(ShardMismatch, match=r"mp_rank_00_model_states\.pt: optimizer state 'exp_avg_sq' of "
                        r"fp32_groups\[0\]\[4\] has shape \[7, 7\], its fp32 master \[7\]"):  # fmt: skip
         ds.read(d)
+
+
+def test_reshard_to_deepspeed_of_unnamed_masters_names_the_file_and_why(tmp_path: Path) -> None:
+    """Masters the reader could not name (fuzz seed 13 case 123: a moment swapped with its master): the
+    refusal names the model file and the reader's reason, not the tag folder."""
+    import pytest
+
+    from zckpt import reshard
+    from zckpt.errors import Unsupported
+
+    model = [("a", _vals(1, 4), 0), ("b", _vals(2, 4), 0)]
+    d, _ = _save(tmp_path / "in", model, fp32_override={"b": _vals(3, 4)})
+    with pytest.raises(Unsupported) as e:
+        reshard(d, tmp_path / "out", world=2, to="deepspeed", progress=False)
+    msg = str(e.value)
+    assert msg.startswith(str(d / "global_step3" / "mp_rank_00_model_states.pt") + ": "), msg
+    assert "fp32_groups[0][1] (shape [4]) matches no 16-bit module param" in msg, msg
+    assert not (tmp_path / "out").exists()
