@@ -959,6 +959,22 @@ def test_zero12_optimizer_file_without_a_key_deepspeed_always_writes(
     run_all(ck, tmp_path, f.name, f"{key} is missing")
 
 
+@pytest.mark.parametrize("case", ["s1_bf16_w2", "s1_bf16opt_w2_g2", DS2, "s3_bf16_w2_g2"])
+def test_trainable_param_renamed_in_module(case: str, tmp_path: Path) -> None:
+    """Fuzz seed 14/241: a trainable param's key renamed in ``module`` (bf16 ZeRO-1). ZeRO-1 names its frozen
+    params only in ``module``, so the renamed key read as a frozen param and consolidate wrote the model plus a
+    stray tensor, exit 0. DeepSpeed saves the module's whole state dict (ZeRO-3 params as empty placeholders),
+    so a ``param_shapes`` name missing from ``module`` is damage: refused, naming the model file."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    files = sorted((ck / "global_step3").glob("*model_states.pt"))  # every rank's (ZeRO-3), consistently
+    for f in files:
+        obj = pickles.load_opaque(pickles.read_pickle(f))
+        path = next(p for p, _ in pickles.walk(obj, 8) if p[-2:] == (("key", "module"), ("key", "fc1.bias")))
+        obj = pickles.rename_at(obj, path, "fc1.bias_renamed")
+        pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, files[0].name, "'fc1.bias' (in `param_shapes`) is not in `module`")
+
+
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
     not an AttributeError from printing the damaged record."""

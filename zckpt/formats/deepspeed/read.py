@@ -152,7 +152,18 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
 def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
     """Every tensor in ``module`` must be accounted for: a param, frozen param, buffer or tied alias, of that
     param's shape (ZeRO-3's empty placeholders aside). A renamed ``buffer_names``/``frozen_param_shapes``/
-    ``shared_params`` leaves some unexplained; swapped tensors disagree with ``param_shapes``."""
+    ``shared_params`` leaves some unexplained; swapped tensors disagree with ``param_shapes``. And every
+    trainable param must be in ``module`` (DeepSpeed saves the module's whole state dict, ZeRO-3 params as
+    empty placeholders): a renamed module key would otherwise read as a frozen param of ZeRO-1, which names
+    its frozen params nowhere else."""
+    names = module.as_dict()
+    for e in body.entries:
+        if e.role is Role.PARAM and e.name not in names:
+            raise CorruptCheckpoint(
+                f"{m0.file}: trainable param {e.name!r:.80} (in `param_shapes`) is not in `module`",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )
     shapes = {e.name: e.shape for e in body.entries if e.role is not Role.OPTIM}
     for name, t in module.items():
         if not isinstance(t.value, TensorRef):
