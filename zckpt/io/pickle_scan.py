@@ -51,13 +51,16 @@ def _entry(op: pickletools.OpcodeInfo) -> tuple[int, int, int, int, int]:
 _TABLE: list[tuple[int, int, int, int, int] | None] = [None] * 256
 for _op in pickletools.opcodes:
     _TABLE[ord(_op.code)] = _entry(_op)
+# ``prescan`` applies these stack effects inline: a GET pushes one item, a PUT changes nothing, neither marks
+assert all(t[2:] == (0, 1, 0) for t in _TABLE if t is not None and t[0] == _GET)
+assert all(t[2:] == (0, 0, 0) for t in _TABLE if t is not None and t[0] == _PUT)
 
 
 def prescan(data: bytes, source: str, max_stack: int) -> None:
     """Walk ``data``'s opcodes up to STOP (see the module doc); a damaged pickle raises ``CorruptCheckpoint``,
     a hostile one ``UnsafePickle``. The stack is tracked as ``depth`` items above the last mark, ``marks``
     of them below (the walk clamps an underflow at 0, as the reference walk does)."""
-    table, size = _TABLE, len(data)
+    table, size, from_bytes = _TABLE, len(data), int.from_bytes
     i = memo = depth = nmarks = 0
     marks: list[int] = []
     while True:
@@ -73,8 +76,19 @@ def prescan(data: bytes, source: str, max_stack: int) -> None:
                 i += n
                 if i > size:
                     raise _past_end(source, i, size)
+        elif kind == _GET:
+            idx = from_bytes(data[i : i + n], "little")
+            i += n
+            if i > size:
+                raise _past_end(source, i, size)
+            if idx >= memo:
+                raise UnsafePickle(f"{source}: pickle reads memo slot {idx} before writing it", path=source)
+            depth += 1  # a GET pushes one item (no mark, pops nothing)
+            if depth + nmarks > max_stack:
+                raise UnsafePickle(f"{source}: pickle nests deeper than {max_stack} levels", path=source)
+            continue
         elif kind == _PUT:
-            idx = int.from_bytes(data[i : i + n], "little")
+            idx = from_bytes(data[i : i + n], "little")
             i += n
             if i > size:
                 raise _past_end(source, i, size)
@@ -82,13 +96,7 @@ def prescan(data: bytes, source: str, max_stack: int) -> None:
                 if idx > memo:
                     raise UnsafePickle(f"{source}: pickle memo index {idx} out of sequence", path=source)
                 memo += 1
-        elif kind == _GET:
-            idx = int.from_bytes(data[i : i + n], "little")
-            i += n
-            if i > size:
-                raise _past_end(source, i, size)
-            if idx >= memo:
-                raise UnsafePickle(f"{source}: pickle reads memo slot {idx} before writing it", path=source)
+            continue  # a PUT leaves the stack as it is
         elif kind == _MEMOIZE:
             memo += 1
         else:
@@ -107,6 +115,8 @@ def prescan(data: bytes, source: str, max_stack: int) -> None:
                 marks.append(depth)
                 nmarks += 1
         elif depth >= pop:
+            if push == pop:  # most opcodes (PUT/GET aside, ~half of a DCP .metadata) leave the depth as is
+                continue
             depth += push - pop
         else:
             depth = push
