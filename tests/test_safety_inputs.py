@@ -961,10 +961,11 @@ def test_zero12_optimizer_file_without_a_key_deepspeed_always_writes(
 
 @pytest.mark.parametrize("case", ["s1_bf16_w2", "s1_bf16opt_w2_g2", DS2, "s3_bf16_w2_g2"])
 def test_trainable_param_renamed_in_module(case: str, tmp_path: Path) -> None:
-    """Fuzz seed 14/241: a trainable param's key renamed in ``module`` (bf16 ZeRO-1). ZeRO-1 names its frozen
-    params only in ``module``, so the renamed key read as a frozen param and consolidate wrote the model plus a
-    stray tensor, exit 0. DeepSpeed saves the module's whole state dict (ZeRO-3 params as empty placeholders),
-    so a ``param_shapes`` name missing from ``module`` is damage: refused, naming the model file."""
+    """Fuzz seed 14/241: a trainable param's key renamed in ``module`` (bf16 ZeRO-1). ZeRO-1 names its
+    frozen params only in ``module``, so the renamed key read as a frozen param and consolidate wrote the
+    model plus a stray tensor, exit 0. DeepSpeed saves the module's whole state dict (ZeRO-3 params as empty
+    placeholders), so a ``param_shapes`` name missing from ``module`` is damage: refused, naming the model
+    file."""
     ck = copy_case(fixture("ds", case).name, tmp_path)
     files = sorted((ck / "global_step3").glob("*model_states.pt"))  # every rank's (ZeRO-3), consistently
     for f in files:

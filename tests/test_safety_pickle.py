@@ -364,26 +364,31 @@ def test_gc_paused_restores_the_state_it_found() -> None:
 
 
 def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc() -> None:
-    """A library caller's collector is left alone; the CLI (which calls ``own_gc`` after importing torch)
-    gets a DCP open's records frozen out of later full collections, and the checkpoint still reads."""
+    """A library caller's collector is left alone, and so is the process of a command run in-process (this
+    one has run many); the ``zckpt`` program (``main`` owns the collector) freezes torch's objects once torch
+    is imported and a DCP open's records once built, and the checkpoint still reads."""
     import gc
 
     import zckpt
     from zckpt.formats.dcp import metadata as dcp_metadata
-    from zckpt.io import pickle_safe
+    from zckpt.io import collector
 
     ck = ROOT / "fixtures" / "dcp" / "fsdp2_w2" / "checkpoint"
     assert (ck / ".metadata").is_file()
-    assert not pickle_safe._GC.owned
+    assert not collector.owned()
     gc.unfreeze()
     dcp_metadata._PARSED.clear()
     zckpt.open(ck)
     assert gc.get_freeze_count() == 0  # not ours: nothing frozen
     code = (
         "import gc, sys\n"
-        "from zckpt.cli.app import _leave_startup\n"
+        "from zckpt.cli import app\n"
         "assert 'torch' not in sys.modules\n"
-        "_leave_startup()\n"
+        "app._leave_startup()\n"  # in-process: not the program's process
+        "assert gc.get_freeze_count() == 0, 'not owned'\n"
+        "from zckpt.io import collector\n"
+        "collector.own()\n"  # what main() does first
+        "app._leave_startup()\n"
         "n_torch = gc.get_freeze_count()\n"
         "import zckpt\n"
         f"ck = zckpt.open({str(ck)!r})\n"
@@ -393,3 +398,6 @@ def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc() -> None
     n_torch, n_open, n_entries = map(int, out.split())
     assert n_torch > 50_000  # torch's own objects (~150k), frozen once it is imported
     assert n_open > n_entries  # the open's records (metadata, chunks, entries)
+    cli_main = "from zckpt.cli.app import main; import sys; sys.argv = ['zckpt', '--version']; main()"
+    env = dict(os.environ, ZCKPT_FAST_EXIT="0")
+    assert subprocess.run([sys.executable, "-c", cli_main], env=env, capture_output=True).returncode == 0

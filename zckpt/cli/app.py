@@ -134,14 +134,14 @@ def _leave_startup() -> None:
     SIGABRT) or leaves torch half-imported. Commands import torch lazily, so ``--help`` stays fast. SIGTERM
     keeps its default action until then too.
 
-    The ~150k objects that importing torch made are then frozen (``gc.freeze``, as ``main`` froze typer's):
-    they live as long as the process, and every full collection during the command would walk them again
-    (0.1 s of a 2.3 s consolidate on the 2-core machine)."""
+    In the ``zckpt`` program (``main``, which owns the process's collector) the ~150k objects that importing
+    torch made are then frozen (``gc.freeze``, as ``main`` froze typer's): they live as long as the process,
+    and every full collection during the command would walk them again (0.1 s of a 2.3 s consolidate on the
+    2-core machine). Commands run in-process (typer's test runner, an embedding program) leave it alone."""
     importlib.import_module("torch")
-    gc.freeze()
-    from zckpt.io.pickle_safe import own_gc
+    from zckpt.io import collector
 
-    own_gc()
+    collector.settle()
     if signal.getsignal(signal.SIGINT) is _startup_interrupt:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
@@ -161,6 +161,9 @@ def main() -> None:
     interpreter exit (for embedding or debugging). The objects that importing typer and the commands made
     are frozen first (``gc.freeze``; torch's once it is imported, ``_leave_startup``): they live as long as
     the process, and each full collection during the command would walk them all again."""
+    from zckpt.io import collector
+
+    collector.own()
     gc.freeze()
     try:
         app()

@@ -12,20 +12,19 @@ warning) — only for files you wrote yourself.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import gc
 import io
 import pickle
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
+from zckpt.io import collector
 from zckpt.io.pickle_scan import prescan
 from zckpt.model import Checked
 
@@ -420,38 +419,8 @@ def _expands(source: str, max_nodes: int) -> UnsafePickle:
     return UnsafePickle(f"{source}: pickled structure expands to more than {max_nodes} objects", path=source)
 
 
-@contextlib.contextmanager
-def gc_paused(long_lived: bool = False) -> Iterator[None]:
-    """Python's cyclic GC off while a large pickle is unpickled and walked: the objects it makes trigger
-    generation-2 collections that each rescan them all (a 2.3 MB DCP ``.metadata``: 0.7 s unpickling with
-    the GC on, 0.1 s off). Unpickled graphs hold no cycles (``_check_graph`` refuses them), so nothing waits
-    for the collector. Restores the state it found, so nested uses are safe.
-
-    ``long_lived``: what the block leaves alive lives as long as the command (a DCP ``.metadata``'s records).
-    In a process that owns its collector (``own_gc``: the CLI) it is then frozen out of the cyclic GC
-    (``gc.freeze``) instead of being walked by every later full collection (a world-64 ``.metadata``'s
-    235k records: 0.8 s of collections during one consolidate on the 2-core machine). Frozen objects are
-    still freed by reference counting; only cyclic garbage alive at that moment would outlive its use."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if long_lived and _GC.owned:
-            gc.freeze()
-        if was:
-            gc.enable()
-
-
-class _GC:  # noqa: N801 - a namespace, not a type
-    owned = False
-    """Set by ``own_gc``: this process's collector is zckpt's to tune."""
-
-
-def own_gc() -> None:
-    """Declare the process zckpt's own (the CLI does, library callers do not): ``gc_paused(long_lived=True)``
-    then freezes what it leaves alive."""
-    _GC.owned = True
+gc_paused = collector.paused
+"""``zckpt.io.collector.paused``, under the name its callers here know."""
 
 
 @gc_paused()  # the objects it unpickles and walks would each trigger a full GC rescan
