@@ -193,8 +193,11 @@ def test_interrupt_outside_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch
     def parse_interrupted() -> None:
         raise SystemExit(130)
 
+    from zckpt.io import collector
+
     monkeypatch.setenv("ZCKPT_FAST_EXIT", "0")
     monkeypatch.setattr(cli_app, "app", parse_interrupted)
+    monkeypatch.setattr(collector._State, "owned", False)  # main() takes the collector; given back after
     with pytest.raises(SystemExit) as e:
         cli_app.main()
     assert e.value.code == 130
