@@ -177,11 +177,17 @@ def tensor_files(base: Base, root: Path) -> list[Path]:
 
 
 def other_files(base: Base, root: Path) -> list[Path]:
-    """Non-tensor files a reader consults: ``latest``, manifests, indexes, configs."""
+    """Non-tensor files a reader consults: ``latest``, manifests, indexes, configs. For sharded bases, not
+    the files of tags other than the one ``latest`` names: no command here reads them (they are another
+    checkpoint of the save folder; damage there is not damage to the input)."""
     ckpt = root / "ckpt"
     if not ckpt.is_dir():
         return []
     out = [p for p in ckpt.rglob("*") if p.is_file() and p.suffix in (".json", "")]
+    if base.sharded and (ckpt / "latest").is_file():
+        read = tag_dir(base, root)
+        others = [ckpt / t for t in base.tags if ckpt / t != read]
+        out = [p for p in out if not any(o in p.parents for o in others)]
     return sorted(p for p in out if not p.name.endswith(".sha256"))
 
 
