@@ -152,10 +152,12 @@ def build_zero12(tmp: Path, stage: int, ws: int, *, bf16_optimizer: bool = False
                 for gi in range(len(GROUPS))]},
             "single_partition_of_fp32_groups": fp32, "zero_stage": ZeroStageEnum(stage),
             "group_paddings": pads, "partition_count": [ws] * len(GROUPS), "ds_version": "0.19.8",
-            "param_slice_mappings": maps,
+            "param_slice_mappings": maps, "param_alignment_paddings": [[0] * len(g) for g in GROUPS],
         }  # fmt: skip
         if bf16_optimizer:
             for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage"):
+                del osd[k]
+            for k in ("param_alignment_paddings",):
                 del osd[k]
         torch.save({"optimizer_state_dict": osd, "ds_config": m["ds_config"], "ds_version": "0.19.8"},
                    td / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")  # fmt: skip

@@ -340,6 +340,13 @@ CROSS_FIELDS = {
         "0.19.7",
     ),  # fmt: skip
     "z12 eps": (DS2, _Z12, _ends((_K, "eps")), 1e-6, "param_groups"),
+    "z12 param alignment": (
+        DS2,
+        _Z12,
+        _ends((_K, "param_alignment_paddings")),
+        [[0, 0, 0, 0, 0, 0, 8, 0]],
+        "param_alignment_paddings",
+    ),  # fmt: skip
 }
 
 
@@ -934,7 +941,7 @@ def test_optimizer_state_dict_without_its_state(case: str, pattern: str, holder:
     run_all(ck, tmp_path, files[0].name, ".state is missing")
 
 
-@pytest.mark.parametrize("key", ["group_paddings", "param_slice_mappings"])
+@pytest.mark.parametrize("key", ["group_paddings", "param_slice_mappings", "param_alignment_paddings"])
 @pytest.mark.parametrize(
     ("case", "file"),
     [
@@ -948,7 +955,9 @@ def test_zero12_optimizer_file_without_a_key_deepspeed_always_writes(
     """Fuzz seed 13/111: ``group_paddings`` removed from a ZeRO-2 optimizer file. zckpt derives the padding
     and cross-checks its math against ``param_slice_mappings``, so outputs were right, but verify said OK on
     a file DeepSpeed could not load (and without the mappings the cross-check is skipped). From DeepSpeed
-    0.10 on both are always written: refused, naming the file and the key (ZeRO-2, bf16 ZeRO-1 optimizer)."""
+    0.10 on both are always written: refused, naming the file and the key (ZeRO-2, bf16 ZeRO-1 optimizer).
+    Fuzz seed 17/241: likewise ``param_alignment_paddings``, which DeepSpeed's ZeRO-1/2 optimizer writes from
+    0.19.8 on and reads as "no alignment padding" when absent (verify said OK)."""
     ck = copy_case(fixture("ds", case).name, tmp_path)
     f = ck / "global_step3" / file
     obj = pickles.load_opaque(pickles.read_pickle(f))

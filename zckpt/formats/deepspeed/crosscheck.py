@@ -11,7 +11,8 @@ The fields (docs/deepspeed-format.md §2-3):
   kinds of the ``module`` entries (``shared_params`` is rank 0's alone; client-state keys and the curriculum
   ``data_sampler``, which holds RNG states, may differ per rank);
 - optimizer ``optimizer_state_dict``s: ``zero_stage``, ``loss_scaler`` (all its state),
-  ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``ds_version``, the number of
+  ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``param_alignment_paddings``
+  (per group and param: DeepSpeed pads the flat group before partitioning it), ``ds_version``, the number of
   flat fp32 groups, the inner optimizer's ``param_groups`` (every hyper-parameter and the group indices)
   and its ``step`` values.
 Values that legitimately differ per rank (the partitions, their paddings, ``param_slice_mappings``, frozen
@@ -54,6 +55,7 @@ _OPTIM_FIELDS = (
     "overflow",
     "clip_grad",
     "partition_count",
+    "param_alignment_paddings",
     "ds_version",
 )
 _HINT = "files of two saves or runs are mixed, or one was altered"

@@ -11,6 +11,7 @@ on demand. Everything that is not a tensor becomes the ``TrainingState``. ``deep
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ _ZERO12_KEYS = ("group_paddings", "param_slice_mappings")
 (checked, like ``_MODEL_KEYS``, from ``_REQUIRED_SINCE``): zckpt derives the padding itself and cross-checks
 its math against the slice mappings, so a file without them would read right but pass unchecked, and
 DeepSpeed itself could not load it."""
+_ALIGNMENT_SINCE = (0, 19, 8)
+"""DeepSpeed's ZeRO-1/2 optimizer (not ``BF16_Optimizer``) writes ``param_alignment_paddings`` from here on
+(docs: deepspeed-format §2); DeepSpeed reads its absence as "no alignment padding", so a file of these
+versions without it was altered, and is refused rather than read with another layout."""
 
 
 @dataclass
@@ -66,10 +71,10 @@ class _Body:
 
 
 def _version(v: Any) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in str(v).split("+")[0].split(".")[:2])
-    except ValueError:
-        return (0,)
+    """``(major, minor, patch)`` of a DeepSpeed version string (``"0.19.8"``, ``"0.10.3+abc"``); ``(0,)`` when
+    it is none."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(v))
+    return tuple(int(x) for x in m.groups(default="0")) if m else (0,)
 
 
 def _model0(td: Path, model_files: dict[int, Path], trust: bool) -> Node:
@@ -93,10 +98,12 @@ def _model0(td: Path, model_files: dict[int, Path], trust: bool) -> Node:
     return m0
 
 
-def _require(node: Node, keys: tuple[str, ...], version: Any, where: str = "") -> None:
-    """A file of DeepSpeed ``_REQUIRED_SINCE`` or later must hold every key of ``keys`` (DeepSpeed always
-    writes them): one missing is refused, naming it (``where``: the dict's path in the file)."""
-    if _version(version) >= _REQUIRED_SINCE:
+def _require(
+    node: Node, keys: tuple[str, ...], version: Any, where: str = "", since: tuple[int, ...] = _REQUIRED_SINCE
+) -> None:
+    """A file of DeepSpeed ``since`` or later must hold every key of ``keys`` (DeepSpeed always writes them):
+    one missing is refused, naming it (``where``: the dict's path in the file)."""
+    if _version(version) >= since:
         for k in keys:
             if not node.has(k):
                 raise CorruptCheckpoint(
@@ -259,11 +266,14 @@ def _partitioned(
         )
     o0 = osds[0]
     is3 = o0.has("fp32_flat_groups")
+    bf16_opt = not is3 and not o0.has("zero_stage")
     if not is3:
         for top, o in zip(tops, osds, strict=True):
             version = top.value.get("ds_version") or o.value.get("ds_version")
             _require(o, _ZERO12_KEYS, version, "optimizer_state_dict.")
-    bf16_opt = not is3 and not o0.has("zero_stage")
+            if not bf16_opt:
+                key = ("param_alignment_paddings",)
+                _require(o, key, version, "optimizer_state_dict.", since=_ALIGNMENT_SINCE)
     stage = 3 if is3 else (1 if bf16_opt else o0["zero_stage"].as_int(lo=1, hi=2))
     models = [m0]
     if is3:
