@@ -340,6 +340,7 @@ CROSS_FIELDS = {
         "0.19.7",
     ),  # fmt: skip
     "z12 eps": (DS2, _Z12, _ends((_K, "eps")), 1e-6, "param_groups"),
+    "model optimizer": (DS3, _M1, _ends((_K, "optimizer")), 3.5, "optimizer"),
     "z12 param alignment": (
         DS2,
         _Z12,
@@ -983,6 +984,39 @@ def test_trainable_param_renamed_in_module(case: str, tmp_path: Path) -> None:
         obj = pickles.rename_at(obj, path, "fc1.bias_renamed")
         pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
     run_all(ck, tmp_path, files[0].name, "'fc1.bias' (in `param_shapes`) is not in `module`")
+
+
+def test_zero3_rank_file_with_buffers_swapped(tmp_path: Path) -> None:
+    """Fuzz seed 19/28: two buffers of different shapes swapped in rank 1's ZeRO-3 model file. zckpt reads
+    buffers from rank 0's file, so verify said OK; every rank saves the whole buffer, so their dtypes and
+    shapes are now compared across the files (with the module's names and kinds)."""
+    ck = copy_case(DS3, tmp_path)
+    f = ck / "global_step3" / _M1
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    paths = {
+        name: next(p for p, _ in pickles.walk(obj, 8) if p[-2:] == (("key", "module"), ("key", name)))
+        for name in ("position_ids", "scale")
+    }
+    a, b = (pickles.get_at(obj, paths[n]) for n in ("position_ids", "scale"))
+    obj = pickles.set_at(pickles.set_at(obj, paths["position_ids"], b), paths["scale"], a)
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, _M1, "module entries")
+
+
+@pytest.mark.parametrize("case", ["s1_bf16_w2", DS2])
+def test_tied_alias_renamed_in_shared_params(case: str, tmp_path: Path) -> None:
+    """Fuzz seed 19/76: ``shared_params``' alias ``head.weight`` renamed (ZeRO-1): the real alias then read as
+    a ZeRO-1 frozen param and the tie pointed from a name no file holds, exit 0. DeepSpeed's aliases are the
+    module's own duplicate names: an alias (or source) not in ``module`` is refused, naming the model file."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(
+        p for p, _ in pickles.walk(obj, 8) if p[-2:] == (("key", "shared_params"), ("key", "head.weight"))
+    )
+    obj = pickles.rename_at(obj, path, "head.renamed")
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, "'head.renamed', which is not in `module`")
 
 
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:

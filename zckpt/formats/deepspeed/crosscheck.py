@@ -7,9 +7,10 @@ The fields (docs/deepspeed-format.md §2-3):
 - every file (model and optimizer states) that records them: ``ds_config``, ``ds_version``;
 - model-states files (one per rank under ZeRO-3): the counters ``global_steps``, ``global_samples``,
   ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``param_shapes``, ``frozen_param_shapes``,
-  ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``random_ltd`` and the names and
-  kinds of the ``module`` entries (``shared_params`` is rank 0's alone; client-state keys and the curriculum
-  ``data_sampler``, which holds RNG states, may differ per rank);
+  ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``random_ltd``, ``optimizer`` (None
+  in ZeRO's model files) and the names and kinds of the ``module`` entries, buffers with their dtype and
+  shape (``shared_params`` is rank 0's alone; client-state keys and the curriculum ``data_sampler``, which
+  holds RNG states, may differ per rank);
 - optimizer ``optimizer_state_dict``s: ``zero_stage``, ``loss_scaler`` (all its state),
   ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``param_alignment_paddings``
   (per group and param: DeepSpeed pads the flat group before partitioning it), ``ds_version``, the number of
@@ -47,6 +48,7 @@ _MODEL_FIELDS = (
     "lr_scheduler",
     "checkpoint_parallel_dimensions",
     "random_ltd",
+    "optimizer",
 )
 _OPTIM_FIELDS = (
     "zero_stage",
@@ -114,12 +116,20 @@ def _flat_groups(o: Node) -> Any:
 
 
 def _module_kinds(n: Node) -> Any:
-    """The names of a model-states file's ``module`` entries and whether each is a tensor (shapes may differ
-    between ranks: ZeRO-3 keeps placeholders)."""
+    """The names of a model-states file's ``module`` entries and whether each is a tensor; a buffer's dtype
+    and shape too (every rank saves the whole buffer; params' shapes may differ: ZeRO-3's placeholders)."""
     m = n.value.get("module")
     if not isinstance(m, dict):
         return type(m).__name__
-    return [[str(k), isinstance(v, TensorRef)] for k, v in m.items()]
+    names = n.value.get("buffer_names")
+    buffers = {str(b) for b in names} if isinstance(names, (list, tuple)) else set()
+
+    def kind(k: Any, v: Any) -> Any:
+        if not isinstance(v, TensorRef):
+            return False
+        return [str(v.dtype), list(v.shape)] if str(k) in buffers else True
+
+    return [[str(k), kind(k, v)] for k, v in m.items()]
 
 
 def _first_diff(a: Any, b: Any, path: str = "") -> str:

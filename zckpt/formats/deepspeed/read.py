@@ -171,6 +171,15 @@ def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
                 hint="the file was altered or is damaged",
                 path=m0.file,
             )
+    for alias, source in body.tied.items():  # DeepSpeed's aliases are the module's own duplicate names
+        if alias not in names or source not in names:
+            missing = alias if alias not in names else source
+            raise CorruptCheckpoint(
+                f"{m0.file}: tied weight {alias!r:.80} -> {source!r:.80} (in `shared_params`) names "
+                f"{missing!r:.80}, which is not in `module`",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )
     shapes = {e.name: e.shape for e in body.entries if e.role is not Role.OPTIM}
     for name, t in module.items():
         if not isinstance(t.value, TensorRef):
