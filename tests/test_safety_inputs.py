@@ -1019,6 +1019,17 @@ def test_tied_alias_renamed_in_shared_params(case: str, tmp_path: Path) -> None:
     run_all(ck, tmp_path, f.name, "'head.renamed', which is not in `module`")
 
 
+@pytest.mark.parametrize("case", ["s1_bf16_w2", DS2])
+def test_param_shape_larger_than_its_group_names_the_model_file(case: str, tmp_path: Path) -> None:
+    """Fuzz seed 19/123: a ``param_shapes`` dim set to 2**70 (ZeRO-1/2) was refused naming the optimizer file
+    whose partition it overran; the shape is the model file's, which is now named."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    where = _ends((_K, "param_shapes"), ("idx", 0), (_K, "fc1.weight"), ("arg", 0), ("idx", 1))
+    _edit_field(f, where, 1 << 70)
+    run_all(ck, tmp_path, f.name, "param_shapes")
+
+
 def test_param_slice_mapping_missing_a_field(tmp_path: Path) -> None:
     """A ``fragment_address`` in ``param_slice_mappings`` without its ``start``: one line naming the file,
     not an AttributeError from printing the damaged record."""

@@ -30,12 +30,15 @@ class Partitioned:
     """Per group (or ZeRO-3 sub-group): its params and partition sizes, for ``inspect``."""
 
 
-def _placed(shapes: Node, apad: list[int]) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+def _placed(
+    shapes: Node, apad: list[int], max_numel: int
+) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
     """(name, shape, numel, offset in the flat group) of each param, alignment padding skipped; and the
-    group's length."""
+    group's length. A shape of more than ``max_numel`` elements (all the group holds) is refused naming the
+    model file that records it."""
     out, offset = [], 0
     for k, (name, shp) in enumerate(shapes.items()):
-        shape = shp.as_shape()
+        shape = shp.as_shape(max_numel)
         n = math.prod(shape)
         out.append((name, shape, n, offset))
         offset += n + (apad[k] if k < len(apad) else 0)
@@ -69,8 +72,8 @@ def zero12(osds: list[Node], param_shapes: list[Node], ws: int, padded: bool) ->
                 path=osds[-1].file,
             )
         part = psizes.pop()
-        placed, n_g = _placed(shapes, apad)
         available = sum(lens) - (sum(gpads) if padded else 0)
+        placed, n_g = _placed(shapes, apad, max(available, 0))
         if n_g != available or ws * part - n_g != sum(gpads):
             raise ShardMismatch(
                 f"{osds[0].file}: param group {g}: param_shapes consumed {n_g} elements of "
