@@ -352,7 +352,7 @@ def test_heldout_checkpoints_with_planted_payload(tmp_path: Path, evil_path: Pat
 def test_gc_paused_restores_the_state_it_found() -> None:
     import gc
 
-    from zckpt.io.pickle_safe import gc_paused
+    from zckpt.io.collector import paused as gc_paused
 
     assert gc.isenabled()
     with gc_paused():

@@ -22,10 +22,6 @@ def own() -> None:
     _State.owned = True
 
 
-def owned() -> bool:
-    return _State.owned
-
-
 def settle() -> None:
     """Freeze everything alive now if the process is ours (after imports whose objects live as long as it)."""
     if _State.owned:
@@ -54,4 +50,4 @@ def paused(long_lived: bool = False) -> Iterator[None]:
             gc.enable()
 
 
-__all__ = ["own", "owned", "paused", "settle"]
+__all__ = ["own", "paused", "settle"]

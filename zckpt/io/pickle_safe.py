@@ -419,11 +419,7 @@ def _expands(source: str, max_nodes: int) -> UnsafePickle:
     return UnsafePickle(f"{source}: pickled structure expands to more than {max_nodes} objects", path=source)
 
 
-gc_paused = collector.paused
-"""``zckpt.io.collector.paused``, under the name its callers here know."""
-
-
-@gc_paused()  # the objects it unpickles and walks would each trigger a full GC rescan
+@collector.paused()  # the objects it unpickles and walks would each trigger a full GC rescan
 def safe_loads(
     data: bytes,
     *,

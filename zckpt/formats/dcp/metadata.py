@@ -28,9 +28,9 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
-from zckpt.io import storage
+from zckpt.io import collector, storage
 from zckpt.io.objstore import as_path
-from zckpt.io.pickle_safe import _Record, gc_paused, safe_loads
+from zckpt.io.pickle_safe import _Record, safe_loads
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -209,7 +209,7 @@ def load_metadata(folder: Path) -> DcpMetadata:
     key = (src, hashlib.blake2b(data, digest_size=16).digest())
     got = _PARSED.get(key)
     if got is None:
-        with gc_paused(long_lived=True):  # parse makes ~100k small records, kept (see gc_paused)
+        with collector.paused(long_lived=True):  # parse makes ~100k small records, kept (see paused)
             got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
         while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
             del _PARSED[next(iter(_PARSED))]

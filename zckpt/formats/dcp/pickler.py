@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from zckpt.formats.dcp import metadata as M
-from zckpt.io.pickle_safe import gc_paused
+from zckpt.io import collector
 from zckpt.io.torchzip_write import GlobalRef, TorchPickler
 
 _DCP = "torch.distributed.checkpoint"
@@ -137,7 +137,7 @@ def _save_id(
     return str(uuid.UUID(bytes=h.digest()[:16], version=4))
 
 
-@gc_paused()  # the ~100k records and memo entries it makes would each trigger a full GC rescan
+@collector.paused()  # the ~100k records and memo entries it makes would each trigger a full GC rescan
 def dumps(
     tensors: Sequence[TensorSpec],
     byte_keys: Sequence[str],

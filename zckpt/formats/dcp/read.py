@@ -36,9 +36,8 @@ from zckpt.formats.dcp.chunks import ZIP_MAGIC, ChunkData, Files
 from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
-from zckpt.io import spans
+from zckpt.io import collector, spans
 from zckpt.io.objstore import as_path
-from zckpt.io.pickle_safe import gc_paused
 from zckpt.model import Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 
@@ -321,7 +320,7 @@ def read(
 ) -> Checkpoint:
     """The checkpoint at ``path``; ``model_only``: its model tensors and precision only (no optimizer or
     training state: for consolidate, which then opens a third of the archives)."""
-    with gc_paused(long_lived=True):  # ~2 records per chunk, kept for the command (see gc_paused)
+    with collector.paused(long_lived=True):  # ~2 records per chunk, kept for the command (see paused)
         return _read(path, tag, trust_pickle, model_only)
 
 
