@@ -177,11 +177,12 @@ class DeepSpeedWriter(CheckpointWriter):
         grouped = {n for g in groups for n in g}
         missing = [e.name for e in ckpt.model_entries() if e.role is Role.PARAM and e.name not in grouped]
         if missing:
-            note = ckpt.meta.extra.get("zero0_note")
-            if isinstance(note, str) and note.startswith("fp32 masters not mapped") and ckpt.meta.files:
+            why = ckpt.meta.extra.get("zero0_unmapped")
+            if isinstance(why, str) and ckpt.meta.files:
                 where = str(ckpt.meta.files[0])  # a ZeRO-0 file whose masters the reader could not name
                 raise Unsupported(
-                    f"{where}: {note.split('; PARAM entries')[0]}, so no optimizer state can be written",
+                    f"{where}: fp32 masters not mapped to names ({why}), so no optimizer state can be "
+                    "written",
                     hint="reshard --to native and consolidate keep the module weights (without the "
                     "optimizer); a file whose masters match no module param was altered",
                     path=where,

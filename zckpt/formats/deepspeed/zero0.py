@@ -13,7 +13,7 @@ group follows model order); the first group that matches takes it, a param nothi
 If an fp32 tensor stays unmatched, or two module params with bit-identical 16-bit values would receive
 different things (one frozen and one trainable, different groups, different fp32 bits or optimizer states),
 the mapping is not unique and the reader falls back to the 16-bit module weights as PARAM entries, saying
-why in ``meta.extra["zero0_note"]``; it never guesses.
+why in ``meta.extra["zero0_note"]`` (the reason alone in ``["zero0_unmapped"]``); it never guesses.
 
 Cost: unlike every other reader, this reads tensor bytes at open time (each 16-bit param once, each fp32
 master once; optimizer states only to settle a tie), and checks the CRC-32 of every record it read before
@@ -325,9 +325,8 @@ def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, 
                 why = _tie_problem(params, masters, got, digest, states)
     if why is not None:
         z.entries = [whole(n, r, Role.PARAM) for n, r in params.items()]
-        z.extra["zero0_note"] = (
-            f"fp32 masters not mapped to names ({why}); PARAM entries are the module weights"
-        )
+        note = f"fp32 masters not mapped to names ({why}); PARAM entries are the module weights"
+        z.extra.update(zero0_note=note, zero0_unmapped=why)  # the reason alone: for writers needing masters
         return z
     for name, r in params.items():
         if name in got:
