@@ -904,6 +904,23 @@ def test_zero0_param_missing_one_optimizer_state(tmp_path: Path) -> None:
     run_all(ck, tmp_path, f.name, "exp_avg")
 
 
+@pytest.mark.parametrize("value", [-1, -1.0])
+def test_zero0_per_element_state_replaced_by_a_scalar(value: float, tmp_path: Path) -> None:
+    """Fuzz seed 19/35: ZeRO-0, one param's ``exp_avg_sq`` replaced by the number -1. It was read as a scalar
+    state of that param (the others hold theirs per element), exit 0: ``reshard`` wrote it so. Refused,
+    naming the file and the state."""
+    ck = copy_case(fixture("ds", "s0_bf16_w2").name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    path = next(
+        p
+        for p, v in pickles.walk(obj, 8)
+        if p[-1] == ("key", "exp_avg_sq") and p[-2] == ("key", 1) and pickles.is_tensor(v)
+    )
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(pickles.set_at(obj, path, value))})
+    run_all(ck, tmp_path, f.name, "exp_avg_sq")
+
+
 def test_zero0_param_group_index_with_no_state(tmp_path: Path) -> None:
     """Fuzz seed 9/97: ZeRO-0, one index of the torch optimizer's ``param_groups[0].params`` changed to a
     number no state is kept under: one param's state would be orphaned and ``reshard`` dropped every

@@ -25,6 +25,7 @@ plus one param in memory at a time.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,7 +204,12 @@ def _check_state_shapes(
 ) -> None:
     """Each optimizer state tensor has its fp32 master's shape (torch keeps ``exp_avg`` & co. per element of
     the param it steps), or is a scalar (``step``). Checked before the matching, so that a file whose module
-    weights fall back to PARAM entries is still refused when a state was swapped with another tensor."""
+    weights fall back to PARAM entries is still refused when a state was swapped with another tensor. A
+    state is per element for every param or a scalar for every param (torch's optimizers keep one layout
+    per state): an ``exp_avg_sq`` that is a scalar for one param of more than one element, when the other
+    params hold theirs per element, is a damaged file (params of one element tell nothing: skipped)."""
+    per_elem: dict[str, tuple[int, int]] = {}
+    scalar: dict[str, tuple[int, int]] = {}
     for (g, i), st in states.items():
         want = tuple(groups[g][i].shape)
         for s, v in st.items():
@@ -214,6 +220,19 @@ def _check_state_shapes(
                     hint="the file was altered, or its optimizer keeps states zckpt does not know",
                     path=file,
                 )
+            if math.prod(want) > 1 and isinstance(s, str):
+                if is_scalar(v):
+                    scalar.setdefault(s, (g, i))
+                elif isinstance(v, TensorRef):
+                    per_elem.setdefault(s, (g, i))
+    for s in per_elem.keys() & scalar.keys():
+        (g, i), (eg, ei) = scalar[s], per_elem[s]
+        raise ShardMismatch(
+            f"{file}: optimizer state {s!r:.40} of fp32_groups[{g}][{i}] is a scalar, that of "
+            f"fp32_groups[{eg}][{ei}] (and its master) has one value per element",
+            hint="the file was altered or is damaged",
+            path=file,
+        )
 
 
 def _check_indices(params: list[list[int]], state: dict[Any, Any], file: str) -> None:
