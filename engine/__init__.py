@@ -10,6 +10,9 @@ A script written for DeepSpeed runs after ``import engine as deepspeed``::
 Layout:
 
 - ``engine`` (the ``Engine``: start-up, backward, step, publish) and ``dist`` (process-group start-up);
+- DeepSpeed's script-facing namespaces under their DeepSpeed names: ``comm`` (``deepspeed.comm``),
+  ``accelerator`` (``deepspeed.accelerator``), ``utils`` (``deepspeed.utils``), ``zero``; and, here,
+  ``add_config_arguments`` (``--deepspeed``/``--deepspeed_config``) and ``initialize``;
 - ``config/``: the DeepSpeed JSON config → frozen dataclasses (``schema``, ``blocks``, ``parse``);
 - ``zero/``: the ZeRO machinery (``param``: per-param partition state; ``partition``: start-up layout;
   ``collectives``/``shm``: all torch.distributed traffic; ``hooks``: stage-3 gather/release;
@@ -24,6 +27,7 @@ Layout:
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,10 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import zero
+from engine import accelerator, comm, utils, zero
+from engine.accelerator import get_accelerator
 from engine.config import ConfigError, EngineConfig, parse_config
 from engine.dist import init_distributed
+from engine.dist import local_rank as _local_rank
 from engine.engine import Engine
+from engine.utils import log_dist, logger
 from engine.zero.collectives import Comm
 
 DeepSpeedEngine = Engine
@@ -44,10 +51,59 @@ __all__ = [
     "DeepSpeedEngine",
     "Engine",
     "EngineConfig",
+    "accelerator",
+    "add_config_arguments",
+    "comm",
+    "get_accelerator",
     "init_distributed",
     "initialize",
+    "log_dist",
+    "logger",
+    "utils",
     "zero",
 ]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line group to ``parser``: ``--deepspeed`` (a flag for the script's own use),
+    ``--deepspeed_config PATH`` (read by ``initialize(args=...)``) and their deprecated ``--deepscale*``
+    spellings. Returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    flag_help = "Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)"
+    group.add_argument("--deepspeed", default=False, action="store_true", help=flag_help)
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file."
+    )
+    group.add_argument("--deepscale", default=False, action="store_true", help=f"Deprecated {flag_help}")
+    group.add_argument(
+        "--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file."
+    )
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The config ``initialize`` reads: ``config``, else ``config_params``, else ``args.deepspeed_config`` (or
+    the deprecated ``args.deepscale_config``); both a call config and an ``args`` one is an error, as in
+    DeepSpeed."""
+    cfg_src = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if getattr(args, "deepscale_config", None) is not None:
+        logger.warning("--deepscale_config is deprecated, please use --deepspeed_config")
+        if from_args is not None:
+            raise ConfigError("given both a deepscale_config and a deepspeed_config in args")
+        from_args = args.deepscale_config
+    if from_args is not None:
+        if cfg_src is not None:
+            raise ConfigError(
+                "given a DeepSpeed config both in args (--deepspeed_config) and in the initialize() call"
+            )
+        cfg_src = from_args
+    if cfg_src is None:
+        raise ConfigError(
+            "no config: pass config= (a dict or a JSON file path) or --deepspeed_config",
+            hint="DeepSpeed requires --deepspeed_config to specify configuration file",
+        )
+    return cfg_src
 
 
 def initialize(
@@ -72,13 +128,11 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    cfg_src = config if config is not None else config_params
-    if cfg_src is None and args is not None:
-        cfg_src = getattr(args, "deepspeed_config", None)
-    if cfg_src is None:
-        raise ConfigError("no config: pass config= (a dict or a JSON file path)")
+    cfg_src = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed()
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = _local_rank()  # DeepSpeed aligns args.local_rank with the launcher's LOCAL_RANK
     cfg = parse_config(cfg_src, world_size=Comm().world)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())

@@ -26,13 +26,14 @@ Algorithm (all stages share it; see ``engine.zero.param`` for the tensor vocabul
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine import dist as _dist
+from engine.accessors import DeepSpeedAccessors
 from engine.checkpoint.async_save import AsyncSaver
 from engine.config import EngineConfig
 from engine.optim.loss_scaler import build_loss_scaler
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """A model trained with ZeRO partitioning. Built by ``engine.initialize``."""
 
     def __init__(
@@ -204,18 +205,35 @@ class Engine:
         return client
 
     def _build_dataloader(self, data: Any, collate_fn: Any) -> Any:
-        if data is None:
-            return None
-        from torch.utils.data import DataLoader, DistributedSampler
+        self.collate_fn = collate_fn
+        return None if data is None else self.deepspeed_io(data)
 
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            data, num_replicas=self.comm.world, rank=self.comm.rank
-        )
-        return DataLoader(
-            data,
-            batch_size=self.config.train_micro_batch_size_per_gpu,
-            sampler=sampler,
-            collate_fn=collate_fn,
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:
+        """DeepSpeed's data loader over ``dataset``: micro batches of this rank's ``DistributedSampler`` share
+        (shuffled for ``route`` ``"train"``, in order for ``"eval"``/``"predict"``; DeepSpeed's seed, 0, and
+        its epoch, 0, unless the script calls ``loader.data_sampler.set_epoch``), ``dataloader_drop_last``
+        from the config. ``engine.data.DeepSpeedDataLoader`` says what it keeps of DeepSpeed's loader."""
+        from engine.data import DeepSpeedDataLoader
+
+        return DeepSpeedDataLoader(
+            dataset,
+            batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
+            world=self.comm.world,
+            rank=self.comm.rank,
+            shuffle=route == "train",
+            data_sampler=data_sampler,
+            collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            num_workers=num_local_io_workers or 0,
             drop_last=self.config.dataloader_drop_last,
         )
 
@@ -342,66 +360,6 @@ class Engine:
             out.append(src.to(self.device, self.dtype, non_blocking=True))
         return out
 
-    # -- DeepSpeedEngine accessors ----------------------------------------------------------------
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(*args, **kwargs)
-
-    def zero_grad(self) -> None:
-        """Gradients never stay on the params (the reducer consumes them); kept for API compatibility."""
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float:
-        return self.optimizer.last_global_norm
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world
-
-    @property
-    def local_rank(self) -> int:
-        return _dist.local_rank()
-
     # -- checkpoints (engine.checkpoint) -----------------------------------------------------------
     def save_checkpoint(
         self,
@@ -409,9 +367,13 @@ class Engine:
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Write a checkpoint (collective). With ``checkpoint.writer.decoupled`` it returns once this rank's
-        state is snapshotted and the files are written in the background (``wait_for_checkpoint``)."""
+        state is snapshotted and the files are written in the background (``wait_for_checkpoint``).
+
+        ``exclude_frozen_parameters`` is accepted for DeepSpeed's signature; frozen params are saved anyway
+        (a load of the checkpoint restores the same model either way)."""
         from engine import checkpoint
 
         checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
@@ -434,11 +396,19 @@ class Engine:
         self,
         load_dir: str,
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
+        """Restore the engine from ``load_dir`` (``tag``, else what ``latest`` names), with DeepSpeed's
+        arguments in DeepSpeed's order; ``(path, client_state)``, or ``(None, None)`` when there is nothing
+        to load. ``load_module_strict=False`` loads the tensors model and checkpoint share, skips the rest."""
         from engine import checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the engine")
 
         if self.checkpointer is not None:
             self.checkpointer.wait_for(load_dir)  # an in-flight save of this folder is published first
@@ -450,6 +420,7 @@ class Engine:
             tag=tag,
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            strict=load_module_strict,
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
