@@ -11,13 +11,14 @@ Layout:
 
 - ``engine`` (the ``Engine``: start-up, backward, step, publish) and ``dist`` (process-group start-up);
 - DeepSpeed's script-facing namespaces under their DeepSpeed names: ``comm`` (``deepspeed.comm``),
-  ``accelerator`` (``deepspeed.accelerator``), ``utils`` (``deepspeed.utils``), ``zero``; and, here,
+  ``accelerator`` (``deepspeed.accelerator``), ``utils`` (``deepspeed.utils``), ``zero``, ``checkpointing``
+  (activation checkpointing); and, here,
   ``add_config_arguments`` (``--deepspeed``/``--deepspeed_config``) and ``initialize``;
 - ``config/``: the DeepSpeed JSON config → frozen dataclasses (``schema``, ``blocks``, ``parse``);
 - ``zero/``: the ZeRO machinery (``param``: per-param partition state; ``partition``: start-up layout;
   ``collectives``/``shm``: all torch.distributed traffic; ``hooks``: stage-3 gather/release;
   ``grads``: bucketed gradient reduction); ``engine.zero`` itself is DeepSpeed's ``deepspeed.zero``;
-- ``optim/``: the partitioned optimizer, fp16 loss scaling, DeepSpeed's LR schedules;
+- ``optim/``: the partitioned optimizer, fp16 loss scaling, DeepSpeed's LR schedules and Adam classes;
 - ``checkpoint/``: native save (synchronous, or asynchronous with ``checkpoint.writer.decoupled``),
   native/DeepSpeed load at disk speed (+ ``checkpoint_optim``: the optimizer half of a load);
   ``export``: ``save_16bit_model``.
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import accelerator, comm, utils, zero
+from engine import accelerator, checkpointing, comm, utils, zero
 from engine.accelerator import get_accelerator
 from engine.config import ConfigError, EngineConfig, parse_config
 from engine.dist import init_distributed
@@ -53,6 +54,7 @@ __all__ = [
     "EngineConfig",
     "accelerator",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "get_accelerator",
     "init_distributed",

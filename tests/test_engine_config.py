@@ -198,7 +198,6 @@ def test_unknown_keys_name_the_nearest(d: dict, message: str) -> None:
         ),
         ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"moe": {"enabled": True}}, "moe"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"tensorboard": {"enabled": True, "output_path": "x"}}, "tensorboard"),
         ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
         ({"amp": {"enabled": True}}, "amp"),

@@ -1,4 +1,4 @@
-"""engine.optim.scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR.
+"""engine.optim.scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR / LRRangeTest.
 
 Oracles: values worked out by hand from DeepSpeed's formulas (log10(2) for a log warm-up over 10 steps, etc.),
 and — when the dev venv with real DeepSpeed exists — DeepSpeed's own classes run in that venv, compared
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import parse_config
-from engine.optim.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from engine.optim.scheduler import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 DS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"
 
@@ -195,6 +195,22 @@ _CASES: list[dict[str, Any]] = [
         "steps": 30,
         "params": {"total_num_steps": 10, "warmup_num_steps": 17, "warmup_type": "linear"},
     },
+    {
+        "type": "LRRangeTest",
+        "lrs": [0.1, 0.2],
+        "steps": 40,
+        "params": {"lr_range_test_min_lr": [1e-4, 3e-4], "lr_range_test_step_size": 7},
+    },
+    {
+        "type": "LRRangeTest",
+        "lrs": [0.1],
+        "steps": 40,
+        "params": {
+            "lr_range_test_step_size": 5,
+            "lr_range_test_step_rate": 0.3,
+            "lr_range_test_staircase": True,
+        },
+    },
 ]
 
 
@@ -212,7 +228,8 @@ def test_matches_real_deepspeed_exactly() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = json.loads(proc.stdout.strip().splitlines()[-1])
-    classes = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+    classes = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+               "LRRangeTest": LRRangeTest}  # fmt: skip
     for case, want in zip(_CASES, expected, strict=True):
         opt = _opt(*case["lrs"])
         got = _run(classes[case["type"]](opt, **case["params"]), opt, case["steps"])

@@ -39,6 +39,7 @@ __all__ = [
     "SchedulerConfig",
     "WriterConfig",
     "ZeroConfig",
+    "activation_checkpointing_config",
     "parse_config",
 ]
 
@@ -69,6 +70,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         size = d.pop("allgather_size")
         if isinstance(d.get("zero_optimization"), bool) and d["zero_optimization"]:
             d["zero_optimization"] = {"stage": 1, "allgather_bucket_size": size}
+    B.parse_activation_checkpointing(d.pop("activation_checkpointing", None))  # read by checkpointing
     zero = B.parse_zero(d.pop("zero_optimization", None))
     optimizer = B.parse_optimizer(d.pop("optimizer", None))
     scheduler = B.parse_scheduler(d.pop("scheduler", None))
@@ -105,6 +107,13 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     if cfg.gradient_predivide_factor <= 0:
         raise ConfigError("gradient_predivide_factor: must be > 0", key="gradient_predivide_factor")
     return cfg
+
+
+def activation_checkpointing_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """The ``activation_checkpointing`` block of a DeepSpeed config (dict, JSON file path or JSON text),
+    validated, with DeepSpeed's defaults: what ``deepspeed.checkpointing.configure(deepspeed_config=...)``
+    reads (``engine.checkpointing``)."""
+    return B.parse_activation_checkpointing(_load(config).get("activation_checkpointing"))
 
 
 def _load(config: dict[str, Any] | str | Path) -> dict[str, Any]:

@@ -53,7 +53,6 @@ TOP_FOREIGN: dict[str, Foreign] = {
         )
     },
     "pipeline": Foreign("pipeline parallelism"),
-    "activation_checkpointing": Foreign("DeepSpeed activation checkpointing; use torch.utils.checkpoint"),
     "moe": Foreign("mixture of experts"),
     "expert_parallel": Foreign("expert parallelism"),
     "tensor_parallel": Foreign("tensor parallelism"),
@@ -200,7 +199,16 @@ SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
         "last_batch_iteration": int,
     },
 }
-BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "checkpoint")
+BLOCKS = (
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "zero_optimization",
+    "optimizer",
+    "scheduler",
+    "checkpoint",
+    "activation_checkpointing",
+)
 CHECKPOINT_INERT = ("tag_validation", "use_node_local_storage", "parallel_write", "checkpoint_serialization")
 """``checkpoint`` keys that do not change the engine's format (accepted, no effect)."""
 
@@ -307,6 +315,29 @@ def parse_zero(value: Any) -> ZeroConfig:
             key=f"{path}.offload_param",
         )
     return dataclasses.replace(cfg, overlap_comm=overlap_comm)
+
+
+ACTIVATION_CHECKPOINTING: dict[str, Any] = {
+    "partition_activations": False,
+    "contiguous_memory_optimization": False,
+    "cpu_checkpointing": False,
+    "number_checkpoints": None,
+    "synchronize_checkpoint_boundary": False,
+    "profile": False,
+}
+"""DeepSpeed's ``activation_checkpointing`` keys and defaults. As in DeepSpeed, the block acts only through
+``deepspeed.checkpointing.configure(deepspeed_config=...)`` (``engine.checkpointing``)."""
+
+
+def parse_activation_checkpointing(value: Any) -> dict[str, Any]:
+    """The ``activation_checkpointing`` block, validated, with DeepSpeed's defaults filled in."""
+    out = dict(ACTIVATION_CHECKPOINTING)
+    for key, v in as_block(value, "activation_checkpointing").items():
+        if key not in out:
+            raise unknown_key("activation_checkpointing", key, out)
+        tp: Any = int | None if key == "number_checkpoints" else bool
+        out[key] = coerce(v, tp, f"activation_checkpointing.{key}")
+    return out
 
 
 def parse_optimizer(value: Any) -> OptimizerConfig | None:

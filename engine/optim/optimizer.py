@@ -216,8 +216,11 @@ _ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam"
 
 def _elementwise(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt``'s step updates each param from its own gradient and state only (torch's elementwise
-    optimizers), so stepping its params in several calls equals one step over all."""
+    optimizers, and classes that say so with ``elementwise_step = True``, such as ``engine.optim.adam``'s),
+    so stepping its params in several calls equals one step over all."""
     cls = type(opt)
+    if getattr(cls, "elementwise_step", False) is True:
+        return True
     return cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENTWISE
 
 

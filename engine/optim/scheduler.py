@@ -1,4 +1,6 @@
-"""DeepSpeed's warm-up learning-rate schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``.
+"""DeepSpeed's learning-rate schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, and (script-built
+only) ``LRRangeTest``; ``OneCycle`` is refused. This module is ``deepspeed.runtime.lr_schedules`` in the
+project venv (``engine/alias``), so a script may build a schedule itself and pass it as ``lr_scheduler=``.
 
 Formulas and step semantics are those of ``deepspeed/runtime/lr_schedules.py`` (0.19.8), so a script moving
 from ``deepspeed`` to ``engine`` sees the same learning rate at every step:
@@ -242,6 +244,54 @@ class WarmupCosineLR(_Schedule):
             return [0.0 for _ in self.org_lrs]
         ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
+
+
+class LRRangeTest(_Schedule):
+    """DeepSpeed's learning-rate range test: ``min_lr * (1 + step_rate * interval)`` with
+    ``interval = (i + 1) / step_size`` (``floor`` of it when ``lr_range_test_staircase``). Script-built only
+    (the config's ``scheduler`` block takes the three warm-up schedules)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        self.optimizer = _torch_optimizer(optimizer)
+        n = len(self.optimizer.param_groups)
+        if isinstance(lr_range_test_min_lr, list | tuple):
+            if len(lr_range_test_min_lr) != n:
+                raise ValueError(f"expected {n} lr_range_test_min_lr, got {len(lr_range_test_min_lr)}")
+            self.min_lr = list(lr_range_test_min_lr)
+        else:
+            self.min_lr = [lr_range_test_min_lr] * n
+        step_size = lr_range_test_step_size
+        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {step_size}")
+        self.step_size = step_size
+        self.step_rate = lr_range_test_step_rate
+        self.last_batch_iteration = last_batch_iteration
+        self.staircase = lr_range_test_staircase
+        if last_batch_iteration == -1:
+            self._last_lr = _set_lrs(self.optimizer.param_groups, list(self.min_lr))
+
+    def get_lr(self) -> list[float]:
+        interval = float(self.last_batch_iteration + 1) / self.step_size
+        increase = 1 + self.step_rate * (math.floor(interval) if self.staircase else interval)
+        return [lr * increase for lr in self.min_lr]
+
+
+class OneCycle:
+    """DeepSpeed's ``OneCycle`` (cyclic learning rate and momentum): refused, not implemented here."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        raise NotImplementedError(
+            "OneCycle (deepspeed.runtime.lr_schedules) is not supported by the engine; use WarmupLR, "
+            "WarmupDecayLR, WarmupCosineLR or LRRangeTest"
+        )
 
 
 Scheduler = WarmupLR | WarmupDecayLR | WarmupCosineLR

@@ -77,6 +77,7 @@ class ParamFetcher:
         self._suffix_of: tuple[int, list[int]] = (0, [])
         self._fwd_pos = 0
         self._bwd_pos = -1
+        self._bwd_len = 0
         self._ahead: _Lookahead | None = None
         self._behind: _Lookahead | None = None
 
@@ -253,8 +254,9 @@ class ParamFetcher:
     def start_forward(self) -> None:
         if self._retained or self.stack:  # a forward that no backward followed (or one that raised)
             self.release_all()
-        if self._trace:
-            self._prev_trace = self._trace
+        if self._trace:  # without what a backward ran again (activation checkpointing)
+            self._prev_trace = self._trace[: self._bwd_len] if self._bwd_len else self._trace
+        self._bwd_len = 0
         self._trace = []
         self._pos = {}
         self._fwd_pos = 0
@@ -324,7 +326,10 @@ class ParamFetcher:
 
     # -- backward ---------------------------------------------------------------------------------------
     def start_backward(self) -> None:
-        self._bwd_pos = len(self._trace) - 1
+        # a forward run again in backward (activation checkpointing) adds to ``_trace`` after this point;
+        # the backward walks the trace of the forward proper, whose length is taken here
+        self._bwd_len = len(self._trace)
+        self._bwd_pos = self._bwd_len - 1
         self._behind = _Lookahead(self._trace[::-1], self) if self.prefetch_numel > 0 else None
 
     def pre_backward(self, module: nn.Module) -> None:
@@ -340,7 +345,7 @@ class ParamFetcher:
         if pos >= 0:
             self._bwd_pos = pos - 1
             if behind is not None:
-                upcoming = behind.next(len(trace) - 1 - pos, self.prefetch_numel)
+                upcoming = behind.next(self._bwd_len - 1 - pos, self.prefetch_numel)
         self.gather(states, upcoming)
         if behind is not None:
             behind.settle()

@@ -3,17 +3,66 @@
 The folder above this package (``engine/alias``, not itself a package, so no wheel ships it) is on the
 project venv's import path through a ``.pth`` file that ``make setup`` writes; importing ``deepspeed`` there
 gives the ``engine`` module itself, and DeepSpeed's submodule names that scripts import
-(``deepspeed.comm``, ``deepspeed.accelerator``, ``deepspeed.utils``, ``deepspeed.zero``) are the engine's
-modules of the same role. The dev venv with real DeepSpeed (``.venv-ds``) never has this folder on its path.
+(``deepspeed.comm``, ``deepspeed.accelerator``, ``deepspeed.utils``, ``deepspeed.zero``,
+``deepspeed.checkpointing``) are the engine's modules of the same role. DeepSpeed's deeper paths are
+namespaces holding the engine's objects: ``deepspeed.ops.adam`` (and ``.fused_adam``, ``.cpu_adam``:
+``FusedAdam``, ``DeepSpeedCPUAdam``), ``deepspeed.ops.lamb`` (``FusedLamb``, refused on use),
+``deepspeed.runtime.lr_schedules`` (``engine.optim.scheduler``) and
+``deepspeed.runtime.activation_checkpointing.checkpointing``. The dev venv with real DeepSpeed
+(``.venv-ds``) never has this folder on its path.
 """
 
 from __future__ import annotations
 
 import sys
+import types
+from typing import Any
 
 import engine
-from engine import accelerator, comm, utils, zero
+from engine import accelerator, checkpointing, comm, utils, zero
+from engine.optim import adam, scheduler
 
-for _name, _module in (("comm", comm), ("accelerator", accelerator), ("utils", utils), ("zero", zero)):
+
+def _namespace(name: str, **attrs: Any) -> types.ModuleType:
+    """A module ``deepspeed.<name>`` holding ``attrs``, registered in ``sys.modules``."""
+    mod = types.ModuleType(f"deepspeed.{name}", f"DeepSpeed's deepspeed.{name} on the engine.")
+    mod.__path__ = []  # a package: a missing submodule is "No module named ...", not "not a package"
+    for key, value in attrs.items():
+        setattr(mod, key, value)
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+for _name, _module in (
+    ("comm", comm),
+    ("accelerator", accelerator),
+    ("utils", utils),
+    ("zero", zero),
+    ("checkpointing", checkpointing),
+    ("runtime.lr_schedules", scheduler),
+    ("runtime.activation_checkpointing.checkpointing", checkpointing),
+):
     sys.modules[f"deepspeed.{_name}"] = _module
+_adam = {"FusedAdam": adam.FusedAdam, "DeepSpeedCPUAdam": adam.DeepSpeedCPUAdam}
+_ops = _namespace(
+    "ops",
+    adam=_namespace(
+        "ops.adam",
+        **_adam,
+        fused_adam=_namespace("ops.adam.fused_adam", FusedAdam=adam.FusedAdam),
+        cpu_adam=_namespace("ops.adam.cpu_adam", DeepSpeedCPUAdam=adam.DeepSpeedCPUAdam),
+    ),
+    lamb=_namespace(
+        "ops.lamb",
+        FusedLamb=adam.FusedLamb,
+        fused_lamb=_namespace("ops.lamb.fused_lamb", FusedLamb=adam.FusedLamb),
+    ),
+)
+_runtime = _namespace(
+    "runtime",
+    lr_schedules=scheduler,
+    activation_checkpointing=_namespace("runtime.activation_checkpointing", checkpointing=checkpointing),
+)
+engine.ops = _ops  # type: ignore[attr-defined]
+engine.runtime = _runtime  # type: ignore[attr-defined]
 sys.modules[__name__] = engine
