@@ -211,7 +211,6 @@ def test_unknown_keys_name_the_nearest(d: dict, message: str) -> None:
         ),
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
         ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
-        ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
         ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ],

@@ -37,7 +37,7 @@ from torch import nn
 from engine import checkpointing
 from engine.config import ConfigError, parse_config
 from engine.optim.adam import DeepSpeedCPUAdam, FusedAdam, FusedLamb
-from engine.optim.scheduler import LRRangeTest, OneCycle
+from engine.optim.scheduler import LRRangeTest
 
 ROOT = Path(__file__).resolve().parents[1]
 DS_PYTHON = ROOT / ".venv-ds" / "bin" / "python"
@@ -120,8 +120,6 @@ def test_refusals_name_the_option() -> None:
         FusedAdam(half).step()
     with pytest.raises(NotImplementedError, match="FusedLamb"):
         FusedLamb(_params(0), lr=0.1)
-    with pytest.raises(NotImplementedError, match="OneCycle"):
-        OneCycle(torch.optim.SGD(_params(0), lr=0.1), 0.01, 0.1)
     opt = DeepSpeedCPUAdam(_params(0), fp32_optimizer_states=False)  # fp32 params: states fp32 either way
     assert opt.fp32_optimizer_states is False and opt.adam_w_mode is True
 

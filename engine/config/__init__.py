@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import blocks as B
+from engine.config import sched as S
 from engine.config.parse import ConfigError, build, deprecated, reject_auto, take_foreign, to_int
 from engine.config.schema import (
     BF16Config,
@@ -73,7 +74,7 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     B.parse_activation_checkpointing(d.pop("activation_checkpointing", None))  # read by checkpointing
     zero = B.parse_zero(d.pop("zero_optimization", None))
     optimizer = B.parse_optimizer(d.pop("optimizer", None))
-    scheduler = B.parse_scheduler(d.pop("scheduler", None))
+    scheduler = S.parse_scheduler(d.pop("scheduler", None))
     tb, mb, gas = (None if d.get(k) is None else to_int(d[k], k) for k in _BATCH_KEYS)
     for k in _BATCH_KEYS:
         d.pop(k, None)

@@ -1,7 +1,7 @@
 """Per-block rules of the config parser: the tables of DeepSpeed keys the engine does not implement
 (refused when active, ignored when inert or performance-only), deprecated spellings and their mapping, and
-one ``parse_*`` function per JSON block (fp16, bf16/bfloat16, zero_optimization + offload, optimizer,
-scheduler). ``engine.config.parse_config`` drives them.
+one ``parse_*`` function per JSON block (fp16, bf16/bfloat16, zero_optimization + offload, optimizer;
+the scheduler block is ``engine.config.sched``). ``engine.config.parse_config`` drives them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from engine.config.parse import (
     deprecated,
     join,
     take_foreign,
-    to_float,
-    to_int,
     unknown_key,
     unknown_value,
 )
@@ -29,7 +27,6 @@ from engine.config.schema import (
     FP16Config,
     OffloadConfig,
     OptimizerConfig,
-    SchedulerConfig,
     WriterConfig,
     ZeroConfig,
 )
@@ -172,32 +169,6 @@ SGD_FOREIGN = {
     "maximize": Foreign("maximize", default=False),
     "differentiable": Foreign("differentiable SGD", default=False),
     "foreach": Foreign("performance only", ignore=True),
-}
-LRS = "lrs"  # float or per-group list of floats
-SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
-    "WarmupLR": {
-        "warmup_min_lr": LRS,
-        "warmup_max_lr": LRS,
-        "warmup_num_steps": int,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
-    "WarmupDecayLR": {
-        "total_num_steps": int,
-        "warmup_min_lr": LRS,
-        "warmup_max_lr": LRS,
-        "warmup_num_steps": int,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
-    "WarmupCosineLR": {
-        "total_num_steps": int,
-        "warmup_min_ratio": float,
-        "warmup_num_steps": int,
-        "cos_min_ratio": float,
-        "warmup_type": str,
-        "last_batch_iteration": int,
-    },
 }
 BLOCKS = (
     "fp16",
@@ -396,67 +367,6 @@ def parse_optimizer(value: Any) -> OptimizerConfig | None:
     if cfg.torch_adam and adam_w and "weight_decay" not in params:
         wd = 0.01  # torch.optim.AdamW's own default, which DeepSpeed leaves in place
     return dataclasses.replace(cfg, adam_w_mode=adam_w, weight_decay=wd)
-
-
-def parse_scheduler(value: Any) -> SchedulerConfig | None:
-    if value is None:
-        return None
-    d = as_block(value, "scheduler")
-    for key in d:
-        if key not in ("type", "params"):
-            raise unknown_key("scheduler", key, ("type", "params"))
-    if "type" not in d:
-        raise ConfigError(
-            "scheduler.type: required (WarmupLR, WarmupDecayLR or WarmupCosineLR)", key="scheduler.type"
-        )
-    name = coerce(d["type"], str, "scheduler.type")
-    if name not in SCHEDULER_PARAMS:
-        if name in ("LRRangeTest", "OneCycle"):
-            raise ConfigError(
-                f"scheduler.type: {name} is not supported by the engine; use WarmupLR, "
-                "WarmupDecayLR or WarmupCosineLR",
-                key="scheduler.type",
-            )
-        raise unknown_value("scheduler.type", name, SCHEDULER_PARAMS)
-    spec = SCHEDULER_PARAMS[name]
-    params: dict[str, Any] = {}
-    for key, v in as_block(d.get("params"), "scheduler.params").items():
-        where = f"scheduler.params.{key}"
-        if key not in spec:
-            raise unknown_key("scheduler.params", key, spec)
-        kind = spec[key]
-        if kind == LRS:
-            params[key] = (
-                None
-                if v is None and key == "warmup_max_lr" and name == "WarmupLR"
-                else (
-                    [to_float(x, f"{where}[{i}]") for i, x in enumerate(v)]
-                    if isinstance(v, list | tuple)
-                    else to_float(v, where)
-                )
-            )
-        elif kind is int:
-            params[key] = to_int(v, where)
-        elif kind is float:
-            params[key] = to_float(v, where)
-        else:
-            params[key] = coerce(v, str, where)
-    if "warmup_num_steps" in params and params["warmup_num_steps"] <= 0:
-        raise ConfigError(
-            f"scheduler.params.warmup_num_steps: must be a positive integer, got "
-            f"{params['warmup_num_steps']}",
-            key="scheduler.params.warmup_num_steps",
-        )
-    if params.get("warmup_type", "log") not in ("log", "linear"):
-        raise ConfigError(
-            f"scheduler.params.warmup_type: expected 'log' or 'linear', got {params['warmup_type']!r}",
-            key="scheduler.params.warmup_type",
-        )
-    if "total_num_steps" in spec and "total_num_steps" not in params:
-        raise ConfigError(
-            f"scheduler.params.total_num_steps: required for {name}", key="scheduler.params.total_num_steps"
-        )
-    return SchedulerConfig(type=name, params=params)
 
 
 def parse_checkpoint(value: Any) -> CheckpointConfig:

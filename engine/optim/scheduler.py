@@ -1,6 +1,7 @@
-"""DeepSpeed's learning-rate schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, and (script-built
-only) ``LRRangeTest``; ``OneCycle`` is refused. This module is ``deepspeed.runtime.lr_schedules`` in the
-project venv (``engine/alias``), so a script may build a schedule itself and pass it as ``lr_scheduler=``.
+"""DeepSpeed's learning-rate schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``LRRangeTest``
+and ``OneCycle`` (which also cycles ``betas``), each buildable from the config's ``scheduler`` block. This
+module is ``deepspeed.runtime.lr_schedules`` in the project venv (``engine/alias``), so a script may build a
+schedule itself and pass it as ``lr_scheduler=``.
 
 Formulas and step semantics are those of ``deepspeed/runtime/lr_schedules.py`` (0.19.8), so a script moving
 from ``deepspeed`` to ``engine`` sees the same learning rate at every step:
@@ -248,8 +249,7 @@ class WarmupCosineLR(_Schedule):
 
 class LRRangeTest(_Schedule):
     """DeepSpeed's learning-rate range test: ``min_lr * (1 + step_rate * interval)`` with
-    ``interval = (i + 1) / step_size`` (``floor`` of it when ``lr_range_test_staircase``). Script-built only
-    (the config's ``scheduler`` block takes the three warm-up schedules)."""
+    ``interval = (i + 1) / step_size`` (``floor`` of it when ``lr_range_test_staircase``)."""
 
     def __init__(
         self,
@@ -284,23 +284,156 @@ class LRRangeTest(_Schedule):
         return [lr * increase for lr in self.min_lr]
 
 
-class OneCycle:
-    """DeepSpeed's ``OneCycle`` (cyclic learning rate and momentum): refused, not implemented here."""
+def _format_param(optimizer: _HasParamGroups, value: Any, name: str) -> list[Any]:
+    """DeepSpeed's ``_format_param`` verbatim: values kept as given (no float conversion)."""
+    if isinstance(value, list | tuple):
+        if len(value) != len(optimizer.param_groups):
+            raise ValueError(f"expected {len(optimizer.param_groups)} value for {name}, got {len(value)}")
+        return list(value)
+    return [value] * len(optimizer.param_groups)
 
-    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
-        raise NotImplementedError(
-            "OneCycle (deepspeed.runtime.lr_schedules) is not supported by the engine; use WarmupLR, "
-            "WarmupDecayLR, WarmupCosineLR or LRRangeTest"
+
+class OneCycle(_Schedule):
+    """DeepSpeed's 1Cycle policy: lr rises linearly from ``cycle_min_lr`` to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` steps and falls back over ``cycle_second_step_size`` (default: the first),
+    optionally in ``*_stair_count`` stairs; afterwards ``cycle_min_lr / (1 + decay_lr_rate * k /
+    decay_step_size)`` at decay step ``k`` (held at ``cycle_min_lr`` when the rate or step size is 0).
+
+    With ``cycle_momentum`` (and an optimizer whose defaults have ``betas``) ``betas`` cycle inversely, from
+    ``(cycle_max_mom, 0.99)`` down to ``(cycle_min_mom, 0.99)`` at the peak lr, and in the decay phase are
+    ``cycle_max_mom * (1 + decay_mom_rate * k / decay_step_size)`` (DeepSpeed's formula: it *grows*).
+    Construction at iteration -1 writes ``cycle_min_lr`` and ``(cycle_min_mom, 0.99)``, as DeepSpeed does.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        self.optimizer = _torch_optimizer(optimizer)
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ValueError(f"cycle_first_step_size must be positive, got {first}")
+        if second < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {second}")
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_step_size, self.second_step_size = first, second
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
         )
+        self.decay_step_size = decay_step_size
+        no_decay = math.isclose(decay_step_size, 0)
+        self.min_lrs = _format_param(self.optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _format_param(self.optimizer, cycle_max_lr, "cycle_max_lr")
+        if last_batch_iteration == -1:
+            _set_lrs(self.optimizer.param_groups, self.min_lrs)
+        self.decay_lr_rate = decay_lr_rate
+        self.skip_lr_decay = no_decay or math.isclose(decay_lr_rate, 0)
+        self.skip_mom_decay = no_decay
+        self.cycle_momentum = cycle_momentum
+        if cycle_momentum:
+            self._init_momentum(cycle_min_mom, cycle_max_mom, decay_mom_rate, last_batch_iteration)
+        self.last_batch_iteration = last_batch_iteration
+
+    def _init_momentum(
+        self, min_mom: Any, max_mom: Any, decay_mom_rate: float, last_batch_iteration: int
+    ) -> None:
+        if "betas" not in getattr(self.optimizer, "defaults", {}):
+            log.warning(
+                "cycle_momentum is disabled because optimizer %s does not support momentum, no betas "
+                "attribute in defaults",
+                type(self.optimizer).__name__,
+            )
+            self.cycle_momentum = False
+            return
+        self.decay_mom_rate = decay_mom_rate
+        self.min_moms = [(m, 0.99) for m in _format_param(self.optimizer, min_mom, "cycle_min_mom")]
+        self.max_moms = [(m, 0.99) for m in _format_param(self.optimizer, max_mom, "cycle_max_mom")]
+        if last_batch_iteration == -1:
+            for momentum, group in zip(self.min_moms, self.optimizer.param_groups, strict=False):
+                group["betas"] = momentum
+        if math.isclose(decay_mom_rate, 0):
+            self.skip_mom_decay = True
+
+    def _get_scale_factor(self) -> float:
+        batch_iteration = self.last_batch_iteration + 1
+        cycle = math.floor(1 + batch_iteration / self.total_size)
+        x = 1.0 + batch_iteration / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale_factor = x / self.step_ratio
+            stair_count = self.first_stair_count
+        else:
+            scale_factor = (x - 1) / (self.step_ratio - 1)
+            stair_count = self.second_stair_count
+        if stair_count > 0:  # quantised from the integer offset into the cycle, as DeepSpeed does
+            cycle_iteration = batch_iteration % self.total_size
+            if cycle_iteration <= self.first_step_size:
+                position = cycle_iteration * stair_count / self.first_step_size
+            else:
+                position = (self.total_size - cycle_iteration) * stair_count / self.second_step_size
+            scale_factor = math.floor(position) / stair_count
+        return scale_factor
+
+    def get_lr(self) -> list[float]:
+        """Rates for ``last_batch_iteration``: the cycle, then the decay phase."""
+        if self.last_batch_iteration < self.total_size:
+            scale = self._get_scale_factor()
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs, strict=False)]
+        if self.skip_lr_decay:
+            return self.min_lrs
+        k = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_lr_rate * (k / self.decay_step_size)
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """``betas`` for ``last_batch_iteration``; None without ``cycle_momentum``."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            scale = self._get_scale_factor()
+            return [
+                (hi[0] - (hi[0] - lo[0]) * scale, lo[1])
+                for lo, hi in zip(self.min_moms, self.max_moms, strict=False)
+            ]
+        if self.skip_mom_decay:
+            return self.max_moms
+        k = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_mom_rate * (k / self.decay_step_size)
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance and write the rates and, with ``cycle_momentum``, the ``betas``."""
+        super().step(last_batch_iteration)
+        momentums = self.get_mom()
+        if momentums is not None:
+            for group, momentum in zip(self.optimizer.param_groups, momentums, strict=False):
+                group["betas"] = momentum
 
 
-Scheduler = WarmupLR | WarmupDecayLR | WarmupCosineLR
+Scheduler = WarmupLR | WarmupDecayLR | WarmupCosineLR | LRRangeTest | OneCycle
 """Any schedule ``build_scheduler`` returns."""
 
 SCHEDULERS: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "LRRangeTest": LRRangeTest,
+    "OneCycle": OneCycle,
 }
 
 
