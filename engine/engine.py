@@ -404,7 +404,10 @@ class Engine(DeepSpeedAccessors):
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Restore the engine from ``load_dir`` (``tag``, else what ``latest`` names), with DeepSpeed's
         arguments in DeepSpeed's order; ``(path, client_state)``, or ``(None, None)`` when there is nothing
-        to load. ``load_module_strict=False`` loads the tensors model and checkpoint share, skips the rest."""
+        to load. ``load_module_strict=False`` loads the tensors model and checkpoint share, skips the rest.
+        As in DeepSpeed, ``load_module_only`` leaves optimizer, scheduler and step counters as they were;
+        ``load_optimizer_states=False`` / ``load_lr_scheduler_states=False`` leave that state alone (the
+        counters are restored)."""
         from engine import checkpoint
 
         if custom_load_fn is not None:
@@ -421,6 +424,7 @@ class Engine(DeepSpeedAccessors):
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             strict=load_module_strict,
+            module_only=load_module_only,
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

@@ -87,12 +87,15 @@ def load(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     strict: bool = True,
+    module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore ``eng`` from a native or DeepSpeed ZeRO-1/2/3 checkpoint saved at any world size, stage and
     precision; ``(tag folder, client_state)``, or ``(None, None)`` when there is none.
 
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
-    vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded."""
+    vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded.
+    ``module_only`` (DeepSpeed's ``load_module_only``; the caller also turns off the optimizer and scheduler
+    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed."""
     t0 = time.perf_counter()
     ckpt = _open(as_path(load_dir), tag)
     if ckpt is None:
@@ -110,8 +113,9 @@ def load(
             _load_scaler(eng, st.loss_scaler)
         if load_lr_scheduler_states and eng.lr_scheduler is not None and st.scheduler is not None:
             eng.lr_scheduler.load_state_dict(st.scheduler)
-        _load_counters(eng, st.counters)
-        if st.rng:  # DeepSpeed saves no RNG state: then the process's is left alone, as DeepSpeed does
+        if not module_only:
+            _load_counters(eng, st.counters)
+        if st.rng and not module_only:  # DeepSpeed saves no RNG state: then the process's is left alone
             _load_rng(st.rng[eng.comm.rank % len(st.rng)])
         client = _client_join(st.client_state, ckpt)
         took = time.perf_counter() - t0
