@@ -372,11 +372,12 @@ class Engine(DeepSpeedAccessors):
         """Write a checkpoint (collective). With ``checkpoint.writer.decoupled`` it returns once this rank's
         state is snapshotted and the files are written in the background (``wait_for_checkpoint``).
 
-        ``exclude_frozen_parameters`` is accepted for DeepSpeed's signature; frozen params are saved anyway
-        (a load of the checkpoint restores the same model either way)."""
+        ``exclude_frozen_parameters``: frozen params are left out, as DeepSpeed leaves them out of its model
+        states; loading such a checkpoint needs ``load_module_strict=False`` (the model keeps its own)."""
         from engine import checkpoint
 
-        checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                        exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         return True
 
     def wait_for_checkpoint(self) -> None:

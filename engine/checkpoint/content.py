@@ -93,23 +93,31 @@ class RankSave:
 
 
 def capture(
-    eng: Engine, root: Path, tag: str, client_state: Mapping[str, Any], save_latest: bool
+    eng: Engine,
+    root: Path,
+    tag: str,
+    client_state: Mapping[str, Any],
+    save_latest: bool,
+    exclude_frozen: bool = False,
 ) -> RankSave:
-    """This rank's part of a save of ``eng`` as it is now (see the module doc)."""
+    """This rank's part of a save of ``eng`` as it is now (see the module doc). ``exclude_frozen``: frozen
+    params are left out of the rank files and the manifest (DeepSpeed's ``exclude_frozen_parameters``), with
+    any tie whose owner is one of them."""
     rank = eng.comm.rank
     client = _client(dict(client_state), "")
-    items, optim_specs = _rank_items(eng, client if rank == 0 else {})
+    items, optim_specs = _rank_items(eng, client if rank == 0 else {}, exclude_frozen)
     rng = _rank_rng()
     items += W.rng_items(rng)
     man = None
+    frozen = {s.name for s in eng.states if not s.trainable}
     if rank == 0:
         man = ManifestArgs(
             tag=tag,
             world=eng.comm.world,
             stage=eng.stage,
-            tensors=_tensor_specs(eng),
+            tensors=_tensor_specs(eng, exclude_frozen),
             optim_states=optim_specs,
-            tied=dict(eng.tied),
+            tied={a: o for a, o in eng.tied.items() if not (exclude_frozen and o in frozen)},
             state=training_state(eng, client),
             client_state=W.client_tree(client)[0],
         )
@@ -128,7 +136,9 @@ def _rank_rng() -> RankRng:
     )
 
 
-def _rank_items(eng: Engine, client: Mapping[str, Any]) -> tuple[list[WriteItem], list[L.OptimSpec]]:
+def _rank_items(
+    eng: Engine, client: Mapping[str, Any], exclude_frozen: bool = False
+) -> tuple[list[WriteItem], list[L.OptimSpec]]:
     """This rank's tensors for its rank file, and the optimizer-state specs (the same on every rank)."""
     r, pw = eng.comm.rank, eng.partition_world
     items: list[WriteItem] = []
@@ -145,7 +155,7 @@ def _rank_items(eng: Engine, client: Mapping[str, Any]) -> tuple[list[WriteItem]
                 py = None if isinstance(v, torch.Tensor) else type(v).__name__
                 shape = s.shape if part else tuple(t.shape)
                 specs.append(L.OptimSpec(s.name, k, shape, dtype_name(t.dtype), part, py))
-        if r < pw:
+        if r < pw and (s.trainable or not exclude_frozen):
             role = Role.PARAM if s.trainable else Role.FROZEN
             val = s.master if s.trainable else s.local_values()
             assert val is not None
@@ -157,7 +167,7 @@ def _rank_items(eng: Engine, client: Mapping[str, Any]) -> tuple[list[WriteItem]
     return items, specs
 
 
-def _tensor_specs(eng: Engine) -> list[L.TensorSpec]:
+def _tensor_specs(eng: Engine, exclude_frozen: bool = False) -> list[L.TensorSpec]:
     specs = [
         L.TensorSpec(
             s.name,
@@ -167,6 +177,7 @@ def _tensor_specs(eng: Engine) -> list[L.TensorSpec]:
             True,
         )
         for s in eng.states
+        if s.trainable or not exclude_frozen
     ]
     specs += [
         L.TensorSpec(n, tuple(b.shape), dtype_name(b.dtype), Role.BUFFER, False)

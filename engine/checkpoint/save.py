@@ -92,9 +92,11 @@ def save(
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
+    exclude_frozen: bool = False,
 ) -> Path:
     """Write a native checkpoint of ``eng`` into ``save_dir/<tag>`` (collective: every rank calls it). With
-    ``checkpoint.writer.decoupled`` it returns once the state is snapshotted (see the module doc)."""
+    ``checkpoint.writer.decoupled`` it returns once the state is snapshotted (see the module doc).
+    ``exclude_frozen``: leave frozen params out (a load then needs ``strict=False``)."""
     t0 = time.perf_counter()
     saver = eng.checkpointer
     if saver is not None:
@@ -102,7 +104,7 @@ def save(
     root = as_path(save_dir)
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
     prepare(eng, root, tag)
-    job = capture(eng, root, tag, client_state or {}, save_latest)
+    job = capture(eng, root, tag, client_state or {}, save_latest, exclude_frozen)
     if saver is not None:
         saver.submit(job, t0)
         return job.tag_dir
