@@ -10,9 +10,7 @@ from engine.config.blocks import as_block
 from engine.config.parse import (
     ConfigError,
     coerce,
-    to_bool,
     to_float,
-    to_int,
     unknown_key,
     unknown_value,
 )
@@ -122,11 +120,5 @@ def _scheduler_param(name: str, key: str, kind: Any, v: Any) -> Any:
             return [to_float(x, f"{where}[{i}]") for i, x in enumerate(v)]
         return to_float(v, where)
     if kind == INT_OR_NONE:
-        return None if v is None else to_int(v, where)
-    if kind is int:
-        return to_int(v, where)
-    if kind is float:
-        return to_float(v, where)
-    if kind is bool:
-        return to_bool(v, where)
-    return coerce(v, str, where)
+        return None if v is None else coerce(v, int, where)
+    return coerce(v, kind if kind in (int, float, bool) else str, where)
