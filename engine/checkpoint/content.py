@@ -105,19 +105,19 @@ def capture(
     any tie whose owner is one of them."""
     rank = eng.comm.rank
     client = _client(dict(client_state), "")
-    items, optim_specs = _rank_items(eng, client if rank == 0 else {}, exclude_frozen)
+    left_out = frozenset(s.name for s in eng.states if exclude_frozen and not s.trainable)
+    items, optim_specs = _rank_items(eng, client if rank == 0 else {}, left_out)
     rng = _rank_rng()
     items += W.rng_items(rng)
     man = None
-    frozen = {s.name for s in eng.states if not s.trainable}
     if rank == 0:
         man = ManifestArgs(
             tag=tag,
             world=eng.comm.world,
             stage=eng.stage,
-            tensors=_tensor_specs(eng, exclude_frozen),
+            tensors=_tensor_specs(eng, left_out),
             optim_states=optim_specs,
-            tied={a: o for a, o in eng.tied.items() if not (exclude_frozen and o in frozen)},
+            tied={a: o for a, o in eng.tied.items() if o not in left_out},
             state=training_state(eng, client),
             client_state=W.client_tree(client)[0],
         )
@@ -137,7 +137,7 @@ def _rank_rng() -> RankRng:
 
 
 def _rank_items(
-    eng: Engine, client: Mapping[str, Any], exclude_frozen: bool = False
+    eng: Engine, client: Mapping[str, Any], left_out: frozenset[str] = frozenset()
 ) -> tuple[list[WriteItem], list[L.OptimSpec]]:
     """This rank's tensors for its rank file, and the optimizer-state specs (the same on every rank)."""
     r, pw = eng.comm.rank, eng.partition_world
@@ -155,7 +155,7 @@ def _rank_items(
                 py = None if isinstance(v, torch.Tensor) else type(v).__name__
                 shape = s.shape if part else tuple(t.shape)
                 specs.append(L.OptimSpec(s.name, k, shape, dtype_name(t.dtype), part, py))
-        if r < pw and (s.trainable or not exclude_frozen):
+        if r < pw and s.name not in left_out:
             role = Role.PARAM if s.trainable else Role.FROZEN
             val = s.master if s.trainable else s.local_values()
             assert val is not None
@@ -167,7 +167,7 @@ def _rank_items(
     return items, specs
 
 
-def _tensor_specs(eng: Engine, exclude_frozen: bool = False) -> list[L.TensorSpec]:
+def _tensor_specs(eng: Engine, left_out: frozenset[str] = frozenset()) -> list[L.TensorSpec]:
     specs = [
         L.TensorSpec(
             s.name,
@@ -177,7 +177,7 @@ def _tensor_specs(eng: Engine, exclude_frozen: bool = False) -> list[L.TensorSpe
             True,
         )
         for s in eng.states
-        if s.trainable or not exclude_frozen
+        if s.name not in left_out
     ]
     specs += [
         L.TensorSpec(n, tuple(b.shape), dtype_name(b.dtype), Role.BUFFER, False)
