@@ -261,13 +261,7 @@ class LRRangeTest(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         self.optimizer = _torch_optimizer(optimizer)
-        n = len(self.optimizer.param_groups)
-        if isinstance(lr_range_test_min_lr, list | tuple):
-            if len(lr_range_test_min_lr) != n:
-                raise ValueError(f"expected {n} lr_range_test_min_lr, got {len(lr_range_test_min_lr)}")
-            self.min_lr = list(lr_range_test_min_lr)
-        else:
-            self.min_lr = [lr_range_test_min_lr] * n
+        self.min_lr = _format_param(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         step_size = lr_range_test_step_size
         if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size <= 0:
             raise ValueError(f"lr_range_test_step_size must be a positive integer, got {step_size}")
