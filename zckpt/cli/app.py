@@ -82,6 +82,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         from zckpt.errors import ZckptError
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
+        _preopen(kwargs)
         _leave_startup()
         from zckpt.io import interrupts  # after torch's import, which ``_leave_startup`` guards
 
@@ -125,6 +126,31 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(EXIT_ERROR) from None
 
     return run
+
+
+_INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}
+"""The commands' parameters that name an input checkpoint, each with its tag option."""
+_DCP_PRELOAD = "zckpt.formats.dcp.metadata:preload"
+
+
+def _preopen(kwargs: dict[str, Any]) -> None:
+    """Start parsing each input DCP folder's ``.metadata`` in a child process, to overlap torch's import
+    (``zckpt.io.preopen``: only in a process that has not imported torch and runs one thread, so never in an
+    embedding program or typer's test runner). Only folders that hold one directly (or under ``--tag``)."""
+    from pathlib import Path
+
+    from zckpt.io import preopen
+
+    if not preopen.available():
+        return
+    for name, tag_name in _INPUTS.items():
+        value, tag = kwargs.get(name), kwargs.get(tag_name)
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        f = Path(value) / (tag if isinstance(tag, str) else "") / ".metadata"
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                preopen.start(_DCP_PRELOAD, os.path.realpath(f))
 
 
 def _leave_startup() -> None:

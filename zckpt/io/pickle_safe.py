@@ -1,4 +1,4 @@
-"""Unpickling without running code from the file.
+"""Unpickling without running code from the file: ``zckpt.io.pickle_core``'s bounded unpickle, with torch.
 
 ``SafeUnpickler`` resolves globals through an allowlist only: plain containers, torch's tensor
 rebuild functions (which here build ``TensorRef`` placeholders instead of tensors), torch dtypes
@@ -13,19 +13,20 @@ warning) — only for files you wrote yourself.
 from __future__ import annotations
 
 import enum
-import io
 import pickle
 import warnings
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
-from zckpt.errors import CorruptCheckpoint, UnsafePickle
-from zckpt.io import collector
-from zckpt.io.pickle_scan import prescan
+from zckpt.errors import UnsafePickle
+from zckpt.io.pickle_core import LEAVES, RestrictedUnpickler, bounded_loads, check_graph, children
+from zckpt.io.pickle_core import MAX_DEPTH as MAX_DEPTH  # re-exported: the limits of every zckpt unpickle
+from zckpt.io.pickle_core import MAX_NODES_PER_BYTE as MAX_NODES_PER_BYTE
+from zckpt.io.pickle_core import MAX_STACK as MAX_STACK
+from zckpt.io.pickle_core import _Record as _Record  # the formats' stand-ins derive from it
 from zckpt.model import Checked
 
 
@@ -37,16 +38,6 @@ class ZeroStageEnum(int, enum.Enum):
     optimizer_states = 1
     gradients = 2
     weights = 3
-
-
-class _Record:
-    """An inert object whose pickled ``__dict__`` is kept as-is (NEWOBJ + BUILD)."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.__dict__})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class LossScaler(_Record):
@@ -237,17 +228,7 @@ def _numpy_global(name: str) -> Any:
     return None
 
 
-_ALLOWED: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "list"): list,
-    ("builtins", "dict"): dict,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "bytearray"): None,  # filled below: never bytearray(n), which allocates n bytes
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("_codecs", "encode"): None,  # filled below: protocol-2 pickles spell bytes with it
+_ALLOWED: dict[tuple[str, str], Any] = {  # on top of ``pickle_core.PLAIN``
     ("torch", "Size"): torch.Size,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
@@ -260,36 +241,14 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-def _codecs_encode(obj: str, encoding: str = "utf-8") -> bytes:
-    if encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-        raise UnsafePickle(f"refusing _codecs.encode with encoding {encoding!r}")
-    return obj.encode(encoding)
-
-
-_ALLOWED[("_codecs", "encode")] = _codecs_encode
-
-
-def _bytearray(source: bytes | str = b"", encoding: str = "latin1") -> bytearray:
-    """``bytearray`` for what pickles spell it with (bytes, or a str and an encoding), never from a size."""
-    if isinstance(source, str):
-        return bytearray(_codecs_encode(source, encoding))
-    if not isinstance(source, (bytes, bytearray)):
-        raise UnsafePickle(
-            f"refusing bytearray({type(source).__name__}): a pickle may not size an allocation"
-        )
-    return bytearray(source)
-
-
-_ALLOWED[("builtins", "bytearray")] = _bytearray
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 # torch dtypes by attribute name (``torch.float16``), looked up in a fixed table: ``getattr(torch, name)``
 # would run torch's module ``__getattr__``, which imports submodules (``torch._dynamo``) and calls
 # deprecated-attribute factories for names chosen by the file.
-_TORCH_DTYPES: dict[str, torch.dtype] = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+TORCH_DTYPES: dict[str, torch.dtype] = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy")
 
 
-class SafeUnpickler(pickle.Unpickler):
+class SafeUnpickler(RestrictedUnpickler):
     """Restricted unpickler; tensors come out as ``TensorRef`` placeholders."""
 
     def __init__(
@@ -300,36 +259,25 @@ class SafeUnpickler(pickle.Unpickler):
         trust_pickle: bool = False,
         extra: Mapping[tuple[str, str], Any] | None = None,
     ) -> None:
-        super().__init__(f, encoding="utf-8")
-        self.source = source
+        super().__init__(f, source=source, allowed={**_ALLOWED, **(extra or {})})
         self.trust_pickle = trust_pickle
-        self.extra = extra or {}
         self.refs: list[TensorRef] = []
 
-    def find_class(self, module: str, name: str) -> Any:
-        module = _PY2_MODULES.get(module, module)
-        hit = self.extra.get((module, name), _ALLOWED.get((module, name)))
-        if hit is not None:
-            return hit
+    def resolve(self, module: str, name: str) -> Any:
         if module == "torch" and name.endswith("Storage"):
             dt = _storage_dtype(name)
             if dt is not None:
                 return _StorageType(dt)
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _TORCH_DTYPES[name]
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
         if module in _NUMPY_MODULES:
             g = _numpy_global(name)
             if g is not None:
                 return g
         if self.trust_pickle:
             warnings.warn(f"{self.source}: --trust-pickle: resolving {module}.{name} for real", stacklevel=2)
-            return super().find_class(module, name)
-        raise UnsafePickle(
-            f"{self.source}: the pickle asks for {module}.{name}, which is not on zckpt's allowlist; "
-            f"nothing from it was run",
-            hint="if you made this file yourself and trust it, pass --trust-pickle",
-            path=self.source,
-        )
+            return pickle.Unpickler.find_class(self, module, name)
+        return None
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
@@ -346,80 +294,21 @@ class SafeUnpickler(pickle.Unpickler):
         return StorageRef(str(key), dtype, int(numel))
 
 
-MAX_STACK = 10_000
-"""Deepest unpickler stack a pickle may build (real checkpoints stay under a few thousand: one batch of
-1000 dict items plus their nesting)."""
-MAX_DEPTH = 256
-"""Deepest nesting of containers in an unpickled object (real checkpoints: under 20)."""
-MAX_NODES_PER_BYTE = 8
-"""An unpickled structure, expanded as a tree (shared sub-objects counted at every use), may have at most
-this many nodes per byte of its file (plus a constant): shared-reference bombs are refused."""
-
-
-_LEAVES = frozenset({int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.Size, StorageRef})
+_LEAVES: frozenset[type] = LEAVES | {torch.dtype, torch.Size, StorageRef}
 """Types whose objects hold nothing to walk (``torch.Size`` holds ints only)."""
 
 
 def _children(o: Any) -> list[Any]:
-    if isinstance(o, dict):
-        return [*o.keys(), *o.values()]
-    if isinstance(o, (list, tuple, set, frozenset)):
-        return list(o)
-    if isinstance(o, _Record):
-        return list(o.__dict__.values())
-    if isinstance(o, TensorRef) and o.attrs:
-        return list(o.attrs.values())
-    return []
+    if isinstance(o, TensorRef):
+        return list(o.attrs.values()) if o.attrs else []
+    return children(o)
 
 
 def _check_graph(obj: Any, source: str, max_nodes: int) -> None:
-    """Refuse cycles, nesting deeper than ``MAX_DEPTH`` and structures that expand (shared sub-objects
-    counted at every use) to more than ``max_nodes``: every later walk over the object then terminates
-    quickly, recursive or not. Iterative, each distinct object visited once (leaves not at all)."""
-    size: dict[int, int] = {}
-    on_path: set[int] = set()
-    leaves = _LEAVES
-    # (object, level, None) to visit; (object, number of children, inner children) once they are sized.
-    # A leaf child counts 1 (leaves are never in ``size``), so a container of leaves alone is sized at once:
-    # most of a DCP ``.metadata`` (its storage records and chunk boxes), which halves the walk there.
-    stack: list[tuple[Any, int, list[Any] | None]] = [(obj, 1, None)]
-    while stack:
-        o, level, inner = stack.pop()
-        k = id(o)
-        if inner is not None:  # its children are all sized (``level`` holds their number here)
-            on_path.discard(k)
-            n = 1 + level
-            for c in inner:
-                n += size.get(id(c), 1) - 1
-            size[k] = n
-            if n > max_nodes:
-                raise _expands(source, max_nodes)
-            continue
-        if type(o) in leaves or k in size:
-            continue
-        kids = _children(o)
-        if not kids:
-            continue
-        if k in on_path:
-            raise UnsafePickle(f"{source}: pickled structure refers to itself", path=source)
-        if level > MAX_DEPTH:
-            raise UnsafePickle(f"{source}: pickled structure nests deeper than {MAX_DEPTH}", path=source)
-        inner = [c for c in kids if type(c) not in leaves]
-        if not inner:
-            size[k] = 1 + len(kids)
-            if 1 + len(kids) > max_nodes:
-                raise _expands(source, max_nodes)
-            continue
-        on_path.add(k)
-        stack.append((o, len(kids), inner))
-        stack.extend([(c, level + 1, None) for c in inner])
+    """``pickle_core.check_graph`` with torch's leaves and tensor placeholders' attributes."""
+    check_graph(obj, source, max_nodes, _LEAVES, _children)
 
 
-def _expands(source: str, max_nodes: int) -> UnsafePickle:
-    return UnsafePickle(f"{source}: pickled structure expands to more than {max_nodes} objects", path=source)
-
-
-@collector.paused()  # the objects it unpickles and walks would each trigger a full GC rescan
 def safe_loads(
     data: bytes,
     *,
@@ -429,18 +318,12 @@ def safe_loads(
     extra: Mapping[tuple[str, str], Any] | None = None,
 ) -> Any:
     """Unpickle ``data`` (a pickle with no tensor storages, or one whose storages become refs), bounded: see
-    ``zckpt.io.pickle_scan.prescan`` and ``_check_graph``. Any failure is one ``CorruptCheckpoint`` or
-    ``UnsafePickle``. ``extra`` allows more globals for this one pickle (a format's own inert stand-ins, e.g.
-    DCP's metadata classes)."""
-    prescan(data, source, MAX_STACK)
-    try:
-        obj = SafeUnpickler(io.BytesIO(data), source=source, trust_pickle=trust_pickle, extra=extra).load()
-    except UnsafePickle as e:
-        if e.path is None:  # raised by an allowlisted constructor, which does not know the file
-            raise UnsafePickle(f"{source}: {e}", hint=e.hint, path=source) from None
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle makes a constructor raise
-        msg = f"{source}: unreadable pickle ({type(e).__name__}: {str(e)[:120]})"
-        raise CorruptCheckpoint(msg, path=source) from None
-    _check_graph(obj, source, MAX_NODES_PER_BYTE * max(len(data), max_bytes or 0) + 100_000)
-    return obj
+    ``zckpt.io.pickle_core.bounded_loads``. Any failure is one ``CorruptCheckpoint`` or ``UnsafePickle``.
+    ``extra`` allows more globals for this one pickle (a format's own inert stand-ins)."""
+
+    def unpickler(f: BinaryIO) -> SafeUnpickler:
+        return SafeUnpickler(f, source=source, trust_pickle=trust_pickle, extra=extra)
+
+    return bounded_loads(
+        data, source=source, unpickler=unpickler, max_bytes=max_bytes, leaves=_LEAVES, kids=_children
+    )

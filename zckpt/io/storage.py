@@ -18,12 +18,13 @@ import os
 import shutil
 import stat
 import threading
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
 from zckpt.io import objstore
+
+if TYPE_CHECKING:  # imported where used: the CLI opens a DCP .metadata here before torch is imported
+    import torch
 
 _lock = threading.Lock()
 _maps: dict[str, tuple[mmap.mmap, int]] = {}
@@ -260,6 +261,8 @@ def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = Non
     by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
     memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the caller
     goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore it)."""
+    import torch
+
     n = out.numel() * out.element_size()
     if objstore.is_url(path):
         mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
@@ -284,6 +287,8 @@ def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.T
     """``count`` elements of ``dtype`` at ``byte_offset`` of the file, as a 1-D zero-copy view of a cached
     copy-on-write mapping (small metadata tensors, and diff's aligned chunks). Never modify it. For an
     object, an owned copy of those bytes."""
+    import torch
+
     if objstore.is_url(path):
         out = torch.empty(count, dtype=dtype)
         read_into(path, byte_offset, out)

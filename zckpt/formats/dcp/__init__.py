@@ -2,7 +2,7 @@
 
 Spec of the files: docs/dcp-format.md. One module per concern:
 
-- ``metadata``: ``.metadata`` through the bounded safe unpickler (allowlist of DCP's classes), typed;
+- ``metadata``: ``.metadata`` through the bounded unpickler into ``standins`` (DCP's classes), typed;
 - ``chunks``: each item's bytes inside its ``.distcp`` file (embedded torch.save archives, safetensors blobs);
 - ``boxes``: chunk boxes -> ``Piece`` (``grid`` for boxes cut along inner dimensions), the tiling check;
 - ``values``: bytes items (param-group fields, scheduler, train state) decoded or kept opaque;

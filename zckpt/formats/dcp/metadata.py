@@ -1,143 +1,52 @@
-"""DCP's ``.metadata`` file: unpickled through zckpt's bounded ``SafeUnpickler`` with an allowlist of inert
-stand-ins for DCP's own classes, then checked into typed, frozen records.
-
-``.metadata`` is a plain pickle (protocol 4, 5 on Python 3.14; several FRAMEs when large) of
-``torch.distributed.checkpoint.metadata.Metadata``. The globals it may name (found by scanning real files of
-torch 2.13, and in torch 2.0-2.12's sources for the older names) are ``ALLOWED`` below: DCP's dataclasses
-(built by NEWOBJ + BUILD into ``__dict__``), ``TensorProperties`` (BUILD with a 5-tuple through its
-``__setstate__``), the memory-format enum, ``torch.serialization._get_layout``, ``torch.Size``, dtypes and
-``pathlib`` paths. torch < 2.2 pickled ``TensorProperties``/``MEM_FORMAT_ENCODING`` from
-``torch.distributed._shard.sharded_tensor.metadata``; torch 1.13's prototype lived in
-``torch.distributed._shard.checkpoint``. Nothing from ``torch.distributed`` is imported.
+"""DCP's ``.metadata`` file: unpickled through zckpt's bounded unpickle (``zckpt.io.pickle_core``) into the
+inert stand-ins of ``standins``, then checked into typed, frozen records.
 
 ``DcpMetadata`` is what readers use: every flattened key in state-dict order with its path (``planner_data``:
 never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes), bytes items, and
 ``storage`` from ``(key, chunk offsets)`` (``None`` for bytes items) to ``StorageInfo``.
+
+The load runs without torch (``zckpt.io.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as a
+tuple) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to torch's. So the
+command line can parse a large ``.metadata`` in a child process while it imports torch (``preload``,
+``zckpt.io.preopen``); the parent takes the child's ``Parsed`` only for the very bytes it read itself.
 """
 
 from __future__ import annotations
 
 import hashlib
+import marshal
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
-from zckpt.io import collector, storage
+from zckpt.formats.dcp.standins import (
+    LEAVES_MD,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    DtypeName,
+    Metadata,
+    MetadataIndex,
+    StorageInfo_,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+    Unpickler,
+)
+from zckpt.io import collector, preopen, storage
 from zckpt.io.objstore import as_path
-from zckpt.io.pickle_safe import _Record, safe_loads
+from zckpt.io.pickle_core import bounded_loads
+
+if TYPE_CHECKING:  # torch is imported by ``build`` only: the rest runs in the command line's pre-open child
+    import torch
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
 """Largest ``.metadata`` read (a 100B-parameter checkpoint's is a few hundred MB at most)."""
-
-
-# ---- stand-ins the unpickler builds ----------------------------------------------------------------
-class Metadata(_Record):
-    """Stand-in for ``Metadata`` (state_dict_metadata, planner_data, storage_data, storage_meta, version)."""
-
-
-class TensorStorageMetadata(_Record):
-    """Stand-in for ``TensorStorageMetadata`` (properties, size, chunks)."""
-
-
-class BytesStorageMetadata(_Record):
-    """Stand-in for ``BytesStorageMetadata`` (no fields)."""
-
-
-class ChunkStorageMetadata(_Record):
-    """Stand-in for ``ChunkStorageMetadata`` (offsets, sizes)."""
-
-
-class MetadataIndex(_Record):
-    """Stand-in for ``MetadataIndex`` (fqn, offset, index); hashable like DCP's (by fqn and offset)."""
-
-    def _key(self) -> tuple[Any, Any]:
-        off = self.__dict__.get("offset")
-        return (self.__dict__.get("fqn"), tuple(off) if isinstance(off, (tuple, list)) else off)
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MetadataIndex) and self._key() == other._key()
-
-
-class StorageMeta(_Record):
-    """Stand-in for ``StorageMeta`` (checkpoint_id, save_id, load_id, modules)."""
-
-
-class StorageInfo_(_Record):  # noqa: N801 - the stand-in of ``_StorageInfo``
-    """Stand-in for ``filesystem._StorageInfo`` (relative_path, offset, length[, transform_descriptors])."""
-
-
-class TensorProperties(_Record):
-    """Stand-in for ``TensorProperties``: BUILD passes ``(dtype, layout, requires_grad, memory_format,
-    pin_memory)`` to ``__setstate__`` (a dict in the oldest files)."""
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 5:
-            names = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
-            self.__dict__.update(zip(names, state, strict=True))
-        elif isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            raise CorruptCheckpoint(f"TensorProperties state of unexpected shape {type(state).__name__}")
-
-
-def _mem_format(value: Any) -> int:
-    """``_MEM_FORMAT_ENCODING(value)``: the encoding's number (0 contiguous, 1 channels_last, 2 preserve)."""
-    if value not in (0, 1, 2):
-        raise CorruptCheckpoint(f"memory format encoding {value!r:.40} is not 0, 1 or 2")
-    return int(value)
-
-
-def _layout(name: Any) -> str:
-    """``torch.serialization._get_layout(name)``: kept as its name (only ``torch.strided`` is supported)."""
-    if not isinstance(name, str) or len(name) > 64:
-        raise CorruptCheckpoint(f"tensor layout {name!r:.40} is not a name")
-    return name
-
-
-def _path(*parts: Any) -> str:
-    """``pathlib.PosixPath(*parts)`` as a string (DCP's ``checkpoint_id``: the writing machine's path)."""
-    if not all(isinstance(p, str) for p in parts):
-        raise CorruptCheckpoint("checkpoint_id path parts are not strings")
-    return str(Path(*parts)) if parts else ""
-
-
-_DCP = "torch.distributed.checkpoint"
-_CLASSES = {
-    "Metadata": Metadata,
-    "TensorStorageMetadata": TensorStorageMetadata,
-    "BytesStorageMetadata": BytesStorageMetadata,
-    "ChunkStorageMetadata": ChunkStorageMetadata,
-    "MetadataIndex": MetadataIndex,
-    "StorageMeta": StorageMeta,
-    "TensorProperties": TensorProperties,
-    "_MEM_FORMAT_ENCODING": _mem_format,
-}
-_SHARDED = "torch.distributed._shard.sharded_tensor.metadata"
-ALLOWED: dict[tuple[str, str], Any] = {
-    **{(f"{_DCP}.metadata", n): c for n, c in _CLASSES.items()},
-    **{("torch.distributed._shard.checkpoint.metadata", n): c for n, c in _CLASSES.items()},  # torch 1.13
-    (f"{_DCP}.filesystem", "_StorageInfo"): StorageInfo_,
-    ("torch.distributed._shard.checkpoint.filesystem", "_StorageInfo"): StorageInfo_,
-    (_SHARDED, "TensorProperties"): TensorProperties,  # torch 2.0 - 2.1
-    (_SHARDED, "MEM_FORMAT_ENCODING"): _mem_format,
-    ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "PureWindowsPath"): _path,
-    ("pathlib", "Path"): _path,
-}
-"""The globals a ``.metadata`` pickle may name, on top of zckpt's general allowlist (torch.Size, dtypes)."""
 
 
 # ---- typed metadata ------------------------------------------------------------------------------
@@ -196,24 +105,53 @@ class DcpMetadata:
         return as_path(self.source).parent
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A chunk as ``parse`` gives it: ``(offsets, sizes)``."""
+
+
+class Parsed(NamedTuple):
+    """``parse``'s result: ``DcpMetadata``'s fields as plain values (marshal'd as a tuple by ``preload``),
+    each tensor ``(dtype name, shape, boxes)``, each storage ``(file, offset, length, transforms)``."""
+
+    keys: tuple[str, ...]
+    paths: dict[str, tuple[str | int, ...]]
+    tensors: dict[str, tuple[str, tuple[int, ...], tuple[Box, ...]]]
+    byte_keys: frozenset[str]
+    storage: dict[StorageKey, tuple[str, int, int, tuple[str, ...]]]
+    version: str | None
+    checkpoint_id: str | None
+
+
+def build(source: str, p: Parsed) -> DcpMetadata:
+    """The typed records of ``p``, dtypes mapped to torch's (a name this torch lacks is refused)."""
+    from zckpt.io.pickle_safe import TORCH_DTYPES
+
+    tensors: dict[str, TensorMeta] = {}
+    for key, (name, shape, boxes) in p.tensors.items():
+        dtype = TORCH_DTYPES.get(name)
+        if dtype is None:
+            raise CorruptCheckpoint(
+                f"{source}: tensor {key!r:.80} has dtype torch.{name:.40}, which this torch "
+                "does not have", hint="read it with the torch version that saved it", path=source
+            )  # fmt: skip
+        tensors[key] = TensorMeta(dtype, shape, tuple([Chunk(o, z) for o, z in boxes]))
+    storage = {k: StorageInfo(*v) for k, v in p.storage.items()}
+    return DcpMetadata(source, p.keys, p.paths, tensors, p.byte_keys, storage, p.version, p.checkpoint_id)
+
+
 def load_metadata(folder: Path) -> DcpMetadata:
     """Read and check ``folder/.metadata`` (one ``CorruptCheckpoint``/``UnsafePickle`` line on any damage)."""
     f = folder / METADATA
-    with storage.open_regular(f) as fh:
-        data = fh.read(MAX_METADATA + 1)
+    data = _read(f)
     src = str(f)
-    if not data:
-        raise CorruptCheckpoint(f"{src}: empty file (0 bytes)", hint="the save did not finish", path=src)
-    if len(data) > MAX_METADATA or data[:1] != b"\x80":
-        raise CorruptCheckpoint(f"{src}: not a DCP metadata pickle", path=src)
-    key = (src, hashlib.blake2b(data, digest_size=16).digest())
-    got = _PARSED.get(key)
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    got = _PARSED.get((src, digest))
     if got is None:
-        with collector.paused(long_lived=True):  # parse makes ~100k small records, kept (see paused)
-            got = parse(Node(safe_loads(data, source=src, extra=ALLOWED), src))
+        with collector.paused(long_lived=True):  # ~100k small records, kept (see paused)
+            got = build(src, _preloaded(src, digest) or parse_bytes(data, src))
         while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
             del _PARSED[next(iter(_PARSED))]
-        _PARSED[key] = got
+        _PARSED[(src, digest)] = got
     return got
 
 
@@ -221,6 +159,49 @@ _PARSED: dict[tuple[str, bytes], DcpMetadata] = {}
 """The last ``.metadata`` files parsed (a DCP checkpoint has one per folder), by path and the digest of
 their bytes (read in full each time: a changed file is parsed again). ``DcpMetadata`` is frozen; its
 mappings are only read."""
+
+
+def _read(f: Path) -> bytes:
+    with storage.open_regular(f) as fh:
+        data = fh.read(MAX_METADATA + 1)
+    src = str(f)
+    if not data:
+        raise CorruptCheckpoint(f"{src}: empty file (0 bytes)", hint="the save did not finish", path=src)
+    if len(data) > MAX_METADATA or data[:1] != b"\x80":
+        raise CorruptCheckpoint(f"{src}: not a DCP metadata pickle", path=src)
+    return data
+
+
+def parse_bytes(data: bytes, source: str) -> Parsed:
+    """``.metadata``'s bytes through the bounded unpickle and ``parse`` (no torch needed)."""
+
+    def unpickler(fh: BinaryIO) -> Unpickler:
+        return Unpickler(fh, source)
+
+    obj = bounded_loads(data, source=source, unpickler=unpickler, leaves=LEAVES_MD)
+    return parse(Node(obj, source))
+
+
+# ---- parsed in a child process while the command line imports torch ---------------------------------
+def preload(path: str) -> bytes:
+    """The command line's pre-open (``zckpt.io.preopen``, in a child that has not imported torch): the
+    ``.metadata`` at ``path`` read, parsed and checked, as marshal'd ``(digest of its bytes, Parsed)``. Any
+    refusal raises: the parent then parses the file itself and reports it through its own path."""
+    data = _read(Path(path))
+    parsed = parse_bytes(data, path)
+    return marshal.dumps((hashlib.blake2b(data, digest_size=16).digest(), tuple(parsed)))
+
+
+def _preloaded(src: str, digest: bytes) -> Parsed | None:
+    """What a pre-open child parsed from ``src``, if one was started for it and read these same bytes."""
+    blob = preopen.take(os.path.realpath(src)) if preopen.started() else None
+    if blob is None:
+        return None
+    try:
+        theirs, fields = marshal.loads(blob)
+        return Parsed(*fields) if theirs == digest else None
+    except (EOFError, ValueError, TypeError):
+        return None
 
 
 def _fields(node: Node, cls: type, expected: str) -> Node:
@@ -238,7 +219,7 @@ def _ints(node: Node) -> tuple[int, ...]:
     return tuple(n.as_int(lo=0) for n in node)
 
 
-_SEQS = (tuple, list, torch.Size)
+_SEQS = (tuple, list)
 
 
 def _plain_ints(v: Any) -> tuple[int, ...] | None:
@@ -252,12 +233,12 @@ def _plain_ints(v: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _tensor(key: str, node: Node) -> TensorMeta:
+def _tensor(key: str, node: Node) -> tuple[str, tuple[int, ...], tuple[Box, ...]]:
     t = _fields(node, TensorStorageMetadata, "TensorStorageMetadata")
     props = _fields(t["properties"], TensorProperties, "TensorProperties")
-    dtype = props["dtype"].of_type(torch.dtype, "a torch dtype")
+    dtype = str(props["dtype"].of_type(DtypeName, "a torch dtype"))
     layout = props.get("layout")
-    if layout is not None and layout.value not in ("torch.strided", torch.strided):
+    if layout is not None and layout.value != "torch.strided":
         raise layout.fail("torch.strided (sparse tensors are not supported)")
     shape = _ints(t["size"])
     chunks = []
@@ -270,12 +251,12 @@ def _tensor(key: str, node: Node) -> TensorMeta:
                 raise c.fail(f"a box of {len(shape)} dimensions (tensor {list(shape)})")
             if any(o + s > d for o, s, d in zip(off, size, shape, strict=True)):
                 raise c.fail(f"a box inside the tensor's shape {list(shape)}")
-            box = Chunk(off, size)
+            box = (off, size)
         chunks.append(box)
-    return TensorMeta(dtype, shape, tuple(chunks))
+    return dtype, shape, tuple(chunks)
 
 
-def _plain_box(c: Any, shape: tuple[int, ...]) -> Chunk | None:
+def _plain_box(c: Any, shape: tuple[int, ...]) -> Box | None:
     """The chunk when ``c`` is a well-formed box inside ``shape``, else None (the checked path explains)."""
     if type(c) is not ChunkStorageMetadata:
         return None
@@ -286,13 +267,15 @@ def _plain_box(c: Any, shape: tuple[int, ...]) -> Chunk | None:
     for o, s, n in zip(off, size, shape, strict=True):
         if o + s > n:
             return None
-    return Chunk(off, size)
+    return off, size
 
 
-def _storage(
-    node: Node, tensors: Mapping[str, TensorMeta], byte_keys: frozenset[str]
-) -> dict[StorageKey, StorageInfo]:
-    out: dict[StorageKey, StorageInfo] = {}
+_Tensors = Mapping[str, tuple[str, tuple[int, ...], tuple[Box, ...]]]
+_Stored = tuple[str, int, int, tuple[str, ...]]
+
+
+def _storage(node: Node, tensors: _Tensors, byte_keys: frozenset[str]) -> dict[StorageKey, _Stored]:
+    out: dict[StorageKey, _Stored] = {}
     boxes: dict[str, frozenset[tuple[int, ...]]] = {}
     for idx, info in node.as_dict().items():
         plain = _plain_storage(idx, info, tensors, byte_keys, boxes)
@@ -310,7 +293,7 @@ def _storage(
             if off is None:
                 raise ix.fail(f"the chunk offsets of tensor {fqn!r:.80}")
             key = (fqn, _ints(off))
-            if key[1] not in {c.offsets for c in tensors[fqn].chunks}:
+            if key[1] not in {c[0] for c in tensors[fqn][2]}:
                 raise CorruptCheckpoint(
                     f"{node.file}: storage_data names chunk {list(key[1])} of {fqn!r:.80}, which is not one "
                     "of the tensor's chunks in state_dict_metadata",
@@ -319,7 +302,7 @@ def _storage(
                 )
         si = _fields(Node(info, node.file, f"{where.where}.value"), StorageInfo_, "_StorageInfo")
         tr = si.get("transform_descriptors")
-        out[key] = StorageInfo(
+        out[key] = (
             si["relative_path"].as_str(),
             si["offset"].as_int(lo=0),
             si["length"].as_int(lo=0),
@@ -331,10 +314,10 @@ def _storage(
 def _plain_storage(
     idx: Any,
     info: Any,
-    tensors: Mapping[str, TensorMeta],
+    tensors: _Tensors,
     byte_keys: frozenset[str],
     boxes: dict[str, frozenset[tuple[int, ...]]],
-) -> tuple[StorageKey, StorageInfo] | None:
+) -> tuple[StorageKey, _Stored] | None:
     """One well-formed ``storage_data`` entry, or None (the checked path in ``_storage`` names what is wrong).
     ``boxes`` caches each tensor's chunk offsets."""
     if type(idx) is not MetadataIndex or type(info) is not StorageInfo_:
@@ -347,7 +330,7 @@ def _plain_storage(
         off = _plain_ints(idx.__dict__.get("offset"))
         known = boxes.get(fqn)
         if known is None:
-            known = boxes[fqn] = frozenset(c.offsets for c in tensors[fqn].chunks)
+            known = boxes[fqn] = frozenset(c[0] for c in tensors[fqn][2])
         if off is None or off not in known:
             return None
         key = (fqn, off)
@@ -364,7 +347,7 @@ def _plain_storage(
         return None
     if tr is not None and not (type(tr) in _SEQS and all(type(x) is str and len(x) <= 4096 for x in tr)):
         return None
-    return key, StorageInfo(path, offset, length, tuple(tr) if tr is not None else ())
+    return key, (path, offset, length, tuple(tr) if tr is not None else ())
 
 
 _DAMAGED = "the .metadata file is damaged; restore it from the original save"
@@ -405,10 +388,10 @@ def _planner_paths(pd: Node | None, order: list[str]) -> dict[str, tuple[str | i
     return paths
 
 
-def parse(root: Node) -> DcpMetadata:
-    """Typed ``DcpMetadata`` from the unpickled stand-in graph."""
+def parse(root: Node) -> Parsed:
+    """The checked fields of ``DcpMetadata`` from the unpickled stand-in graph (``build`` types them)."""
     md = _fields(root, Metadata, "a DCP Metadata object")
-    tensors: dict[str, TensorMeta] = {}
+    tensors: dict[str, tuple[str, tuple[int, ...], tuple[Box, ...]]] = {}
     byte_keys: set[str] = set()
     order: list[str] = []
     for key, v in md["state_dict_metadata"].items():
@@ -427,8 +410,7 @@ def parse(root: Node) -> DcpMetadata:
         c = sm.value.__dict__.get("checkpoint_id")
         cid = c if isinstance(c, str) else None
     version = md.get("version")
-    return DcpMetadata(
-        source=root.file,
+    return Parsed(
         keys=tuple(keys),
         paths=paths,
         tensors=tensors,

@@ -1,5 +1,5 @@
 """Writing DCP's ``.metadata`` without importing ``torch.distributed``: the reader's stand-ins
-(``zckpt.formats.dcp.metadata``) pickled under DCP's own class names, so real torch unpickles real objects.
+(``zckpt.formats.dcp.standins``) pickled under DCP's own class names, so real torch unpickles real objects.
 
 Built on ``zckpt.io.torchzip_write.TorchPickler`` (protocol 2, globals by name): dataclasses as NEWOBJ + BUILD
 with their field dict (as ``pickle`` writes them), ``TensorProperties`` with its 5-tuple state (what its
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zckpt.formats.dcp import metadata as M
+from zckpt.formats.dcp import standins as M
 from zckpt.io import collector
 from zckpt.io.torchzip_write import GlobalRef, TorchPickler
 
