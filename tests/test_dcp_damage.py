@@ -377,3 +377,19 @@ def test_bytes_after_the_last_item_fail_verify(tmp_path: Path) -> None:
     assert not rep.ok and [q.file for q in rep.problems] == [str(f)], rep.problems
     assert "770 bytes after its last item" in rep.problems[0].message, rep.problems
     assert zckpt.verify(FIX / "stformat_w2" / "checkpoint").ok
+
+
+def test_blob_item_of_an_empty_chunk_given_another_items_length_is_refused(tmp_path: Path) -> None:
+    """DCP seed 32: in a safetensors-serialized save, the storage entry of an empty chunk (never read) was
+    re-pointed at another item of the same blob (4 bytes); verify said OK. A blob's item is exactly its
+    chunk's bytes, so that length names another item."""
+
+    def edit(st: dict[str, Any]) -> None:
+        sd = st["storage_data"]
+        empty = next(k for k in sd if k.state["fqn"] == "optim.state.scale.exp_avg_sq"
+                     and tuple(k.state["offset"].args[0]) == (1,))  # fmt: skip
+        assert sd[empty].state["length"] == 0
+        sd[empty].state["length"] = 4
+
+    d = _edited(tmp_path, "stformat_w2/checkpoint", edit)
+    _refused(d, tmp_path, "storage_data", "'optim.state.scale.exp_avg_sq' chunk [1]", "holds 0")

@@ -921,6 +921,31 @@ def test_zero0_per_element_state_replaced_by_a_scalar(value: float, tmp_path: Pa
     run_all(ck, tmp_path, f.name, "exp_avg_sq")
 
 
+_SHARE = "'emb.weight' and 'head.weight' share one storage, but `shared_params` does not tie them"
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("s0_bf16_w2", _SHARE),
+        ("s1_bf16_w2", _SHARE),
+        ("s2_fp16_w2", "'head.weight' is neither a trainable param"),  # fp16 ZeRO-2: no param_shapes entry
+    ],
+)
+def test_tied_module_tensors_missing_from_shared_params(case: str, says: str, tmp_path: Path) -> None:
+    """Fuzz seed 26/106: a ZeRO-0 file's ``shared_params`` (None: ties are read from the module's shared
+    storages) set to ``{}``. ``consolidate`` wrote ``head.weight`` as a weight of its own, its tie to
+    ``emb.weight`` lost, exit 0. Module tensors sharing one storage must be tied in ``shared_params`` when a
+    file has it (ZeRO-1/2: the real tie entry removed)."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    assert obj["shared_params"] in (None, {"head.weight": "emb.weight"}), obj["shared_params"]
+    obj["shared_params"] = {}
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, says)
+
+
 def test_zero0_param_group_index_with_no_state(tmp_path: Path) -> None:
     """Fuzz seed 9/97: ZeRO-0, one index of the torch optimizer's ``param_groups[0].params`` changed to a
     number no state is kept under: one param's state would be orphaned and ``reshard`` dropped every

@@ -155,11 +155,22 @@ def _model_and_step(md: DcpMetadata) -> set[str]:
 def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData], blobs: set[str]) -> None:
     """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
     that item's values under this key), whether or not they were opened. Tensor chunks in the safetensors
-    blob of a file of ``blobs`` all start at the blob, and empty chunks are never read: exempt."""
+    blob of a file of ``blobs`` all start at the blob, and empty chunks are never read: exempt from that, but
+    a blob's item is exactly its chunk's bytes (0 for an empty chunk): another length names another item."""
     numel: dict[StorageKey, int] = {(k, c.offsets): c.numel for k, t in md.tensors.items() for c in t.chunks}
     by_file: dict[str, list[tuple[int, int, StorageKey]]] = {}
     for k, info in md.storage.items():
-        if k[1] is not None and (info.file in blobs or not numel.get(k, 1)):
+        if k[1] is not None and info.file in blobs:
+            want = numel.get(k, 0) * md.tensors[k[0]].dtype.itemsize
+            if info.length != want:
+                raise CorruptCheckpoint(
+                    f"{md.source}: storage_data gives {_name(k)} {info.length} bytes of {info.file}'s "
+                    f"safetensors blob, where the chunk holds {want}",
+                    hint="the .metadata file is damaged; restore it from the original save",
+                    path=md.source,
+                )
+            continue
+        if k[1] is not None and not numel.get(k, 1):
             continue
         by_file.setdefault(info.file, []).append((info.offset, info.offset + info.length, k))
     for f, items in by_file.items():
