@@ -138,15 +138,27 @@ def _set_dtype(value: Any) -> Any:
     return edit
 
 
+def _set_size_args(args: list[Any]) -> Any:
+    def edit(state: Any) -> None:
+        tsm = next(v for v in state["state_dict_metadata"].values() if "chunks" in (v.state or {}))
+        size = tsm.state["chunks"][0].state["sizes"]
+        assert size.GLOBAL == ("torch", "Size"), size.GLOBAL
+        size.args = args
+
+    return edit
+
+
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
+        (_set_size_args([(1.5,)]), "unreadable pickle (TypeError"),  # torch.Size takes ints only
+        (_set_size_args([b"\x01\x00\x00\x00\x00\x00\x00\x00"]), "torch.Size from bytes"),
         (_set_dtype(pickles.opaque_class("torch", "load")), "asks for torch.load"),
         (_set_dtype(pickles.opaque_class("torch", "Size")), "expected a torch dtype"),
         (_set_dtype(7), "expected a torch dtype"),
         (lambda s: s.pop("storage_data"), "storage_data is missing"),
     ],
-    ids=["torch.load", "size-as-dtype", "int-as-dtype", "no-storage-data"],
+    ids=["float-size", "bytes-size", "torch.load", "size-as-dtype", "int-as-dtype", "no-storage-data"],
 )
 def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, edit: Any, says: str) -> None:
     """The child fails on it and exits 1; the parent parses the file itself and prints the library's error."""

@@ -5,9 +5,9 @@ inert stand-ins of ``standins``, then checked into typed, frozen records.
 never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes), bytes items, and
 ``storage`` from ``(key, chunk offsets)`` (``None`` for bytes items) to ``StorageInfo``.
 
-The load runs without torch (``zckpt.io.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as a
-tuple) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to torch's. So the
-command line can parse a large ``.metadata`` in a child process while it imports torch (``preload``,
+The load runs without torch (``zckpt.io.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as
+an int64 array) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to torch's.
+So the command line can parse a large ``.metadata`` in a child process while it imports torch (``preload``,
 ``zckpt.io.preopen``); the parent takes the child's ``Parsed`` only for the very bytes it read itself.
 """
 
@@ -31,6 +31,7 @@ from zckpt.formats.dcp.standins import (
     DtypeName,
     Metadata,
     MetadataIndex,
+    Size,
     StorageInfo_,
     StorageMeta,
     TensorProperties,
@@ -188,7 +189,8 @@ def preload(path: str) -> bytes:
     ``.metadata`` at ``path`` read, parsed and checked, as marshal'd ``(digest of its bytes, Parsed)``. Any
     refusal raises: the parent then parses the file itself and reports it through its own path."""
     data = _read(Path(path))
-    parsed = parse_bytes(data, path)
+    with collector.paused():  # parse makes a record per chunk and storage entry: no collections meanwhile
+        parsed = parse_bytes(data, path)
     return marshal.dumps((hashlib.blake2b(data, digest_size=16).digest(), tuple(parsed)))
 
 
@@ -219,7 +221,7 @@ def _ints(node: Node) -> tuple[int, ...]:
     return tuple(n.as_int(lo=0) for n in node)
 
 
-_SEQS = (tuple, list)
+_SEQS = (tuple, list, Size)
 
 
 def _plain_ints(v: Any) -> tuple[int, ...] | None:

@@ -4,9 +4,9 @@
 ``torch.distributed.checkpoint.metadata.Metadata``. The globals it may name (found by scanning real files of
 torch 2.13, and in torch 2.0-2.12's sources for the older names) are ``ALLOWED`` below: DCP's dataclasses
 (built by NEWOBJ + BUILD into ``__dict__``), ``TensorProperties`` (BUILD with a 5-tuple through its
-``__setstate__``), the memory-format enum, ``torch.serialization._get_layout`` and ``pathlib`` paths; besides
-them ``torch.Size``, read as a tuple, and torch's dtypes, kept as their names (``DtypeName``). torch < 2.2
-pickled ``TensorProperties``/``MEM_FORMAT_ENCODING`` from
+``__setstate__``), the memory-format enum, ``torch.serialization._get_layout`` and ``pathlib`` paths;
+besides them ``torch.Size``, read as an int64 array, and torch's dtypes, kept as their names (``DtypeName``).
+torch < 2.2 pickled ``TensorProperties``/``MEM_FORMAT_ENCODING`` from
 ``torch.distributed._shard.sharded_tensor.metadata``; torch 1.13's prototype lived in
 ``torch.distributed._shard.checkpoint``. Nothing from ``torch.distributed`` is imported, nor torch itself:
 ``zckpt.formats.dcp.metadata`` checks what this builds. The writer (``pickler``) pickles the same stand-ins
@@ -15,6 +15,7 @@ under DCP's names.
 
 from __future__ import annotations
 
+import array
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -43,7 +44,7 @@ class MetadataIndex(_Record):
 
     def _key(self) -> tuple[Any, Any]:
         off = self.__dict__.get("offset")
-        return (self.__dict__.get("fqn"), tuple(off) if isinstance(off, (tuple, list)) else off)
+        return (self.__dict__.get("fqn"), tuple(off) if isinstance(off, (tuple, list, array.array)) else off)
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -124,6 +125,33 @@ ALLOWED: dict[tuple[str, str], Any] = {
 """The globals a ``.metadata`` pickle may name besides plain containers, ``torch.Size`` and dtypes."""
 
 
+class Size(array.array):
+    """``torch.Size(dims)``: int64s in a C array (built as fast as torch's own, a ``TypeError`` or
+    ``OverflowError`` for anything but ints, as torch's), so the graph check need not walk it: a ``.metadata``
+    holds two per chunk."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+
+class _SizeGlobal:
+    """The global ``torch.Size`` resolves to: REDUCE calls it with a list or tuple only (an array would read
+    bytes as raw int64s, where torch reads them as a sequence of small ints)."""
+
+    def __call__(self, dims: Any = ()) -> Size:
+        if type(dims) is not tuple and type(dims) is not list:
+            raise TypeError(f"torch.Size from {type(dims).__name__}")
+        return Size("q", dims)
+
+    def __repr__(self) -> str:
+        return "torch.Size"
+
+
+_size = _SizeGlobal()
+
+
 class DtypeName(str):
     """A torch dtype as a ``.metadata`` names it (``torch.float32`` is ``DtypeName("float32")``), no torch."""
 
@@ -142,7 +170,7 @@ all of the older ones). ``build`` refuses a name the running torch lacks."""
 
 
 class Unpickler(RestrictedUnpickler):
-    """``ALLOWED`` and plain containers; ``torch.Size`` is a tuple, a dtype its ``DtypeName``."""
+    """``ALLOWED`` and plain containers; ``torch.Size`` is a ``Size``, a dtype its ``DtypeName``."""
 
     def __init__(self, f: BinaryIO, source: str) -> None:
         super().__init__(f, source=source, allowed=ALLOWED)
@@ -150,11 +178,11 @@ class Unpickler(RestrictedUnpickler):
     def resolve(self, module: str, name: str) -> Any:
         if module == "torch":
             if name == "Size":
-                return tuple
+                return _size
             if name in DTYPE_NAMES:
                 return DtypeName(name)
         return None
 
 
-LEAVES_MD: frozenset[type] = LEAVES | {DtypeName}
+LEAVES_MD: frozenset[type] = LEAVES | {DtypeName, Size}
 """What the graph check need not walk in an unpickled ``.metadata``."""
