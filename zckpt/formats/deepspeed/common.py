@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zckpt.errors import ShardMismatch, Unsupported
+from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
 from zckpt.io import storage
 from zckpt.io.pickle_safe import TensorRef
@@ -285,3 +285,25 @@ def tied_from_module(module: Node, skip: set[str]) -> dict[str, str]:
         else:
             seen[k] = name
     return tied
+
+
+def check_ties_declared(m0: Node, module: Node, tied: dict[str, str], buffers: list[str]) -> None:
+    """Module tensors that share one storage (same offset, shape and stride) are one tied weight, and a file
+    that has ``shared_params`` must tie them there (DeepSpeed lists every param sharing another's data): else
+    the alias would be written as a weight of its own, its tie lost. Buffers are not params: left alone."""
+
+    def root(name: str) -> str:
+        for _ in range(len(tied) + 1):  # a chain of aliases ends at the param holding the data
+            if name not in tied:
+                return name
+            name = tied[name]
+        return name
+
+    for alias, source in tied_from_module(module, set(buffers)).items():
+        if root(alias) != root(source):
+            raise CorruptCheckpoint(
+                f"{m0.file}: module tensors {source!r:.80} and {alias!r:.80} share one storage, but "
+                "`shared_params` does not tie them",
+                hint="the file was altered or is damaged",
+                path=m0.file,
+            )

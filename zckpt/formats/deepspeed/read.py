@@ -23,6 +23,7 @@ from zckpt.formats.deepspeed import zero0, zero3, zero12
 from zckpt.formats.deepspeed.common import (
     DS_KEYS,
     MAX_WORLD,
+    check_ties_declared,
     load,
     load_all,
     optim_entries,
@@ -141,7 +142,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
             )
         body.entries.append(whole(name, ref(module[name]), Role.BUFFER))
     _check_module_covered(m0, module, body)
-    _check_ties_declared(m0, module, body.tied, buffer_names)
+    check_ties_declared(m0, module, body.tied, buffer_names)
     state = _training_state(m0, body)
     meta = CheckpointMeta(
         format="deepspeed",
@@ -196,28 +197,6 @@ def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
             raise CorruptCheckpoint(
                 f"{m0.file}: module tensor {name!r:.80} has shape {list(t.value.shape)} but the "
                 f"checkpoint records {list(shapes[name])} for it",
-                hint="the file was altered or is damaged",
-                path=m0.file,
-            )
-
-
-def _check_ties_declared(m0: Node, module: Node, tied: dict[str, str], buffers: list[str]) -> None:
-    """Module tensors that share one storage (same offset, shape and stride) are one tied weight, and a file
-    that has ``shared_params`` must tie them there (DeepSpeed lists every param sharing another's data): else
-    the alias would be written as a weight of its own, its tie lost. Buffers are not params: left alone."""
-
-    def root(name: str) -> str:
-        for _ in range(len(tied) + 1):  # a chain of aliases ends at the param holding the data
-            if name not in tied:
-                return name
-            name = tied[name]
-        return name
-
-    for alias, source in tied_from_module(module, set(buffers)).items():
-        if root(alias) != root(source):
-            raise CorruptCheckpoint(
-                f"{m0.file}: module tensors {source!r:.80} and {alias!r:.80} share one storage, but "
-                "`shared_params` does not tie them",
                 hint="the file was altered or is damaged",
                 path=m0.file,
             )
