@@ -257,3 +257,39 @@ def test_interrupt_while_torch_imports_is_the_startup_guards(model: Path, tmp_pa
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err == "error: interrupted; nothing was written\n" and out == "", err
+
+
+def test_signals_held_once_the_command_is_done() -> None:
+    """Fuzz ``--fast`` case 44 (SIGINT 0-0.3 s after the staging folder appeared, on a tiny input) once
+    printed a KeyboardInterrupt traceback: the command had finished and the signal landed in the exit path.
+    The program's process blocks SIGINT and SIGTERM once a command returns, or exits with its own status
+    (diff: 1), until ``_fast_exit``. ``ZCKPT_FAST_EXIT=0`` (``main`` returns to a caller) restores the mask
+    first; a command run in-process (typer's runner, here) leaves it alone."""
+    import signal
+
+    repo = Path(__file__).resolve().parents[1]
+    ck = repo / "fixtures" / "dcp" / "fsdp2_w2" / "checkpoint"
+    other = repo / "fixtures" / "dcp" / "tp_w2" / "checkpoint"
+    script = (
+        "import atexit, signal, sys\n"
+        "mask = lambda: sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+        "atexit.register(lambda: print(mask()))\n"
+        "from zckpt.cli import app\n"
+        "fast_exit = app._fast_exit\n"
+        "app._fast_exit = lambda code: (print(mask()), fast_exit(code))\n"
+        "sys.argv = ['zckpt', *sys.argv[1:]]\n"
+        "app.main()\n"
+    )
+    held = str(sorted([int(signal.SIGINT), int(signal.SIGTERM)]))
+    for fast, argv, rc in (
+        ("1", ["inspect", str(ck)], 0),
+        ("1", ["diff", str(ck), str(other)], 1),
+        ("0", ["inspect", str(ck)], 0),
+    ):
+        env = {**os.environ, "ZCKPT_FAST_EXIT": fast}
+        p = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env)
+        assert p.returncode == rc, p.stderr
+        assert p.stdout.splitlines()[-1] == (held if fast == "1" else "[]"), (argv, p.stdout[-300:])
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert CliRunner().invoke(app, ["inspect", str(ck)]).exit_code == 0
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

@@ -92,8 +92,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 warnings.simplefilter("always" if debug else "default")
                 if not debug:  # library warnings as one `warning: ...` line, not file:line + source
                     warnings.showwarning = _one_line_warning
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            _done()
+            return out
         except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
+            _done()
             raise
         except ZckptError as e:
             if debug:
@@ -153,6 +156,13 @@ def _preopen(kwargs: dict[str, Any]) -> None:
                 preopen.start(_DCP_PRELOAD, os.path.realpath(f))
 
 
+def _done() -> None:
+    """The command has run to its end: in the program's process, Ctrl-C and SIGTERM from here on would only
+    interrupt the exit, so they stay blocked until it (see ``_said.program``)."""
+    if _said.program:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _leave_startup() -> None:
     """Import torch while Ctrl-C still means ``_startup_interrupt`` (exit 130, nothing written), then let it
     raise ``KeyboardInterrupt`` for ``_guarded``: an interrupt inside torch's C++ start-up, where a Python
@@ -190,6 +200,8 @@ def main() -> None:
     from zckpt.io import collector
 
     collector.own()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    _said.program = True
     gc.freeze()
     try:
         app()
@@ -201,7 +213,9 @@ def main() -> None:
     except KeyboardInterrupt:  # before or between commands (argument parsing, start-up)
         Output.error("interrupted; nothing was written")
         code = EXIT_INTERRUPTED
-    if os.environ.get("ZCKPT_FAST_EXIT", "1") == "0":
+    if os.environ.get("ZCKPT_FAST_EXIT", "1") == "0":  # back to a caller: its signal mask as it was
+        _said.program = False
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         raise SystemExit(code)
     _fast_exit(code)
 
@@ -209,6 +223,11 @@ def main() -> None:
 class _said:  # noqa: N801 - a namespace, not a type
     interrupted = False
     """``_guarded`` reported the interrupt already."""
+    program = False
+    """``main`` runs this process: once a command has returned, SIGINT and SIGTERM stay blocked until the
+    process exits (one arriving in typer's return path or in ``_fast_exit`` would print a traceback, or
+    "nothing was written" after the output was published); ``ZCKPT_FAST_EXIT=0`` restores the mask before
+    ``main`` returns to its caller. Commands run otherwise in-process leave the mask alone."""
 
 
 class Terminated(KeyboardInterrupt):
