@@ -145,7 +145,7 @@ def load_metadata(folder: Path) -> DcpMetadata:
     f = folder / METADATA
     data = _read(f)
     src = str(f)
-    digest = hashlib.blake2b(data, digest_size=16).digest()
+    digest = _digest(data)
     got = _PARSED.get((src, digest))
     if got is None:
         with collector.paused(long_lived=True):  # ~100k small records, kept (see paused)
@@ -173,6 +173,11 @@ def _read(f: Path) -> bytes:
     return data
 
 
+def _digest(data: bytes) -> bytes:
+    """What names a ``.metadata``'s bytes: the cache key, and how a pre-open child's parse is matched."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def parse_bytes(data: bytes, source: str) -> Parsed:
     """``.metadata``'s bytes through the bounded unpickle and ``parse`` (no torch needed)."""
 
@@ -191,7 +196,7 @@ def preload(path: str) -> bytes:
     data = _read(Path(path))
     with collector.paused():  # parse makes a record per chunk and storage entry: no collections meanwhile
         parsed = parse_bytes(data, path)
-    return marshal.dumps((hashlib.blake2b(data, digest_size=16).digest(), tuple(parsed)))
+    return marshal.dumps((_digest(data), tuple(parsed)))
 
 
 def _preloaded(src: str, digest: bytes) -> Parsed | None:
