@@ -134,7 +134,11 @@ def test_model_only_open_is_the_full_opens_model(case_dir: Path) -> None:
     has the full open's model entries, pieces, roles, ties, precision and step, and no optimizer state."""
     path = _dirs(case_dir)[0]
     with zckpt.open(path) as full, zckpt.open(path, model_only=True) as part:
-        assert [repr(e) for e in part.model_entries()] == [repr(e) for e in full.model_entries()]
+        lazy = _info(case_dir)["layout"] != "hf"  # chunk archives located on a background thread
+        assert all(e.deferred == lazy for e in part.model_entries())
+        assert [repr(e).replace("DeferredEntry(", "TensorEntry(", 1) for e in part.model_entries()] == [
+            repr(e) for e in full.model_entries()
+        ]
         assert (part.meta.tied, part.meta.state.precision) == (full.meta.tied, full.meta.state.precision)
         assert part.meta.step == full.meta.step
         assert part.optim_keys() == [] and part.meta.state.optimizer is None

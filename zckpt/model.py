@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -233,28 +233,10 @@ class TensorEntry:
     def __post_init__(self) -> None:
         if (self.role is Role.OPTIM) != (self.state is not None):
             raise ValueError(f"{self.name}: optimizer entries need a state name and only they have one")
-        if any(p.grid for p in self.pieces):  # box pieces: their reader checked that the boxes tile
-            total = sum(p.numel for p in self.pieces)
-            if total != self.numel:
-                raise CorruptCheckpoint(
-                    f"{self.key}: pieces hold {total} elements but shape {list(self.shape)} "
-                    f"needs {self.numel}",
-                    hint="a file is missing or belongs to another run",
-                )
-            return
-        covered = 0
-        for p in sorted(self.pieces, key=lambda p: p.start):
-            if p.start != covered:
-                raise CorruptCheckpoint(
-                    f"{self.key}: pieces leave a gap or overlap at element {covered} (next piece starts at "
-                    f"{p.start}, file {p.file or '<inline>'})"
-                )
-            covered += p.numel
-        if covered != self.numel:
-            raise CorruptCheckpoint(
-                f"{self.key}: pieces hold {covered} elements but shape {list(self.shape)} needs {self.numel}",
-                hint="a rank file is missing or belongs to another run",
-            )
+        _check_pieces(self.key, self.shape, self.pieces)
+
+    deferred: ClassVar[bool] = False
+    """Pieces found on first use (``DeferredEntry``): they lie in files, never in memory."""
 
     @property
     def key(self) -> str:
@@ -297,3 +279,62 @@ class TensorEntry:
                 for p in self.pieces
             ],
         }
+
+
+def _check_pieces(key: str, shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> None:
+    """The pieces hold exactly the tensor's elements: plain pieces tile it, box pieces add up to it."""
+    if any(p.grid for p in pieces):  # box pieces: their reader checked that the boxes tile
+        total = sum(p.numel for p in pieces)
+        if total != math.prod(shape):
+            raise CorruptCheckpoint(
+                f"{key}: pieces hold {total} elements but shape {list(shape)} needs {math.prod(shape)}",
+                hint="a file is missing or belongs to another run",
+            )
+        return
+    covered = 0
+    for p in sorted(pieces, key=lambda p: p.start):
+        if p.start != covered:
+            raise CorruptCheckpoint(
+                f"{key}: pieces leave a gap or overlap at element {covered} (next piece starts at "
+                f"{p.start}, file {p.file or '<inline>'})"
+            )
+        covered += p.numel
+    if covered != math.prod(shape):
+        raise CorruptCheckpoint(
+            f"{key}: pieces hold {covered} elements but shape {list(shape)} needs {math.prod(shape)}",
+            hint="a rank file is missing or belongs to another run",
+        )
+
+
+class DeferredEntry(TensorEntry):
+    """A ``TensorEntry`` whose pieces are found when first asked for: ``resolve()`` gives them (on whichever
+    thread asks first; it must give the same pieces, or raise the same error, on every call). A reader that
+    locates its chunks on a background thread (``zckpt.formats.dcp.locate``) so overlaps the locating with
+    the writing of the tensors before. The pieces are checked as ``TensorEntry``'s are, when resolved."""
+
+    deferred: ClassVar[bool] = True
+
+    def __init__(  # noqa: PLR0913 - TensorEntry's fields, the pieces replaced by their resolver
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        role: Role,
+        resolve: Callable[[], tuple[Piece, ...]],
+        state: str | None = None,
+        pytype: str | None = None,
+    ) -> None:
+        if (role is Role.OPTIM) != (state is not None):
+            raise ValueError(f"{name}: optimizer entries need a state name and only they have one")
+        for k, v in (("name", name), ("shape", shape), ("dtype", dtype), ("role", role), ("state", state)):
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "pytype", pytype)
+        object.__setattr__(self, "_resolve", resolve)
+
+    def __getattr__(self, attr: str) -> Any:  # only for what the instance lacks: ``pieces`` until resolved
+        if attr != "pieces":
+            raise AttributeError(attr)
+        pieces: tuple[Piece, ...] = self.__dict__["_resolve"]()
+        _check_pieces(self.key, self.shape, pieces)
+        object.__setattr__(self, "pieces", pieces)
+        return pieces

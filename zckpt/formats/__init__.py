@@ -157,8 +157,8 @@ def open_checkpoint(
         trust_pickle: resolve pickled globals outside zckpt's allowlist (only for files you trust);
             nothing is ever unpickled outside the allowlisted unpickler otherwise.
         model_only: the model tensors are all the caller needs: a format may then leave out optimizer
-            and training state (DCP does: it opens only the model chunks' archives), and
-            ``optim_keys()`` may be empty.
+            and training state (DCP does: it opens only the model chunks' archives, each when its tensor
+            is first read, so a damaged archive is reported then), and ``optim_keys()`` may be empty.
 
     Returns:
         A ``Checkpoint``: a ``Mapping`` of model tensors by state-dict name (``ckpt["emb.weight"]`` reads

@@ -276,7 +276,10 @@ def _record(path: Path, sink: HashingSink, plan: FilePlan | None) -> FileRecord:
 
 
 def _host_bytes(it: WriteItem) -> memoryview | None:
-    """The bytes of ``it`` when they lie in one contiguous host tensor of the output dtype, else None."""
+    """The bytes of ``it`` when they lie in one contiguous host tensor of the output dtype, else None (a
+    ``DeferredEntry``'s pieces lie in files: not resolved here, ahead of the write)."""
+    if it.entry.deferred:
+        return None
     ps = it.entry.pieces
     if it.span is not None or it.pad or len(ps) != 1 or ps[0].value is None or ps[0].grid:
         return None

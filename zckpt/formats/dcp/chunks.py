@@ -121,9 +121,6 @@ class Files:
             )
         return f, fd
 
-    def magic(self, info: StorageInfo) -> bytes:
-        return self.window(info).pread(4, 0)
-
     def window(self, info: StorageInfo) -> Window:
         """The item's bytes as a ``Window`` (its first read fetches the head an archive parse needs next)."""
         _, fd = self.open(info)

@@ -1,10 +1,12 @@
-"""Opening a DCP checkpoint lazily: metadata and every chunk's location now, tensor bytes on demand.
+"""Opening a DCP checkpoint lazily: metadata now, chunk locations now or at first read, tensor bytes on read.
 
 For each DCP folder: ``.metadata`` (``metadata``), each tensor's boxes checked to tile it (``boxes``), each
-distinct non-empty chunk located in its file (``chunks``: the embedded archive's zip directory and pickle
-only), each bytes item decoded or kept opaque (``values``). Keys become zckpt entries by their path
-(``layout.classify``): model tensors under their FQN, optimizer states as ``<fqn>:<state>``, the rest the
-``TrainingState`` (``state``).
+distinct non-empty chunk located in its file (``locate``, ``chunks``: the embedded archive's zip directory and
+pickle only), each bytes item decoded or kept opaque (``values``). A model-only open (consolidate, diff)
+locates a tensor's chunks when its bytes are first needed, on the thread that reads them
+(``locate.Locator``, ``model.DeferredEntry``): the writing starts right after the ``.metadata`` load. Keys
+become zckpt entries by their path (``layout.classify``): model tensors under their FQN, optimizer states as
+``<fqn>:<state>``, the rest the ``TrainingState`` (``state``).
 
 Roles (DCP records none): a model tensor with optimizer state is a trainable ``PARAM``; a non-floating one
 a ``BUFFER``. A floating tensor without optimizer state, in a checkpoint holding optimizer state, is
@@ -21,6 +23,7 @@ Model-only checkpoints keep both names (equal frozen tensors, e.g. untrained nor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +34,15 @@ import torch
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.dcp import hfshards, state
-from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
-from zckpt.formats.dcp.chunks import ZIP_MAGIC, ChunkData, Files
+from zckpt.formats.dcp.boxes import box_piece, distinct
+from zckpt.formats.dcp.chunks import ChunkData, Files
 from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
+from zckpt.formats.dcp.locate import Locator, blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
 from zckpt.io import collector, spans
 from zckpt.io.objstore import as_path
-from zckpt.model import Piece, Role, TensorEntry, precision_of
+from zckpt.model import DeferredEntry, Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 
 NAME = "dcp"
@@ -56,6 +60,12 @@ class Loaded:
     values: dict[str, Value] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     serialization: set[str] = field(default_factory=set)
+    lazy: dict[str, Locator] = field(default_factory=dict)
+    """Tensors whose chunks a ``Locator`` is locating (a lazy open), not in ``data``."""
+
+    def chunk(self, key: str, offsets: tuple[int, ...]) -> ChunkData:
+        loc = self.lazy.get(key)
+        return self.data[(key, offsets)] if loc is None else loc.chunks(key)[offsets]
 
     def merge(self, other: Loaded, where: Path) -> None:
         dup = next((k for k in other.keys if k in self.paths), None)
@@ -68,50 +78,49 @@ class Loaded:
         self.values.update(other.values)
         self.files += other.files
         self.serialization |= other.serialization
+        self.lazy.update(other.lazy)
 
 
 def load_folder(
-    folder: Path, *, trust_pickle: bool = False, model_only: bool = False, md: DcpMetadata | None = None
+    folder: Path,
+    *,
+    trust_pickle: bool = False,
+    model_only: bool = False,
+    md: DcpMetadata | None = None,
+    lazy: bool = False,
 ) -> Loaded:
     """Metadata (``md`` when already parsed), chunk locations and decoded values of one DCP folder
     (``model_only``: the model tensors' chunks only; every other item is checked against the metadata but
-    not opened)."""
+    not opened). ``lazy``: the chunks are located on a background thread (``locate.Locator``), not now."""
     md = md if md is not None else load_metadata(folder)
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
     keep = _model_and_step(md) if model_only else None
+    kept = [k for k in md.keys if keep is None or k in keep]
+    tensors = [k for k in kept if k in md.tensors]
+    located = set(tensors)
     with Files(folder) as files:
-        for key in md.keys:
-            t = md.tensors.get(key)
-            if keep is not None and key not in keep:
+        blobs = blob_files(files, md, md.tensors)
+        for key in kept:
+            if key in md.tensors:
+                if not lazy:
+                    out.data.update(((key, o), d) for o, d in tensor_chunks(files, md, key, blobs).items())
                 continue
-            if t is None:
-                info = md.storage.get((key, None))
-                if info is None:
-                    raise ShardMismatch(
-                        f"{md.source}: no storage recorded for value {key!r:.100}", path=md.source
-                    )
-                out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
-                continue
-            check_tiling(md.source, key, t.shape, t.chunks)
-            for box in distinct(t.chunks):
-                info = md.storage.get((key, box.offsets))
-                if info is None:
-                    raise ShardMismatch(
-                        f"{md.source}: no storage recorded for chunk {list(box.offsets)} of {key!r:.100}",
-                        path=md.source,
-                    )
-                out.data[(key, box.offsets)] = d = files.tensor(key, box, info, t.dtype)
-                out.serialization.add("torch_save" if d.crc is not None else "safetensors")
+            info = md.storage.get((key, None))
+            if info is None:
+                raise ShardMismatch(
+                    f"{md.source}: no storage recorded for value {key!r:.100}", path=md.source
+                )
+            out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
         used = sorted({str(files.path(i)) for i in md.storage.values()})
-        blobs = {info.file for k, info in md.storage.items() if (c := out.data.get(k)) and c.crc is None}
-        if model_only:  # a file's tensor items are all archives or (safetensors format) all in its blob
-            seen = set(blobs)
-            for k, info in md.storage.items():
-                if k[1] is not None and k not in out.data and info.file not in seen and info.length:
-                    seen.add(info.file)
-                    if files.magic(info) != ZIP_MAGIC:
-                        blobs.add(info.file)
-    _check_disjoint(md, out.data, blobs)
+    _check_disjoint(md, blobs)
+    out.serialization = {
+        "safetensors" if info.file in blobs else "torch_save"
+        for k, info in md.storage.items()
+        if k[1] is not None and k[0] in located and info.length
+    }
+    if lazy:
+        loc = Locator(Files(folder), md, tensors, blobs)
+        out.lazy = dict.fromkeys(tensors, loc)
     out.files = [md.source, *used]
     return out
 
@@ -152,7 +161,7 @@ def _model_and_step(md: DcpMetadata) -> set[str]:
     return keep if step is None else keep | {step}
 
 
-def _check_disjoint(md: DcpMetadata, data: Mapping[StorageKey, ChunkData], blobs: set[str]) -> None:
+def _check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
     """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
     that item's values under this key), whether or not they were opened. Tensor chunks in the safetensors
     blob of a file of ``blobs`` all start at the blob, and empty chunks are never read: exempt from that, but
@@ -200,7 +209,7 @@ def pieces(ld: Loaded, key: str) -> tuple[Piece, ...]:
     t = ld.tensors[key]
     out = []
     for box in distinct(t.chunks):
-        d = ld.data[(key, box.offsets)]
+        d = ld.chunk(key, box.offsets)
         p = box_piece(t.shape, box, d.file, d.byte_offset, t.dtype, rank_of(d.file), d.check)
         if p is not None:
             out.append(p)
@@ -214,8 +223,8 @@ def _same_bytes(ld: Loaded, a: str, b: str) -> bool:
     ba, bb = distinct(ta.chunks), distinct(tb.chunks)
     if sorted((c.offsets, c.sizes) for c in ba) != sorted((c.offsets, c.sizes) for c in bb):
         return False
-    da = [ld.data[(a, c.offsets)] for c in ba]
-    db = [ld.data[(b, c.offsets)] for c in ba]
+    da = [ld.chunk(a, c.offsets) for c in ba]
+    db = [ld.chunk(b, c.offsets) for c in ba]
     if all(x.crc is not None and y.crc is not None for x, y in zip(da, db, strict=True)):
         return all(x.crc == y.crc and x.numel == y.numel for x, y in zip(da, db, strict=True))
     ea = TensorEntry(a, ta.shape, ta.dtype, Role.PARAM, pieces(ld, a))
@@ -285,8 +294,7 @@ def entries(ld: Loaded, slots: Mapping[str, Slot], *, model_only: bool = False) 
         if k in ld.tensors:
             t = ld.tensors[k]
             if s.kind == "model" and s.name not in tied:
-                role = role_of(s.name, t.dtype, trainable)
-                out.model.append(TensorEntry(s.name, t.shape, t.dtype, role, pieces(ld, k)))
+                out.model.append(_model_entry(ld, k, s.name, role_of(s.name, t.dtype, trainable)))
             elif s.kind == "optim":
                 out.optim.append(
                     TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, k), state=s.state)
@@ -302,13 +310,20 @@ def entries(ld: Loaded, slots: Mapping[str, Slot], *, model_only: bool = False) 
     return out
 
 
+def _model_entry(ld: Loaded, key: str, name: str, role: Role) -> TensorEntry:
+    t = ld.tensors[key]
+    if key in ld.lazy:  # its chunks are located when its bytes are first needed
+        return DeferredEntry(name, t.shape, t.dtype, role, functools.partial(pieces, ld, key))
+    return TensorEntry(name, t.shape, t.dtype, role, pieces(ld, key))
+
+
 def _step_entry(ld: Loaded, key: str, s: Slot) -> TensorEntry | None:
     """The optimizer ``step`` state at ``key`` when a model-only open read it (``_model_and_step``)."""
     if s.kind != "optim" or s.state != "step":
         return None
     if key in ld.tensors:
         t = ld.tensors[key]
-        if not all((key, b.offsets) in ld.data for b in distinct(t.chunks)):
+        if key not in ld.lazy and not all((key, b.offsets) in ld.data for b in distinct(t.chunks)):
             return None  # not opened
         return TensorEntry(s.name, t.shape, t.dtype, Role.OPTIM, pieces(ld, key), state=s.state)
     return _optim_value(key, s, ld.values[key]) if key in ld.values else None
@@ -343,8 +358,11 @@ def _read(path: Path, tag: str | None, trust_pickle: bool, model_only: bool) -> 
             part = load_hf_shards(folder)
         else:
             md = load_metadata(folder)
-            part = load_folder(folder, trust_pickle=trust_pickle, model_only=model_only, md=md)
-            _keep(folder, md, part)
+            part = load_folder(
+                folder, trust_pickle=trust_pickle, model_only=model_only, md=md, lazy=model_only
+            )
+            if not model_only:
+                _keep(folder, md, part)
         ld.merge(part, folder)
     slots = {k: classify(ld.paths[k], k in ld.tensors) for k in ld.keys}
     parts = entries(ld, slots, model_only=model_only)
