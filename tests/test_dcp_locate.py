@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,15 @@ def test_a_blob_in_a_file_of_archives_is_refused(tmp_path: Path) -> None:
     info.state["offset"], info.state["length"] = start, len(raw)
     (d / ".metadata").write_bytes(pickles.dump_opaque(md))
     _refused_while_writing(d, tmp_path, "holds both torch.save archives and a safetensors blob", str(f))
+
+
+def test_threads_asking_at_once_get_the_same_pieces(tmp_path: Path) -> None:
+    d = _copy(tmp_path, "fsdp2_w4")
+    with zckpt.open(d) as full:
+        want = {k: full[k] for k in full}
+    with zckpt.open(d, model_only=True) as part, ThreadPoolExecutor(8) as pool:
+        keys = list(part)
+        got = list(pool.map(lambda k: part.entry(k).pieces, keys * 4))
+        assert all(g is part.entry(k).pieces for g, k in zip(got, keys * 4, strict=True))
+        read = pool.map(part.__getitem__, keys)
+        assert all(torch.equal(x, want[k]) for k, x in zip(keys, read, strict=True))

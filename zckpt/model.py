@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -334,7 +335,14 @@ class DeferredEntry(TensorEntry):
     def __getattr__(self, attr: str) -> Any:  # only for what the instance lacks: ``pieces`` until resolved
         if attr != "pieces":
             raise AttributeError(attr)
-        pieces: tuple[Piece, ...] = self.__dict__["_resolve"]()
-        _check_pieces(self.key, self.shape, pieces)
-        object.__setattr__(self, "pieces", pieces)
+        with _RESOLVING:  # one resolution: every thread sees the same Piece objects
+            pieces: tuple[Piece, ...] | None = self.__dict__.get("pieces")
+            if pieces is None:
+                pieces = self.__dict__["_resolve"]()
+                _check_pieces(self.key, self.shape, pieces)
+                object.__setattr__(self, "pieces", pieces)
         return pieces
+
+
+_RESOLVING = threading.RLock()
+"""Held while a ``DeferredEntry`` resolves its pieces (re-entrant: a resolver may read another entry's)."""
