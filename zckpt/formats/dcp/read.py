@@ -91,7 +91,7 @@ def load_folder(
 ) -> Loaded:
     """Metadata (``md`` when already parsed), chunk locations and decoded values of one DCP folder
     (``model_only``: the model tensors' chunks only; every other item is checked against the metadata but
-    not opened). ``lazy``: the chunks are located on a background thread (``locate.Locator``), not now."""
+    not opened). ``lazy``: each tensor's chunks are located when first read (``locate.Locator``), not now."""
     md = md if md is not None else load_metadata(folder)
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
     keep = _model_and_step(md) if model_only else None
@@ -126,8 +126,8 @@ def load_folder(
 
 
 _RECENT: dict[str, tuple[DcpMetadata, Loaded]] = {}
-"""The folders the last ``read`` loaded (by path): the ``.metadata`` parse it used and what they hold. Never
-mutated (``read`` merges them into a fresh ``Loaded``)."""
+"""The folders the last full ``read`` loaded (by path): the ``.metadata`` parse it used and what they hold.
+Never mutated (``read`` merges them into a fresh ``Loaded``). A model-only read (lazy) is not kept."""
 
 
 def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
@@ -137,10 +137,10 @@ def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
 
 
 def model_of(folder: Path, md: DcpMetadata | None) -> Loaded:
-    """The model chunks of the DCP folder whose parsed ``.metadata`` is ``md``: what the last ``read`` of it
-    loaded (the model, whether or not that read was model-only) when it used this very parse (the same object:
-    ``load_metadata`` gives one parse per file content), else loaded model-only now (``md`` None: parsed
-    now). verify's checks after its open so read the folder's chunk archives once, not twice."""
+    """The model chunks of the DCP folder whose parsed ``.metadata`` is ``md``: what the last full ``read`` of
+    it loaded when it used this very parse (the same object: ``load_metadata`` gives one parse per file
+    content), else loaded model-only now (``md`` None: parsed now). verify's checks after its open so read the
+    folder's chunk archives once, not twice."""
     got = _RECENT.get(str(folder))
     if got is not None and md is not None and got[0] is md:
         return got[1]
