@@ -51,13 +51,10 @@ def _fds() -> set[str]:
     return out
 
 
-def _chunk_items(d: Path) -> list[tuple[str, tuple[int, ...], Any]]:
-    """(fqn, chunk offsets, storage info) of every tensor item of the ``.metadata``, in its order."""
+def _chunk_items(d: Path) -> list[tuple[str, Any]]:
+    """(fqn, storage info) of every tensor item of the ``.metadata``, in its order."""
     md = pickles.load_opaque((d / ".metadata").read_bytes())
-    sd = md.state["storage_data"]
-    return [
-        (k.state["fqn"], tuple(k.state["offset"].args[0]), i) for k, i in sd.items() if k.state.get("offset")
-    ]
+    return [(k.state["fqn"], i) for k, i in md.state["storage_data"].items() if k.state.get("offset")]
 
 
 def _flip_signature(d: Path, info: Any) -> Path:
@@ -123,7 +120,7 @@ def test_chunks_are_located_when_first_read_once_and_the_files_then_closed(tmp_p
 
 def test_damaged_archive_fails_the_consolidate_not_the_open(tmp_path: Path) -> None:
     d = _copy(tmp_path)
-    info = next(i for fqn, _, i in _chunk_items(d) if fqn == "model.fc1.weight")
+    info = next(i for fqn, i in _chunk_items(d) if fqn == "model.fc1.weight")
     f = _flip_signature(d, info)
     with zckpt.open(d, model_only=True) as part:
         assert "fc1.weight" in part  # nothing located yet
@@ -136,8 +133,8 @@ def test_first_tensor_item_of_its_file_damaged_is_not_taken_for_a_blob(tmp_path:
     archive the locate names, not a blob whose length the ``.metadata`` got wrong."""
     d = _copy(tmp_path)
     items = _chunk_items(d)
-    rel = items[0][2].state["relative_path"]
-    info = min((i for _, _, i in items if i.state["relative_path"] == rel), key=lambda i: i.state["offset"])
+    rel = items[0][1].state["relative_path"]
+    info = min((i for _, i in items if i.state["relative_path"] == rel), key=lambda i: i.state["offset"])
     f = _flip_signature(d, info)
     line = _refused_while_writing(d, tmp_path, "neither a torch.save archive", str(f))
     assert ".metadata" not in line

@@ -232,8 +232,7 @@ class TensorEntry:
     ``step``): writers give it back that type."""
 
     def __post_init__(self) -> None:
-        if (self.role is Role.OPTIM) != (self.state is not None):
-            raise ValueError(f"{self.name}: optimizer entries need a state name and only they have one")
+        _check_state(self.name, self.role, self.state)
         _check_pieces(self.key, self.shape, self.pieces)
 
     deferred: ClassVar[bool] = False
@@ -282,13 +281,19 @@ class TensorEntry:
         }
 
 
+def _check_state(name: str, role: Role, state: str | None) -> None:
+    if (role is Role.OPTIM) != (state is not None):
+        raise ValueError(f"{name}: optimizer entries need a state name and only they have one")
+
+
 def _check_pieces(key: str, shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> None:
     """The pieces hold exactly the tensor's elements: plain pieces tile it, box pieces add up to it."""
+    numel = math.prod(shape)
     if any(p.grid for p in pieces):  # box pieces: their reader checked that the boxes tile
         total = sum(p.numel for p in pieces)
-        if total != math.prod(shape):
+        if total != numel:
             raise CorruptCheckpoint(
-                f"{key}: pieces hold {total} elements but shape {list(shape)} needs {math.prod(shape)}",
+                f"{key}: pieces hold {total} elements but shape {list(shape)} needs {numel}",
                 hint="a file is missing or belongs to another run",
             )
         return
@@ -300,18 +305,18 @@ def _check_pieces(key: str, shape: tuple[int, ...], pieces: tuple[Piece, ...]) -
                 f"{p.start}, file {p.file or '<inline>'})"
             )
         covered += p.numel
-    if covered != math.prod(shape):
+    if covered != numel:
         raise CorruptCheckpoint(
-            f"{key}: pieces hold {covered} elements but shape {list(shape)} needs {math.prod(shape)}",
+            f"{key}: pieces hold {covered} elements but shape {list(shape)} needs {numel}",
             hint="a rank file is missing or belongs to another run",
         )
 
 
 class DeferredEntry(TensorEntry):
-    """A ``TensorEntry`` whose pieces are found when first asked for: ``resolve()`` gives them (on whichever
-    thread asks first; it must give the same pieces, or raise the same error, on every call). A reader that
-    locates its chunks on a background thread (``zckpt.formats.dcp.locate``) so overlaps the locating with
-    the writing of the tensors before. The pieces are checked as ``TensorEntry``'s are, when resolved."""
+    """A ``TensorEntry`` whose pieces are found when first asked for: ``resolve()`` gives them, once, on
+    whichever thread asks first (it must give the same pieces, or raise the same error, on every call). A
+    reader that locates its chunks then (``zckpt.formats.dcp.locate``) so overlaps the locating with the
+    writing of the tensors before. The pieces are checked as ``TensorEntry``'s are, when resolved."""
 
     deferred: ClassVar[bool] = True
 
@@ -325,12 +330,10 @@ class DeferredEntry(TensorEntry):
         state: str | None = None,
         pytype: str | None = None,
     ) -> None:
-        if (role is Role.OPTIM) != (state is not None):
-            raise ValueError(f"{name}: optimizer entries need a state name and only they have one")
-        for k, v in (("name", name), ("shape", shape), ("dtype", dtype), ("role", role), ("state", state)):
+        _check_state(name, role, state)
+        fields = {"name": name, "shape": shape, "dtype": dtype, "role": role, "state": state}
+        for k, v in (*fields.items(), ("pytype", pytype), ("_resolve", resolve)):
             object.__setattr__(self, k, v)
-        object.__setattr__(self, "pytype", pytype)
-        object.__setattr__(self, "_resolve", resolve)
 
     def __getattr__(self, attr: str) -> Any:  # only for what the instance lacks: ``pieces`` until resolved
         if attr != "pieces":

@@ -31,15 +31,14 @@ Located = dict[tuple[int, ...], ChunkData]
 """A tensor's distinct non-empty chunks by their offsets."""
 
 
-def blob_files(files: Files, md: DcpMetadata, keys: Iterable[str]) -> frozenset[str]:
-    """The files (names as in ``storage_data``) whose first non-empty tensor item of ``keys`` (in
-    ``storage_data`` order) starts a safetensors header. Anything else (an archive, a compressed item, damaged
-    bytes) is left to ``tensor_chunks``, which says what it is."""
-    want = {k for k in keys if k in md.tensors}
+def blob_files(files: Files, md: DcpMetadata) -> frozenset[str]:
+    """The files (names as in ``storage_data``) whose first non-empty tensor item (in ``storage_data``
+    order) starts a safetensors header. Anything else (an archive, a compressed item, damaged bytes) is left
+    to ``tensor_chunks``, which says what it is."""
     seen: set[str] = set()
     out: set[str] = set()
     for (key, offsets), info in md.storage.items():
-        if offsets is None or key not in want or not info.length or info.file in seen:
+        if offsets is None or key not in md.tensors or not info.length or info.file in seen:
             continue
         seen.add(info.file)
         if not info.transforms and _starts_a_blob(storage.pread(files.open(info)[1], 9, info.offset)):

@@ -96,12 +96,12 @@ def load_folder(
     out = Loaded(list(md.keys), dict(md.paths), dict(md.tensors))
     keep = _model_and_step(md) if model_only else None
     kept = [k for k in md.keys if keep is None or k in keep]
-    tensors = [k for k in kept if k in md.tensors]
-    located = set(tensors)
-    with Files(folder) as files:
-        blobs = blob_files(files, md, md.tensors)
+    tensors = {k for k in kept if k in md.tensors}
+    files = Files(folder)  # a lazy open hands it to its Locator, which closes it
+    try:
+        blobs = blob_files(files, md)
         for key in kept:
-            if key in md.tensors:
+            if key in tensors:
                 if not lazy:
                     out.data.update(((key, o), d) for o, d in tensor_chunks(files, md, key, blobs).items())
                 continue
@@ -112,15 +112,19 @@ def load_folder(
                 )
             out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
         used = sorted({str(files.path(i)) for i in md.storage.values()})
-    _check_disjoint(md, blobs)
+        _check_disjoint(md, blobs)
+    except BaseException:
+        files.close()
+        raise
+    if lazy:
+        out.lazy = dict.fromkeys(tensors, Locator(files, md, tensors, blobs))
+    else:
+        files.close()
     out.serialization = {
         "safetensors" if info.file in blobs else "torch_save"
         for k, info in md.storage.items()
-        if k[1] is not None and k[0] in located and info.length
+        if k[1] is not None and k[0] in tensors and info.length
     }
-    if lazy:
-        loc = Locator(Files(folder), md, tensors, blobs)
-        out.lazy = dict.fromkeys(tensors, loc)
     out.files = [md.source, *used]
     return out
 
