@@ -130,11 +130,14 @@ def calibrate(start: Callable[[], int], watch: Path) -> Timing:
         time.sleep(0.001)
 
 
-def kill_at(pid: int, watch: Path, timing: Timing, rng: random.Random, sig: int = signal.SIGKILL) -> str:
+def kill_at(
+    pid: int, watch: Path, timing: Timing, rng: random.Random, sig: int = signal.SIGKILL, early: bool = False
+) -> str:
     """Send ``sig`` at a random moment: 1 trial in 4 uniform over the whole run, else uniform over the write
-    phase (after the first temp name appears). Returns a description of the moment."""
+    phase (after the first temp name appears). ``early``: uniform over the first tenth of the write phase, a
+    moment inside the write even when the calibration run was slow. Returns a description of the moment."""
     t0 = time.monotonic()
-    if rng.random() < 0.25:
+    if not early and rng.random() < 0.25:
         at = rng.uniform(0, timing.total * 1.05)
         while time.monotonic() - t0 < at:
             if exited(pid):
@@ -145,7 +148,7 @@ def kill_at(pid: int, watch: Path, timing: Timing, rng: random.Random, sig: int 
         deadline = t0 + timing.total * 3 + 5
         while not temps(watch) and time.monotonic() < deadline:
             time.sleep(0.001)
-        at = rng.uniform(0, max(timing.total - timing.write_start, 0.01) * 1.05)
+        at = rng.uniform(0, max(timing.total - timing.write_start, 0.01) * (0.1 if early else 1.05))
         time.sleep(at)
         how = f"write+{at:.3f}s"
     try:
