@@ -133,6 +133,29 @@ def test_item_offset_pointing_at_another_item_is_refused(tmp_path: Path) -> None
     assert not zckpt.verify(d).ok
 
 
+def test_bytes_item_pointed_at_an_empty_chunks_archive_is_refused(tmp_path: Path) -> None:
+    """Fuzz seed 41, case 37: an optimizer option's bytes item pointed at the archive of an empty chunk (the
+    1-element ``scale``'s rank-1 chunk). That archive is never read, so the overlap check passed over it, the
+    option became a tensor and ``reshard --to native`` died on it (``unexpected TypeError``)."""
+
+    def edit(st: dict[str, Any]) -> None:
+        sd = st["storage_data"]
+        empty = next(k for k in sd if k.state["fqn"] == "optimizer.state.scale.exp_avg_sq"
+                     and k.state["offset"].args[0] == (1,))  # fmt: skip
+        opt = _storage_key(st, "optimizer.param_groups.1.initial_lr")
+        to, at = sd[opt].state, sd[empty].state
+        to["offset"], to["length"] = at["offset"], at["length"]
+
+    d = _edited(tmp_path, "accelerate_w2/checkpoints/checkpoint_0/optimizer_0", edit)
+    with pytest.raises(CorruptCheckpoint, match="initial_lr.*overlap"):
+        zckpt.open(d)
+    p = _cli("reshard", d, tmp_path / "rs", "--world", "3", "--to", "native", "--no-progress")
+    line = p.stderr.strip().splitlines()[0]
+    assert p.returncode == 2 and "overlap" in line and ".distcp" in line, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "rs").exists()
+
+
 def test_every_fixture_passes_the_cross_checks() -> None:
     """The checks hold on every real save (no false refusal): each folder's metadata parses."""
     from zckpt.formats.dcp.metadata import load_metadata

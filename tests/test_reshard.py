@@ -382,3 +382,27 @@ def test_engine_resumes_deepspeed_run_resharded_to_native(case: str, tmp_path: P
             if ":" not in k:
                 assert torch.equal(sd[k].float(), t.float()), k
     assert eng.get_lr() == pytest.approx([spec["lr"]] * len(groups))
+
+
+def test_native_manifest_refuses_a_tensor_valued_option() -> None:
+    """A param-group option that is a tensor (a DCP item can hold one) is one clear refusal, not a
+    ``TypeError`` from the JSON encoder (fuzz seed 41, case 37, before the overlap check caught it)."""
+    from types import SimpleNamespace
+
+    from zckpt.formats.native.write import optimizer_json
+    from zckpt.model import Piece, TensorEntry
+    from zckpt.state import OptimizerState, ParamGroup
+
+    lr = TensorEntry(
+        "client/lr", (), torch.float32, Role.BUFFER, (Piece("x.distcp", 0, torch.float32, 0, 1),)
+    )
+    plain = ParamGroup(("a",), {"lr": 0.1, "betas": [0.9, 0.99]})
+    state = SimpleNamespace(optimizer=OptimizerState("torch", (plain, ParamGroup(("b",), {"lr": lr})), ()))
+    with pytest.raises(Unsupported, match=r"param group 1's option 'lr' is a tensor \[\]"):
+        optimizer_json(state)  # type: ignore[arg-type]
+    ok = SimpleNamespace(optimizer=OptimizerState("torch", (plain,), ()))
+    assert optimizer_json(ok) == {  # type: ignore[arg-type]
+        "kind": "torch",
+        "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99], "params": ["a"]}],
+        "state_names": [],
+    }

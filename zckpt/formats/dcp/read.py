@@ -167,9 +167,10 @@ def _model_and_step(md: DcpMetadata) -> set[str]:
 
 def _check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
     """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
-    that item's values under this key), whether or not they were opened. Tensor chunks in the safetensors
-    blob of a file of ``blobs`` all start at the blob, and empty chunks are never read: exempt from that, but
-    a blob's item is exactly its chunk's bytes (0 for an empty chunk): another length names another item."""
+    that item's values under this key), whether or not they were opened; an empty chunk's archive too (it
+    is never read, but a bytes item pointed at it would be). Tensor chunks in the safetensors blob of a file
+    of ``blobs`` all start at the blob: exempt from that, but a blob's item is exactly its chunk's bytes (0
+    for an empty chunk): another length names another item."""
     numel: dict[StorageKey, int] = {(k, c.offsets): c.numel for k, t in md.tensors.items() for c in t.chunks}
     by_file: dict[str, list[tuple[int, int, StorageKey]]] = {}
     for k, info in md.storage.items():
@@ -183,7 +184,7 @@ def _check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
                     path=md.source,
                 )
             continue
-        if k[1] is not None and not numel.get(k, 1):
+        if not info.length:  # no bytes to share
             continue
         by_file.setdefault(info.file, []).append((info.offset, info.offset + info.length, k))
     for f, items in by_file.items():
