@@ -539,3 +539,42 @@ def test_metadata_c_pickler_writes_the_pure_picklers_bytes(monkeypatch: pytest.M
     assert fast == slow
     loaded = pickle.loads(fast)  # real torch's classes
     assert isinstance(loaded, real.Metadata) and odd in loaded.state_dict_metadata
+
+
+def test_tensor_lr_is_read_as_its_groups_option_and_reshard_refuses_it(tmp_path: Path) -> None:
+    """``torch.optim.Adam(lr=torch.tensor(...))`` (what torch recommends with a compiled optimizer): DCP saves
+    the ``lr`` as a tensor item under ``param_groups``. It opened as an ``IndexError`` before; now it is the
+    group's option (inspect, consolidate, verify read the checkpoint) and reshard refuses it in one line."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from _safety import assert_one_line_error, cli
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(m.parameters(), lr=torch.tensor(0.003))
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    assert isinstance(osd["param_groups"][0]["lr"], torch.Tensor)
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: "assuming ... a single process"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck))
+
+    with zckpt.open(ck) as c:
+        assert c.meta.state.optimizer is not None
+        lr = c.meta.state.optimizer.groups[0].options["lr"]
+        assert c.read(lr).item() == torch.tensor(0.003).item()
+        assert c.meta.state.optimizer.groups[0].options["betas"] == [0.9, 0.999]
+    out = tmp_path / "m.safetensors"
+    zckpt.consolidate(ck, out, progress=False)
+    got = load_file(out)
+    assert set(got) == set(m.state_dict()) and all(torch.equal(got[k], v) for k, v in m.state_dict().items())
+    assert zckpt.verify(ck).ok
+    for to in ("native", "dcp", "deepspeed"):
+        r = cli("reshard", ck, tmp_path / to, "--world", "2", "--to", to, "--no-progress")
+        assert r.code == 2
+        assert_one_line_error(r, "param group 0's option 'lr' is a tensor", str(ck))
+        assert not (tmp_path / to).exists()

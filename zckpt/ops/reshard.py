@@ -155,6 +155,14 @@ def _job(
                 f"cannot write format {target.name!r}; reshard writes 'native', 'deepspeed' or 'dcp'"
             )
         root = input_root(ckpt.meta)
+        opt = ckpt.meta.state.optimizer
+        hit = opt.tensor_option() if opt is not None else None
+        if hit is not None:
+            raise Unsupported(
+                f"{root}: param group {hit[0]}'s option {hit[1]!r:.80} is a tensor {list(hit[2].shape)}; "
+                "reshard cannot carry a tensor-valued optimizer option yet",
+                hint="inspect, consolidate, verify and diff read this checkpoint",
+            )
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)
         out_tag = ckpt.meta.tag or "reshard"

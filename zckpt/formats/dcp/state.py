@@ -140,6 +140,12 @@ def assemble(
             set_path(sched, s.path, v.value)
         elif s.kind == "client":
             set_path(client, s.path, v.value)
-    for key, e in client_tensors.items():
-        set_path(client, slots[key].path, e)
+    for key, e in client_tensors.items():  # a tensor option (torch takes a tensor ``lr``) goes to its group
+        s = slots[key]
+        if s.kind == "group" and s.group is not None:
+            groups.setdefault(s.group, {})[s.state] = e
+        elif s.kind == "scheduler":
+            set_path(sched, s.path or (key,), e)
+        else:
+            set_path(client, s.path or (key,), e)
     return groups, listify(sched) if sched else None, listify(client), raw
