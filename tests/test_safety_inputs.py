@@ -155,6 +155,21 @@ def test_deepspeed_truncated(case: str, file: str, tmp_path: Path) -> None:
         run_all(ck, work, file)
 
 
+def test_zip_end_record_naming_another_disk(tmp_path: Path) -> None:
+    """Fuzz seed 43, case 36: a flipped byte in a DeepSpeed file's zip64 end locator made its "total number
+    of disks" 141; ``zipfile.is_zipfile`` raised ``BadZipFile`` ("span multiple disks") through every
+    command as "unexpected BadZipFile". Now each command names the file in one line."""
+    ck = copy_case(DS3, tmp_path)
+    f = ck / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    loc = data.rfind(b"PK\x06\x07")  # torch.save writes zip64 records: the zip64 end locator
+    assert loc > 0 and data[loc + 16 : loc + 20] == b"\1\0\0\0"
+    data[loc + 16] = 0x8D  # its "total number of disks" (the fuzz case's flip)
+    f.write_bytes(bytes(data))
+    runs = run_all(ck, tmp_path, "zero_pp_rank_0_mp_rank_00_model_states.pt", "multiple disks")
+    assert set(runs) >= {"inspect", "consolidate", "verify", "reshard"}
+
+
 @pytest.mark.parametrize("make", [make_safetensors, make_bin], ids=["safetensors", "bin"])
 def test_single_file_truncated(make: Callable[[Path], Path], tmp_path: Path) -> None:
     size = make(tmp_path).stat().st_size

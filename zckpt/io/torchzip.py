@@ -33,6 +33,8 @@ def is_torch_zip(path: str) -> bool:
     try:
         with storage.open_regular(path) as f:
             return zipfile.is_zipfile(f)
+    except zipfile.BadZipFile:  # a zip whose end record it cannot take: the readers say what is wrong
+        return True
     except (OSError, ZckptError):
         return False
 
@@ -163,7 +165,11 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
             raise CorruptCheckpoint(
                 f"{path}: empty file (0 bytes)", hint="the save or copy did not finish", path=path
             )
-        if not zipfile.is_zipfile(f):
+        try:
+            is_zip = zipfile.is_zipfile(f)
+        except zipfile.BadZipFile as e:  # an end record it cannot take ("span multiple disks")
+            raise CorruptCheckpoint(f"{path}: damaged zip end record ({e})", path=path) from None
+        if not is_zip:
             raise Unsupported(
                 f"{path}: not a zip-format torch file (a legacy torch<1.6 file, or damaged)",
                 hint="re-save it with a recent torch.save, or check the copy is complete",
