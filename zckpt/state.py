@@ -48,11 +48,13 @@ class OptimizerState:
         """Index of the group holding parameter ``name``."""
         return next((i for i, g in enumerate(self.groups) if name in g.params), None)
 
-    def tensor_option(self) -> tuple[int, str, TensorEntry] | None:
-        """The first option that is (or holds) a tensor, as ``(group index, option path, entry)``: torch
-        takes a tensor ``lr``, and DCP saves it as a tensor item."""
-        hits = ((i, p, e) for i, g in enumerate(self.groups) for p, e in tensor_leaves(dict(g.options)))
-        return next(hits, None)
+    def tensor_option(self) -> str | None:
+        """The first option that is (or holds) a tensor, described (``param group 0's option 'lr' is a tensor
+        []``), or None: torch takes a tensor ``lr``, and DCP saves it as a tensor item."""
+        for i, g in enumerate(self.groups):
+            for path, e in tensor_leaves(dict(g.options)):
+                return f"param group {i}'s option {path!r:.80} is a tensor {list(e.shape)}"
+        return None
 
 
 @dataclass(frozen=True)

@@ -156,11 +156,10 @@ def _job(
             )
         root = input_root(ckpt.meta)
         opt = ckpt.meta.state.optimizer
-        hit = opt.tensor_option() if opt is not None else None
-        if hit is not None:
+        tensor = opt.tensor_option() if opt is not None else None
+        if tensor is not None:
             raise Unsupported(
-                f"{root}: param group {hit[0]}'s option {hit[1]!r:.80} is a tensor {list(hit[2].shape)}; "
-                "reshard cannot carry a tensor-valued optimizer option yet",
+                f"{root}: {tensor}; reshard cannot carry a tensor-valued optimizer option yet",
                 hint="inspect, consolidate, verify and diff read this checkpoint",
             )
         out = default_dst(root, world) if dst is None else dst

@@ -144,8 +144,6 @@ def assemble(
         s = slots[key]
         if s.kind == "group" and s.group is not None:
             groups.setdefault(s.group, {})[s.state] = e
-        elif s.kind == "scheduler":
-            set_path(sched, s.path or (key,), e)
         else:
-            set_path(client, s.path or (key,), e)
+            set_path(client, s.path, e)
     return groups, listify(sched) if sched else None, listify(client), raw

@@ -139,12 +139,9 @@ def optimizer_json(state: TrainingState) -> dict[str, Any] | None:
     opt = state.optimizer
     if opt is None:
         return None
-    hit = opt.tensor_option()
-    if hit is not None:
-        raise Unsupported(
-            f"param group {hit[0]}'s option {hit[1]!r:.80} is a tensor {list(hit[2].shape)}: the native "
-            "manifest keeps options as JSON values"
-        )
+    tensor = opt.tensor_option()
+    if tensor is not None:
+        raise Unsupported(f"{tensor}: the native manifest keeps options as JSON values")
     groups = [{**to_json(dict(g.options)), "params": list(g.params)} for g in opt.groups]
     return {"kind": opt.kind, "param_groups": groups, "state_names": list(opt.state_names)}
 
