@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
+import pytest
 import torch
 
 from zckpt.formats import deepspeed as ds
+from zckpt.formats import native
 from zckpt.model import Role
 
 LOW = torch.bfloat16
@@ -153,8 +155,6 @@ def test_module_param_swapped_with_an_optimizer_state_is_refused(tmp_path: Path)
     is not its master's, and that is refused, naming the file."""
     import shutil
 
-    import pytest
-
     from zckpt.errors import ShardMismatch
 
     src = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2"
@@ -170,19 +170,62 @@ def test_module_param_swapped_with_an_optimizer_state_is_refused(tmp_path: Path)
         ds.read(d)
 
 
-def test_reshard_to_deepspeed_of_unnamed_masters_names_the_file_and_why(tmp_path: Path) -> None:
-    """Masters the reader could not name (fuzz seed 13 case 123: a moment swapped with its master): the
-    refusal names the model file and the reader's reason, not the tag folder."""
-    import pytest
+def test_module_param_swapped_with_a_state_of_its_shape_is_refused(tmp_path: Path) -> None:
+    """Fuzz seed 43 case 97 on the real DeepSpeed 0.19.8 ZeRO-0 bf16 save: ``norm.weight`` (bf16 [7]) and
+    ``state[3].exp_avg_sq`` (fp32 [7], another param's moment of the same shape) traded places. The shapes
+    all still agree, and the reader fell back to the module weights, so ``reshard --to native`` wrote the
+    moment as ``norm.weight`` with exit 0. One state held in bf16 where every other param's is fp32 is
+    refused, naming the file and both slots."""
+    import shutil
 
+    from zckpt.errors import ShardMismatch
+
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2"
+    d = tmp_path / "ckpt"
+    shutil.copytree(src, d)
+    f = d / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)  # the committed fixture: our own file
+    st = sd["optimizer"]["optimizer_state_dict"]["state"][3]
+    assert st["exp_avg_sq"].shape == sd["module"]["norm.weight"].shape
+    sd["module"]["norm.weight"], st["exp_avg_sq"] = st["exp_avg_sq"], sd["module"]["norm.weight"]
+    torch.save(sd, f)
+    with pytest.raises(ShardMismatch, match=r"mp_rank_00_model_states\.pt: optimizer state 'exp_avg_sq' of "
+                       r"fp32_groups\[0\]\[3\] is torch\.bfloat16, that of fp32_groups\[0\]\[1\] "
+                       r"torch\.float32"):  # fmt: skip
+        ds.read(d)
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "native", "dcp"])
+def test_reshard_of_unnamed_masters_names_the_file_and_why(to: str, tmp_path: Path) -> None:
+    """Masters the reader could not name (fuzz seed 13 case 123: a moment swapped with its master) leave
+    the module weights and no optimizer: every reshard target refuses (``--to native`` used to write a run
+    that resumes with fresh moments, exit 0), naming the model file and the reader's reason."""
     from zckpt import reshard
     from zckpt.errors import Unsupported
 
     model = [("a", _vals(1, 4), 0), ("b", _vals(2, 4), 0)]
     d, _ = _save(tmp_path / "in", model, fp32_override={"b": _vals(3, 4)})
     with pytest.raises(Unsupported) as e:
-        reshard(d, tmp_path / "out", world=2, to="deepspeed", progress=False)
+        reshard(d, tmp_path / "out", world=2, to=to, progress=False)
     msg = str(e.value)
     assert msg.startswith(str(d / "global_step3" / "mp_rank_00_model_states.pt") + ": "), msg
     assert "fp32_groups[0][1] (shape [4]) matches no 16-bit module param" in msg, msg
     assert not (tmp_path / "out").exists()
+
+
+def test_reshard_of_a_zero0_file_without_optimizer_keeps_the_module_weights(tmp_path: Path) -> None:
+    """A ZeRO-0 save with no optimizer (``save_checkpoint`` of a model-only engine) has nothing to lose: its
+    reshard writes the 16-bit module weights at the new world size, read back equal."""
+    from zckpt import reshard
+
+    model = [("a", _vals(1, 4), 0), ("b", _vals(2, 3), 0)]
+    d, _ = _save(tmp_path / "in", model)
+    f = d / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=True)
+    del sd["optimizer"]
+    torch.save(sd, f)
+    reshard(d, tmp_path / "out", world=2, to="native", progress=False)
+    out = native.read(tmp_path / "out")
+    for name, v, _ in model:
+        assert torch.equal(out[name].to(LOW), v.to(LOW)), name
+    assert out.meta.state.optimizer is None

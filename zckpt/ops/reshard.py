@@ -162,6 +162,7 @@ def _job(
                 f"{root}: {tensor}; reshard cannot carry a tensor-valued optimizer option yet",
                 hint="inspect, consolidate, verify and diff read this checkpoint",
             )
+        _check_masters_named(ckpt)
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)
         out_tag = ckpt.meta.tag or "reshard"
@@ -184,6 +185,21 @@ def _job(
         + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
     return _Job(ckpt, target.writer, plan, out, res, side)
+
+
+def _check_masters_named(ckpt: Checkpoint) -> None:
+    """A ZeRO-0 file whose fp32 masters the reader could not name by value (``meta.extra["zero0_unmapped"]``)
+    is read as its 16-bit module weights with no optimizer: a reshard of it would write a run that resumes
+    with fresh optimizer moments and 16-bit masters, so it is refused when the file records an optimizer."""
+    why = ckpt.meta.extra.get("zero0_unmapped")
+    if not isinstance(why, str) or ckpt.meta.state.optimizer is None:
+        return
+    where = str(ckpt.meta.files[0]) if ckpt.meta.files else str(ckpt.meta.path)
+    raise Unsupported(
+        f"{where}: fp32 masters not mapped to names ({why}), so reshard cannot carry the optimizer state",
+        hint="consolidate writes the module weights; a file whose masters match no module param was altered",
+        path=where,
+    )
 
 
 def reshard(

@@ -177,16 +177,6 @@ class DeepSpeedWriter(CheckpointWriter):
         grouped = {n for g in groups for n in g}
         missing = [e.name for e in ckpt.model_entries() if e.role is Role.PARAM and e.name not in grouped]
         if missing:
-            why = ckpt.meta.extra.get("zero0_unmapped")
-            if isinstance(why, str) and ckpt.meta.files:
-                where = str(ckpt.meta.files[0])  # a ZeRO-0 file whose masters the reader could not name
-                raise Unsupported(
-                    f"{where}: fp32 masters not mapped to names ({why}), so no optimizer state can be "
-                    "written",
-                    hint="reshard --to native and consolidate keep the module weights (without the "
-                    "optimizer); a file whose masters match no module param was altered",
-                    path=where,
-                )
             raise Unsupported(
                 f"{ckpt.meta.path}: params {missing[:3]} belong to no optimizer param group",
                 hint="the source records no optimizer; DeepSpeed files need one",

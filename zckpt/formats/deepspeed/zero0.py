@@ -210,6 +210,7 @@ def _check_state_shapes(
     params hold theirs per element, is a damaged file (params of one element tell nothing: skipped)."""
     per_elem: dict[str, tuple[int, int]] = {}
     scalar: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, tuple[str, tuple[int, int]]] = {}  # per-element state: (dtype, first slot holding it)
     for (g, i), st in states.items():
         want = tuple(groups[g][i].shape)
         for s, v in st.items():
@@ -225,11 +226,29 @@ def _check_state_shapes(
                     scalar.setdefault(s, (g, i))
                 elif isinstance(v, TensorRef):
                     per_elem.setdefault(s, (g, i))
+                    _check_state_dtype(dtypes, s, str(v.dtype), (g, i), file)
     for s in per_elem.keys() & scalar.keys():
         (g, i), (eg, ei) = scalar[s], per_elem[s]
         raise ShardMismatch(
             f"{file}: optimizer state {s!r:.40} of fp32_groups[{g}][{i}] is a scalar, that of "
             f"fp32_groups[{eg}][{ei}] (and its master) has one value per element",
+            hint="the file was altered or is damaged",
+            path=file,
+        )
+
+
+def _check_state_dtype(
+    seen: dict[str, tuple[str, tuple[int, int]]], s: str, dtype: str, slot: tuple[int, int], file: str
+) -> None:
+    """A torch optimizer keeps a per-element state in one dtype for every param (``exp_avg`` is
+    ``zeros_like`` the fp32 master): one in another dtype is a tensor swapped in (fuzz seed 43 case 97: a
+    bf16 module weight of the master's shape in place of an ``exp_avg_sq``)."""
+    first = seen.setdefault(s, (dtype, slot))
+    if first[0] != dtype:
+        (g, i), (fg, fi) = slot, first[1]
+        raise ShardMismatch(
+            f"{file}: optimizer state {s!r:.40} of fp32_groups[{g}][{i}] is {dtype}, that of "
+            f"fp32_groups[{fg}][{fi}] {first[0]}",
             hint="the file was altered or is damaged",
             path=file,
         )
