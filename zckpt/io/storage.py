@@ -12,6 +12,7 @@ function (``objstore.parse``), and nowhere else; its descriptors are negative ha
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -150,6 +151,13 @@ def expect(path: str, offset: int, limit: int | None) -> None:
     soon. An object starts fetching it now (``objstore.expect``); a local file ignores it."""
     if limit is not None and objstore.is_url(path):
         objstore.expect(path, offset, limit)
+
+
+def read_ahead(nbytes: int) -> contextlib.AbstractContextManager[None]:
+    """A hint: while the block runs, reads are announced (``expect``) and their records located up to
+    ``nbytes`` ahead of the reading. An object store keeps that much more of its small reads cached
+    (``objstore.cache_room``), so that the reading finds them; local files ignore it."""
+    return objstore.cache_room(nbytes)
 
 
 def pread(fd: int, n: int, offset: int) -> bytes:
