@@ -11,7 +11,8 @@ the object's file, so a ranged GET costs its range, as on S3). Both are real S3 
 that the client talks HTTP to.
 
 The inputs are built by ``.venv-ds/bin/python bench/make_inputs.py --only gpt16m_z3_w2 gpt100m_z3_w2`` (real
-DeepSpeed, 16M / 100M GPT, ZeRO-3, world 2, one AdamW step). The server is moto in a process of its own.
+DeepSpeed, 16M / 100M GPT, ZeRO-3, world 2, one AdamW step); a DCP folder (``.metadata``) works too.
+``--tree``: the zckpt tree the commands import, for a before/after on one server.
 ``--link-mbit``: both jobs' requests (the direct consolidate and the download) go through one proxy that
 carries at most that many megabits per second of response bodies in all, relayed as they arrive (a network
 link to the store); without it, both go straight to the server. Figures per job: wall time (each of
@@ -177,7 +178,7 @@ def _fresh(work: Path, *stems: str) -> None:
 
 def _needed(src: Path) -> int:
     """The bytes the output needs: the stored bytes of every model tensor (the fp32 masters, frozen params,
-    buffers) plus the whole model-state files (read for their metadata)."""
+    buffers) plus the whole model-state files (read for their metadata), or a DCP folder's ``.metadata``."""
     import zckpt
 
     with zckpt.open(src) as ck:
@@ -189,6 +190,8 @@ def _needed(src: Path) -> int:
             if p.file
         )
         files = {f for f in ck.meta.files if f.endswith("model_states.pt")}
+    if (src / ".metadata").is_file():  # a DCP folder: its index is read whole
+        files.add(str(src / ".metadata"))
     return data + sum(os.path.getsize(f) for f in files)
 
 
@@ -200,11 +203,13 @@ def main() -> None:
                     "link to the store; 0: straight to the local server)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of each job (median reported)")
     ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server (see above)")
+    ap.add_argument("--tree", help="the zckpt tree the timed commands import (an A/B; default: this one)")
     ap.add_argument("--append", metavar="MD", help="also append the result as a section of this Markdown")
     args = ap.parse_args()
     src = Path(args.input)
-    if not (src / "latest").is_file():
+    if not (src / "latest").is_file() and not (src / ".metadata").is_file():
         raise SystemExit(f"{src}: build it first: .venv-ds/bin/python bench/make_inputs.py --only {src.name}")
+    tree = Path(args.tree).resolve() if args.tree else REPO
     load0 = os.getloadavg()
     srv = _s3.start_child() if args.server == "moto" else S3rver.start()
     creds = S3rver.creds if args.server == "s3rver" else _s3.CREDS
@@ -220,7 +225,7 @@ def main() -> None:
         url = _s3.upload(c, src, "bench", src.name)
         base = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]),
             **dict(_s3.env_for(link.url if args.link_mbit else srv.url)),
             **creds,
         }
