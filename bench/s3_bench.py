@@ -51,11 +51,13 @@ def _du(p: Path) -> int:
 
 
 def _zckpt(args: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Run the CLI in a child; (wall seconds, child's peak RSS in bytes)."""
+    """Run the CLI in a child; (wall seconds, child's peak RSS in bytes). It runs in the tree it imports
+    (the first ``PYTHONPATH`` entry): ``python -c`` puts its working folder first on ``sys.path``."""
     t = time.perf_counter()
     p = subprocess.run(
         [sys.executable, "-c", _RSS + _FAST_EXIT + "main()", *args],
         env=env,
+        cwd=env["PYTHONPATH"].split(os.pathsep)[0],
         capture_output=True,
         text=True,
     )

@@ -245,7 +245,7 @@ def _pieces_fill(
         window.append((i, lo, hi, _done(job(i, lo, hi))))
         hand_over()
         return out
-    room = storage.read_ahead(2 * (workers + 1) * step if layout.remote else 0)  # fp32 from bf16: 2x
+    room = storage.read_ahead(2 * (workers + 1) * step if layout.remote else 0)  # fp32 read for bf16: 2x
     with room, ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
             for lo, hi in pieces:

@@ -38,8 +38,10 @@ CACHE_BLOCKS = 32
 """Blocks kept (LRU, whole process): 8 MiB at most, plus the room that running fills ask for
 (``cache_room``)."""
 _pool: ThreadPoolExecutor | None = None
+MAX_ROOM = 64 << 20
+"""The most that running ``cache_room`` blocks add in all (64 MiB: 256 blocks)."""
 _room = 0
-"""Blocks that running ``cache_room`` blocks add to ``CACHE_BLOCKS``."""
+"""Blocks that running ``cache_room`` blocks ask to add to ``CACHE_BLOCKS`` (at most ``MAX_ROOM`` count)."""
 
 
 @contextlib.contextmanager
@@ -48,7 +50,8 @@ def cache_room(nbytes: int) -> Iterator[None]:
     far ahead of reading them (the write pipeline announces the pieces it queues, and a DCP chunk archive's
     head and tail blocks, fetched to locate it, also hold its data) finds them still cached when it reads
     them (with the 32 blocks alone, a 48-layer DCP world-8 consolidate fetched 1.8x the bytes it needed,
-    blocks evicted before their data was read). Memory: at most ``nbytes`` more while the block runs."""
+    blocks evicted before their data was read). Memory: at most ``nbytes`` more while the block runs, and
+    ``MAX_ROOM`` for all the running blocks together."""
     global _room
     k = max(0, nbytes) // BLOCK
     with _lock:
@@ -63,7 +66,7 @@ def cache_room(nbytes: int) -> Iterator[None]:
 
 def _trim() -> None:
     """Drop the least recently used blocks past the capacity (``_lock`` held)."""
-    while len(_cache) > CACHE_BLOCKS + _room:
+    while len(_cache) > CACHE_BLOCKS + min(_room, MAX_ROOM // BLOCK):
         _cache.popitem(last=False)
 
 
