@@ -148,23 +148,29 @@ def test_equal_16bit_in_different_groups_falls_back(tmp_path: Path) -> None:
     _assert_fallback(ds.read(d), model, "param groups 0 and 1")
 
 
+def _swap_in_fixture(tmp_path: Path, param: str, slot: int) -> Path:
+    """A copy of the real DeepSpeed 0.19.8 ZeRO-0 bf16 fixture with module ``param`` and the ``exp_avg_sq``
+    of torch optimizer state ``slot`` traded places (fuzz ``swap-tensors``)."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2", d)
+    f = d / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)  # the committed fixture: our own file
+    st = sd["optimizer"]["optimizer_state_dict"]["state"][slot]
+    sd["module"][param], st["exp_avg_sq"] = st["exp_avg_sq"], sd["module"][param]
+    torch.save(sd, f)
+    return d
+
+
 def test_module_param_swapped_with_an_optimizer_state_is_refused(tmp_path: Path) -> None:
     """Fuzz seed 2 case 217 on the real DeepSpeed 0.19.8 ZeRO-0 bf16 save: the frozen ``frozen.weight`` and
     ``state[4].exp_avg_sq`` traded places. The module no longer matches its fp32 masters, so the reader
     falls back to the module weights, which now hold the moment; the state's shape (the frozen param's)
     is not its master's, and that is refused, naming the file."""
-    import shutil
-
     from zckpt.errors import ShardMismatch
 
-    src = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2"
-    d = tmp_path / "ckpt"
-    shutil.copytree(src, d)
-    f = d / "global_step3" / "mp_rank_00_model_states.pt"
-    sd = torch.load(f, weights_only=False)  # the committed fixture: our own file
-    st = sd["optimizer"]["optimizer_state_dict"]["state"][4]
-    sd["module"]["frozen.weight"], st["exp_avg_sq"] = st["exp_avg_sq"], sd["module"]["frozen.weight"]
-    torch.save(sd, f)
+    d = _swap_in_fixture(tmp_path, "frozen.weight", 4)
     with pytest.raises(ShardMismatch, match=r"mp_rank_00_model_states\.pt: optimizer state 'exp_avg_sq' of "
                        r"fp32_groups\[0\]\[4\] has shape \[7, 7\], its fp32 master \[7\]"):  # fmt: skip
         ds.read(d)
@@ -176,19 +182,9 @@ def test_module_param_swapped_with_a_state_of_its_shape_is_refused(tmp_path: Pat
     all still agree, and the reader fell back to the module weights, so ``reshard --to native`` wrote the
     moment as ``norm.weight`` with exit 0. One state held in bf16 where every other param's is fp32 is
     refused, naming the file and both slots."""
-    import shutil
-
     from zckpt.errors import ShardMismatch
 
-    src = Path(__file__).resolve().parents[1] / "fixtures" / "ds" / "s0_bf16_w2"
-    d = tmp_path / "ckpt"
-    shutil.copytree(src, d)
-    f = d / "global_step3" / "mp_rank_00_model_states.pt"
-    sd = torch.load(f, weights_only=False)  # the committed fixture: our own file
-    st = sd["optimizer"]["optimizer_state_dict"]["state"][3]
-    assert st["exp_avg_sq"].shape == sd["module"]["norm.weight"].shape
-    sd["module"]["norm.weight"], st["exp_avg_sq"] = st["exp_avg_sq"], sd["module"]["norm.weight"]
-    torch.save(sd, f)
+    d = _swap_in_fixture(tmp_path, "norm.weight", 3)
     with pytest.raises(ShardMismatch, match=r"mp_rank_00_model_states\.pt: optimizer state 'exp_avg_sq' of "
                        r"fp32_groups\[0\]\[3\] is torch\.bfloat16, that of fp32_groups\[0\]\[1\] "
                        r"torch\.float32"):  # fmt: skip
