@@ -209,11 +209,8 @@ def read_into(x: object, offset: int, out: memoryview, limit: int | None = None)
         return
     if limit is not None and min(limit, total) >= offset + n:
         _sequential(u, offset, out, min(limit, total))
-        return
-    if n < BLOCK:
-        _blocks(u, offset, out)
-        return
-    _read_parts(u, offset, out)
+    else:
+        _direct(u, offset, out)
 
 
 def _sequential(u: Url, offset: int, out: memoryview, limit: int) -> None:
@@ -230,11 +227,17 @@ def _sequential(u: Url, offset: int, out: memoryview, limit: int) -> None:
         m = min(n - done, stop - at)
         if stop > at + m or ahead.held(u, at):
             ahead.read(u, at, out[done : done + m], stop, window_bytes(), _read_parts)
-        elif m < BLOCK:
-            _blocks(u, at, out[done : done + m])
         else:
-            _read_parts(u, at, out[done : done + m])
+            _direct(u, at, out[done : done + m])
         done += m
+
+
+def _direct(u: Url, offset: int, out: memoryview) -> None:
+    """A read with nothing to fetch ahead: under ``BLOCK`` bytes from the block cache, else in parts."""
+    if len(out) < BLOCK:
+        _blocks(u, offset, out)
+    else:
+        _read_parts(u, offset, out)
 
 
 def _blocks(u: Url, offset: int, out: memoryview) -> None:
