@@ -156,7 +156,7 @@ def test_failure_leaves_nothing(
 
 @pytest.mark.slow
 def test_sigkill_mid_upload_never_looks_complete(
-    src: tuple[Path, str], s3_server: _s3.Server, s3env: object
+    src: tuple[Path, str], s3_server: _s3.Server, s3env: object, tmp_path: Path
 ) -> None:
     """Kill ``reshard --to native`` at 20 random moments (half uniform over an uninterrupted run's duration,
     half within 0.3 s of the first object's upload, each write slowed by 0.2 s): the
@@ -164,7 +164,8 @@ def test_sigkill_mid_upload_never_looks_complete(
     that does not look complete), or is complete and verifies clean: the tag folder once its manifest is
     there, the save folder once ``latest`` is. Never a manifest without its data."""
     env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # fmt: skip
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "TMPDIR": str(tmp_path)}  # fmt: skip  # a killed run's local stand-in stays: here, not in /tmp
     c = s3_server.client()
 
     def launch(dst: str) -> subprocess.Popen[bytes]:
