@@ -261,6 +261,35 @@ def reshard_job(src: Path, dst: Path, label: str, extra: list[str]) -> Job:
     )
 
 
+_PACKAGES = (
+    "import os, sys, sysconfig, importlib\n"
+    "import torch, numpy, safetensors, tqdm, zckpt.cli.app\n"
+    "for m in ('isal', 'rich', 'typer._adapters'):\n"
+    "    try: importlib.import_module(m)\n"
+    "    except ImportError: pass\n"
+    "std = sysconfig.get_paths()['stdlib']\n"
+    "found = set()\n"
+    "for name in list(sys.modules):\n"
+    "    top = sys.modules.get(name.split('.')[0])\n"
+    "    where = list(getattr(top, '__path__', None) or [getattr(top, '__file__', None) or ''])[0]\n"
+    "    if where and not where.startswith(std): found.add(where)\n"
+    "found.update(p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if os.path.isdir(p))\n"
+    "print('\\n'.join(sorted(found)))\n"
+)
+
+
+def _uncompiled_sources() -> list[str]:
+    """What to byte-compile before any timed run: an installed package has its bytecode compiled at install
+    time, but this host's image ships torch without it and sets ``PYTHONDONTWRITEBYTECODE=1``, the wheels
+    ``gpu_env.sh`` adds are installed ``--no-compile``, and a fresh copy of the repo has none, so every start
+    compiled what it imported from source (~2.4 s of torch's in the H200 profile; typer's pydantic, a
+    ``PYTHONPATH`` wheel, was missed until 2026-12-05). Every package a command's process imports (torch's,
+    the command line's, typer's lazily imported pydantic) and every ``PYTHONPATH`` folder but the repo's."""
+    got = subprocess.run([PY, "-c", _PACKAGES], capture_output=True, text=True, check=False).stdout
+    repo = HERE.parent.resolve()
+    return [d for d in got.splitlines() if d and Path(d).resolve() != repo]  # the repo: its zckpt/ only
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
@@ -299,11 +328,7 @@ def main() -> None:
             check=True,
         )
     ctx = Ctx(a, json.loads(pj.read_text()))
-    # an installed package has its bytecode compiled at install time; this host's image ships torch without it
-    # and a fresh copy of the repo has none, so every start compiled ~2.4 s of source (H200 profile)
-    mods = ("torch", "numpy", "typer", "rich", "click", "safetensors", "tqdm", "isal")
-    pkgs = f"import {', '.join(mods)}; print(' '.join(m.__path__[0] for m in ({', '.join(mods)})))"
-    dirs = subprocess.run([PY, "-c", pkgs], capture_output=True, text=True, check=False).stdout.split()
+    dirs = _uncompiled_sources()
     t0 = time.perf_counter()
     subprocess.run(
         [PY, "-m", "compileall", "-q", "-j", "0", str(HERE.parent / "zckpt"), *dirs],
