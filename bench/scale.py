@@ -24,6 +24,9 @@ speed, overlapped (the larger of the two); ``of_floor`` = floor / wall. Peak RSS
 (``bench/run.py``'s ``measure``). ``--profile`` runs the named jobs once more under ``py-spy record``
 (raw folded stacks, idle threads included) into ``--out``.
 
+Before the first timed run every package a command imports is byte-compiled, as ``pip install`` does for a
+user (the host's image forbids writing bytecode; ``_uncompiled_sources``).
+
 One ``SCALE {json}`` line per run, a ``SCALESUM`` line per job, and ``scale.md`` (the table) in ``--out``.
 """
 
