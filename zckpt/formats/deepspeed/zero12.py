@@ -75,10 +75,10 @@ def zero12(osds: list[Node], param_shapes: list[Node], ws: int, padded: bool) ->
         available = sum(lens) - (sum(gpads) if padded else 0)
         placed, n_g = _placed(shapes, apad, max(available, 0))
         if n_g != available or ws * part - n_g != sum(gpads):
-            raise ShardMismatch(
-                f"{osds[0].file}: param group {g}: param_shapes consumed {n_g} elements of "
-                f"{available} stored across {ws} ranks (padding {gpads})",
-                hint="model and optimizer files come from different runs",
+            raise ShardMismatch(  # either file may be the odd one: both named, as ZeRO-3 does
+                f"{osds[0].file}: param group {g} holds {available} fp32 elements across {ws} ranks "
+                f"(padding {gpads}) but param_shapes of {Path(shapes.file).name} need {n_g}",
+                hint="model and optimizer files come from different runs, or one of them was altered",
                 path=osds[0].file,
             )
         for name, shape, n, off in placed:
