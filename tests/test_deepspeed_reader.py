@@ -349,6 +349,18 @@ def test_consumed_mismatch(tmp_path, fake_deepspeed):
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in str(ei.value), ei.value
 
 
+def test_group_count_mismatch_names_both_files(tmp_path, fake_deepspeed):
+    build_zero12(tmp_path / "a", 1, 2)
+    with pytest.MonkeyPatch.context() as mp:  # a model file whose param_shapes list a third group
+        mp.setattr(sys.modules[__name__], "GROUPS", [*GROUPS, {"x": (4,)}])
+        build_zero12(tmp_path / "b", 1, 2)
+    shutil.copy(tmp_path / "b/global_step5/mp_rank_00_model_states.pt", tmp_path / "a/global_step5")
+    with pytest.raises(ShardMismatch) as ei:
+        ds.read(tmp_path / "a")
+    _one_line(ei.value, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert "2 flat fp32 tensors" in str(ei.value) and "mp_rank_00_model_states.pt lists 3 groups" in str(ei.value)
+
+
 def test_empty_dir_and_wrong_level(tmp_path, fake_deepspeed):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnknownFormat) as ei:

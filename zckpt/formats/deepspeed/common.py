@@ -176,15 +176,19 @@ class Layout:
         return out
 
 
-def fp32_flats(osds: list[Node], key: str, groups: int, what: str) -> list[list[TensorRef]]:
-    """Each rank's list of flat fp32 tensors under ``key`` (one per group or sub-group), counts checked."""
+def fp32_flats(osds: list[Node], key: str, param_shapes: list[Node], what: str) -> list[list[TensorRef]]:
+    """Each rank's list of flat fp32 tensors under ``key`` (one per group or sub-group of ``param_shapes``,
+    the model file's), counts checked."""
     flats: list[list[TensorRef]] = []
+    groups = len(param_shapes)
+    model = Path(param_shapes[0].file).name if param_shapes else "the model file"
     for osd in osds:
         parts = list(osd[key])
-        if len(parts) != groups:
+        if len(parts) != groups:  # either file may be the odd one: both named
             raise ShardMismatch(
-                f"{osd.file}: {len(parts)} flat fp32 tensors in {key} but the model file lists {groups} "
-                "groups (files from different runs?)",
+                f"{osd.file}: {len(parts)} flat fp32 tensors in {key} but param_shapes of {model} lists "
+                f"{groups} groups",
+                hint="model and optimizer files come from different runs, or one of them was altered",
                 path=osd.file,
             )
         flats.append([ref(t) for t in parts])

@@ -56,7 +56,7 @@ def _alignment(osd: Node, g: int) -> list[int]:
 def zero12(osds: list[Node], param_shapes: list[Node], ws: int, padded: bool) -> Partitioned:
     """``padded``: BF16_Optimizer keeps the group padding inside each rank's fp32 slice."""
     lay = Layout()
-    flats = fp32_flats(osds, "single_partition_of_fp32_groups", len(param_shapes), "fp32 partition of group")
+    flats = fp32_flats(osds, "single_partition_of_fp32_groups", param_shapes, "fp32 partition of group")
     groups: list[dict[str, Any]] = []
     sizes: list[list[int]] = [[0] * len(param_shapes) for _ in range(ws)]
     for g, shapes in enumerate(param_shapes):

@@ -21,7 +21,7 @@ from zckpt.model import Piece, Role, TensorEntry
 
 def zero3(osds: list[Node], param_shapes: list[Node], ws: int) -> Partitioned:
     lay = Layout()
-    flats = fp32_flats(osds, "fp32_flat_groups", len(param_shapes), "fp32 sub-group")
+    flats = fp32_flats(osds, "fp32_flat_groups", param_shapes, "fp32 sub-group")
     subs: list[dict[str, Any]] = []
     for s, shapes in enumerate(param_shapes):
         off = 0
