@@ -358,7 +358,8 @@ def test_group_count_mismatch_names_both_files(tmp_path, fake_deepspeed):
     with pytest.raises(ShardMismatch) as ei:
         ds.read(tmp_path / "a")
     _one_line(ei.value, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    assert "2 flat fp32 tensors" in str(ei.value) and "mp_rank_00_model_states.pt lists 3 groups" in str(ei.value)
+    msg = str(ei.value)
+    assert "2 flat fp32 tensors" in msg and "mp_rank_00_model_states.pt lists 3 groups" in msg, msg
 
 
 def test_empty_dir_and_wrong_level(tmp_path, fake_deepspeed):
