@@ -264,21 +264,26 @@ def reshard_job(src: Path, dst: Path, label: str, extra: list[str]) -> Job:
     )
 
 
-_PACKAGES = (
-    "import os, sys, sysconfig, importlib\n"
-    "import torch, numpy, safetensors, tqdm, zckpt.cli.app\n"
-    "for m in ('isal', 'rich', 'typer._adapters'):\n"
-    "    try: importlib.import_module(m)\n"
-    "    except ImportError: pass\n"
-    "std = sysconfig.get_paths()['stdlib']\n"
-    "found = set()\n"
-    "for name in list(sys.modules):\n"
-    "    top = sys.modules.get(name.split('.')[0])\n"
-    "    where = list(getattr(top, '__path__', None) or [getattr(top, '__file__', None) or ''])[0]\n"
-    "    if where and not where.startswith(std): found.add(where)\n"
-    "found.update(p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if os.path.isdir(p))\n"
-    "print('\\n'.join(sorted(found)))\n"
-)
+_PACKAGES = """
+import importlib, os, sys, sysconfig
+import numpy, safetensors, torch, tqdm, zckpt.cli.app
+for optional in ("isal", "rich", "typer._adapters"):  # typer imports its pydantic adapter when it parses options
+    try:
+        importlib.import_module(optional)
+    except ImportError:
+        pass
+stdlib = sysconfig.get_paths()["stdlib"]
+found = set()
+for name in list(sys.modules):
+    top = sys.modules.get(name.split(".")[0])
+    where = (list(getattr(top, "__path__", None) or []) or [getattr(top, "__file__", None) or ""])[0]
+    if where and not where.startswith(stdlib):
+        found.add(where)
+found.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isdir(p))
+print(*sorted(found), sep="\\n")
+"""
+"""Run in a fresh interpreter: prints the folder (or file) of every top-level package a command's process
+imports, outside the standard library, and every ``PYTHONPATH`` folder."""
 
 
 def _uncompiled_sources() -> list[str]:
