@@ -267,7 +267,7 @@ def reshard_job(src: Path, dst: Path, label: str, extra: list[str]) -> Job:
 _PACKAGES = """
 import importlib, os, sys, sysconfig
 import numpy, safetensors, torch, tqdm, zckpt.cli.app
-for optional in ("isal", "rich", "typer._adapters"):  # typer imports its pydantic adapter when it parses options
+for optional in ("isal", "rich", "typer._adapters"):  # typer imports _adapters (pydantic) to parse options
     try:
         importlib.import_module(optional)
     except ImportError:
