@@ -225,6 +225,14 @@ def test_odd_trainer_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         reshard(src, tmp_path / "o2", world=1, progress=False)
     (src / "trainer_state.json").write_bytes(good)
 
+    doc = json.loads(good)  # a train_batch_size that is no batch size: said, the file copied as it is
+    bad = json.dumps({**doc, "train_batch_size": "abc"}).encode()
+    (src / "trainer_state.json").write_bytes(bad)
+    res = reshard(src, tmp_path / "o3", world=4, progress=False)
+    assert any("train_batch_size 'abc' is not a positive integer" in n for n in res.notes), res.notes
+    assert (tmp_path / "o3" / "trainer_state.json").read_bytes() == bad
+    (src / "trainer_state.json").write_bytes(good)
+
     real = trainer_files._copy
     calls: list[str] = []
 
@@ -237,7 +245,7 @@ def test_odd_trainer_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(trainer_files, "_copy", full)
     with pytest.raises(WriteFailed, match="No space left"):
         reshard(src, tmp_path / "o2", world=1, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "o"]  # nothing else, no staging
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "o", "o3"]  # no staging, no o2
 
 
 @needs_fixtures

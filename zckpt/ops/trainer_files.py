@@ -215,6 +215,11 @@ def _batch(cfg: Mapping[str, Any], state_tbs: Any, old: int, new: int) -> tuple[
             f"per_device_train_batch_size = global batch / ({new} ranks x gradient_accumulation_steps)"
         ]
     notes = []
+    if state_tbs is not None and _as_int(state_tbs) is None:  # damaged or hand-edited: said, not used
+        notes.append(
+            f"HF Trainer: trainer_state.json train_batch_size {state_tbs!r:.40} is not a positive integer; "
+            f"the batch below follows the config's train_micro_batch_size_per_gpu {micro}"
+        )
     if cfg_micro is not None and cfg_micro != micro:
         notes.append(
             f"HF Trainer: trainer_state.json train_batch_size {micro} and the config's "
