@@ -27,9 +27,9 @@ def _procs(rank: int, world: int, url: str) -> dict[str, Any]:
     from zckpt.io import objstore
 
     objstore.reset_stats()
-    zckpt.consolidate(url, "s3://ckpts/dist/hf", max_shard_size="1KB", progress=False)
-    zckpt.reshard(url, "s3://ckpts/dist/native", world=5, to="native", progress=False)
-    zckpt.reshard(url, "s3://ckpts/dist/dcp", world=4, to="dcp", progress=False)
+    zckpt.consolidate(url, "s3://ckpts/dist/hf", max_shard_size="1KB", progress=False, distributed=True)
+    zckpt.reshard(url, "s3://ckpts/dist/native", world=5, to="native", progress=False, distributed=True)
+    zckpt.reshard(url, "s3://ckpts/dist/dcp", world=4, to="dcp", progress=False, distributed=True)
     return {"uploads": objstore.stats()["uploads"]}
 
 
@@ -72,8 +72,8 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
     if rank == 1:
         remote_staging.on_this_host = lambda folder, url: False
     objstore.reset_stats()
-    zckpt.consolidate(url, "s3://ckpts/nodes/hf", max_shard_size="1KB", progress=False)
-    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", progress=False)
+    zckpt.consolidate(url, "s3://ckpts/nodes/hf", max_shard_size="1KB", progress=False, distributed=True)
+    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", progress=False, distributed=True)
     uploads = objstore.stats()["uploads"]
     if rank == 1:  # its small files (sidecars) fail to upload, after its shards streamed
 
@@ -82,7 +82,7 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
 
         objstore.upload_file = fail
     failed = outcome(lambda: zckpt.consolidate(url, "s3://ckpts/nodes/failed", max_shard_size="1KB",
-                                               progress=False))  # fmt: skip
+                                               progress=False, distributed=True))  # fmt: skip
     return {"uploads": uploads, "failed": failed, "followers": made}
 
 

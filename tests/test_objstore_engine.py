@@ -72,6 +72,40 @@ def test_engine_saves_to_and_resumes_from_the_bucket(decoupled: bool, s3env: Any
         e.destroy()
 
 
+def test_load_from_the_bucket_waits_for_the_save_in_flight(
+    s3env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: ``load_checkpoint(url)`` right after a decoupled ``save_checkpoint(url)`` waits for that
+    save to be published (the background write is slowed from outside), then loads it: the resumed run
+    equals one resumed from a local save of the same state."""
+    import time
+
+    from engine.checkpoint import async_save
+
+    cfg = {**R.config(3), "checkpoint": {"writer": {"decoupled": True}}}
+    eng, _ = R.train(0, 1, cfg, 3)
+    eng.save_checkpoint(str(tmp_path / "local"), tag="t")
+    eng.wait_for_checkpoint()
+    real = async_save.W.write_rank_views
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(1.5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(async_save.W, "write_rank_views", slow)
+    url = "s3://ckpts/inflight"
+    eng.save_checkpoint(url, tag="t")
+    path, _ = eng.load_checkpoint(url)  # the save above is still writing: this must wait for it
+    assert path is not None
+    _, resumed = R.train(0, 1, cfg, 2, first=3, engine_=eng)
+    want_eng, _ = R.train(0, 1, cfg, 0)
+    want_eng.load_checkpoint(str(tmp_path / "local"), tag="t")
+    _, want = R.train(0, 1, cfg, 2, first=3, engine_=want_eng)
+    assert resumed == want
+    for e in (eng, want_eng):
+        e.destroy()
+
+
 def _boom(*a: Any, **k: Any) -> Any:
     raise OSError(5, "injected write error")
 

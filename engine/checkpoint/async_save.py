@@ -46,6 +46,7 @@ from engine.checkpoint.content import RankSave, predict_bytes
 from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
 from zckpt.formats.native import write as W
+from zckpt.io import objstore
 from zckpt.io.items import WriteItem
 from zckpt.io.safetensors import FilePlan, FileRecord
 
@@ -184,8 +185,8 @@ class AsyncSaver:
         job = self._job
         if job is None or (self._thread is None and self._error is None):
             return
-        want = Path(folder).resolve()
-        if want in (job.root.resolve(), job.tag_dir.resolve()):
+        want = _place(folder)
+        if want in (_place(job.root), _place(job.tag_dir)):
             self.wait()
 
     def close(self) -> None:
@@ -196,6 +197,13 @@ class AsyncSaver:
             self.staging.release()
             self.group.destroy()
             _LIVE.discard(self)
+
+
+def _place(x: str | os.PathLike[str]) -> str:
+    """Where ``x`` is, comparable across spellings: an object URL normalised (``s3://b/k``, whatever
+    ``pathlib`` made of it), a local path resolved."""
+    u = objstore.parse(x)
+    return str(u) if u is not None else str(Path(x).resolve())
 
 
 def _flat(it: WriteItem) -> torch.Tensor:

@@ -126,7 +126,7 @@ def command(
         trust_pickle=trust_pickle,
         workers=workers,
         verify_data=verify_data,
-        distributed=distributed or None,
+        distributed=distributed,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return

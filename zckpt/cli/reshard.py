@@ -120,7 +120,7 @@ def command(
         overwrite=overwrite,
         progress=progress and not json,
         trust_pickle=trust_pickle,
-        distributed=distributed or None,
+        distributed=distributed,
         verify_data=verify_data,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:

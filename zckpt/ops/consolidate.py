@@ -198,7 +198,7 @@ def consolidate(
     progress: bool = True,
     trust_pickle: bool = False,
     workers: int | None = None,
-    distributed: bool | None = None,
+    distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
 ) -> ConsolidateResult:
@@ -219,9 +219,10 @@ def consolidate(
         progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
             default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
-        distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
-            group (module doc). ``None``: when a group of world > 1 is initialised; ``True``: also start
-            one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.
+        distributed (`bool`, *optional*): ``False`` (default): this process alone, whatever process group
+            exists (a call on rank 0 only never waits for the others). ``True``: split the writing over
+            the ranks of the default ``torch.distributed`` group, started (gloo, ``env://``) under
+            ``torchrun`` when none is; then call it on every rank.
         verify_data: compare the checksums the input records over the bytes read (zip CRCs: DeepSpeed,
             ``.bin``), and refuse to publish damaged data (``zckpt.io.checks``).
         storage_options: the object-store client's options for ``s3://`` paths (``zckpt.io.objstore``).

@@ -213,16 +213,17 @@ def reshard(
     overwrite: bool = False,
     progress: bool = True,
     trust_pickle: bool = False,
-    distributed: bool | None = None,
+    distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
     ``to``: ``"native"`` or ``"deepspeed"`` (default: the source's format). ``stage``: ZeRO stage of the
-    output (default: the source's; native sources default to 3). ``distributed``: split the rank files over
-    the processes of a ``torch.distributed`` group, as ``consolidate`` does (``None``: when a group of
-    world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``).
+    output (default: the source's; native sources default to 3). ``distributed``: ``False`` (default): this
+    process alone, whatever process group exists; ``True``: split the rank files over the processes of the
+    default ``torch.distributed`` group (started from ``env://`` under ``torchrun``), as ``consolidate``
+    does; then call it on every rank.
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
     if storage_options is not None:  # s3:// paths: the store client's options
