@@ -1,7 +1,9 @@
 """The lazy ``Checkpoint``: a checkpoint's entries and manifest (``zckpt.model``) plus on-demand reads.
 
 Every format reader returns one; every operation works on one. Tensor bytes are read only when asked
-for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly that tensor's pieces).
+for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly that tensor's pieces), with
+the ``zckpt.io.session.Storage`` it was opened with (``attach``): its open files, its object-store client
+and the listings it saw, one consistent view for the checkpoint's lifetime.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from zckpt.errors import CorruptCheckpoint, MissingKey
-from zckpt.io import spans, storage
+from zckpt.io import session, spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
 
@@ -54,6 +56,14 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                 )
         self._model_keys = [k for k, e in self.entries.items() if e.role.is_model]
         self._model_keys += [a for a in meta.tied if a not in self.entries]
+        self.storage: session.Storage | None = None
+        """What its bytes are read through (``attach``)."""
+        self._owns_storage = False
+
+    def attach(self, st: session.Storage, *, owned: bool) -> None:
+        """Read through ``st`` from now on; ``owned``: ``close`` closes it (else only this checkpoint's
+        files in it)."""
+        self.storage, self._owns_storage = st, owned
 
     # -- Mapping -------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -92,11 +102,20 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def read(self, key: str | TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one logical tensor (and nothing else) into memory, optionally cast."""
         e = key if isinstance(key, TensorEntry) else self.entry(key)
-        return spans.read_entry(e, dtype)
+        if self.storage is None or session.bound_storage() is self.storage:
+            return spans.read_entry(e, dtype)
+        with self.storage.bound():
+            return spans.read_entry(e, dtype)
 
     def close(self) -> None:
-        """Release the open files and maps (also on leaving a ``with`` block)."""
-        storage.close_files(self.meta.files)
+        """Release the open files and maps (also on leaving a ``with`` block), and the storage it made."""
+        st = self.storage
+        if st is None:
+            storage.close_files(self.meta.files)
+        elif self._owns_storage:
+            st.close()
+        else:
+            st.files.close(self.meta.files)
 
     def __enter__(self) -> Checkpoint:
         return self

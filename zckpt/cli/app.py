@@ -84,15 +84,24 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
         _preopen(kwargs)
         _leave_startup()
-        from zckpt.io import interrupts  # after torch's import, which ``_leave_startup`` guards
+        from zckpt.io import (
+            interrupts,  # after torch's import, which ``_leave_startup`` guards
+            objstore,
+            session,
+        )
 
         start = interrupts.mark()
         try:
-            with warnings.catch_warnings():
+            options = objstore.parse_options(kwargs.get("storage_option"))
+            # the command's one Storage (its s3:// client, caches, open files), closed when it ends
+            with warnings.catch_warnings(), session.operation(session.Storage(options)) as st:
                 warnings.simplefilter("always" if debug else "default")
                 if not debug:  # library warnings as one `warning: ...` line, not file:line + source
                     warnings.showwarning = _one_line_warning
-                out = fn(*args, **kwargs)
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    st.close()
             _done()
             return out
         except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)

@@ -24,7 +24,6 @@ from zckpt.cli._options import (
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -107,7 +106,6 @@ def command(
     parameters come from the fp32 masters; tied weights are stored once in safetensors and recorded
     as aliases.
     """
-    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.consolidate import consolidate
 

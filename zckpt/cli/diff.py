@@ -20,7 +20,6 @@ from zckpt.cli._options import (
     TrustPickleOpt,
     VerifyDataOpt,
     check_plot,
-    use_storage_options,
 )
 from zckpt.cli._output import Output
 from zckpt.errors import ZckptError
@@ -132,7 +131,6 @@ def command(
 
     Streamed chunk by chunk, in bounded memory for any tensor size.
     """
-    use_storage_options(storage_option)
     from zckpt.ops.diff import diff
 
     check_plot(plot, preload=series is not None)  # the series figure is matplotlib's; diff's is not

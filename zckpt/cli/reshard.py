@@ -25,7 +25,6 @@ from zckpt.cli._options import (
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -105,7 +104,6 @@ def command(
 
     Optimizer states, scheduler, RNG and client state included; see below.
     """
-    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard
 

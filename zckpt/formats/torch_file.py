@@ -33,7 +33,7 @@ from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
 from zckpt.io.shards import HF_WEIGHT_BASES, family, planned_names, write_sharded
 from zckpt.io.sink import HashingSink
-from zckpt.io.staging import Staging
+from zckpt.io.staging import open_staging
 from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, TrainingState
@@ -266,7 +266,7 @@ def write_torch(
     out = Path(out)
     is_dir = out.suffix not in SUFFIXES
     base = BIN if is_dir else out.name
-    with Staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
+    with open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
         st.expect(planned_names(base, items, max_shard_size))
         BinWriter().write_into(
             st.dir, base, items, ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes)

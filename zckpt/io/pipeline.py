@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
@@ -35,6 +35,7 @@ from zckpt.io.fill import Layout, layout_of_items
 from zckpt.io.scan import cores as _cores
 from zckpt.io.scan import shared, sharing
 from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
+from zckpt.io.threads import Pool, start
 
 if TYPE_CHECKING:
     from zckpt.io.items import WriteItem
@@ -73,7 +74,7 @@ def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
     k = files_in_flight(len(jobs))
     if k <= 1:
         return [write(j) for j in jobs]
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-file") as pool, shared(k):
+    with Pool(k, thread_name_prefix="zckpt-file") as pool, shared(k):
         futures = [pool.submit(write, j) for j in jobs]
         try:
             return [f.result() for f in futures]
@@ -246,7 +247,7 @@ def _pieces_fill(
         hand_over()
         return out
     room = storage.read_ahead(2 * (workers + 1) * step if layout.remote else 0)  # fp32 read for bf16: 2x
-    with room, ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
+    with room, Pool(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
             for lo, hi in pieces:
                 # hand over what is filled (in order), and at most ``workers + 1`` pieces filling: the other
@@ -292,7 +293,7 @@ def write_items(
     slots = [_Slot(chunk_bytes) for _ in range(nslots)]
     tasks = _tasks(items, chunk_bytes)
     total = 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-read") as pool:
+    with Pool(workers, thread_name_prefix="zckpt-read") as pool:
         write = sink.write
         window: list[tuple[Future[memoryview], int]] = []
         k = 0
@@ -335,8 +336,7 @@ def prefetch(it: Iterable[T], depth: int = 2) -> Iterator[T]:
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             q.put((2, e))
 
-    t = threading.Thread(target=run, name="zckpt-prefetch", daemon=True)
-    t.start()
+    t = start(run, name="zckpt-prefetch")
     try:
         while True:
             kind, x = q.get()

@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import direct_io, objstore, remote_staging, scan
+from zckpt.io import direct_io, objstore, remote_staging, scan, session
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
 _TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
@@ -41,25 +40,29 @@ _OVERLAP_BYTES = 1 << 20
 the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
 
 
-_active_staging: set[Path] = set()
-_staging_lock = threading.Lock()
-
-
 def defer_fsync(folder: Path) -> None:
-    """Files created under ``folder`` from now on are fsynced by whoever publishes it, not at close."""
-    with _staging_lock:
-        _active_staging.add(folder)
+    """Files the running operation creates under ``folder`` from now on are fsynced by whoever publishes it,
+    not at close (``Storage.deferred``; outside an operation, nothing is deferred)."""
+    st = session.bound_storage()
+    if st is not None:
+        with st.lock:
+            st.deferred.add(folder)
 
 
 def undefer_fsync(folder: Path) -> None:
-    with _staging_lock:
-        _active_staging.discard(folder)
+    st = session.bound_storage()
+    if st is not None:
+        with st.lock:
+            st.deferred.discard(folder)
 
 
 def _fsync_deferred(path: Path) -> bool:
-    """``path`` lies in a staging folder of this process whose ``commit()`` will fsync it."""
-    with _staging_lock:
-        return any(d in path.parents for d in _active_staging)
+    """``path`` lies in a staging folder of the running operation whose ``commit()`` will fsync it."""
+    st = session.bound_storage()
+    if st is None:
+        return False
+    with st.lock:
+        return any(d in path.parents for d in st.deferred)
 
 
 class FillRing:
@@ -118,7 +121,7 @@ class HashingSink(io.RawIOBase):
         """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
         self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
         self._f: Any = None
-        self._f = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
+        self._f = open(path, "xb") if self._url is None else objstore.upload(self._url)  # noqa: SIM115
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
         if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written;

@@ -53,17 +53,19 @@ from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
-from zckpt.io import checks, objstore, pipeline
+from zckpt.io import checks, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
 from zckpt.io.remote_staging import RemoteStaging
+from zckpt.io.session import Storage
 from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
-from zckpt.io.staging import Staging, share
+from zckpt.io.staging import Staging, Ticket, open_staging, share
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
 from zckpt.ops.paths import check_overlap
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 from zckpt.ops.select import require_globs
 
 
@@ -184,6 +186,7 @@ class _Plan:
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
+@storage_scoped
 def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Path,
@@ -201,6 +204,7 @@ def consolidate(
     distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model; returns a ``ConsolidateResult``
     listing the files written (on every rank, when distributed).
@@ -235,8 +239,6 @@ def consolidate(
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     out = as_path(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -247,27 +249,28 @@ def consolidate(
         if not isinstance(ckpt_or_path, Checkpoint):
             stack.callback(ckpt.close)
 
-        def make_plan() -> tuple[_Plan, Staging | None]:
+        def make_plan() -> tuple[_Plan, Staging | RemoteStaging | None]:
             check_overlap(ckpt.meta, out)
             items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
             extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
-            st: Staging | None = None
+            st: Staging | RemoteStaging | None = None
             if g.rank == 0:
-                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
+                st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS)
+                stack.enter_context(st)
                 st.expect(planned_names(base, items, shard))
             return p, st
 
         p, st = g.step("consolidate: planning the output", make_plan)
-        staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
+        staging, digest0 = g.broadcast((st.ticket(), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        files, kept = _write(g, p, out, Path(staging), st, progress, workers, verify_data)
+        files, kept = _write(g, p, out, staging, st, progress, workers, verify_data)
     return _result(out, p, files, kept)
 
 
-def _warn_kept_config(st: Staging, written: str | None) -> None:
+def _warn_kept_config(st: Staging | RemoteStaging, written: str | None) -> None:
     """A ``config.json`` kept from an earlier folder (none was copied in) that names another dtype than the
     weights now written would make ``from_pretrained(dtype="auto")`` load them cast: say so."""
     if "config.json" not in st.kept or written is None:
@@ -336,8 +339,8 @@ def _write(
     g: zgroup.Group,
     p: _Plan,
     out: Path,
-    staging: Path,
-    st: Staging | None,
+    staging: Ticket,
+    st: Staging | RemoteStaging | None,
     progress: bool,
     workers: int | None,
     verify_data: bool,
@@ -349,7 +352,7 @@ def _write(
 
     def write() -> list[str]:
         bar_on = progress and g.rank == 0
-        with share(str(staging), out, is_dir=p.is_dir) as (folder, done):
+        with share(staging, is_dir=p.is_dir) as (folder, done):
             with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
                 opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
                 p.writer.write_into(folder, p.base, p.items, opts)

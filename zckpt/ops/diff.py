@@ -67,11 +67,13 @@ from typing import Any
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
-from zckpt.io import checks, objstore
+from zckpt.io import checks
+from zckpt.io.session import Storage
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
 from zckpt.ops.diff_values import TensorDiff, compare_all
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 from zckpt.ops.stats import CHUNK
 
 SCHEMA_VERSION = 1
@@ -218,6 +220,7 @@ class DiffResult:
         return plot_diff(self, path, top=top)
 
 
+@storage_scoped
 def diff(
     a: str | Path | Checkpoint,
     b: str | Path | Checkpoint,
@@ -236,6 +239,7 @@ def diff(
     chunk: int = CHUNK,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (paths or opened ``Checkpoint`` objects) tensor by tensor.
 
@@ -256,8 +260,6 @@ def diff(
     Returns:
         A ``DiffResult``; ``result.equal`` says whether the checkpoints match within tolerance.
     """
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     if top is not None and top < 0:

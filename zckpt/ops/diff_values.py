@@ -27,7 +27,6 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from zckpt.io import scan
 from zckpt.io.spans import aligned_views
+from zckpt.io.threads import Pool
 from zckpt.model import TensorEntry, dtype_name
 from zckpt.ops.stats import is_exact, iter_chunks
 
@@ -246,7 +246,7 @@ def compare_all(
     n = min(compare_threads(), len(pairs))
     if n <= 1:
         return [one(p) for p in pairs]
-    with ThreadPoolExecutor(n, thread_name_prefix="zckpt-diff") as pool:
+    with Pool(n, thread_name_prefix="zckpt-diff") as pool:
         return list(pool.map(one, pairs))
 
 

@@ -37,16 +37,18 @@ from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
-from zckpt.io import checks, objstore
+from zckpt.io import checks
 from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
 from zckpt.io.remote_staging import RemoteStaging
 from zckpt.io.safetensors import FileRecord
-from zckpt.io.staging import Staging, share
+from zckpt.io.session import Storage
+from zckpt.io.staging import Staging, open_staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
 from zckpt.ops.paths import check_overlap, input_root
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 
 __all__ = ["ReshardResult", "default_dst", "reshard"]
 
@@ -202,6 +204,7 @@ def _check_masters_named(ckpt: Checkpoint) -> None:
     )
 
 
+@storage_scoped
 def reshard(
     src: str | Path,
     dst: str | Path | None = None,
@@ -216,6 +219,7 @@ def reshard(
     distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
@@ -226,8 +230,6 @@ def reshard(
     does; then call it on every rank.
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     if world < 1:
         raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
@@ -240,21 +242,20 @@ def reshard(
         )
         stack.callback(job.ckpt.close)
 
-        def make_staging() -> Staging | None:
-            return (
-                stack.enter_context(
-                    Staging(job.dst, is_dir=True, overwrite=overwrite, owns=_owns(job.side), foreign="refuse")
-                )
-                if g.rank == 0
-                else None
-            )
+        def make_staging() -> Staging | RemoteStaging | None:
+            if g.rank != 0:
+                return None
+            owns = _owns(job.side)
+            st = open_staging(job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse")
+            stack.enter_context(st)
+            return st
 
         st = g.step("reshard: staging the output", make_staging)
-        staging, digest0 = g.broadcast((str(st.dir), job.digest) if st is not None else None)
+        staging, digest0 = g.broadcast((st.ticket(), job.digest) if st is not None else None)
         g.check_same("the reshard plan", job.digest, digest0)
 
         def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
-            with share(staging, job.dst, is_dir=True) as (folder, done):
+            with share(staging, is_dir=True) as (folder, done):
                 recs, names = _write_units(g, job, folder, progress, verify_data)
                 return recs, names, done()
 

@@ -24,7 +24,6 @@ the file-level checks still run over the files found on disk, so one run lists e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,13 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import objstore, safetensors, scan, storage, torchzip
+from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
+from zckpt.io.session import Storage
+from zckpt.io.threads import Pool
+from zckpt.ops.scope import storage_scoped
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -108,20 +110,20 @@ class VerifyReport:
         }
 
 
+@storage_scoped
 def verify(
     path: str | Path,
     *,
     tag: str | None = None,
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
     the object-store client's options for ``s3://`` paths."""
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
@@ -159,7 +161,7 @@ def _verify(
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
+    with Pool(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
         for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
             file_problems += found
     if ckpt is not None:

@@ -7,7 +7,6 @@ manifest against every rank file); ``write`` is the one writer, shared by the en
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -52,7 +51,7 @@ class NativeFormat(Format):
             elif str(f) not in ctx.broken:
                 out += compare_digest(f, digest, size, layout.MANIFEST, ctx)
         for f in sorted(td.glob("rank_*.safetensors")):
-            if f.name not in man.files:
+            if layout.RANK_FILE.fullmatch(f.name) and f.name not in man.files:
                 out.append(
                     Problem(
                         str(f),
@@ -61,7 +60,7 @@ class NativeFormat(Format):
                         "move it away",
                     )
                 )
-        ranks = {n for n in man.files if re.fullmatch(r"rank_\d+\.safetensors", n)}
+        ranks = {n for n in man.files if n in {man.rank_file(r) for r in range(man.world_size)}}
         if len(ranks) != man.world_size:
             out.append(
                 Problem(

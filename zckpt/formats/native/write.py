@@ -163,10 +163,12 @@ def build_manifest(
     client_state: Any,
     rng: Sequence[Mapping[str, Any]],
     records: Sequence[FileRecord],
+    generation: str | None = None,
 ) -> L.Manifest:
-    """The manifest of a tag folder whose rank files ``records`` (every rank's) are written."""
+    """The manifest of a tag folder whose rank files ``records`` (every rank's) are written (named with
+    ``generation`` when given: ``layout.rank_file``)."""
     names = {r.name for r in records}
-    missing = [L.rank_file(r) for r in range(world) if L.rank_file(r) not in names]
+    missing = [L.rank_file(r, generation) for r in range(world) if L.rank_file(r, generation) not in names]
     if missing:
         raise ValueError(f"a manifest needs every rank file; missing {missing[:3]}")
     precision = precision_of(state)
@@ -195,6 +197,7 @@ def build_manifest(
         rng=tuple(rng),
         client_state=client_state,
         config=to_json(state.config),
+        generation=generation,
     )
 
 

@@ -1,19 +1,22 @@
 """The store client and what every other part of ``zckpt.io.objstore`` shares: URL parsing (``Url``,
-``parse``, ``is_url``), configuration (``configure``, ``parse_options``, ``in_flight``, ``part_bytes``), the
-client per bucket and its credentials (``_store``), client errors as one ``StorageError`` line (``error``),
-retries of a cut-off GET (``_retry``), the process's figures (``stats``), and the process-wide caches
-(listings, sizes, blocks, read-ahead windows) with their invalidation after a write (``_forget``).
+``parse``, ``is_url``), ``parse_options``, client errors as one ``StorageError`` line (``error``), retries of
+a cut-off GET (``_retry``), and ``ObjectStore``: one operation's options, clients per bucket and their
+credentials, figures (``stats``) and caches (listings, sizes, blocks, read-ahead windows and streams), with
+their invalidation after a write (``forget``). Nothing here is process-wide: every ``ObjectStore`` is made
+by one ``zckpt.io.session.Storage`` and lives as long as it does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,13 +33,6 @@ _LOCAL_SCHEMES = frozenset({"file", "local"})
 _OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
 """Storage options zckpt reads itself; every other key goes to the client."""
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
-_lock = threading.Lock()
-_options: dict[str, str] = {}
-_stores: dict[str, Any] = {}
-_listings: dict[str, _Listing] = {}
-_cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-_sizes: dict[str, int] = {}
-_counts = {"requests": 0, "bytes": 0, "retries": 0, "uploads": 0, "bytes_up": 0}
 
 
 @dataclass(frozen=True)
@@ -96,46 +92,8 @@ def _fsspec_knows(scheme: str, s: str, explicit: bool) -> bool:
     )
 
 
-def _fsspec_fs(u: Url) -> Any:
-    """The fsspec filesystem for ``u``'s scheme, built with the storage options (one per scheme)."""
-    with _lock:
-        fs = _stores.get(u.scheme + "://")
-    if fs is not None:
-        return fs
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(u.scheme, **{k: v for k, v in _options.items() if k not in _OWN_KEYS})
-    except ImportError as e:
-        raise StorageError(f"{u}: reading or writing {u.scheme}:// needs {e.name or 'its fsspec package'}",
-                           hint="pip install 'zckpt[fsspec]' and the package for the scheme",
-                           path=str(u)) from None  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - a bad option: one line
-        raise StorageError(f"{u}: cannot configure the {u.scheme}:// client ({_first_line(e)})",
-                           hint="check --storage-option keys", path=str(u)) from None  # fmt: skip
-    with _lock:
-        _stores[u.scheme + "://"] = fs
-    return fs
-
-
 def is_url(x: object) -> bool:
     return parse(x) is not None
-
-
-def configure(options: Mapping[str, str] | None) -> None:
-    """Set the storage options for this process (``--storage-option``, the library's ``storage_options=``);
-    clients already built are rebuilt with them."""
-    with _lock:
-        _options.clear()
-        _options.update({k: str(v) for k, v in (options or {}).items()})
-        _stores.clear()
-        _listings.clear()
-        _cache.clear()
-        _sizes.clear()
-        _windows.clear()
-        gone = list(_streams)
-    for s in gone:
-        s.close()
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -150,99 +108,6 @@ def parse_options(pairs: list[str] | None) -> dict[str, str]:
             )
         out[k.strip()] = v.strip()
     return out
-
-
-def in_flight() -> int:
-    return max(1, int(_options.get("in_flight", os.environ.get("ZCKPT_S3_IN_FLIGHT", "8"))))
-
-
-def part_bytes() -> int:
-    return max(5 << 20, int(_options.get("part_bytes", os.environ.get("ZCKPT_S3_PART_BYTES", str(8 << 20)))))
-
-
-def stats() -> dict[str, int]:
-    """Requests made, bytes fetched and uploaded, retries, by this process so far."""
-    with _lock:
-        return dict(_counts)
-
-
-def reset_stats() -> None:
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-
-
-def _count(key: str, n: int = 1) -> None:
-    with _lock:
-        _counts[key] += n
-
-
-def _endpoint() -> str | None:
-    return (
-        _options.get("endpoint")
-        or _options.get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
-
-
-def _store(u: Url) -> Any:
-    with _lock:
-        st = _stores.get(u.bucket)
-        if st is not None:
-            return st
-    try:
-        from obstore.store import S3Store  # imported here: local runs never load the client
-    except ImportError:
-        raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
-                           hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
-
-    config = {k: v for k, v in _options.items() if k not in _OWN_KEYS}
-    ep = _endpoint()
-    if ep:
-        config["endpoint"] = ep
-    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
-    if region and "region" not in config:
-        config["region"] = region
-    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
-    if ep and ep.startswith("http://"):
-        client["allow_http"] = True  # the endpoint's URL says http: that is the user's choice
-    retry = {
-        "max_retries": int(_options.get("max_retries", "10")),
-        "retry_timeout": timedelta(seconds=180),
-        "backoff": {
-            "init_backoff": timedelta(milliseconds=50),
-            "max_backoff": timedelta(seconds=5),
-            "base": 2,
-        },
-    }
-    provider = None
-    keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
-    if not keyed and _has_profile():
-        provider = _profile_provider(u)
-    if not keyed and provider is None and not _other_chain(config):
-        raise StorageError(
-            f"{u}: no credentials for the store",
-            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
-            "--storage-option skip_signature=true for a public bucket",
-            path=str(u),
-        )
-    try:
-        st = S3Store(
-            u.bucket,
-            config=config,  # type: ignore[arg-type]
-            client_options=client,  # type: ignore[arg-type]
-            retry_config=retry,  # type: ignore[arg-type]
-            credential_provider=provider,
-        )
-    except Exception as e:  # noqa: BLE001 - a bad option: one line
-        raise StorageError(
-            f"{u}: cannot configure the S3 client ({_first_line(e)})",
-            hint="check --storage-option keys and the AWS_* variables",
-        ) from None
-    with _lock:
-        _stores[u.bucket] = st
-    return st
 
 
 def _other_chain(config: Mapping[str, str]) -> bool:
@@ -385,7 +250,7 @@ _TRANSIENT = (
 )
 
 
-def _retry(fn: Any, url: object, tries: int = 6) -> Any:
+def _retry(fn: Any, url: object, tries: int = 6, st: ObjectStore | None = None) -> Any:
     """``fn()`` retried with exponential backoff on what the client lets through as a transient failure (a
     response body cut off after its headers); anything else, or the last failure, as ``error``."""
     ox = _ox()
@@ -408,7 +273,8 @@ def _retry(fn: Any, url: object, tries: int = 6) -> Any:
         except Exception as e:  # noqa: BLE001 - classified below
             if k == tries - 1 or not any(s in str(e).lower() for s in _TRANSIENT):
                 raise error(e, url) from None
-            _count("retries")
+            if st is not None:
+                st.count("retries")
             time.sleep(delay)
             delay = min(2.0, delay * 2)
     raise AssertionError("unreachable")
@@ -435,30 +301,210 @@ class _Window:
     """The ``ahead.Stream`` that fills it."""
 
 
-_windows: OrderedDict[int, _Window] = OrderedDict()
-_streams: list[Any] = []
-"""The read-ahead streams (``ahead.Stream``), closed when their object is written, and by ``configure``."""
-
-
-def _forget(u: Url) -> None:
-    """Drop what is cached about ``u`` and its folder (after a write or delete)."""
-    parent = Url(u.scheme, u.bucket, u.key.rpartition("/")[0])
-    with _lock:
-        _sizes.pop(str(u), None)
-        for k in [k for k in _listings if str(u).startswith(k) or k.startswith(str(u))]:
-            _listings.pop(k)
-        _listings.pop(str(parent), None)
-        for ck in [ck for ck in _cache if ck[0] == str(u)]:
-            _cache.pop(ck)
-        for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
-            _windows.pop(wk)
-        gone = [s for s in _streams if s.key == str(u)]
-    for s in gone:
-        s.close()
-
-
 def _url(x: object) -> Url:
     u = parse(x)
     if u is None:
         raise ValueError(f"{x!r} is not an object-store URL")
     return u
+
+
+class ObjectStore:
+    """One operation's object stores (made by ``zckpt.io.session.Storage``, never shared between
+    operations): its storage options, the client per bucket (and per fsspec scheme) with its credentials,
+    the figures of its requests (``stats``), and its caches: folder listings, object sizes, small aligned
+    blocks, read-ahead windows and their streams (``ahead``), a thread pool for parallel parts. A listing or
+    size is cached for this object's lifetime (an operation, or a ``Checkpoint``: a consistent snapshot), and
+    dropped when this object writes or deletes the key (``forget``). ``close()`` stops its streams and pool.
+
+    Options: ``in_flight`` (default 8), ``part_bytes`` (default 8 MiB), ``window_bytes`` (default 32 MiB),
+    ``max_retries`` (default 10), ``endpoint``/``endpoint_url``; every other key goes to the client."""
+
+    def __init__(self, options: Mapping[str, str] | None = None) -> None:
+        self.options: dict[str, str] = {k: str(v) for k, v in (options or {}).items()}
+        self.lock = threading.Lock()
+        self.clients: dict[str, Any] = {}
+        self.listings: dict[str, _Listing] = {}
+        self.sizes: dict[str, int] = {}
+        self.cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        """Aligned small-read blocks (``read.BLOCK`` bytes), LRU."""
+        self.room = 0
+        """Blocks that running ``read.cache_room`` blocks ask to add to the cache's capacity."""
+        self.windows: OrderedDict[int, _Window] = OrderedDict()
+        self.streams: list[Any] = []
+        """Read-ahead streams (``ahead.Stream``): closed when their object is written, and by ``close``."""
+        self.counts = {"requests": 0, "bytes": 0, "retries": 0, "uploads": 0, "bytes_up": 0}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- options -----------------------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        return max(1, int(self.options.get("in_flight", os.environ.get("ZCKPT_S3_IN_FLIGHT", "8"))))
+
+    def part_bytes(self) -> int:
+        dflt = os.environ.get("ZCKPT_S3_PART_BYTES", str(8 << 20))
+        return max(5 << 20, int(self.options.get("part_bytes", dflt)))
+
+    def window_bytes(self, floor: int) -> int:
+        """How far a sequential reader's stream fetches ahead of it (``ahead.Stream``), default 32 MiB."""
+        dflt = os.environ.get("ZCKPT_S3_WINDOW_BYTES", str(32 << 20))
+        return max(floor, int(self.options.get("window_bytes", dflt)))
+
+    # -- figures -----------------------------------------------------------------------------------------
+    def count(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
+
+    def stats(self) -> dict[str, int]:
+        """Requests made, bytes fetched and uploaded, retries, by this object so far."""
+        with self.lock:
+            return dict(self.counts)
+
+    # -- threads -----------------------------------------------------------------------------------------
+    def executor(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.in_flight(), thread_name_prefix="zckpt-s3")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the read-ahead streams and the thread pool; drop the caches (clients too)."""
+        with self.lock:
+            gone, self.streams = list(self.streams), []
+            pool, self._pool = self._pool, None
+            self.windows.clear()
+            self.cache.clear()
+            self.listings.clear()
+            self.sizes.clear()
+            self.clients.clear()
+        for st in gone:
+            st.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- cache invalidation ------------------------------------------------------------------------------
+    def forget(self, u: Url) -> None:
+        """Drop what is cached about ``u`` and its folder (after this object wrote or deleted it)."""
+        parent = Url(u.scheme, u.bucket, u.key.rpartition("/")[0])
+        with self.lock:
+            self.sizes.pop(str(u), None)
+            for k in [k for k in self.listings if str(u).startswith(k) or k.startswith(str(u))]:
+                self.listings.pop(k)
+            self.listings.pop(str(parent), None)
+            for ck in [ck for ck in self.cache if ck[0] == str(u)]:
+                self.cache.pop(ck)
+            for wk in [wk for wk, w in self.windows.items() if w.url == str(u)]:
+                self.windows.pop(wk)
+            gone = [s for s in self.streams if s.key == str(u)]
+        for s in gone:
+            s.close()
+
+    # -- clients -----------------------------------------------------------------------------------------
+    def _endpoint(self) -> str | None:
+        return (
+            self.options.get("endpoint")
+            or self.options.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+
+    def fsspec_fs(self, u: Url) -> Any:
+        """The fsspec filesystem for ``u``'s scheme, built with the storage options (one per scheme)."""
+        with self.lock:
+            fs = self.clients.get(u.scheme + "://")
+        if fs is not None:
+            return fs
+        try:
+            import fsspec
+
+            fs = fsspec.filesystem(u.scheme, **{k: v for k, v in self.options.items() if k not in _OWN_KEYS})
+        except ImportError as e:
+            need = e.name or "its fsspec package"
+            raise StorageError(f"{u}: reading or writing {u.scheme}:// needs {need}",
+                               hint="pip install 'zckpt[fsspec]' and the package for the scheme",
+                               path=str(u)) from None  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a bad option: one line
+            raise StorageError(f"{u}: cannot configure the {u.scheme}:// client ({_first_line(e)})",
+                               hint="check --storage-option keys", path=str(u)) from None  # fmt: skip
+        with self.lock:
+            self.clients[u.scheme + "://"] = fs
+        return fs
+
+    def client(self, u: Url) -> Any:
+        """The ``s3://`` client for ``u``'s bucket, made once (with its credentials) per bucket."""
+        with self.lock:
+            st = self.clients.get(u.bucket)
+            if st is not None:
+                return st
+        try:
+            from obstore.store import S3Store  # imported here: local runs never load the client
+        except ImportError:
+            raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
+                               hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
+
+        config = {k: v for k, v in self.options.items() if k not in _OWN_KEYS}
+        ep = self._endpoint()
+        if ep:
+            config["endpoint"] = ep
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+        if region and "region" not in config:
+            config["region"] = region
+        client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+        if ep and ep.startswith("http://"):
+            client["allow_http"] = True  # the endpoint's URL says http: that is the user's choice
+        retry = {
+            "max_retries": int(self.options.get("max_retries", "10")),
+            "retry_timeout": timedelta(seconds=180),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(seconds=5),
+                "base": 2,
+            },
+        }
+        provider = None
+        keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
+        if not keyed and _has_profile():
+            provider = _profile_provider(u)
+        if not keyed and provider is None and not _other_chain(config):
+            raise StorageError(
+                f"{u}: no credentials for the store",
+                hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+                "--storage-option skip_signature=true for a public bucket",
+                path=str(u),
+            )
+        try:
+            st = S3Store(
+                u.bucket,
+                config=config,  # type: ignore[arg-type]
+                client_options=client,  # type: ignore[arg-type]
+                retry_config=retry,  # type: ignore[arg-type]
+                credential_provider=provider,
+            )
+        except Exception as e:  # noqa: BLE001 - a bad option: one line
+            raise StorageError(
+                f"{u}: cannot configure the S3 client ({_first_line(e)})",
+                hint="check --storage-option keys and the AWS_* variables",
+            ) from None
+        with self.lock:
+            self.clients[u.bucket] = st
+        return st
+
+
+_CURRENT: contextvars.ContextVar[ObjectStore | None] = contextvars.ContextVar("zckpt_objects", default=None)
+"""The ``ObjectStore`` of the operation running in this context (its thread, and the threads it starts
+through ``zckpt.io.threads``): set by ``bound``, never process-wide."""
+
+
+def current() -> ObjectStore:
+    """The running operation's ``ObjectStore``; outside any operation (an internal function called on its
+    own), a fresh one that keeps nothing beyond the call."""
+    st = _CURRENT.get()
+    return st if st is not None else ObjectStore()
+
+
+@contextlib.contextmanager
+def bound(st: ObjectStore) -> Iterator[ObjectStore]:
+    """Make ``st`` the current ``ObjectStore`` of this context while the block runs."""
+    token = _CURRENT.set(st)
+    try:
+        yield st
+    finally:
+        _CURRENT.reset(token)
