@@ -35,9 +35,7 @@ def src(s3_server: _s3.Server) -> tuple[Path, str]:
 def s3env(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     for k, v in _s3.env_for(s3_server.url):
         monkeypatch.setenv(k, v)
-    objstore.configure(None)
     yield s3_server.client()
-    objstore.configure(None)
 
 
 def _cli(*args: object) -> tuple[int, str]:
@@ -113,7 +111,6 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
     try:
         for k, v in _s3.env_for(proxy.url):
             monkeypatch.setenv(k, v)
-        objstore.configure(None)
         for to, last in (("native", "manifest.json"), ("dcp", ".metadata")):
             proxy.log.clear()
             assert _cli("reshard", src[1], f"s3://ckpts/word/{to}", "--world", "2", "--to", to)[0] == 0
@@ -131,7 +128,6 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
         done = [p.split("?")[0].rsplit("/", 1)[-1] for m, p in proxy.log if m in ("PUT", "POST")]
         assert done[-1] == "model.safetensors.index.json", done
     finally:
-        objstore.configure(None)
         proxy.stop()
 
 
@@ -208,7 +204,6 @@ def test_sigkill_mid_upload_never_looks_complete(
         looks_complete = bool(manifests) or has_latest
         if looks_complete:
             assert manifests, names  # ``latest`` moves last: never before the tag's manifest
-            objstore.configure(None)
             # killed between the tag's manifest and ``latest``: the tag is complete, the save folder does not
             # name it yet; either way what looks complete verifies clean
             target = dst if has_latest else f"s3://ckpts/{manifests[0].rsplit('/', 1)[0]}"

@@ -172,16 +172,16 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
         mine = RankResult(None, job.rng, f"rank {job.rank}: {type(e).__name__}: {e}")
     results = group.all_gather_object(mine)
     err = next((r.error for r in results if r.error), None)
+    phase = ["writing"]
     if job.rank == 0:
-        phase = ["writing"]
         if err is None:
             try:
                 _publish(job, results, phase)
             except Exception as e:
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
-                if phase[0] == "published":  # the new tag is whole; only `latest` did not move
-                    err = f"{err}; the tag itself was published whole, `latest` still names the previous tag"
+                if phase[0] == "published":
+                    err = f"{_PUBLISHED} ({e}); `latest` still names the previous tag"
         if err is not None and phase[0] != "published":
             if remote:  # every rank's uploaded file, wherever its node (never the previous save's)
                 remote_staging.discard_dir(job.stage_dir, [u for r in results for u in r.uploaded])
@@ -191,11 +191,16 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
     if remote and job.rank != 0 and job.stage_dir.is_dir():  # this node's share of rank 0's stand-in, or
         remote_staging.unregister(job.stage_dir)  # its own stand-in on another node: removed
         shutil.rmtree(job.stage_dir, ignore_errors=True)
+    if err is not None and err.startswith(_PUBLISHED):  # the new tag is whole; only `latest` did not move
+        raise CheckpointSaveError(f"{job.tag_dir}: {err}", path=str(job.tag_dir)) from own
     if own is not None:
         raise own
     if err is not None:
-        raise CheckpointSaveError(f"{job.tag_dir}: not saved ({err}); `latest` is unchanged",
-                                  path=str(job.tag_dir))  # fmt: skip
+        raise CheckpointSaveError(f"{job.tag_dir}: not saved ({err}); `latest` is unchanged, the previous "
+                                  "save is whole", path=str(job.tag_dir))  # fmt: skip
+
+
+_PUBLISHED = "published whole, but moving `latest` failed"
 
 
 def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None:
@@ -222,9 +227,14 @@ def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None
         fsync_path(f)
     fsync_path(job.stage_dir)
     if objstore.is_url(job.root):
+        before = _previous_files(job.tag_dir)
         done = remote_staging.publish_dir(
             job.stage_dir, job.tag_dir, _superseded, also=[u for r in results for u in r.uploaded]
         )
+        dead = sorted(u.rsplit("/", 1)[1] for u in done.deleted if u.rsplit("/", 1)[1] not in before)
+        if dead:
+            warnings.warn(f"{job.tag_dir}: deleted {len(dead)} object(s) of an unfinished earlier save "
+                          f"({dead[0]}{', ...' if len(dead) > 1 else ''})", stacklevel=4)  # fmt: skip
         if done.left:
             warnings.warn(f"{job.tag_dir}: the previous save's objects were not all deleted; the next save "
                           "of this tag deletes them", stacklevel=4)  # fmt: skip
@@ -233,6 +243,18 @@ def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None
     phase[0] = "published"
     if job.save_latest:
         write_latest(job.root, job.tag)
+
+
+def _previous_files(tag_dir: Path) -> set[str]:
+    """The files (and their sidecars) the tag's current manifest in the bucket names: the previous good
+    save's, deleted after the new one lands without a word; none when there is no readable manifest."""
+    from zckpt.formats.native import load_manifest
+
+    try:
+        man = load_manifest(tag_dir)
+    except Exception:  # noqa: BLE001 - no previous save, or a damaged one: nothing of it to recognise
+        return set()
+    return {n + side for n in man.files for side in ("", ".sha256", ".sha256.json")}
 
 
 def _superseded(rel: str) -> bool:

@@ -32,7 +32,8 @@ class NativeFormat(Format):
 
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Every file the manifest lists present, of the recorded size and digest; no rank file the manifest
-        does not list; one rank file per rank of the recorded world size."""
+        does not list (but those of another generation: an unfinished save's, in a bucket); one rank file per
+        rank of the recorded world size."""
         try:
             td = resolve(path, ctx.tag)[1]
             man = load_manifest(td)
@@ -51,7 +52,11 @@ class NativeFormat(Format):
             elif str(f) not in ctx.broken:
                 out += compare_digest(f, digest, size, layout.MANIFEST, ctx)
         for f in sorted(td.glob("rank_*.safetensors")):
-            if layout.RANK_FILE.fullmatch(f.name) and f.name not in man.files:
+            # a rank file of another generation than the manifest's: an unfinished save's leftover in a
+            # bucket, never read as part of this one (the manifest names its generation); the next save of
+            # the tag deletes it
+            m = layout.RANK_FILE.fullmatch(f.name)
+            if m and f.name not in man.files and not (m.group(1) and m.group(1)[1:] != man.generation):
                 out.append(
                     Problem(
                         str(f),
