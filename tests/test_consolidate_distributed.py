@@ -81,7 +81,9 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     hf.write_file = flaky
     try:
         seen["failed"] = outcome(
-            lambda: consolidate(FIXTURE, out_root / "failed", max_shard_size=SHARD, progress=False, distributed=True)
+            lambda: consolidate(
+                FIXTURE, out_root / "failed", max_shard_size=SHARD, progress=False, distributed=True
+            )
         )
     finally:
         hf.write_file = real
@@ -160,7 +162,8 @@ def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Pa
 
 
 def test_single_process_when_not_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default (``distributed=False``) without an initialised group (even with WORLD_SIZE set) runs alone."""
+    """The default (``distributed=False``) without an initialised group (even with WORLD_SIZE set) runs
+    alone."""
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "4")
     res = consolidate(FIXTURE, tmp_path / "o", max_shard_size=SHARD, progress=False)
     assert len([f for f in res.files if f.suffix == ".safetensors"]) == 6

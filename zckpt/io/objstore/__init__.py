@@ -4,6 +4,7 @@ fsspec filesystem for other schemes).
 ``zckpt.io.storage`` and ``zckpt.io.staging`` route here on a URL's scheme (``is_url``); local paths never
 reach it. Its modules, each importing only those above it:
 
+- ``failures``, ``policy``, ``credentials``: error lines, retries and timeouts, the credential chain.
 - ``client``: URLs, ``ObjectStore`` (one operation's options, clients per bucket with their credentials,
   caches and figures), errors as one ``StorageError`` line naming the URL with a hint, retries, ``current``
   / ``bound`` (the running operation's ``ObjectStore``).
@@ -19,14 +20,18 @@ Nothing is process-wide. Each operation (a library call, a CLI command, an engin
 storage options, and binds it for its own thread and the threads it starts (``client.bound``). The
 functions below act on that one (``current()``); the modules' own functions take it explicitly.
 
-Retries: the client retries 5xx, 503 SlowDown and dropped connections with exponential backoff and jitter
-(``RetryConfig``); a GET whose body is cut off mid-way is retried here too (``client._retry``).
+Failures: ``failures`` classifies a client error (by type and the fields of obstore's error chain, never
+its text) and words it as one line; ``policy`` says who retries what (obstore: 5xx, SlowDown, connection
+errors, cut-off GET bodies; zckpt: only a listing's body cut off) within ``max_retries`` and
+``retry_timeout``, and makes one no-retry request when a store is first built, so an unreachable store is
+said at once; ``credentials`` finds the credentials as the AWS SDKs do before any request.
 
 Configuration is the standard AWS chain as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``/``AWS_REGION``), plus the
 operation's ``storage_options`` (CLI ``--storage-option key=value``). An ``http://`` endpoint is allowed
 because its URL says so. zckpt's own keys: ``in_flight`` (default 8), ``part_bytes`` (default 8 MiB),
-``window_bytes`` (default 32 MiB), ``max_retries`` (default 10).
+``window_bytes`` (default 32 MiB), ``max_retries`` (default 10), ``retry_timeout`` (seconds, default 180),
+``connect_timeout`` (seconds, default 2).
 """
 
 from __future__ import annotations

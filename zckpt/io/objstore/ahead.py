@@ -8,7 +8,8 @@ pays the whole object on each). A reader that leaves early costs what the socket
 the stream stops reading, and the connection is dropped once idle.
 Its bytes are handed out in windows of at most ``UNIT`` bytes, registered before they are filled so a
 reader waits on the one it needs; the thread stays at most ``window_bytes`` ahead of the furthest byte read
-(the HTTP body waits in the socket meanwhile). A body cut off mid-way is resumed from the byte it stopped at.
+(the HTTP body waits in the socket meanwhile). A body cut off mid-way is resumed by the client (obstore)
+from the byte it stopped at.
 A stream idle for ``IDLE_S`` seconds, or whose object is written (``ObjectStore.forget``), is closed.
 
 Memory: the windows held, at most ``MAX_WINDOWS`` of ``UNIT`` bytes (those already read are dropped first,
@@ -18,13 +19,13 @@ then the oldest), whatever the object size. A read whose window was dropped is f
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from zckpt.io.objstore import backend
-from zckpt.io.objstore.client import _TRANSIENT, ObjectStore, Url, _retry, _Window, error
+from zckpt.io.objstore.client import ObjectStore, Url, _retry, _Window, error
+from zckpt.io.objstore.failures import ShortBody
 
 UNIT = 4 << 20
 """The largest window a stream hands out (smaller ones when ``window_bytes`` is smaller)."""
@@ -105,7 +106,7 @@ class Stream:
                     body, pending = self._open(a, b_end), memoryview(b"")
                 w = self._register(a, min(b_end, a + self.unit))
                 try:
-                    body, pending = self._fill(w, body, pending, b_end)
+                    body, pending = self._fill(w, body, pending)
                 except BaseException as e:
                     w.data.set_exception(e)
                     raise
@@ -139,21 +140,17 @@ class Stream:
 
         return _retry(once, u, st=st)
 
-    def _fill(
-        self, w: _Window, body: Iterator[Any], pending: memoryview, b_end: int
-    ) -> tuple[Iterator[Any], memoryview]:
-        """Fill ``w`` from the body (``pending``: bytes already received past the previous window); a body
-        cut off is resumed with a new ranged GET from where it stopped."""
+    def _fill(self, w: _Window, body: Iterator[Any], pending: memoryview) -> tuple[Iterator[Any], memoryview]:
+        """Fill ``w`` from the body (``pending``: bytes already received past the previous window). A body
+        cut off mid-way has been resumed by the client already, within its retries (``policy``): what
+        comes out here is final."""
         buf = memoryview(w.buf)
         got, n = 0, len(buf)
-        delay, tries = 0.05, 0
         while got < n:
             if not len(pending):
                 chunk, cut = _next(body)
                 if cut is not None:
-                    body = self._resume(w.start + got, b_end, cut, delay, tries)
-                    delay, tries = delay * 2, tries + 1
-                    continue
+                    raise error(cut, self.url) from None
                 pending = memoryview(chunk)
                 self.st.count("bytes", len(pending))
             k = min(n - got, len(pending))
@@ -161,13 +158,6 @@ class Stream:
             pending = pending[k:]
             got += k
         return body, pending
-
-    def _resume(self, at: int, b_end: int, e: BaseException, delay: float, tries: int) -> Iterator[Any]:
-        if tries >= 6 or not any(s in str(e).lower() for s in _TRANSIENT):
-            raise error(e, self.url) from None
-        self.st.count("retries")
-        time.sleep(min(2.0, delay))
-        return self._open(at, b_end)
 
 
 def _evict(st: ObjectStore) -> None:
@@ -184,8 +174,8 @@ def _next(body: Iterator[Any]) -> tuple[bytes, BaseException | None]:
     try:
         return next(body), None
     except StopIteration:
-        return b"", OSError("connection closed: the body ended early")
-    except Exception as e:  # noqa: BLE001 - transient ones are resumed by the caller, the rest raised
+        return b"", ShortBody("the body ended before the range did: the object is shorter than expected")
+    except Exception as e:  # noqa: BLE001 - raised by the caller as one line
         return b"", e
 
 

@@ -13,15 +13,14 @@ import contextvars
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from zckpt.errors import ObjectMissing, StorageError
+from zckpt.errors import StorageError
+from zckpt.io.objstore import credentials, failures, policy
 
 SCHEMES = ("s3",)
 """Schemes served by obstore (S3 and S3-compatible stores; tested against one). Any other scheme that an
@@ -30,7 +29,7 @@ _LOCAL_SCHEMES = frozenset({"file", "local"})
 """fsspec's names for the local disk: such a URL is refused (give the path itself)."""
 
 
-_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
+_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "endpoint_url"}) | policy.OWN_KEYS
 """Storage options zckpt reads itself; every other key goes to the client."""
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
 
@@ -110,174 +109,21 @@ def parse_options(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _other_chain(config: Mapping[str, str]) -> bool:
-    """Credentials the client finds by itself: anonymous access asked for, web identity, a container's
-    credentials endpoint, or the instance metadata service (unless ``AWS_EC2_METADATA_DISABLED``)."""
-    env = os.environ
-    return (
-        config.get("skip_signature", "").lower() == "true"
-        or bool(env.get("AWS_WEB_IDENTITY_TOKEN_FILE"))
-        or bool(
-            env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
-        )
-        or env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"
-    )
-
-
-def _has_profile() -> bool:
-    home = os.path.expanduser("~")
-    return bool(os.environ.get("AWS_PROFILE")) or any(
-        os.path.exists(os.path.join(home, ".aws", n)) for n in ("credentials", "config")
-    )
-
-
-def _profile_provider(u: Url) -> Any:
-    """Credentials from an AWS profile (``AWS_PROFILE``, ``~/.aws``), through boto3 when it is installed. A
-    profile that is not there is refused in one line, before any request."""
-    try:
-        import boto3
-        from botocore.exceptions import ProfileNotFound
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:
-        return None
-    try:
-        session = boto3.Session()
-    except ProfileNotFound:
-        name = os.environ.get("AWS_PROFILE", "")
-        raise StorageError(
-            f"{u}: no AWS profile {name!r} in ~/.aws/config or ~/.aws/credentials",
-            hint="check AWS_PROFILE (aws configure list-profiles), or set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY",
-            path=str(u),
-        ) from None
-    return Boto3CredentialProvider(session)
-
-
-class _NoObstore:
-    """Stand-ins for obstore's exception classes when obstore is not installed (an fsspec store only)."""
-
-    class NotFoundError(Exception): ...
-
-    class PermissionDeniedError(Exception): ...
-
-    class UnauthenticatedError(Exception): ...
-
-    class AlreadyExistsError(Exception): ...
-
-    class PreconditionError(Exception): ...
-
-
-def _ox() -> Any:
-    try:
-        from obstore import exceptions
-    except ImportError:
-        return _NoObstore
-    return exceptions
-
-
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return s[0][:200] if s else type(e).__name__
 
 
 def error(e: BaseException, url: object) -> StorageError:
-    """One line for a client error: no credentials, no such bucket or key, access denied, or other."""
-    ox = _ox()
-    msg = str(e)
-    if isinstance(e, (FileNotFoundError, ox.NotFoundError)) or "NoSuchKey" in msg or "NoSuchBucket" in msg:
-        if "NoSuchBucket" in msg or "bucket does not exist" in msg:
-            return ObjectMissing(
-                f"{url}: no such bucket",
-                path=str(url),
-                hint="check the bucket name and the endpoint (AWS_ENDPOINT_URL)",
-            )
-        return ObjectMissing(
-            f"{url}: no such key",
-            hint="check the URL: list the prefix, e.g. `aws s3 ls` on its folder",
-            path=str(url),
-        )
-    if isinstance(e, ox.UnauthenticatedError) or any(
-        s in msg for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
-    ):
-        return StorageError(
-            f"{url}: the store rejected the credentials",
-            path=str(url),
-            hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
-        )
-    if isinstance(e, (PermissionError, ox.PermissionDeniedError)) or "AccessDenied" in msg:
-        return StorageError(
-            f"{url}: access denied",
-            path=str(url),
-            hint="the credentials lack permission for this bucket or key (s3:GetObject, "
-            "s3:ListBucket, s3:PutObject)",
-        )
-    low = msg.lower()
-    if "credential" in low or "missing access key" in low:
-        return StorageError(
-            f"{url}: no credentials for the store",
-            path=str(url),
-            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
-        )
-    if "http" in low and "allow_http" in low.replace(" ", "_"):
-        return StorageError(
-            f"{url}: plain http refused",
-            path=str(url),
-            hint="give the endpoint as http://... in AWS_ENDPOINT_URL",
-        )
-    return StorageError(
-        f"{url}: {_first_line(e)}",
-        path=str(url),
-        hint="check the endpoint (AWS_ENDPOINT_URL), the network and the credentials",
-    )
+    """One line for a client error (``failures.one_line``)."""
+    return failures.one_line(e, url)
 
 
-_TRANSIENT = (
-    "connection",
-    "reset",
-    "closed",
-    "timed out",
-    "timeout",
-    "body",
-    "incomplete",
-    "eof",
-    "broken pipe",
-    "500",
-    "502",
-    "503",
-    "504",
-    "slowdown",
-    "service unavailable",
-)
-
-
-def _retry(fn: Any, url: object, tries: int = 6, st: ObjectStore | None = None) -> Any:
-    """``fn()`` retried with exponential backoff on what the client lets through as a transient failure (a
-    response body cut off after its headers); anything else, or the last failure, as ``error``."""
-    ox = _ox()
-    delay = 0.05
-    for k in range(tries):
-        try:
-            return fn()
-        except StorageError:
-            raise
-        except (
-            FileNotFoundError,
-            PermissionError,
-            ox.NotFoundError,
-            ox.PermissionDeniedError,
-            ox.UnauthenticatedError,
-            ox.AlreadyExistsError,
-            ox.PreconditionError,
-        ) as e:
-            raise error(e, url) from None
-        except Exception as e:  # noqa: BLE001 - classified below
-            if k == tries - 1 or not any(s in str(e).lower() for s in _TRANSIENT):
-                raise error(e, url) from None
-            if st is not None:
-                st.count("retries")
-            time.sleep(delay)
-            delay = min(2.0, delay * 2)
-    raise AssertionError("unreachable")
+def _retry(fn: Any, url: object, st: ObjectStore | None = None) -> Any:
+    """``fn()``, its error as one line; retried only as ``policy.call`` says (a listing's body cut off),
+    within ``st``'s options."""
+    pol = policy.Policy.from_options(st.options if st is not None else {})
+    return policy.call(fn, url, pol, on_retry=(lambda: st.count("retries")) if st is not None else None)
 
 
 @dataclass(frozen=True)
@@ -447,42 +293,28 @@ class ObjectStore:
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
         if region and "region" not in config:
             config["region"] = region
-        client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
-        if ep and ep.startswith("http://"):
-            client["allow_http"] = True  # the endpoint's URL says http: that is the user's choice
-        retry = {
-            "max_retries": int(self.options.get("max_retries", "10")),
-            "retry_timeout": timedelta(seconds=180),
-            "backoff": {
-                "init_backoff": timedelta(milliseconds=50),
-                "max_backoff": timedelta(seconds=5),
-                "base": 2,
-            },
-        }
-        provider = None
-        keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
-        if not keyed and _has_profile():
-            provider = _profile_provider(u)
-        if not keyed and provider is None and not _other_chain(config):
-            raise StorageError(
-                f"{u}: no credentials for the store",
-                hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
-                "--storage-option skip_signature=true for a public bucket",
-                path=str(u),
-            )
-        try:
-            st = S3Store(
+        pol = policy.Policy.from_options(self.options)
+        client, retry = pol.client_options(ep), pol.retry_config()
+        extra, provider = credentials.for_client(str(u), config, os.environ, endpoint=ep)
+        config.update(extra)
+
+        def make(client_options: dict[str, Any], retry_config: dict[str, Any]) -> Any:
+            return S3Store(
                 u.bucket,
                 config=config,  # type: ignore[arg-type]
-                client_options=client,  # type: ignore[arg-type]
-                retry_config=retry,  # type: ignore[arg-type]
+                client_options=client_options,  # type: ignore[arg-type]
+                retry_config=retry_config,  # type: ignore[arg-type]
                 credential_provider=provider,
             )
+
+        try:
+            st = make(client, retry)
         except Exception as e:  # noqa: BLE001 - a bad option: one line
             raise StorageError(
                 f"{u}: cannot configure the S3 client ({_first_line(e)})",
                 hint="check --storage-option keys and the AWS_* variables",
             ) from None
+        policy.reach(make, u, pol, ep)  # a store that cannot be reached: one line now, not after the retries
         with self.lock:
             self.clients[u.bucket] = st
         return st

@@ -18,6 +18,7 @@ from typing import Any
 
 from zckpt.io.objstore import ahead, backend
 from zckpt.io.objstore.client import ObjectStore, Url, _retry, _url
+from zckpt.io.objstore.failures import ShortBody
 from zckpt.io.objstore.paths import size
 
 BLOCK = 256 << 10
@@ -61,7 +62,7 @@ def _get(st: ObjectStore, u: Url, a: int, b: int) -> memoryview:
         st.count("requests")
         got = memoryview(be.get_range(u, a, b))
         if len(got) != b - a:
-            raise OSError(f"connection closed: {len(got)} of {b - a} bytes")
+            raise ShortBody(f"the store sent {len(got)} of {b - a} bytes")
         st.count("bytes", b - a)
         return got
 

@@ -24,7 +24,7 @@ class Upload:
     def __init__(self, st: ObjectStore, x: object) -> None:
         self.st = st
         self.url = _url(x)
-        self._w = _retry(lambda: backend.of(st, self.url).writer(self.url), self.url, tries=1, st=st)
+        self._w = _retry(lambda: backend.of(st, self.url).writer(self.url), self.url, st=st)
         self._n = 0
         self.closed = False
 
