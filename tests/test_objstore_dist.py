@@ -76,10 +76,9 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
     if rank == 1:
         remote_staging.on_this_host = lambda ticket: False
     st = Storage()
-    zckpt.consolidate(
-        url, "s3://ckpts/nodes/hf", max_shard_size="1KB", progress=False, distributed=True, storage=st
-    )
-    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", progress=False, distributed=True, storage=st)
+    opts: dict[str, Any] = {"progress": False, "distributed": True, "storage": st}
+    zckpt.consolidate(url, "s3://ckpts/nodes/hf", max_shard_size="1KB", **opts)
+    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", **opts)
     uploads = st.stats()["uploads"]
     st.close()
     if rank == 1:  # its small files (sidecars) fail to upload, after its shards streamed
