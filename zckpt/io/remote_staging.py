@@ -70,6 +70,13 @@ class Ticket:
     url: str
     is_dir: bool
     token: str
+    generation: str | None = None
+    """The name part of the output's data objects (``RemoteStaging.generation``)."""
+
+
+def new_generation() -> str:
+    """A fresh generation name: ``g`` and 16 hex digits (64 random bits)."""
+    return f"g{secrets.token_hex(8)}"
 
 
 def _bookkeeping(name: str) -> bool:
@@ -173,6 +180,13 @@ class RemoteStaging:
         self._old: list[str] = []
         self.kept: list[str] = []
         """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write)."""
+        self.generation = new_generation() if overwrite and kind == "dir" else None
+        """Replacing a folder: the new output's data objects carry this in their names (a writer that can:
+        ``CheckpointWriter.generations``), so that the previous output stays whole until the completing
+        object that names them replaces its own; None: a new output, or a single object (replaced whole)."""
+        self._sidecars: dict[str, bytes] = {}
+        """Sidecars of objects this output replaces, taken away before the new objects land, restored by an
+        abort (``expect``)."""
         if overwrite and kind == "dir":
             self._old = objstore.list_keys(self.url)
             if owns is not None:  # never delete an object zckpt did not write
@@ -184,7 +198,6 @@ class RemoteStaging:
                                        hint="give another DST, or move them away", path=self.url)  # fmt: skip
                 self._old = [u for u in self._old if owns(u[len(self.url) + 1 :])]
                 self.kept = sorted({u[len(self.url) + 1 :].split("/", 1)[0] for u in theirs})
-            objstore.delete([u for u in self._old if COMPLETING.search(u) or LATEST.search(u)])
         self._done = False
 
     def __enter__(self) -> RemoteStaging:
@@ -197,12 +210,23 @@ class RemoteStaging:
             self.abort()
 
     def expect(self, names: list[str]) -> None:
-        if not self.is_dir and not self.overwrite:
-            base = self.url.rsplit("/", 1)[0]
-            for n in names:
-                if objstore.kind(f"{base}/{n}") is not None:
-                    raise OutputExists(f"{base}/{n} already exists", hint="pass --overwrite to replace it",
-                                       path=f"{base}/{n}")  # fmt: skip
+        """The output's data objects will have these names (relative to its folder): refuse those that exist
+        unless overwriting; when overwriting, take away the sidecars of those that exist (kept here, put
+        back by an abort), so that no old sidecar ever sits beside a new object: an object is replaced
+        whole, and until then it keeps no sidecar of the other one's bytes."""
+        base = self._base()
+        for n in names:
+            if objstore.kind(f"{base}/{n}") is None:
+                continue
+            if not self.overwrite and not self.is_dir:
+                raise OutputExists(f"{base}/{n} already exists", hint="pass --overwrite to replace it",
+                                   path=f"{base}/{n}")  # fmt: skip
+            for side in (".sha256.json", ".sha256"):
+                u = f"{base}/{n}{side}"
+                if objstore.kind(u) == "file":
+                    with objstore.open_read(u) as f:
+                        self._sidecars[u] = f.read(1 << 20)
+                    objstore.delete([u])
 
     def adopt(self, urls: list[str]) -> None:
         """Objects other hosts' ranks uploaded for this output (``Follower.flush``): deleted by an abort,
@@ -215,16 +239,19 @@ class RemoteStaging:
         return f.read_text().split() if f.is_file() else []
 
     def abort(self) -> None:
-        """Delete every object this output uploaded, and the local folder."""
+        """Delete every object this output uploaded, put back the sidecars ``expect`` took away, and remove
+        the local folder."""
         try:
             objstore.delete(self._uploaded())
+            for u, data in getattr(self, "_sidecars", {}).items():
+                objstore.put_bytes(u, data)
         finally:
             self._release()
             self._done = True
 
     def ticket(self) -> Ticket:
         """What the other ranks of a split job need to write their share (``staging.share``)."""
-        return Ticket(str(self.dir), self.url, self.is_dir, self.token)
+        return Ticket(str(self.dir), self.url, self.is_dir, self.token, self.generation)
 
     def _release(self) -> None:
         unregister(self.dir)
@@ -285,6 +312,7 @@ class Follower(RemoteStaging):
     def __init__(self, url: str, *, is_dir: bool) -> None:  # no checks: rank 0's RemoteStaging made them
         self.url, self.dest, self.is_dir, self.overwrite = url, objstore.as_path(url), is_dir, True
         self.owns, self._old, self.kept, self._done = None, [], [], False
+        self.generation, self._sidecars = None, {}
         self.dir, self.token = _new_stand_in(url, is_dir)
 
     def flush(self) -> list[str]:

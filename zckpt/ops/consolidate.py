@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import InvalidArgument
+from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
-from zckpt.io import checks, pipeline
+from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
 from zckpt.io.remote_staging import RemoteStaging
@@ -259,7 +259,15 @@ def consolidate(
             if g.rank == 0:
                 st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS)
                 stack.enter_context(st)
-                st.expect(planned_names(base, items, shard))
+                names = planned_names(base, items, shard)
+                if isinstance(st, RemoteStaging) and _replaces_shards(st, names):
+                    raise Unsupported(
+                        f"{out}: replacing a sharded output in an object store in place would leave neither "
+                        "version whole while its shards upload (a shard's name is fixed by its index)",
+                        hint="write to a new prefix, then delete the old one",
+                        path=str(out),
+                    )
+                st.expect(names)
             return p, st
 
         p, st = g.step("consolidate: planning the output", make_plan)
@@ -268,6 +276,13 @@ def consolidate(
         _warn_idle(g, out, p)
         files, kept = _write(g, p, out, staging, st, progress, workers, verify_data)
     return _result(out, p, files, kept)
+
+
+def _replaces_shards(st: RemoteStaging, names: list[str]) -> bool:
+    """A sharded output (an index among ``names``) that would replace an existing output in a store."""
+    if not st.overwrite or not any(n.endswith(".index.json") for n in names):
+        return False
+    return st.generation is not None or any(objstore.kind(f"{st.url.rsplit('/', 1)[0]}/{n}") for n in names)
 
 
 def _warn_kept_config(st: Staging | RemoteStaging, written: str | None) -> None:

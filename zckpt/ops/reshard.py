@@ -28,7 +28,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks
 from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
-from zckpt.io.remote_staging import RemoteStaging
+from zckpt.io.remote_staging import RemoteStaging, Ticket
 from zckpt.io.safetensors import FileRecord
 from zckpt.io.session import Storage
 from zckpt.io.staging import Staging, open_staging, share
@@ -71,12 +71,13 @@ class ReshardResult:
 
 
 _CHECKPOINT_FILE = re.compile(
-    r"^(?:latest|\.metadata|__\d+_\d+\.distcp"  # the tag pointer; a DCP folder's files
-    r"|[^/]+/(?:manifest\.json|rank_\d{5}\.safetensors"  # a tag folder: native, then DeepSpeed
+    r"^(?:latest|\.metadata|__\d+_\d+(?:\.g[0-9a-f]{16})?\.distcp"  # the tag pointer; a DCP folder's files
+    r"|[^/]+/(?:manifest\.json|rank_\d{5}(?:\.g[0-9a-f]{16})?\.safetensors"  # a tag folder: native, DeepSpeed
     r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt|mp_rank_\d+_model_states\.pt)"
     r")(?:\.sha256|\.sha256\.json)?$"
 )
-"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag)."""
+"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag,
+any generation: ``WritePlan.generation``)."""
 
 
 def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
@@ -248,11 +249,21 @@ def reshard(
             owns = _owns(job.side)
             st = open_staging(job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse")
             stack.enter_context(st)
+            if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
+                fmt = job.result.dst_format
+                raise Unsupported(
+                    f"{job.dst}: replacing a {fmt} checkpoint in an object store in place would leave neither "
+                    "version whole while it uploads (its files have fixed names)",
+                    hint="write to a new prefix, then delete the old one",
+                    path=str(job.dst),
+                )
             return st
 
         st = g.step("reshard: staging the output", make_staging)
         staging, digest0 = g.broadcast((st.ticket(), job.digest) if st is not None else None)
         g.check_same("the reshard plan", job.digest, digest0)
+        if isinstance(staging, Ticket) and staging.generation is not None:  # replacing an output in a store
+            job = replace(job, plan=replace(job.plan, generation=staging.generation))
 
         def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
             with share(staging, is_dir=True) as (folder, done):

@@ -433,6 +433,8 @@ def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
 class DcpWriter(CheckpointWriter):
     """``zckpt reshard --to dcp`` (see the module doc)."""
 
+    generations = True  # ``.metadata``'s storage data names each item's file
+
     def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan:
         if stage is not None:
             raise InvalidArgument(
@@ -462,7 +464,7 @@ class DcpWriter(CheckpointWriter):
         if not mine:
             return []
         mine.sort(key=lambda it: it.entry is not None)  # bytes items first, as DCP writes them
-        name = f"__{unit}_0.distcp"
+        name = f"__{unit}_0.{plan.generation}.distcp" if plan.generation else f"__{unit}_0.distcp"
         out.mkdir(parents=True, exist_ok=True)
         sink = HashingSink(out / name, block=BLOCK_BYTES)  # its digest: blocks, hashed on several cores
         stored = []

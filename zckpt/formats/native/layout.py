@@ -45,10 +45,10 @@ RANK_FILE = re.compile(r"rank_\d{5}(\.g[0-9a-f]{16})?\.safetensors")
 
 
 def new_generation() -> str:
-    """A fresh generation name (64 random bits)."""
-    import secrets
+    """A fresh generation name (``zckpt.io.remote_staging.new_generation``: 64 random bits)."""
+    from zckpt.io.remote_staging import new_generation as fresh
 
-    return f"g{secrets.token_hex(8)}"
+    return fresh()
 
 
 def tensor_key(role: Role, name: str) -> str:
