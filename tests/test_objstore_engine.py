@@ -165,7 +165,12 @@ def test_engine_save_from_two_nodes(decoupled: bool, s3env: Any, tmp_path: Path)
     assert res[1]["left"] == [], res
     keys = _s3.keys(c, "ckpts", f"{pre}/")
     gen = _gen(c, f"{pre}/t/manifest.json")
-    names = ("latest", "t/manifest.json", f"t/rank_00000.{gen}.safetensors", f"t/rank_00001.{gen}.safetensors")
+    names = (
+        "latest",
+        "t/manifest.json",
+        f"t/rank_00000.{gen}.safetensors",
+        f"t/rank_00001.{gen}.safetensors",
+    )
     assert keys == [f"{pre}/{n}" for n in names], keys
     local = tmp_path / "local" / "t"
     for r in (0, 1):

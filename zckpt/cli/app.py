@@ -84,60 +84,75 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
         _preopen(kwargs)
         _leave_startup()
-        from zckpt.io import (
-            interrupts,  # after torch's import, which ``_leave_startup`` guards
-            objstore,
-            session,
-        )
+        from zckpt.io import objstore, session  # after torch's import, which ``_leave_startup`` guards
 
-        start = interrupts.mark()
         try:
             options = objstore.parse_options(kwargs.get("storage_option"))
-            # the command's one Storage (its s3:// client, caches, open files), closed when it ends
-            with warnings.catch_warnings(), session.operation(session.Storage(options)) as st:
-                warnings.simplefilter("always" if debug else "default")
-                if not debug:  # library warnings as one `warning: ...` line, not file:line + source
-                    warnings.showwarning = _one_line_warning
-                try:
-                    out = fn(*args, **kwargs)
-                finally:
-                    st.close()
-            _done()
-            return out
-        except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
-            _done()
-            raise
         except ZckptError as e:
-            if debug:
-                traceback.print_exc()
             Output.error(str(e), e.hint)
             raise typer.Exit(EXIT_ERROR) from None
-        except BrokenPipeError:  # `zckpt inspect ... | head`: the reader left; stop quietly, as cat does
-            _silence_stdout()
-            raise typer.Exit(EXIT_BROKEN_PIPE) from None
-        except OSError as e:
-            if debug:
-                traceback.print_exc()
-            where = f"{e.filename}: " if e.filename else ""
-            Output.error(f"{where}{e.strerror or e}")
-            raise typer.Exit(EXIT_ERROR) from None
-        except KeyboardInterrupt as e:
-            stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
-            if interrupts.published_since(start):  # it came after the output was in place: the job is done
-                Output.warning(f"{stopped} after the output was published; it is complete")
-                return None
-            Output.error(f"{stopped}; no partial output was left behind")
-            _said.interrupted = True
-            raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
-        except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
-            if debug:
-                traceback.print_exc()
-            Output.error(f"unexpected {type(e).__name__}: {e}",
-                         "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
-                         "traceback to report")  # fmt: skip
-            raise typer.Exit(EXIT_ERROR) from None
+        st = session.Storage(options)  # the command's one Storage (its s3:// client, caches, open files)
+        try:
+            with st.bound():
+                return _run(fn, args, kwargs, st, debug)
+        finally:
+            st.close()
 
     return run
+
+
+def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, debug: bool) -> Any:
+    """The command ``fn`` with its errors as one line and its interrupts reported truthfully (``st``: the
+    command's ``Storage``, bound)."""
+    from zckpt.errors import ZckptError
+    from zckpt.io import interrupts
+
+    start = interrupts.mark()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always" if debug else "default")
+            if not debug:  # library warnings as one `warning: ...` line, not file:line + source
+                warnings.showwarning = _one_line_warning
+            out = fn(*args, **kwargs)
+        _done()
+        return out
+    except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
+        _done()
+        raise
+    except ZckptError as e:
+        if debug:
+            traceback.print_exc()
+        Output.error(str(e), e.hint)
+        raise typer.Exit(EXIT_ERROR) from None
+    except BrokenPipeError:  # `zckpt inspect ... | head`: the reader left; stop quietly, as cat does
+        _silence_stdout()
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename else ""
+        Output.error(f"{where}{e.strerror or e}")
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt as e:
+        stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
+        if interrupts.published_since(start):  # it came after the output was in place: the job is done
+            Output.warning(f"{stopped} after the output was published; it is complete")
+            return None
+        if st.left:  # what a given-up output could not delete: say so, never "nothing left"
+            shown = ", ".join(st.left[:3]) + (f" (+{len(st.left) - 3} more)" if len(st.left) > 3 else "")
+            Output.error(f"{stopped}; {len(st.left)} object(s) of the unfinished output could not be "
+                         f"deleted: {shown}", "delete them before writing there again")  # fmt: skip
+        else:
+            Output.error(f"{stopped}; no partial output was left behind")
+        _said.interrupted = True
+        raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
+    except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
+        if debug:
+            traceback.print_exc()
+        Output.error(f"unexpected {type(e).__name__}: {e}",
+                     "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
+                     "traceback to report")  # fmt: skip
+        raise typer.Exit(EXIT_ERROR) from None
 
 
 _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}

@@ -227,8 +227,10 @@ def write_file(
 
             zw.write_record(f"data/{key}", counted(), it.nbytes)
         zw.close()
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     sink.write_sidecar()
     return sink.digest()
 

@@ -39,14 +39,14 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from zckpt.errors import OutputExists, StorageError
-from zckpt.io import objstore, session
+from zckpt.io import interrupts, objstore, session
 
 HOST_TOKEN = ".zckpt-host-token"
 """In ``.dir``: a random token rank 0 also sends in its ``Ticket``; a rank that reads the same token there is
@@ -84,11 +84,28 @@ def _bookkeeping(name: str) -> bool:
     return name in (HOST_TOKEN, UPLOADS)
 
 
-def register(folder: Path, url: str, is_dir: bool) -> None:
-    """Make ``folder`` the stand-in of ``url`` for the running operation (``Storage.stand_ins``)."""
+@dataclass
+class StandIn:
+    """A local folder's registration as the stand-in of ``url``. ``aborted`` (under ``lock``): the output
+    is being given up; an object whose upload would complete after that is aborted instead (``completing``),
+    so none appears once the abort has listed what to delete."""
+
+    url: str
+    is_dir: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    aborted: bool = False
+
+
+def register(folder: Path, url: str, is_dir: bool) -> bool:
+    """Make ``folder`` the stand-in of ``url`` for the running operation (``Storage.stand_ins``); False
+    when it is one already (rank 0's own, in its own process)."""
     st = session.current()
+    key = Path(os.path.abspath(folder))
     with st.lock:
-        st.stand_ins[Path(os.path.abspath(folder))] = (url, is_dir)
+        if isinstance(st.stand_ins.get(key), StandIn):
+            return False
+        st.stand_ins[key] = StandIn(url, is_dir)
+        return True
 
 
 def unregister(folder: Path) -> None:
@@ -107,26 +124,54 @@ def _new_stand_in(url: str, is_dir: bool) -> tuple[Path, str]:
     return folder, token
 
 
-def _marker(folder: Path) -> tuple[str, bool] | None:
+def _registered(folder: Path) -> StandIn | None:
     st = session.bound_storage()
     if st is None:
         return None
     with st.lock:
-        return st.stand_ins.get(folder)
+        got = st.stand_ins.get(folder)
+    return got if isinstance(got, StandIn) else None
+
+
+def _find(path: Path) -> tuple[Path, StandIn] | None:
+    p = Path(os.path.abspath(path))
+    for d in list(p.parents)[:4]:
+        m = _registered(d)
+        if m is not None:
+            return d, m
+    return None
 
 
 def target(path: Path) -> tuple[Path, str] | None:
     """(stand-in folder, the URL) that a file about to be written at ``path`` stands for, when ``path`` lies
     in a folder the running operation registered as a stand-in; None for an ordinary local file."""
-    p = Path(os.path.abspath(path))
-    for d in list(p.parents)[:4]:
-        m = _marker(d)
-        if m is not None:
-            dest, is_dir = m
-            rel = p.relative_to(d).as_posix()
-            base = dest if is_dir else dest.rsplit("/", 1)[0]
-            return d, f"{base}/{rel}"
-    return None
+    found = _find(path)
+    if found is None:
+        return None
+    d, m = found
+    rel = Path(os.path.abspath(path)).relative_to(d).as_posix()
+    base = m.url if m.is_dir else m.url.rsplit("/", 1)[0]
+    return d, f"{base}/{rel}"
+
+
+@contextlib.contextmanager
+def completing(path: Path) -> Iterator[bool]:
+    """Around the completion of ``path``'s object: yields whether it may complete (its output is not being
+    given up); the abort waits for a completion in progress, and a completion after it is refused."""
+    found = _find(path)
+    if found is None:
+        yield True
+        return
+    with found[1].lock:
+        yield not found[1].aborted
+
+
+def give_up(folder: Path) -> None:
+    """Mark the stand-in ``folder`` aborted: no object of it completes from now on (``completing``)."""
+    m = _registered(Path(os.path.abspath(folder)))
+    if m is not None:
+        with m.lock:
+            m.aborted = True
 
 
 def streamed(path: Path) -> str | None:
@@ -177,6 +222,7 @@ class RemoteStaging:
                     path=self.url,
                 )
         self.dir, self.token = _new_stand_in(self.url, is_dir)
+        interrupts.opened(self)
         self._old: list[str] = []
         self.kept: list[str] = []
         """Top-level names of an earlier ``dest`` that stay (objects zckpt did not write)."""
@@ -239,15 +285,22 @@ class RemoteStaging:
         return f.read_text().split() if f.is_file() else []
 
     def abort(self) -> None:
-        """Delete every object this output uploaded, put back the sidecars ``expect`` took away, and remove
-        the local folder."""
+        """Stop any object of it from completing, delete every object this output uploaded, put back the
+        sidecars ``expect`` took away, and remove the local folder. What could not be deleted is named in
+        the running operation's ``Storage.left`` (the CLI says so)."""
+        give_up(self.dir)
+        gone = self._uploaded()
         try:
-            objstore.delete(self._uploaded())
-            for u, data in getattr(self, "_sidecars", {}).items():
+            objstore.delete(gone)
+            for u, data in self._sidecars.items():
                 objstore.put_bytes(u, data)
+        except StorageError:
+            session.current().left.extend(gone)
+            raise
         finally:
             self._release()
             self._done = True
+            interrupts.closed(self, published=False)
 
     def ticket(self) -> Ticket:
         """What the other ranks of a split job need to write their share (``staging.share``)."""
@@ -292,6 +345,7 @@ class RemoteStaging:
             objstore.delete(stale)
         self._release()
         self._done = True
+        interrupts.closed(self, published=True)
         return [objstore.as_path(u) for u in written]
 
 

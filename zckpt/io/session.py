@@ -14,7 +14,9 @@ binding). It holds:
 - ``stand_ins``: the local folders of this operation that stand for an ``s3://`` output folder (a data file
   written there streams to its object; ``zckpt.io.remote_staging``), registered by the code that made them,
   never found on disk;
-- ``deferred``: staging folders whose files are fsynced at their publish, not at each close.
+- ``deferred``: staging folders whose files are fsynced at their publish, not at each close;
+- ``staged``, ``published``, ``left``: its outputs being staged and published so far, and objects a given-up
+  output could not delete (``zckpt.io.interrupts``: what an interrupted command reports).
 
 Nothing of this is process-wide: two operations in two threads, with different storage options, share
 nothing; a new operation lists the store afresh (a long-lived process sees another writer's ``latest``); a
@@ -95,9 +97,15 @@ class Storage:
         self.objects = objstore.ObjectStore(self.options)
         self.files = LocalFiles()
         self.memo: dict[str, dict[Any, Any]] = {}
-        self.stand_ins: dict[Path, tuple[str, bool]] = {}
-        """Local folder -> (the ``s3://`` URL it stands for, whether that URL is a folder)."""
+        self.stand_ins: dict[Path, Any] = {}
+        """Local folder -> its ``remote_staging.StandIn`` (the ``s3://`` URL it stands for)."""
         self.deferred: set[Path] = set()
+        self.staged: set[int] = set()
+        """Outputs being staged now (``zckpt.io.interrupts``)."""
+        self.published = 0
+        """Outputs published so far (``zckpt.io.interrupts``)."""
+        self.left: list[str] = []
+        """Objects a given-up output could not delete (an interrupted command names them)."""
         self.lock = threading.Lock()
 
     def cache(self, name: str) -> dict[Any, Any]:

@@ -119,6 +119,7 @@ class HashingSink(io.RawIOBase):
         """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
         self._url = remote_staging.streamed(path)
         """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
+        self._aborted = False
         self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
         self._f: Any = None
         self._f = open(path, "xb") if self._url is None else objstore.upload(self._url)  # noqa: SIM115
@@ -281,9 +282,15 @@ class HashingSink(io.RawIOBase):
                         os.fsync(self._f.fileno())
                         self._fsync_s = time.perf_counter() - t0
                 finally:  # a failed flush (disk full) must still release the file
-                    self._f.close()
-                    if self._url is not None:
-                        remote_staging.record(self.path, self._url)
+                    if self._url is None:
+                        self._f.close()
+                    else:  # an object appears only when its whole file was written, its output still wanted
+                        with remote_staging.completing(self.path) as wanted:
+                            if self._aborted or not wanted:
+                                self._f.abort()
+                            else:
+                                self._f.close()
+                                remote_staging.record(self.path, self._url)
                     self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
                     self._ring.release()
@@ -291,6 +298,19 @@ class HashingSink(io.RawIOBase):
                     self._wall_s = time.perf_counter() - self._t_open
         finally:
             super().close()
+
+    def abort(self) -> None:
+        """Give the file up (an error while writing it): an object's upload is aborted, nothing appears; a
+        local file is released (its staging folder's removal deletes it). Never raises for the file itself."""
+        self._aborted = True
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        if ev is not None:
+            self.abort()
+        else:
+            self.close()
 
     def __del__(self) -> None:
         """A sink dropped unclosed (an error path) is released without flushing, fsyncing or waiting on its

@@ -196,12 +196,13 @@ def share(ticket: Ticket, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], 
     if isinstance(ticket, str):
         yield Path(ticket), list
         return
-    if remote_staging.on_this_host(ticket):
-        remote_staging.register(Path(ticket.folder), ticket.url, ticket.is_dir)
+    if remote_staging.on_this_host(ticket):  # rank 0's folder: its own, or one of its host's ranks'
+        mine = remote_staging.register(Path(ticket.folder), ticket.url, ticket.is_dir)
         try:
             yield Path(ticket.folder), list
         finally:
-            remote_staging.unregister(Path(ticket.folder))
+            if mine:
+                remote_staging.unregister(Path(ticket.folder))
         return
     follower = remote_staging.Follower(ticket.url, is_dir=is_dir)
     with follower:

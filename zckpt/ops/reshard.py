@@ -252,8 +252,8 @@ def reshard(
             if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
                 fmt = job.result.dst_format
                 raise Unsupported(
-                    f"{job.dst}: replacing a {fmt} checkpoint in an object store in place would leave neither "
-                    "version whole while it uploads (its files have fixed names)",
+                    f"{job.dst}: replacing a {fmt} checkpoint in an object store in place would leave "
+                    "neither version whole while it uploads (its files have fixed names)",
                     hint="write to a new prefix, then delete the old one",
                     path=str(job.dst),
                 )

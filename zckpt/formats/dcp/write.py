@@ -474,8 +474,10 @@ class DcpWriter(CheckpointWriter):
                 _write_item(sink, it, ckpt)
                 off = it.offsets if it.entry is not None else None
                 stored.append(Stored(it.key, off, name, start, sink.tell() - start))
-        finally:
-            sink.close()
+        except BaseException:
+            sink.abort()  # nothing of it appears (an object upload is aborted)
+            raise
+        sink.close()
         sink.write_sidecar()
         on_file(name, sink.tell())
         return [DcpRecord(name, sink.digest(), sink.tell(), stored=tuple(stored))]
@@ -491,6 +493,8 @@ class DcpWriter(CheckpointWriter):
         sink = HashingSink(out / METADATA)
         try:
             sink.write(data)
-        finally:
-            sink.close()
+        except BaseException:
+            sink.abort()  # nothing of it appears (an object upload is aborted)
+            raise
+        sink.close()
         on_file(METADATA, len(data))
