@@ -104,7 +104,7 @@ def test_each_storage_counts_its_own_requests(s3env: str, s3_server: _s3.Server,
     zckpt.inspect(url, storage=a)
     one = a.stats()["requests"]
     zckpt.consolidate(url, tmp_path / "m.safetensors", progress=False, storage=b)
-    assert one > 0 and b.stats()["requests"] > 0 and b.stats()["bytes"] > a.stats()["bytes"]
+    assert one > 0 and b.stats()["requests"] > 0
     assert a.stats()["requests"] == one  # b's requests are not a's
     zckpt.inspect(url, storage=a)
     assert a.stats()["requests"] == one  # the same storage: its listings and blocks are kept
