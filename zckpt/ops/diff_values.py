@@ -22,8 +22,8 @@ equal. Other pairs (same dtype, bf16 against fp16, integers) are compared as sto
 names the dtype a cast pair was compared in; the cast values are then upcast exactly to float64 as above.
 
 Norms: ``norm_a``, ``norm_b``, ``norm_diff`` (``||a||``, ``||b||``, ``||a-b||`` over the finite elements)
-come from the same accumulators, so ``rel_change = ||b-a|| / ||a||`` (A as the reference, what the plots
-show) costs nothing extra. For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
+come from the same accumulators (the plots pool them per cell); ``rel_l2 = ||a-b|| / ||b||`` is the one
+relative change every report shows, B the reference as for ``rtol``. For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
 ``norm_a = norm_b`` is the fast path's own-dtype dot product (float32/float64 tensors; float32 ones are
 accumulated in float32), or ``None`` for other dtypes or when a chunk holds non-finite values (the fast
 path sums nothing there).
@@ -98,16 +98,6 @@ class TensorDiff:
     def identical(self) -> bool:
         """Same shape and exactly the same values as compared (NaN where NaN, no element differs at all)."""
         return self.max_abs_diff == 0 and self.changed == 0
-
-    @property
-    def rel_change(self) -> float | None:
-        """``||b-a|| / ||a||``: the change relative to A (0 when nothing changed, +inf when ``||a||`` is 0 and
-        something did; ``None`` when the shapes differ). ``rel_l2`` is relative to B."""
-        if self.norm_diff is None:
-            return None
-        if self.norm_diff == 0:
-            return 0.0
-        return self.norm_diff / self.norm_a if self.norm_a else math.inf
 
     @property
     def fraction_changed(self) -> float | None:
