@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,10 @@ def _verify(
     file_problems += orphan_sidecars(p, files)
     if fmt is not None:
         file_problems += fmt.verify(p, ckpt, ctx)
-    # A reader error about a file that the file checks describe better is not repeated.
+    # One path form (the one the user gave: readers may name files by their absolute path), then a reader
+    # error about a file that the file checks describe better is not repeated.
+    problems = [_as_given(q, p) for q in problems]
+    file_problems = [_as_given(q, p) for q in file_problems]
     named = {q.file for q in file_problems}
     names = {Path(n).name for n in named}
     problems = [q for q in problems if q.file not in named and not any(n in q.message for n in names)]
@@ -183,6 +186,21 @@ def _verify(
         checksums=ctx.checksums,
         problems=tuple(_dedupe(problems)),
     )
+
+
+def _as_given(q: Problem, root: Path) -> Problem:
+    """``q`` naming its file the way the user named the checkpoint (``ckpt/x.pt``, not ``/abs/ckpt/x.pt``,
+    or the other way round), so one file is one key and one spelling in the report."""
+    if "://" in q.file or "://" in str(root):
+        return q
+    f = Path(q.file)
+    if f.is_absolute() == root.is_absolute():
+        return q
+    try:
+        rel = f.resolve().relative_to(root.resolve())
+    except (ValueError, OSError):
+        return q
+    return replace(q, file=str(root / rel) if rel.parts else str(root))
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
