@@ -159,9 +159,12 @@ def test_dtype_summary_agrees_with_table(tmp_path: Path) -> None:
     # is A's upcast (cast back to A's float32), so every value agrees and each cast is said
     auto = diff(TOY_REF, tmp_path / "b.safetensors", progress=False)
     assert auto.equal and (auto.dtype_only, auto.differing) == (3, 0)
-    assert auto.casts == (("A cast to bfloat16 as stored in B", 2, 2), ("B cast to float32 as stored in A", 1, 1))
-    assert "3 dtype mismatches (2 compared as A cast to bfloat16 as stored in B, 1 compared as B cast to " \
-        "float32 as stored in A: 3 equal; not a difference without --strict-dtype)" in auto.summary()
+    a_cast, b_cast = "A cast to bfloat16 as stored in B", "B cast to float32 as stored in A"
+    assert auto.casts == ((a_cast, 2, 2), (b_cast, 1, 1))
+    assert (
+        f"3 dtype mismatches (2 compared as {a_cast}, 1 compared as {b_cast}: 3 equal; not a difference "
+        "without --strict-dtype)" in auto.summary()
+    )
 
 
 def _twenty(tmp_path: Path, differing: int) -> tuple[Path, Path]:

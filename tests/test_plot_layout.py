@@ -131,9 +131,9 @@ def test_changes_over_nine_decades(tmp_path: Path) -> None:
 
 
 def _pair(tmp_path: Path, rels: dict[str, float], zero_b: str = "") -> tuple[Path, Path]:
-    """A: the GPT-2 fixture's fp32 weights; B: the same in float64 with every tensor of module ``m`` divided by
-    ``1 + rels[m]`` (so its cell's and its bars' change ``||A-B||/||B||`` is exactly ``rels[m]``); ``zero_b``:
-    a tensor that is all zeros in B (an infinite change)."""
+    """A: the GPT-2 fixture's fp32 weights; B: the same in float64 with every tensor of module ``m``
+    divided by ``1 + rels[m]`` (so its cell's and its bars' change ``||A-B||/||B||`` is exactly ``rels[m]``);
+    ``zero_b``: a tensor that is all zeros in B (an infinite change)."""
     ref = load_file(GPT2 / "ref_fp32.safetensors")
     a = dict(ref)
     b = {k: v.double() for k, v in ref.items()}

@@ -148,8 +148,8 @@ def test_real_deepspeed_tag_folders(tmp_path: Path) -> None:
 
 
 def test_one_relative_change_in_table_plot_and_series(tmp_path: Path) -> None:
-    """Issue 40.5: the table's ``rel_l2``, the diff figure's cell and bar, and ``--series`` (rows, total, JSON)
-    show one figure, ``||A-B|| / ||B||``. B = 2A makes the two conventions disagree (0.5 against 1.0)."""
+    """Issue 40.5: the table's ``rel_l2``, the diff figure's cell and bar, and ``--series`` (rows, total,
+    JSON) show one figure, ``||A-B|| / ||B||``. B = 2A makes the two conventions disagree (0.5 and 1.0)."""
     from zckpt.ops.diff import diff
     from zckpt.ops.plots.grids import diff_plot
 

@@ -329,8 +329,8 @@ def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
 def test_one_damaged_file_is_one_problem_in_one_path_form(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: bool
 ) -> None:
-    """Issue 40.2: a truncated DeepSpeed rank file was reported twice, by the reader (absolute path) and by the
-    file check (the path as given), and counted as "2 problems in 2 files". One line, one path form (the
+    """Issue 40.2: a truncated DeepSpeed rank file was reported twice, by the reader (absolute path) and by
+    the file check (the path as given), and counted as "2 problems in 2 files". One line, one path form (the
     user's), and the summary counts one problem in one file; ``--json`` agrees."""
     from typer.testing import CliRunner
 

@@ -105,7 +105,7 @@ StrictDtypeOpt = Annotated[
 CompareDtypeOpt = Annotated[
     str,
     typer.Option("--dtype", metavar="auto|full|fp32|bf16|fp16",
-                 help="Dtype to compare at: auto (two dtypes: the narrower), full (as stored), or one dtype."),
+                 help="Dtype to compare at: auto (two dtypes: the narrower), full (as stored), or one."),
 ]  # fmt: skip
 IgnoreDtypeOpt = Annotated[
     bool,

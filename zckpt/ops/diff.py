@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
 from zckpt.formats import open_checkpoint
@@ -240,9 +241,9 @@ class DiffResult:
 
     def plot(self, path: str | Path, *, top: int = 20) -> Path:
         """Draw the result to ``path`` (``.png``, ``.svg`` or a self-contained ``.html``): layer x role
-        heatmaps of ``||A-B||/||B||`` (``rel_l2``) and cosine, non-layer tensors in a strip, the ``top`` most-changed
-        tensors as bars; one-sided, reshaped and retyped tensors marked. Needs matplotlib (``zckpt[plot]``).
-        Draws the tensors this result holds: all of them unless ``diff`` was given ``top``."""
+        heatmaps of ``||A-B||/||B||`` (``rel_l2``) and cosine, non-layer tensors in a strip, the ``top``
+        most-changed tensors as bars; one-sided, reshaped and retyped tensors marked. Needs matplotlib
+        (``zckpt[plot]``). Draws the tensors this result holds: all unless ``diff`` was given ``top``."""
         from zckpt.ops.plots.files import plot_diff
 
         return plot_diff(self, path, top=top)
@@ -304,9 +305,8 @@ def diff(
         cb, close_b = _open(b, tag_b, trust_pickle, include_optimizer)
         try:
             with checks.verifying(verify_data):
-                return _diff(
-                    ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress, chunk, mode
-                )
+                return _diff(ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress,
+                             chunk, mode)  # fmt: skip
         finally:
             if close_b:
                 cb.close()

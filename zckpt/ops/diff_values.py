@@ -23,7 +23,8 @@ names the dtype a cast pair was compared in; the cast values are then upcast exa
 
 Norms: ``norm_a``, ``norm_b``, ``norm_diff`` (``||a||``, ``||b||``, ``||a-b||`` over the finite elements)
 come from the same accumulators (the plots pool them per cell); ``rel_l2 = ||a-b|| / ||b||`` is the one
-relative change every report shows, B the reference as for ``rtol``. For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
+relative change every report shows, B the reference as for ``rtol``.
+For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
 ``norm_a = norm_b`` is the fast path's own-dtype dot product (float32/float64 tensors; float32 ones are
 accumulated in float32), or ``None`` for other dtypes or when a chunk holds non-finite values (the fast
 path sums nothing there).
@@ -254,7 +255,8 @@ def compare_threads() -> int:
 
 
 COMPARE_DTYPES = ("auto", "full", "fp32", "bf16", "fp16")
-"""``compare_dtype`` values (the module doc); ``fp32``/``bf16``/``fp16`` in any spelling ``parse_precision`` reads."""
+"""``compare_dtype`` values (the module doc); ``fp32``/``bf16``/``fp16`` in any spelling ``parse_precision``
+reads."""
 
 
 def parse_compare_dtype(name: str | torch.dtype) -> str:

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
 from zckpt.ops.paths import check_overlap, input_root
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.progress import sized
 
 __all__ = ["ReshardResult", "default_dst", "reshard"]
 
@@ -284,22 +286,30 @@ def reshard(
 def _write_units(
     g: zgroup.Group, job: _Job, staging: Path, progress: bool, verify_data: bool
 ) -> tuple[list[FileRecord], list[tuple[str, int]]]:
-    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written)."""
+    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written).
+
+    The bar counts rank units, whose number is known before writing (the bytes a unit writes are not: a
+    DeepSpeed rank file is a torch zip whose size its pickle decides), so it ends at exactly 100 %; the
+    bytes written so far are shown beside it, counted from the files as they are closed."""
     units = range(g.rank, job.plan.units, g.world)
-    per_unit = sum(e.stored_nbytes for e in job.ckpt.entries.values()) // max(1, job.plan.units)
     written: list[tuple[str, int]] = []
     records: list[FileRecord] = []
+    lock = threading.Lock()
     with progress_bar(
-        per_unit * len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0
+        len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0, unit="rank"
     ) as bar:
 
         def on_file(name: str, nbytes: int) -> None:
-            written.append((name, nbytes))
-            bar.update(nbytes)
+            with lock:
+                written.append((name, nbytes))
 
         with checks.verifying(verify_data):  # several ranks' files at once on many cores
             for recs in each_file(
                 lambda u: job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file), units
             ):
                 records += recs
+                with lock:
+                    done = sum(n for _, n in written)
+                bar.set_postfix_str(f"{sized(done)} written", refresh=False)
+                bar.update(1)
     return records, written
