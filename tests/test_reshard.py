@@ -442,3 +442,16 @@ def test_progress_bar_ends_at_its_total(tmp_path: Path, monkeypatch: pytest.Monk
     )
     rank_files = sum((tmp_path / "out" / f).stat().st_size for f in res.files if unit_file.search(f))
     assert f"{progress.sized(rank_files)} written" in last, (last, res.files)
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "native"])
+def test_tag_from_a_dcp_source_is_its_step(tmp_path: Path, to: str) -> None:
+    """Issue 40.8: a DCP folder has no tag, and reshard named the output tag ``reshard`` though the source
+    records step 3 (its fixture's ``case.json``: 3 steps). The tag is DeepSpeed's name for that step."""
+    src = REPO / "fixtures" / "dcp" / "fsdp2_w2"
+    steps = json.loads((src / "case.json").read_text())["steps"]
+    res = reshard(src / "checkpoint", tmp_path / "out", world=3, to=to, progress=False)
+    assert res.tag == f"global_step{steps}"
+    assert (tmp_path / "out" / "latest").read_text().strip() == f"global_step{steps}"
+    with zckpt.open(tmp_path / "out") as ck:
+        assert (ck.meta.tag, ck.meta.step) == (f"global_step{steps}", steps)

@@ -63,7 +63,8 @@ class ReshardResult:
     world: int
     src_stage: int | None
     stage: int | None
-    tag: str
+    tag: str | None
+    """The output's tag folder; None for a DCP output (a flat folder, no tag)."""
     files: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
@@ -167,7 +168,7 @@ def _job(
         _check_masters_named(ckpt)
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)
-        out_tag = ckpt.meta.tag or "reshard"
+        out_tag = _out_tag(ckpt)
         plan = target.writer.plan(ckpt, world=world, stage=stage, tag=out_tag)
         side = trainer_files.plan(ckpt.meta, world)
     except BaseException:
@@ -182,7 +183,7 @@ def _job(
         world,
         ckpt.meta.stage,
         plan.stage,
-        out_tag,
+        None if target.name == "dcp" else out_tag,
         notes=[n for n in plan.notes if not (side is not None and side.batch_noted and is_batch_note(n))]
         + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
@@ -281,6 +282,16 @@ def reshard(
     res.bytes_written = sum(n for _, n in written)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _out_tag(ckpt: Checkpoint) -> str:
+    """The output's tag: the source's (DeepSpeed and native tag folders), else named after the step the
+    source records as DeepSpeed and the engine name theirs (a DCP folder has no tag: ``global_step3``), else
+    ``reshard``."""
+    if ckpt.meta.tag:
+        return ckpt.meta.tag
+    step = ckpt.meta.step
+    return f"global_step{step}" if step is not None else "reshard"
 
 
 def _write_units(
