@@ -48,7 +48,7 @@ def test_help_snapshot() -> None:
         "--no-verify-data", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
-        "--atol", "--rtol", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
+        "--atol", "--rtol", "--dtype", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
         "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
         "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
@@ -293,3 +293,63 @@ def test_signals_held_once_the_command_is_done() -> None:
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert CliRunner().invoke(app, ["inspect", str(ck)]).exit_code == 0
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+# ---- issue 40.9: first-contact wording -----------------------------------------------------------------
+@pytest.mark.parametrize("cmd", [["inspect"], ["verify"], ["diff", "A"], ["reshard", "--world", "2"]])
+@pytest.mark.parametrize("url", ["s3://", "gs://"])
+def test_url_without_bucket_is_one_line(cmd: list[str], url: str) -> None:
+    """``zckpt inspect s3://`` said ``s3:: no such file or folder`` (pathlib's spelling of the URL)."""
+    res = runner.invoke(app, [*cmd, url])
+    scheme = url.removesuffix("://")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines() == [
+        f"error: {url}: the URL names no bucket",
+        f"hint: give {scheme}://BUCKET/PATH",
+    ]
+
+
+def test_lone_safetensors_file_is_no_hf_checkpoint_and_counts_agree(tmp_path: Path) -> None:
+    """A lone ``.safetensors`` is "a safetensors file" (not "hf checkpoint"); "1 file", "1 checksum",
+    "1 tensor" are singular; an HF folder is still an hf checkpoint."""
+    f = tmp_path / "one.safetensors"
+    save_file({"w": torch.ones(2)}, str(f))
+    (tmp_path / "one.safetensors.sha256").write_text(
+        __import__("hashlib").sha256(f.read_bytes()).hexdigest() + "  one.safetensors\n"
+    )
+    res = runner.invoke(app, ["verify", str(f)])
+    assert res.exit_code == 0 and res.stdout.strip() == (
+        f"{f}: safetensors file, world size 1: 1 tensor, 1 file, 1 checksum verified: OK"
+    ), res.output
+    res = runner.invoke(app, ["reshard", str(f), "--world", "2"])
+    assert res.exit_code == 2 and f"{f}: a safetensors file is not sharded" in res.stderr, res.output
+    hf = tmp_path / "hf"
+    res = runner.invoke(app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(hf), "--no-progress"])
+    assert res.exit_code == 0 and res.stdout.startswith("wrote 12 tensors ("), res.output
+    assert (
+        ": hf checkpoint, world size 1: 12 tensors, 1 file, 1 checksum verified: OK"
+        in runner.invoke(app, ["verify", str(hf)]).stdout
+    )
+
+
+def test_write_hints_do_not_blame_a_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zckpt makes missing parent folders itself, so "check the folder exists" was no advice: a parent that
+    is a file, and a folder this user may not write, each get their own hint."""
+    import errno
+    import tempfile
+
+    (tmp_path / "f").write_text("")
+    res = runner.invoke(
+        app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(tmp_path / "f" / "o.safetensors")]
+    )
+    assert res.exit_code == 2 and "hint: a part of the path is a file, not a folder" in res.stderr, res.output
+
+    def denied(*a: object, **k: object) -> str:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / ".o.zckpt-tmp-x"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    res = runner.invoke(
+        app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(tmp_path / "o.safetensors")]
+    )
+    assert res.exit_code == 2 and "hint: you may not write in that folder" in res.stderr, res.output
+    assert "exists" not in res.stderr

@@ -18,6 +18,7 @@ import functools
 import gc
 import importlib
 import os
+import re
 import signal
 import traceback
 import warnings
@@ -88,6 +89,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         start = interrupts.mark()
         try:
+            _refuse_bare_schemes(kwargs)
             with warnings.catch_warnings():
                 warnings.simplefilter("always" if debug else "default")
                 if not debug:  # library warnings as one `warning: ...` line, not file:line + source
@@ -129,6 +131,24 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(EXIT_ERROR) from None
 
     return run
+
+
+_BARE_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/*")
+"""What ``pathlib.Path`` leaves of a URL with no bucket (``s3://`` -> ``s3:``)."""
+
+
+def _refuse_bare_schemes(kwargs: dict[str, Any]) -> None:
+    """A path argument that is a URL with no bucket (``zckpt inspect s3://``) in one line, not as a local
+    file named ``s3:`` that does not exist."""
+    from zckpt.errors import InvalidArgument
+
+    for value in kwargs.values():
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        m = _BARE_SCHEME.fullmatch(os.fspath(value))
+        if m is not None and not os.path.lexists(value):
+            s = m.group(1)
+            raise InvalidArgument(f"{s}://: the URL names no bucket", hint=f"give {s}://BUCKET/PATH")
 
 
 _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}

@@ -145,7 +145,7 @@ class DiffResult:
 
     def summary(self) -> str:
         verdict = "EQUAL" if self.equal else "DIFFERENT"
-        parts = [f"{self.compared} tensors compared, {self.differing} differ"]
+        parts = [f"{self.compared} tensor{'s' * (self.compared != 1)} compared, {self.differing} differ"]
         if self.shape_mismatches:
             parts.append(f"{self.shape_mismatches} shape mismatch{'es' * (self.shape_mismatches != 1)}")
         if self.dtype_mismatches:

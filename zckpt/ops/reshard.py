@@ -46,7 +46,7 @@ from zckpt.io.safetensors import FileRecord
 from zckpt.io.staging import Staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
-from zckpt.ops.paths import check_overlap, input_root
+from zckpt.ops.paths import check_overlap, input_kind, input_root
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.progress import sized
 
@@ -149,7 +149,7 @@ def _job(
     try:
         if not fmt.training:
             raise Unsupported(
-                f"{src}: a {fmt.name} checkpoint is not sharded; nothing to reshard",
+                f"{src}: a {input_kind(fmt.name, src)} is not sharded; nothing to reshard",
                 hint="reshard reads sharded training checkpoints (native, DeepSpeed)",
             )
         target = get(to or fmt.name)

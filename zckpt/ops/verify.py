@@ -37,6 +37,7 @@ from zckpt.io import objstore, safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
+from zckpt.ops.paths import input_kind
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -64,14 +65,15 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: the verdict, what was checked and how much."""
-        what = f"{self.format or 'unrecognised'} checkpoint"
+        what = input_kind(self.format, self.path)
         if self.tag:
             what += f" (tag {self.tag})"
         if self.world_size is not None:
             what += f", world size {self.world_size}"
-        counts = f"{len(self.files)} files, {self.checksums} checksums verified"
+        nf, nc = len(self.files), self.checksums
+        counts = f"{nf} file{'s' * (nf != 1)}, {nc} checksum{'s' * (nc != 1)} verified"
         if self.tensors is not None:
-            counts = f"{self.tensors} tensors, " + counts
+            counts = f"{self.tensors} tensor{'s' * (self.tensors != 1)}, " + counts
         n, nf = len(self.problems), len({p.file for p in self.problems})
         verdict = "OK" if self.ok else f"{n} problem{'s' * (n != 1)} in {nf} file{'s' * (nf != 1)}"
         return f"{self.path}: {what}: {counts}: {verdict}"
