@@ -48,8 +48,8 @@ def test_help_snapshot() -> None:
         "--no-verify-data", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
-        "--atol", "--rtol", "--dtype", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
-        "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
+        "--atol", "--rtol", "--dtype", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map",
+        "--top", "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
         "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--storage-option", "--help"}
