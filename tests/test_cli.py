@@ -353,3 +353,57 @@ def test_write_hints_do_not_blame_a_missing_folder(tmp_path: Path, monkeypatch: 
     )
     assert res.exit_code == 2 and "hint: you may not write in that folder" in res.stderr, res.output
     assert "exists" not in res.stderr
+
+
+# ---- issue 40.13: every environment switch in one place, one worker-count parser ---------------------------
+_SWITCH = re.compile(r"\bZCKPT_[A-Z0-9_]+\b")
+
+
+def test_every_environment_switch_is_documented_and_none_is_a_test_hook() -> None:
+    """Every ``ZCKPT_*`` name in the code (the library, the engine, and the tests', fixtures' and benchmarks'
+    own) appears in docs/environment.md, and zckpt and the engine read no test hook."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "environment.md").read_text()
+    used: dict[str, set[str]] = {}
+    for top in ("zckpt", "engine", "tests", "fixtures", "bench"):
+        for f in (root / top).rglob("*.py"):
+            for name in _SWITCH.findall(f.read_text(errors="replace")):
+                used.setdefault(name, set()).add(str(f.relative_to(root)))
+    assert {"ZCKPT_WORKERS", "ZCKPT_DEBUG", "ZCKPT_TEST_WRITE_DELAY"} <= set(used)  # the scan found them
+    missing = {n: sorted(fs) for n, fs in used.items() if f"`{n}`" not in doc}
+    assert not missing, f"docs/environment.md does not list {missing}"
+    hooks = {
+        n: sorted(f for f in fs if f.startswith(("zckpt/", "engine/")))
+        for n, fs in used.items()
+        if "TEST" in n
+    }
+    assert not any(hooks.values()), hooks
+
+
+def test_workers_one_parser_that_follows_cpu_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ZCKPT_WORKERS`` was read three ways (``isdigit``, a bare ``int()`` that crashed on ``four``, and not
+    at all by the block digest, which counted ``os.cpu_count()`` rather than the CPU affinity)."""
+    from zckpt.io import digest, pipeline, scan
+    from zckpt.ops.diff_values import compare_threads
+
+    monkeypatch.delenv("ZCKPT_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})  # a 6-core share
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # of a bigger machine
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (4, 6, 5, 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (1, 1, 1, 1)
+    monkeypatch.setenv("ZCKPT_WORKERS", "3")
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (3, 3, 3, 3)
+    for bad in ("four", "0", "-2", "1.5"):
+        monkeypatch.setenv("ZCKPT_WORKERS", bad)
+        for f in (digest.lanes, scan.threads, pipeline.default_workers):
+            with pytest.raises(
+                ValueError, match=f"^ZCKPT_WORKERS='{re.escape(bad)}': not a positive whole number"
+            ):
+                f()
+        res = runner.invoke(app, ["inspect", str(fixture("ds", "s1_bf16_w2"))], env={"ZCKPT_WORKERS": bad})
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines() == [
+            f"error: ZCKPT_WORKERS='{bad}': not a positive whole number",
+            "hint: unset it, or give a count: ZCKPT_WORKERS=4",
+        ]

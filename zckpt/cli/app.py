@@ -90,6 +90,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         start = interrupts.mark()
         try:
             _refuse_bare_schemes(kwargs)
+            from zckpt.io import env
+
+            env.check()  # a bad ZCKPT_WORKERS is one line before any work, not an error mid-write
             with warnings.catch_warnings():
                 warnings.simplefilter("always" if debug else "default")
                 if not debug:  # library warnings as one `warning: ...` line, not file:line + source
