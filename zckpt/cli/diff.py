@@ -33,9 +33,10 @@ Values are compared in float64 (integers exactly). A tensor differs when |a-b| >
 anywhere; B is the reference of every relative figure.
 
 --dtype picks the dtype values are compared at. auto (default): a tensor stored in two float dtypes
-is compared at the narrower one, the wider side cast to it as consolidate casts, so a checkpoint and
-its 16-bit export are EQUAL (said as "A cast to bfloat16 as stored in B"); full: every tensor as
-stored, every rounding difference shows; fp32, bf16, fp16: every float tensor cast to it first.
+is compared at the narrower one (bf16 against fp16: at B's), the other side cast to it as
+consolidate casts, so a checkpoint and its 16-bit export are EQUAL (said as "A cast to bfloat16 as
+stored in B"); full: every tensor as stored, every rounding difference shows; fp32, bf16, fp16:
+every float tensor cast to it first.
 A dtype mismatch is not a difference of its own unless --strict-dtype.
 
 --plot FILE draws layer x role heatmaps of ||A-B||/||B|| and cosine, with the most-changed tensors.

@@ -34,11 +34,11 @@ Precision
     Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype), then
     compared in float64 (``zckpt.ops.diff_values``), chunk by chunk, so memory stays bounded for any
     tensor size; padding is never read. ``compare_dtype`` picks the dtype a pair is compared at first:
-    ``auto`` (default) compares a pair stored in two float dtypes at the narrower one (A's fp32 masters
-    cast to bf16 against a bf16 export: what ``consolidate``'s default writes, so a checkpoint and its
-    export are equal); ``full`` compares every pair as stored (every rounding difference shows);
-    ``fp32``/``bf16``/``fp16`` cast every floating side to that dtype. Each cast is reported
-    (``TensorDiff.compared_as``, the summary's "A cast to bfloat16 as stored in B").
+    ``auto`` (default) compares a pair stored in two float dtypes at the narrower one, or at B's when
+    neither holds the other (A's fp32 masters cast to bf16 against a bf16 export: what ``consolidate``'s
+    default writes, so a checkpoint and its export are equal); ``full`` compares every pair as stored
+    (every rounding difference shows); ``fp32``/``bf16``/``fp16`` cast every floating side to that dtype.
+    Each cast is reported (``TensorDiff.compared_as``, the summary's "A cast to bfloat16 as stored in B").
 
 Metrics (per tensor, over the elements finite on both sides unless stated)
     ``max_abs_diff = max|a-b|``; ``max_rel_diff = max |a-b|/|b|`` (0/0 counts as 0, x/0 as +inf);
@@ -281,8 +281,9 @@ def diff(
             no key of A is a ``KeyMappingError``.
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
         strict_dtype: count a dtype mismatch as a difference even when the values agree.
-        compare_dtype: ``auto`` (a pair stored in two float dtypes is compared at the narrower, the wider
-            side cast to it as ``consolidate`` casts: a checkpoint and its 16-bit export are equal),
+        compare_dtype: ``auto`` (a pair stored in two float dtypes is compared at the narrower, or at B's
+            when neither holds the other, cast as ``consolidate`` casts: a checkpoint and its 16-bit export
+            are equal),
             ``full`` (every pair as stored: every rounding shows), or ``fp32``/``bf16``/``fp16`` (every
             floating side cast to it first). Every cast is reported.
         progress: tqdm bar on stderr (only when stderr is a terminal).

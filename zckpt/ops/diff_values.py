@@ -17,7 +17,9 @@ Comparison dtype (``compare_dtype``, ``zckpt.ops.diff``'s ``dtype=``): ``auto`` 
 float dtypes, one of which holds every value of the other (fp32 and bf16, fp32 and fp16, fp64 and any), at
 the narrower one: the wider side is cast to it with torch's cast (round to nearest even, the cast
 ``consolidate`` writes a 16-bit export with), so a checkpoint's fp32 masters and their bf16 export compare
-equal. Other pairs (same dtype, bf16 against fp16, integers) are compared as stored. ``full`` never casts.
+equal, whichever side is the export. Two float dtypes neither of which holds the other (bf16 and fp16)
+are compared at B's, the reference (A cast to it: ``consolidate --dtype fp16`` of a bf16 tensor). Pairs of
+one dtype and integers are compared as stored. ``full`` never casts.
 ``fp32``/``bf16``/``fp16`` cast every floating side not already in that dtype. ``TensorDiff.compared_as``
 names the dtype a cast pair was compared in; the cast values are then upcast exactly to float64 as above.
 
@@ -284,9 +286,7 @@ def comparison_dtype(mode: str, da: torch.dtype, db: torch.dtype) -> torch.dtype
         return None if da == db == target else target
     if da == db:
         return None
-    if _holds(da, db):
-        return db
-    return da if _holds(db, da) else None
+    return da if _holds(db, da) and not _holds(da, db) else db  # the narrower; else B's, the reference
 
 
 def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
