@@ -101,7 +101,7 @@ TopOpt = Annotated[
 ]
 StrictDtypeOpt = Annotated[
     bool,
-    typer.Option("--strict-dtype", help="Count a dtype-only difference as a difference."),
+    typer.Option("--strict-dtype", help="Count a dtype mismatch as a difference, even where values agree."),
 ]
 CompareDtypeOpt = Annotated[
     str,
