@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _s3
+import _slow_writes
 import pytest
 from _fixtures import fixture
 from typer.testing import CliRunner
@@ -160,7 +161,7 @@ def test_sigkill_mid_upload_never_looks_complete(
     that does not look complete), or is complete and verifies clean: the tag folder once its manifest is
     there, the save folder once ``latest`` is. Never a manifest without its data."""
     env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "PYTHONPATH": _slow_writes.child_pythonpath(Path(__file__).resolve().parents[1]),
            "TMPDIR": str(tmp_path)}  # fmt: skip  # a killed run's local stand-in stays: here, not in /tmp
     c = s3_server.client()
 

@@ -109,6 +109,9 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
 
     start = interrupts.mark()
     try:
+        from zckpt.io import env
+
+        env.check()  # a bad ZCKPT_WORKERS is one line before any work, not an error mid-write
         with warnings.catch_warnings():
             warnings.simplefilter("always" if debug else "default")
             if not debug:  # library warnings as one `warning: ...` line, not file:line + source

@@ -131,7 +131,8 @@ def command(
     o = Output(json=json)
     o.result(res.to_json())
     dts = ", ".join(f"{n} {d}" for d, n in res.dtypes.items())
-    o.text(f"wrote {res.tensors} tensors ({human_bytes(res.bytes)}; {dts}) to {res.out}")
+    n = f"{res.tensors} tensor{'s' * (res.tensors != 1)}"
+    o.text(f"wrote {n} ({human_bytes(res.bytes)}; {dts}) to {res.out}")
     for f in res.files:
         o.text(f"  {f}")
     if res.tied:

@@ -126,9 +126,11 @@ def command(
     o = Output(json=json)
     o.result(dataclasses.asdict(res))
     zero = f" ZeRO-{res.stage}" if res.stage is not None else ""
+    tag = f", tag {res.tag}" if res.tag is not None else ""
+    files = f"{len(res.files)} file{'s' * (len(res.files) != 1)}"
     o.text(
         f"{res.src} ({res.src_format}, world {res.src_world}) -> {res.dst} ({res.dst_format}{zero}, world "
-        f"{res.world}, tag {res.tag}): {len(res.files)} files, {human_bytes(res.bytes_written)} "
+        f"{res.world}{tag}): {files}, {human_bytes(res.bytes_written)} "
         f"in {res.seconds:.1f}s"
     )
     for n in res.notes:

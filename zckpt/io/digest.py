@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import scan, storage
+from zckpt.io import env, scan, storage
 from zckpt.io.checks import crc32
 from zckpt.io.threads import Pool
 
@@ -40,11 +40,8 @@ the same way."""
 
 def lanes() -> int:
     """Threads a block digest is computed on: enough to outrun a fast disk, not the whole machine
-    (``ZCKPT_HASH_THREADS`` overrides)."""
-    env = os.environ.get("ZCKPT_HASH_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(4, os.cpu_count() or 1))
+    (``ZCKPT_WORKERS`` overrides, ``zckpt.io.env``); from the cores this process may run on."""
+    return env.workers(min(4, env.cores()))
 
 
 @dataclass(frozen=True)

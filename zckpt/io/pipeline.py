@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import torch
 
-from zckpt.io import checks, storage
+from zckpt.io import checks, env, storage
 from zckpt.io.fill import Layout, layout_of_items
 from zckpt.io.scan import cores as _cores
 from zckpt.io.scan import shared, sharing
@@ -50,20 +49,18 @@ class Sink(Protocol):
 
 
 def default_workers() -> int:
-    env = os.environ.get("ZCKPT_WORKERS")
-    if env:
-        return max(1, int(env) // sharing())
-    # the device writes and the hash lanes need cores too; files written side by side share these
-    return max(1, min(8, _cores() - 1) // sharing())
+    """Reader threads of a write: the usable cores minus one, at most 8 (``ZCKPT_WORKERS`` overrides,
+    ``zckpt.io.env``); files written side by side share them."""
+    # the device writes and the hash lanes need cores too
+    return max(1, env.workers(min(8, _cores() - 1)) // sharing())
 
 
 def files_in_flight(n: int) -> int:
     """Output files ``each_file`` writes at once: one per 4 usable cores (a file's stream has a reader, a
     writer, a hasher and a device writer), at most 4 and at most ``n``; ``ZCKPT_FILES`` overrides. On 2 cores:
     1, one file after another as before."""
-    env = os.environ.get("ZCKPT_FILES", "")
-    k = int(env) if env.isdigit() and int(env) > 0 else min(4, _cores() // 4)
-    return max(1, min(n, k))
+    k = env.count(env.FILES)
+    return max(1, min(n, k if k is not None else min(4, _cores() // 4)))
 
 
 def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from zckpt.io import storage
+from zckpt.io import env, storage
 from zckpt.io.checks import crc32, crc32_combine
 from zckpt.io.threads import Pool
 
@@ -29,11 +28,8 @@ _local = threading.local()
 
 
 def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (``zckpt.io.env.cores``: its CPU affinity)."""
+    return env.cores()
 
 
 _sharing = 1
@@ -59,11 +55,8 @@ def shared(k: int) -> Iterator[None]:
 
 def threads(cap: int = 16, per: int = 1) -> int:
     """Threads for work that scales with cores: one per ``per`` usable cores, at most ``cap`` (scans: every
-    core, at most 16); ``ZCKPT_WORKERS`` overrides."""
-    env = os.environ.get("ZCKPT_WORKERS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(cap, cores() // per))
+    core, at most 16); ``ZCKPT_WORKERS`` overrides (``zckpt.io.env``)."""
+    return env.workers(min(cap, cores() // per))
 
 
 def _buf() -> memoryview:

@@ -31,10 +31,6 @@ from typing import Any
 from zckpt.io import direct_io, objstore, remote_staging, scan, session
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
-_TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
-"""Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
-
-
 _OVERLAP_BYTES = 1 << 20
 """Writes at least this large hash on a helper thread concurrently with the file write (both release
 the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
@@ -139,7 +135,6 @@ class HashingSink(io.RawIOBase):
         self._ring = FillRing()  # ``fill_ring``
         self._scratch: memoryview | None = None  # ``reserve`` without O_DIRECT
         self._t_open = time.perf_counter()
-        self._delay = float(os.environ.get(_TEST_DELAY_ENV) or 0)  # read once per file, not per write
         self._fsync_s = 0.0
         self._wall_s = 0.0
 
@@ -152,8 +147,6 @@ class HashingSink(io.RawIOBase):
     def write(self, b: object, stable: bool = False) -> int:
         """Append ``b``. ``stable``: ``b`` stays unchanged until ``close()`` (see the module doc)."""
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if self._delay:  # test hook: lets kill tests land in the middle of a write
-            time.sleep(self._delay)
         if self._direct is not None:  # it hands every byte to the hash threads itself (``_hasher.queue``)
             self._direct.write(mv, stable)
         elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
@@ -179,8 +172,6 @@ class HashingSink(io.RawIOBase):
         if self._direct is None:
             self.write(mv)
             return []
-        if self._delay:
-            time.sleep(self._delay)
         busy = self._direct.write_owned(mv)
         self._pos += len(mv)
         return busy
@@ -222,8 +213,6 @@ class HashingSink(io.RawIOBase):
             assert self._scratch is not None
             self.write(self._scratch[:n])
             return
-        if self._delay:
-            time.sleep(self._delay)
         self._direct.commit(n)
         self._pos += n
 

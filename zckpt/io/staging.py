@@ -360,8 +360,14 @@ def _cannot_write(dest: Path, e: OSError) -> WriteFailed:
     if e.errno in _WRITE_HINTS:
         msg = f"{dest}: writing failed ({what}); nothing was written, temporary files removed"
         return WriteFailed(msg, hint=_WRITE_HINTS[e.errno], path=str(dest))
-    cls = OutputNotWritable if e.errno in (errno.EACCES, errno.EPERM) else WriteFailed
-    hint = "check the folder exists and is writable, or write elsewhere"
+    denied = e.errno in (errno.EACCES, errno.EPERM)
+    cls = OutputNotWritable if denied else WriteFailed
+    if denied:  # missing folders are made, so permission is what is wanting
+        hint = "you may not write in that folder (or one above it): change its permissions or write elsewhere"
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):  # makedirs over a file: EEXIST
+        hint = "a part of the path is a file, not a folder: write elsewhere"
+    else:
+        hint = "write elsewhere"
     return cls(f"{dest}: cannot write here ({what}); nothing was written", hint=hint, path=str(dest))
 
 

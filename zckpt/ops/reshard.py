@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -46,8 +47,9 @@ from zckpt.io.session import Storage
 from zckpt.io.staging import Staging, open_staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
-from zckpt.ops.paths import check_overlap, input_root
+from zckpt.ops.paths import check_overlap, input_kind, input_root
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.progress import sized
 from zckpt.ops.scope import storage_scoped
 
 __all__ = ["ReshardResult", "default_dst", "reshard"]
@@ -63,7 +65,8 @@ class ReshardResult:
     world: int
     src_stage: int | None
     stage: int | None
-    tag: str
+    tag: str | None
+    """The output's tag folder; None for a DCP output (a flat folder, no tag)."""
     files: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
@@ -149,7 +152,7 @@ def _job(
     try:
         if not fmt.training:
             raise Unsupported(
-                f"{src}: a {fmt.name} checkpoint is not sharded; nothing to reshard",
+                f"{src}: a {input_kind(fmt.name, src)} is not sharded; nothing to reshard",
                 hint="reshard reads sharded training checkpoints (native, DeepSpeed)",
             )
         target = get(to or fmt.name)
@@ -168,7 +171,7 @@ def _job(
         _check_masters_named(ckpt)
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)
-        out_tag = ckpt.meta.tag or "reshard"
+        out_tag = _out_tag(ckpt)
         plan = target.writer.plan(ckpt, world=world, stage=stage, tag=out_tag)
         side = trainer_files.plan(ckpt.meta, world)
     except BaseException:
@@ -183,7 +186,7 @@ def _job(
         world,
         ckpt.meta.stage,
         plan.stage,
-        out_tag,
+        None if target.name == "dcp" else out_tag,
         notes=[n for n in plan.notes if not (side is not None and side.batch_noted and is_batch_note(n))]
         + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
@@ -294,25 +297,43 @@ def reshard(
     return res
 
 
+def _out_tag(ckpt: Checkpoint) -> str:
+    """The output's tag: the source's (DeepSpeed and native tag folders), else named after the step the
+    source records as DeepSpeed and the engine name theirs (a DCP folder has no tag: ``global_step3``), else
+    ``reshard``."""
+    if ckpt.meta.tag:
+        return ckpt.meta.tag
+    step = ckpt.meta.step
+    return f"global_step{step}" if step is not None else "reshard"
+
+
 def _write_units(
     g: zgroup.Group, job: _Job, staging: Path, progress: bool, verify_data: bool
 ) -> tuple[list[FileRecord], list[tuple[str, int]]]:
-    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written)."""
+    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written).
+
+    The bar counts rank units, whose number is known before writing (the bytes a unit writes are not: a
+    DeepSpeed rank file is a torch zip whose size its pickle decides), so it ends at exactly 100 %; the
+    bytes written so far are shown beside it, counted from the files as they are closed."""
     units = range(g.rank, job.plan.units, g.world)
-    per_unit = sum(e.stored_nbytes for e in job.ckpt.entries.values()) // max(1, job.plan.units)
     written: list[tuple[str, int]] = []
     records: list[FileRecord] = []
+    lock = threading.Lock()
     with progress_bar(
-        per_unit * len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0
+        len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0, unit="rank"
     ) as bar:
 
         def on_file(name: str, nbytes: int) -> None:
-            written.append((name, nbytes))
-            bar.update(nbytes)
+            with lock:
+                written.append((name, nbytes))
 
         with checks.verifying(verify_data):  # several ranks' files at once on many cores
             for recs in each_file(
                 lambda u: job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file), units
             ):
                 records += recs
+                with lock:
+                    done = sum(n for _, n in written)
+                bar.set_postfix_str(f"{sized(done)} written", refresh=False)
+                bar.update(1)
     return records, written

@@ -24,7 +24,7 @@ the file-level checks still run over the files found on disk, so one run lists e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
 from zckpt.io.session import Storage
 from zckpt.io.threads import Pool
+from zckpt.ops.paths import input_kind
 from zckpt.ops.scope import storage_scoped
 
 SCHEMA_VERSION = 1
@@ -66,14 +67,15 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: the verdict, what was checked and how much."""
-        what = f"{self.format or 'unrecognised'} checkpoint"
+        what = input_kind(self.format, self.path)
         if self.tag:
             what += f" (tag {self.tag})"
         if self.world_size is not None:
             what += f", world size {self.world_size}"
-        counts = f"{len(self.files)} files, {self.checksums} checksums verified"
+        nf, nc = len(self.files), self.checksums
+        counts = f"{nf} file{'s' * (nf != 1)}, {nc} checksum{'s' * (nc != 1)} verified"
         if self.tensors is not None:
-            counts = f"{self.tensors} tensors, " + counts
+            counts = f"{self.tensors} tensor{'s' * (self.tensors != 1)}, " + counts
         n, nf = len(self.problems), len({p.file for p in self.problems})
         verdict = "OK" if self.ok else f"{n} problem{'s' * (n != 1)} in {nf} file{'s' * (nf != 1)}"
         return f"{self.path}: {what}: {counts}: {verdict}"
@@ -169,7 +171,10 @@ def _verify(
     file_problems += orphan_sidecars(p, files)
     if fmt is not None:
         file_problems += fmt.verify(p, ckpt, ctx)
-    # A reader error about a file that the file checks describe better is not repeated.
+    # One path form (the one the user gave: readers may name files by their absolute path), then a reader
+    # error about a file that the file checks describe better is not repeated.
+    problems = [_as_given(q, p) for q in problems]
+    file_problems = [_as_given(q, p) for q in file_problems]
     named = {q.file for q in file_problems}
     names = {Path(n).name for n in named}
     problems = [q for q in problems if q.file not in named and not any(n in q.message for n in names)]
@@ -185,6 +190,21 @@ def _verify(
         checksums=ctx.checksums,
         problems=tuple(_dedupe(problems)),
     )
+
+
+def _as_given(q: Problem, root: Path) -> Problem:
+    """``q`` naming its file the way the user named the checkpoint (``ckpt/x.pt``, not ``/abs/ckpt/x.pt``,
+    or the other way round), so one file is one key and one spelling in the report."""
+    if "://" in q.file or "://" in str(root):
+        return q
+    f = Path(q.file)
+    if f.is_absolute() == root.is_absolute():
+        return q
+    try:
+        rel = f.resolve().relative_to(root.resolve())
+    except (ValueError, OSError):
+        return q
+    return replace(q, file=str(root / rel) if rel.parts else str(root))
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:

@@ -364,13 +364,14 @@ def _frame(pickled: bytes, nbytes: int) -> _Frame:
     zw = TorchZipWriter(cast(HashingSink, rec))
     zw.write_header_records(pickled)
     zeros = mmap.mmap(-1, max(nbytes, 1))
-    try:
-        view = memoryview(zeros)[:nbytes]
-        crc = zlib.crc32(view).to_bytes(4, "little")
-        zw.write_record("data/0", [view] if nbytes >= _Rel._SMALL else [bytes(view)], nbytes)
-        view.release()
-    finally:
-        zeros.close()
+    # Closed only on success: an exception (Ctrl-C's KeyboardInterrupt above all) leaves views of the
+    # mapping in its traceback's frames, and closing it then raises BufferError in place of that exception;
+    # the mapping is unmapped when the last view goes.
+    view = memoryview(zeros)[:nbytes]
+    crc = zlib.crc32(view).to_bytes(4, "little")
+    zw.write_record("data/0", [view] if nbytes >= _Rel._SMALL else [bytes(view)], nbytes)
+    view.release()
+    zeros.close()
     zw.close()
     whole = b"".join(rec.parts)
     if rec.gap is None:  # the data is in ``whole``: where its record says

@@ -61,7 +61,11 @@ def parse(x: object) -> Url | None:
         return None
     bucket, _, key = m.group(3).partition("/")
     if not bucket:
-        return None
+        if m.group(2) != "/" and os.path.lexists(s):
+            return None  # a local file that looks like one (``pathlib`` keeps one slash of ``x://``)
+        scheme = m.group(1)
+        raise StorageError(f"{scheme}://: the URL names no bucket", hint=f"give {scheme}://BUCKET/PATH",
+                           path=f"{scheme}://")  # fmt: skip
     return Url(m.group(1), bucket, key.strip("/"))
 
 
