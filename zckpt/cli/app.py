@@ -18,6 +18,7 @@ import functools
 import gc
 import importlib
 import os
+import re
 import signal
 import traceback
 import warnings
@@ -109,6 +110,7 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
 
     start = interrupts.mark()
     try:
+        _refuse_bare_schemes(kwargs)
         from zckpt.io import env
 
         env.check()  # a bad ZCKPT_WORKERS is one line before any work, not an error mid-write
@@ -156,6 +158,23 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
                      "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
                      "traceback to report")  # fmt: skip
         raise typer.Exit(EXIT_ERROR) from None
+
+
+_BARE_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/*")
+
+
+def _refuse_bare_schemes(kwargs: dict[str, Any]) -> None:
+    """A path argument that is a URL with no bucket (``zckpt inspect s3://``, which typer hands over as the
+    path ``s3:``) in one line, not as a local file named ``s3:`` that does not exist."""
+    from zckpt.errors import InvalidArgument
+
+    for value in kwargs.values():
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        m = _BARE_SCHEME.fullmatch(os.fspath(value))
+        if m is not None and not os.path.lexists(value):
+            s = m.group(1)
+            raise InvalidArgument(f"{s}://: the URL names no bucket", hint=f"give {s}://BUCKET/PATH")
 
 
 _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}
