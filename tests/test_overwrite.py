@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
-from zckpt.io.shards import HF_WEIGHT_BASES, family
+from zckpt.formats._names import HF_WEIGHT_BASES
+from zckpt.io.shards import family
 
 DS = "s1_bf16_w2"
 

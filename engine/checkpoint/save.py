@@ -44,6 +44,7 @@ from engine.checkpoint.content import RankSave, capture, staging_dir
 from engine.config import WriterConfig
 from zckpt.errors import WriteFailed
 from zckpt.formats._latest import write_latest
+from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
 from zckpt.io import objstore, remote_staging, session
@@ -154,7 +155,11 @@ def prepare(eng: Engine, root: Path, tag: str) -> tuple[Path, str | None]:
             stage.mkdir(parents=True)
         eng.comm.barrier()
         return stage, None
-    mine = (remote_staging.stand_in(root / tag), L.new_generation()) if eng.comm.rank == 0 else None
+    mine = (
+        (remote_staging.stand_in(root / tag, PUBLISH_ORDER), L.new_generation())
+        if eng.comm.rank == 0
+        else None
+    )
     ticket, gen = eng.comm.broadcast_object(mine)
     return (Path(ticket.folder) if mine is not None else remote_staging.join(ticket)), gen
 
@@ -229,7 +234,11 @@ def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None
     if objstore.is_url(job.root):
         before = _previous_files(job.tag_dir)
         done = remote_staging.publish_dir(
-            job.stage_dir, job.tag_dir, _superseded, also=[u for r in results for u in r.uploaded]
+            job.stage_dir,
+            job.tag_dir,
+            PUBLISH_ORDER,
+            _superseded,
+            also=[u for r in results for u in r.uploaded],
         )
         dead = sorted(u.rsplit("/", 1)[1] for u in done.deleted if u.rsplit("/", 1)[1] not in before)
         if dead:

@@ -26,12 +26,13 @@ from typing import Any, ClassVar
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
+from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import storage, torchzip
 from zckpt.io.digest import BLOCK_BYTES, FileDigest
 from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.shards import HF_WEIGHT_BASES, family, planned_names, write_sharded
+from zckpt.io.shards import family, planned_names, write_sharded
 from zckpt.io.sink import HashingSink
 from zckpt.io.staging import open_staging
 from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
@@ -268,7 +269,9 @@ def write_torch(
     out = Path(out)
     is_dir = out.suffix not in SUFFIXES
     base = BIN if is_dir else out.name
-    with open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
+    with open_staging(
+        out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES), order=PUBLISH_ORDER
+    ) as st:
         st.expect(planned_names(base, items, max_shard_size))
         BinWriter().write_into(
             st.dir, base, items, ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes)

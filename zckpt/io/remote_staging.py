@@ -8,9 +8,9 @@ without it leaves nothing) with a store's means:
   (``stand_ins``), as the stand-in of the destination. A tensor file written there through ``HashingSink``
   is not written locally: ``target(path)`` maps it to its final key and the sink streams it as a multipart
   upload (``objstore.Upload``), visible only once complete. Only the code that made the folder registers
-  it: no file found on disk ever decides where an output goes. The
-  objects that make a checkpoint complete (``COMPLETING``: the HF index, ``manifest.json``, DCP's
-  ``.metadata``, ``latest``), the sidecars and the small files (config, ``latest``) stay in the local
+  it: no file found on disk ever decides where an output goes. The objects that make a checkpoint
+  complete (``PublishOrder``, from the formats: the HF index, ``manifest.json``, DCP's ``.metadata``,
+  ``latest``), the sidecars and the small files (config, ``latest``) stay in the local
   folder: they are KBs.
 - ``commit()`` uploads the local files, the completing ones last and ``latest`` very last, with
   create-if-absent (``If-None-Match: *``) unless overwriting; a single-file output is its own completing
@@ -53,10 +53,21 @@ HOST_TOKEN = ".zckpt-host-token"
 on rank 0's host (it says nothing about where anything goes)."""
 UPLOADS = ".zckpt-uploads"
 """In ``.dir``: the URLs uploaded so far, one a line, appended by every process writing there."""
-COMPLETING = re.compile(r"(^|/)(manifest\.json|\.metadata|[^/]*\.index\.json)$")
-"""Objects that make a checkpoint look complete: published after every data object."""
-LATEST = re.compile(r"(^|/)latest$")
-"""Published last of all."""
+
+
+@dataclass(frozen=True)
+class PublishOrder:
+    """Which files of an output complete it (uploaded after every data object) and which point at it
+    (``latest``: uploaded last of all); everything else is data, streamed as it is written. The formats
+    say which names these are (``zckpt.formats.PUBLISH_ORDER``): this module knows no file name."""
+
+    completing: re.Pattern[str]
+    pointer: re.Pattern[str]
+
+    def rank(self, rel: str) -> int:
+        """0: data, 1: completing, 2: pointer."""
+        return 2 if self.pointer.search(rel) else 1 if self.completing.search(rel) else 0
+
 
 _lock = threading.Lock()
 """Serialises appends to a stand-in folder's ``UPLOADS`` list between this process's threads."""
@@ -70,6 +81,7 @@ class Ticket:
     url: str
     is_dir: bool
     token: str
+    order: PublishOrder
     generation: str | None = None
     """The name part of the output's data objects (``RemoteStaging.generation``)."""
 
@@ -92,11 +104,12 @@ class StandIn:
 
     url: str
     is_dir: bool
+    order: PublishOrder
     lock: threading.Lock = field(default_factory=threading.Lock)
     aborted: bool = False
 
 
-def register(folder: Path, url: str, is_dir: bool) -> bool:
+def register(folder: Path, url: str, is_dir: bool, order: PublishOrder) -> bool:
     """Make ``folder`` the stand-in of ``url`` for the running operation (``Storage.stand_ins``); False
     when it is one already (rank 0's own, in its own process)."""
     st = session.current()
@@ -104,7 +117,7 @@ def register(folder: Path, url: str, is_dir: bool) -> bool:
     with st.lock:
         if isinstance(st.stand_ins.get(key), StandIn):
             return False
-        st.stand_ins[key] = StandIn(url, is_dir)
+        st.stand_ins[key] = StandIn(url, is_dir, order)
         return True
 
 
@@ -115,12 +128,12 @@ def unregister(folder: Path) -> None:
             st.stand_ins.pop(Path(os.path.abspath(folder)), None)
 
 
-def _new_stand_in(url: str, is_dir: bool) -> tuple[Path, str]:
+def _new_stand_in(url: str, is_dir: bool, order: PublishOrder) -> tuple[Path, str]:
     """A fresh local folder registered as the stand-in of ``url``, and the host token written in it."""
     folder = Path(tempfile.mkdtemp(prefix="zckpt-s3-staging-"))
     token = secrets.token_hex(16)
     (folder / HOST_TOKEN).write_text(token)
-    register(folder, url, is_dir)
+    register(folder, url, is_dir, order)
     return folder, token
 
 
@@ -176,8 +189,8 @@ def give_up(folder: Path) -> None:
 
 def streamed(path: Path) -> str | None:
     """The URL to stream ``path`` to (a data file of a remote staging folder), or None: a local file."""
-    t = target(path)
-    if t is None or COMPLETING.search(t[1]) or LATEST.search(t[1]):
+    t, found = target(path), _find(path)
+    if t is None or found is None or found[1].order.rank(t[1]) > 0:
         return None
     return t[1]
 
@@ -201,9 +214,11 @@ class RemoteStaging:
         overwrite: bool = False,
         owns: Callable[[str], bool] | None = None,
         foreign: str = "keep",
+        order: PublishOrder,
     ) -> None:
-        """``owns``/``foreign``: as for ``Staging`` (an earlier folder's objects that are not this output's
-        own are kept, or the run is refused naming them)."""
+        """``order``: which files complete the output (``PublishOrder``). ``owns``/``foreign``: as for
+        ``Staging`` (an earlier folder's objects that are not this output's own are kept, or the run is
+        refused naming them)."""
         self.dest = objstore.as_path(dest)
         self.url = str(self.dest)
         self.owns = owns
@@ -221,7 +236,8 @@ class RemoteStaging:
                     hint="remove it first or choose another output path",
                     path=self.url,
                 )
-        self.dir, self.token = _new_stand_in(self.url, is_dir)
+        self.order = order
+        self.dir, self.token = _new_stand_in(self.url, is_dir, order)
         interrupts.opened(self)
         self._old: list[str] = []
         self.kept: list[str] = []
@@ -304,7 +320,7 @@ class RemoteStaging:
 
     def ticket(self) -> Ticket:
         """What the other ranks of a split job need to write their share (``staging.share``)."""
-        return Ticket(str(self.dir), self.url, self.is_dir, self.token, self.generation)
+        return Ticket(str(self.dir), self.url, self.is_dir, self.token, self.order, self.generation)
 
     def _release(self) -> None:
         unregister(self.dir)
@@ -326,9 +342,7 @@ class RemoteStaging:
         """Upload the local files (data, then completing objects, then ``latest``); returns the outputs."""
         base = self._base()
 
-        def rank(rel: str) -> int:
-            return 2 if LATEST.search(rel) else 1 if COMPLETING.search(rel) else 0
-
+        rank = self.order.rank
         for rel in sorted(self._local(), key=lambda r: (rank(r), r)):
             url = f"{base}/{rel}"
             objstore.upload_file(self.dir / rel, url, create=rank(rel) > 0 and not self.overwrite)
@@ -363,16 +377,18 @@ class Follower(RemoteStaging):
     its own; ``flush()`` uploads its small files and returns every URL it uploaded; leaving the ``with`` block
     without it deletes them."""
 
-    def __init__(self, url: str, *, is_dir: bool) -> None:  # no checks: rank 0's RemoteStaging made them
+    def __init__(
+        self, url: str, *, is_dir: bool, order: PublishOrder
+    ) -> None:  # no checks: rank 0's made them
         self.url, self.dest, self.is_dir, self.overwrite = url, objstore.as_path(url), is_dir, True
         self.owns, self._old, self.kept, self._done = None, [], [], False
-        self.generation, self._sidecars = None, {}
-        self.dir, self.token = _new_stand_in(url, is_dir)
+        self.generation, self._sidecars, self.order = None, {}, order
+        self.dir, self.token = _new_stand_in(url, is_dir, order)
 
     def flush(self) -> list[str]:
         base = self._base()
         for rel in self._local():
-            if COMPLETING.search(rel) or LATEST.search(rel):  # rank 0 writes those, last
+            if self.order.rank(rel) > 0:  # rank 0 writes those, last
                 raise RuntimeError(f"{rel}: a completing object written off rank 0")
             objstore.upload_file(self.dir / rel, f"{base}/{rel}", create=False)
             record(self.dir / rel, f"{base}/{rel}")
@@ -382,22 +398,22 @@ class Follower(RemoteStaging):
         return urls
 
 
-def stand_in(dest: str | os.PathLike[str]) -> Ticket:
+def stand_in(dest: str | os.PathLike[str], order: PublishOrder) -> Ticket:
     """A fresh local folder standing for the folder ``dest`` (a URL) in one engine save, registered for the
     running operation: data files written in it stream to ``dest`` (``streamed``), the rest is uploaded by
     ``publish_dir``. Rank 0 makes it and sends the ``Ticket`` to the other ranks (``join``)."""
     url = str(objstore.as_path(dest))
-    folder, token = _new_stand_in(url, True)
-    return Ticket(str(folder), url, True, token)
+    folder, token = _new_stand_in(url, True, order)
+    return Ticket(str(folder), url, True, token, order)
 
 
 def join(t: Ticket) -> Path:
     """This rank's folder for rank 0's stand-in ``t``: rank 0's own folder when it is on this host
     (registered for this operation too), else a fresh stand-in of its own for the same destination."""
     if on_this_host(t):
-        register(Path(t.folder), t.url, t.is_dir)
+        register(Path(t.folder), t.url, t.is_dir, t.order)
         return Path(t.folder)
-    return Path(stand_in(t.url).folder)
+    return Path(stand_in(t.url, t.order).folder)
 
 
 @dataclass(frozen=True)
@@ -413,6 +429,7 @@ class Published:
 def publish_dir(
     folder: Path,
     dest: str | os.PathLike[str],
+    order: PublishOrder,
     superseded: Callable[[str], bool],
     also: list[str] | None = None,
 ) -> Published:
@@ -435,7 +452,7 @@ def publish_dir(
         if p.is_file() and not _bookkeeping(p.name)
     )
     uploads = folder / UPLOADS
-    for rel in sorted(local, key=lambda r: (COMPLETING.search(r) is not None, r)):
+    for rel in sorted(local, key=lambda r: (order.rank(r), r)):
         objstore.upload_file(folder / rel, f"{url}/{rel}")
         with _lock, open(uploads, "a") as f:
             f.write(f"{url}/{rel}\n")

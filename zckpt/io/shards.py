@@ -70,10 +70,6 @@ def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | N
     return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
 
 
-HF_WEIGHT_BASES = ("model.safetensors", "pytorch_model.bin")
-"""The weight files zckpt writes into an HF folder (transformers' SAFE_WEIGHTS_NAME, WEIGHTS_NAME)."""
-
-
 def family(bases: Sequence[str]) -> Callable[[str], bool]:
     """Whether a file name belongs to the model files written under one of ``bases``: the base itself, its
     shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the ``.sha256`` /

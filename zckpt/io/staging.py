@@ -197,14 +197,14 @@ def share(ticket: Ticket, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], 
         yield Path(ticket), list
         return
     if remote_staging.on_this_host(ticket):  # rank 0's folder: its own, or one of its host's ranks'
-        mine = remote_staging.register(Path(ticket.folder), ticket.url, ticket.is_dir)
+        mine = remote_staging.register(Path(ticket.folder), ticket.url, ticket.is_dir, ticket.order)
         try:
             yield Path(ticket.folder), list
         finally:
             if mine:
                 remote_staging.unregister(Path(ticket.folder))
         return
-    follower = remote_staging.Follower(ticket.url, is_dir=is_dir)
+    follower = remote_staging.Follower(ticket.url, is_dir=is_dir, order=ticket.order)
     with follower:
         yield follower.dir, follower.flush
 
@@ -216,11 +216,15 @@ def open_staging(
     overwrite: bool = False,
     owns: Callable[[str], bool] | None = None,
     foreign: str = "keep",
+    order: remote_staging.PublishOrder,
 ) -> Staging | RemoteStaging:
     """The staging of an output ``dest``: a ``Staging`` beside a local path, a ``RemoteStaging`` for an
-    ``s3://`` (or other store's) URL, where nothing can be renamed (see each class)."""
+    ``s3://`` (or other store's) URL, where nothing can be renamed (see each class; ``order``: which of its
+    files complete it, there)."""
     if objstore.is_url(dest):
-        return RemoteStaging(dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign)
+        return RemoteStaging(
+            dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign, order=order
+        )
     return Staging(dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign)
 
 

@@ -52,13 +52,14 @@ import torch
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import open_checkpoint, registry
+from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
 from zckpt.io.remote_staging import RemoteStaging
 from zckpt.io.session import Storage
-from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
+from zckpt.io.shards import family, oversized, parse_size, plan_shards, planned_names
 from zckpt.io.staging import Staging, Ticket, open_staging, share
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
@@ -257,7 +258,7 @@ def consolidate(
             p = _Plan(writer, is_dir, base, items, tied, shard, extras)
             st: Staging | RemoteStaging | None = None
             if g.rank == 0:
-                st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS)
+                st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS, order=PUBLISH_ORDER)
                 stack.enter_context(st)
                 names = planned_names(base, items, shard)
                 if isinstance(st, RemoteStaging) and _replaces_shards(st, names):

@@ -36,6 +36,7 @@ from typing import Any
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
+from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks
@@ -250,7 +251,9 @@ def reshard(
             if g.rank != 0:
                 return None
             owns = _owns(job.side)
-            st = open_staging(job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse")
+            st = open_staging(
+                job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse", order=PUBLISH_ORDER
+            )
             stack.enter_context(st)
             if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
                 fmt = job.result.dst_format

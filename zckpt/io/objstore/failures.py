@@ -264,6 +264,11 @@ def _obstore_types() -> tuple[type, ...]:
     return (ox.AlreadyExistsError, ox.PermissionDeniedError, ox.UnauthenticatedError, ox.NotFoundError)
 
 
+_DENIED_PREFIX = "The operation lacked the necessary privileges to complete for path "
+_UNAUTH_PREFIX = "The operation lacked valid authentication credentials for path "
+"""object_store's Display of ``Error::PermissionDenied`` / ``Error::Unauthenticated``, up to the path."""
+
+
 def classify(e: BaseException) -> Failure:
     """The failure ``e`` (an exception the client raised) reports; see the module's docstring."""
     already, denied, unauth, missing = _obstore_types()
@@ -299,6 +304,13 @@ def classify(e: BaseException) -> Failure:
         return f(Kind.BAD_CREDENTIALS if code in _BAD_KEY_CODES else Kind.ACCESS_DENIED)
     if isinstance(e, ShortBody):
         return f(Kind.OTHER)
+    # 1b. the same variants as a file-like writer raises them (an ``OSError`` carrying object_store's
+    # Display text): matched at the start only, before the path, so no key can steer it
+    head = str(e)
+    if head.startswith(_DENIED_PREFIX):
+        return f(Kind.ACCESS_DENIED)
+    if head.startswith(_UNAUTH_PREFIX):
+        return f(Kind.BAD_CREDENTIALS)
     # 2. what the store answered
     if status is not None:
         if status == 404:
