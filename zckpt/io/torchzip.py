@@ -14,7 +14,7 @@ import re
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -156,9 +156,12 @@ def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptChe
     )
 
 
-def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
+def load_archive(
+    path: str, *, trust_pickle: bool = False, extra: Mapping[tuple[str, str], Any] | None = None
+) -> tuple[str, Any]:
     """(archive name, object) of a torch zip archive, with tensors as ``TensorRef`` (no tensor bytes read).
-    The archive name is what ``torch.save`` called the root folder: the stem of the file it saved to."""
+    The archive name is what ``torch.save`` called the root folder: the stem of the file it saved to.
+    ``extra``: more inert stand-ins allowed for this one file (a format's own, ``safe_loads``)."""
     with storage.open_regular(path) as f:
         size = storage.file_size(f)
         if size == 0:
@@ -176,7 +179,7 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
                 path=path,
             )
         prefix, records, data, _ = _pickle_of(path, f, size)
-    obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size)
+    obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size, extra=extra)
     _place_refs(path, prefix, records, obj)
     return prefix.rstrip("/"), obj
 
