@@ -176,11 +176,14 @@ class _Plan:
     tied: dict[str, str]
     shard: int | None
     extras: list[Path]
+    config: Mapping[str, Any] | None = None
+    """A ``config.json`` the format built (``Format.hf_model``), written instead of copied ones."""
 
     @property
     def digest(self) -> str:
         tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in self.items]
-        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors]
+        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors,
+               self.config]  # fmt: skip
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
@@ -248,10 +251,13 @@ def consolidate(
 
         def make_plan() -> tuple[_Plan, Staging | None]:
             check_overlap(ckpt.meta, out)
-            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
+            src, config = _hf_model(ckpt) if is_dir else (ckpt, None)
+            items, tied = plan(src, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
-            p = _Plan(writer, is_dir, base, items, tied, shard, extras)
+            extras = (
+                hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir and not config else []
+            )
+            p = _Plan(writer, is_dir, base, items, tied, shard, extras, config)
             st: Staging | None = None
             if g.rank == 0:
                 st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
@@ -304,6 +310,14 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
         copied=tuple(f.name for f in p.extras),
         kept=kept,
     )
+
+
+def _hf_model(ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, Any] | None]:
+    """The checkpoint under HF names and its ``config.json``, for a format whose names are not HF's
+    (``Format.hf_model``: Megatron); else ``ckpt`` itself and no config."""
+    fmt = registry().get(ckpt.meta.format)
+    got = fmt.hf_model(ckpt) if fmt is not None else None
+    return (ckpt, None) if got is None else got
 
 
 def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:
@@ -363,6 +377,8 @@ def _write(
             st.adopt([u for urls in elsewhere for u in urls])
         weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
         hf_files.copy(p.extras, st.dir, weights)
+        if p.config is not None:
+            hf_files.write_config(p.config, st.dir, weights)
         final = [str(f) for f in st.commit()]
         _warn_kept_config(st, hf_files.weights_dtype(weights))
         return final, st.kept

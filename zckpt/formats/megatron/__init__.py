@@ -16,12 +16,13 @@ Spec: docs/megatron.md. One module per concern:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import ZckptError
 from zckpt.formats.base import Format
-from zckpt.formats.megatron import layout, read
+from zckpt.formats.megatron import hf, layout, read
 from zckpt.formats.megatron.verify import verify
 from zckpt.io.integrity import Problem, VerifyContext
 
@@ -45,6 +46,10 @@ class MegatronFormat(Format):
         except ZckptError:
             return []  # the reader's own error is already reported
         return verify(folder, ctx)
+
+    def hf_model(self, ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, object]] | None:
+        out = hf.export(ckpt)
+        return out.checkpoint, out.config
 
 
 FORMAT = MegatronFormat()
