@@ -125,6 +125,9 @@ def test_inspect_shows_config_layout_and_roles() -> None:
     )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
+    assert doc["values"]["parallel"] == "TP 2 x PP 1 x DP 2 (world 4)"
+    assert doc["values"]["optimizer"] == "distributed (dp_reshardable)"
+    assert doc["values"]["model.num_query_groups"] == "2" and doc["values"]["model.activation"] == "swiglu"
     assert set(doc["by_role"]) == {"param", "optim"}  # layer norms are parameters, nothing "frozen"
     assert doc["frozen"] == [] and doc["precision"] == "bf16" and doc["step"] == 3
     ck, op = open_megatron(fixture("megatron", "tp2dp2_bf16_distopt", "ckpt"))

@@ -251,12 +251,9 @@ def consolidate(
 
         def make_plan() -> tuple[_Plan, Staging | None]:
             check_overlap(ckpt.meta, out)
-            src, config = _hf_model(ckpt) if is_dir else (ckpt, None)
+            src, config, extras = _source(ckpt, is_dir)
             items, tied = plan(src, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = (
-                hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir and not config else []
-            )
             p = _Plan(writer, is_dir, base, items, tied, shard, extras, config)
             st: Staging | None = None
             if g.rank == 0:
@@ -312,12 +309,15 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
     )
 
 
-def _hf_model(ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, Any] | None]:
-    """The checkpoint under HF names and its ``config.json``, for a format whose names are not HF's
-    (``Format.hf_model``: Megatron); else ``ckpt`` itself and no config."""
-    fmt = registry().get(ckpt.meta.format)
+def _source(ckpt: Checkpoint, is_dir: bool) -> tuple[Checkpoint, Mapping[str, Any] | None, list[Path]]:
+    """What a consolidate writes: the checkpoint, under HF names with the ``config.json`` its format built
+    when it has its own (``Format.hf_model``: Megatron) and ``out`` is a folder; the HF files beside it."""
+    fmt = registry().get(ckpt.meta.format) if is_dir else None
     got = fmt.hf_model(ckpt) if fmt is not None else None
-    return (ckpt, None) if got is None else got
+    if got is not None:
+        return got[0], got[1], []
+    extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+    return ckpt, None, extras
 
 
 def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:

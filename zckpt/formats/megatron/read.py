@@ -144,6 +144,36 @@ def open_megatron(
         return _open(path, tag, trust_pickle, model_only, trim_vocab)
 
 
+Model = dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Piece, ...]]]
+"""Model name -> (shape, stored dtype, pieces of the stored model tensor)."""
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """The iteration folder's tensors: metadata, located chunks, and the layer count that unstacks them."""
+
+    md: DcpMetadata
+    chunks: Mapping[str, Mapping[tuple[int, ...], ChunkData]]
+    num_layers: int
+
+    def pieces(self, key: str, layer: int | None) -> tuple[Piece, ...]:
+        t = self.md.tensors[key]
+        if layer is None:
+            return _pieces(t.shape, t, self.chunks[key])
+        return _layer_pieces(self.md, key, t, self.chunks[key], layer)
+
+    def shape(self, key: str, layer: int | None) -> tuple[int, ...]:
+        t = self.md.tensors[key]
+        return t.shape if layer is None else t.shape[1:]
+
+    def names(self, key: str) -> list[tuple[str, int | None]]:
+        try:
+            return unstacked(key, self.md.tensors[key], self.num_layers)
+        except CorruptCheckpoint as e:
+            src = self.md.source
+            raise CorruptCheckpoint(f"{src}: {e.args[0]}", hint=e.hint, path=src) from None
+
+
 def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
           trim_vocab: bool) -> tuple[Checkpoint, Opened]:  # fmt: skip
     src = resolve(path, tag)
@@ -152,34 +182,42 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
     cfg = model_config(com.args, com.source)
     par = parallel(com.args, com.source)
     model_keys = [k for k in md.keys if k in md.tensors and _model_key(k)]
-    optim_keys = [] if model_only else [k for k in md.keys if k in md.tensors and k.startswith("optimizer.")]
-    if model_only:  # the masters are what consolidate writes
-        optim_keys = [k for k in md.keys if k in md.tensors and _is_master(k)]
-    chunks = _located(src.folder, md, model_keys + optim_keys)
-
-    def pieces_of(key: str, layer: int | None) -> tuple[Piece, ...]:
-        t = md.tensors[key]
-        if layer is None:
-            return _pieces(t.shape, t, chunks[key])
-        return _layer_pieces(md, key, t, chunks[key], layer)
-
-    def shape_of(key: str, layer: int | None) -> tuple[int, ...]:
-        t = md.tensors[key]
-        return t.shape if layer is None else t.shape[1:]
-
-    model: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Piece, ...]]] = {}
+    wanted = _is_master if model_only else (lambda k: k.startswith("optimizer."))  # consolidate: masters
+    optim_keys = [k for k in md.keys if k in md.tensors and wanted(k)]
+    st = _Stored(md, _located(src.folder, md, model_keys + optim_keys), cfg.num_layers)
+    model: Model = {}
     for k in model_keys:
-        try:
-            names = unstacked(k, md.tensors[k], cfg.num_layers)
-        except CorruptCheckpoint as e:
-            raise CorruptCheckpoint(f"{md.source}: {e.args[0]}", hint=e.hint, path=md.source) from None
-        for name, i in names:
-            model[name] = (shape_of(k, i), md.tensors[k].dtype, pieces_of(k, i))
+        for name, i in st.names(k):
+            model[name] = (st.shape(k, i), md.tensors[k].dtype, st.pieces(k, i))
     model = {n: model[n] for n in sorted(model, key=_name_order)}
+    masters, moments, buckets = _optim_states(st, optim_keys, model)
+    if buckets:
+        _flat_states(st, buckets, model, masters, moments, cfg, par, com)
+    entries: list[TensorEntry] = []
+    for name, (shape, dtype, ps) in model.items():
+        role = Role.PARAM if dtype.is_floating_point else Role.BUFFER
+        if name in masters:
+            entries.append(TensorEntry(name, shape, torch.float32, role, masters[name]))
+        else:
+            entries.append(TensorEntry(name, shape, dtype, role, ps))
+    if trim_vocab:
+        entries = [_trimmed(e, cfg) for e in entries]
+        moments = [_trimmed(e, cfg) for e in moments]
+    order = {n: j for j, n in enumerate(model)}
+    moments.sort(key=lambda e: (order.get(e.name, 0), e.state or ""))
+    meta = _meta(src, cfg, par, com, entries, moments, list(model))
+    return Checkpoint(meta, entries + moments), Opened(src, cfg, par, com)
+
+
+def _optim_states(
+    st: _Stored, keys: list[str], model: Model
+) -> tuple[dict[str, tuple[Piece, ...]], list[TensorEntry], list[flat.Bucket]]:
+    """Model-space optimizer states (masters, moments) and the flat buckets, left for ``_flat_states``."""
+    md = st.md
     masters: dict[str, tuple[Piece, ...]] = {}
     moments: list[TensorEntry] = []
     buckets: list[flat.Bucket] = []
-    for k in optim_keys:
+    for k in keys:
         b = flat.parse_key(k, md.tensors[k].numel)
         if b is not None:
             if len(md.tensors[k].shape) != 1:
@@ -191,8 +229,14 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
         kind, _, mkey = k[len(OPTIM_PREFIX) :].partition(".")
         if kind not in MASTERS + MOMENTS or mkey not in md.tensors:
             continue
-        for name, i in unstacked(mkey, md.tensors[mkey], cfg.num_layers):
-            shape = shape_of(k, i)
+        if md.tensors[k].shape != md.tensors[mkey].shape:
+            raise CorruptCheckpoint(
+                f"{md.source}: optimizer state {k!r:.100} has shape {list(md.tensors[k].shape)}, its "
+                f"parameter {mkey!r:.80} {list(md.tensors[mkey].shape)}",
+                path=md.source,
+            )
+        for name, i in st.names(mkey):
+            shape = st.shape(k, i)
             if name not in model or model[name][0] != shape:
                 raise CorruptCheckpoint(
                     f"{md.source}: optimizer state {k!r:.100} has shape {list(md.tensors[k].shape)}, its "
@@ -200,41 +244,39 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
                     path=md.source,
                 )
             if kind in MASTERS:
-                masters[name] = pieces_of(k, i)
+                masters[name] = st.pieces(k, i)
             else:
-                moments.append(
-                    TensorEntry(name, shape, md.tensors[k].dtype, Role.OPTIM, pieces_of(k, i), state=kind)
-                )
-    if buckets:
-        flat_pieces = {
-            b.key: _pieces(md.tensors[b.key].shape, md.tensors[b.key], chunks[b.key]) for b in buckets
-        }
-        dec = flat.decode(
-            buckets, flat_pieces, {n: v[0] for n, v in model.items()}, {n: v[1] for n, v in model.items()},
-            cfg, par, com.args, md.source,
-        )  # fmt: skip
-        for (name, kind), ps in dec.pieces.items():
-            if name not in model:
-                continue
-            shape = model[name][0]
-            if kind == "param":
-                masters[name] = ps
-            else:
-                moments.append(TensorEntry(name, shape, torch.float32, Role.OPTIM, ps, state=kind))
-    entries: list[TensorEntry] = []
-    for name, (shape, dtype, ps) in model.items():
-        role = Role.PARAM if dtype.is_floating_point else Role.BUFFER
-        if name in masters:
-            entries.append(TensorEntry(name, shape, torch.float32, role, masters[name]))
+                dt = md.tensors[k].dtype
+                moments.append(TensorEntry(name, shape, dt, Role.OPTIM, st.pieces(k, i), state=kind))
+    return masters, moments, buckets
+
+
+def _flat_states(
+    st: _Stored, buckets: list[flat.Bucket], model: Model, masters: dict[str, tuple[Piece, ...]],
+    moments: list[TensorEntry], cfg: ModelConfig, par: Parallel, com: Common,
+) -> None:  # fmt: skip
+    """The ``dp_reshardable`` flat buckets decoded (``flat``) into ``masters`` and ``moments``."""
+    md = st.md
+    flat_pieces = {b.key: st.pieces(b.key, None) for b in buckets}
+    dec = flat.decode(
+        buckets, flat_pieces, {n: v[0] for n, v in model.items()}, {n: v[1] for n, v in model.items()},
+        cfg, par, com.args, md.source,
+    )  # fmt: skip
+    for (name, kind), ps in dec.pieces.items():
+        if name not in model:
+            continue
+        if kind == "param":
+            masters[name] = ps
         else:
-            entries.append(TensorEntry(name, shape, dtype, role, ps))
-    if trim_vocab:
-        entries = [_trimmed(e, cfg) for e in entries]
-        moments = [_trimmed(e, cfg) for e in moments]
+            moments.append(TensorEntry(name, model[name][0], torch.float32, Role.OPTIM, ps, state=kind))
+
+
+def _meta(
+    src: Source, cfg: ModelConfig, par: Parallel, com: Common, entries: list[TensorEntry],
+    moments: list[TensorEntry], names: list[str],
+) -> CheckpointMeta:  # fmt: skip
     files = tuple(sorted({p.file for e in entries + moments for p in e.pieces if p.file}))
-    order = {n: j for j, n in enumerate(model)}
-    moments.sort(key=lambda e: (order.get(e.name, 0), e.state or ""))
-    meta = CheckpointMeta(
+    return CheckpointMeta(
         format=NAME,
         path=str(src.folder),
         world_size=par.world,
@@ -243,7 +285,7 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
         files=(str(src.folder / METADATA), *files),  # common.pt: checked by ``verify`` (its allowlist)
         state=TrainingState(
             precision=par.precision,
-            optimizer=_optimizer(com, moments, list(model)),
+            optimizer=_optimizer(com, moments, names),
             scheduler=dict(com.scheduler) or None,
             counters=Counters(global_steps=com.iteration),
             config=_config_json(cfg),
@@ -251,8 +293,6 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
         ),
         extra=_extra(src, cfg, par, com),
     )
-    opened = Opened(src, cfg, par, com)
-    return Checkpoint(meta, entries + moments), opened
 
 
 def _name_order(name: str) -> tuple[int, int, str]:
@@ -304,8 +344,13 @@ def _extra(src: Source, cfg: ModelConfig, par: Parallel, com: Common) -> dict[st
         "layout": "megatron torch_dist",
         "iteration_folder": str(src.folder),
         "parallel": {
-            "tensor": par.tp, "pipeline": par.pp, "data": par.dp, "world": par.world,
-            "virtual_pipeline": par.vpp, "expert": par.ep, "distributed_optimizer": par.distributed_optimizer,
+            "tensor": par.tp,
+            "pipeline": par.pp,
+            "data": par.dp,
+            "world": par.world,
+            "virtual_pipeline": par.vpp,
+            "expert": par.ep,
+            "distributed_optimizer": par.distributed_optimizer,
         },
         "optimizer_sharding": com.sharding_type,
         "checkpoint_version": com.checkpoint_version,
@@ -313,4 +358,22 @@ def _extra(src: Source, cfg: ModelConfig, par: Parallel, com: Common) -> dict[st
         "padded_vocab_size": cfg.padded_vocab_size,
         "vocab_size": cfg.vocab_size,
         "content_metadata": dict(com.content_metadata),
-    }  # fmt: skip
+        "values": _values(cfg, par, com),
+    }
+
+
+def _values(cfg: ModelConfig, par: Parallel, com: Common) -> dict[str, str]:
+    """What ``inspect`` lists beside the tensors (its ``values`` table): the model config read from ``args``
+    and the parallel layout the run saved with."""
+    out = {f"model.{k}": str(v) for k, v in _config_json(cfg).items()}
+    out["parallel"] = (
+        f"TP {par.tp} x PP {par.pp} x DP {par.dp} (world {par.world})"
+        + (f", virtual PP {par.vpp}" if par.vpp else "")
+        + (f", EP {par.ep}" if par.ep > 1 else "")
+    )
+    opt = (
+        "none saved" if not com.has_optimizer else "distributed" if par.distributed_optimizer else "per rank"
+    )
+    out["optimizer"] = opt + (f" ({com.sharding_type})" if com.sharding_type else "")
+    out["checkpoint_version"] = str(com.checkpoint_version)
+    return out  # fmt: skip

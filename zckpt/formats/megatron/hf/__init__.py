@@ -9,37 +9,19 @@ split per query group, ``[gate; up]`` split: ``carve``; nothing is read), and th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
-
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import Unsupported
-from zckpt.model import TensorEntry
+from zckpt.formats.megatron.hf import gpt_bigcode, llama
+from zckpt.formats.megatron.hf.family import HfExport
 
-
-@dataclass(frozen=True)
-class HfExport:
-    """The HF-named checkpoint (its ``meta.tied``: ``{"lm_head.weight": embeddings}`` when tied) and the
-    ``config.json`` to write beside its weights (``dtype`` set by the writer)."""
-
-    checkpoint: Checkpoint
-    config: Mapping[str, Any]
-
-
-def rebuild(ckpt: Checkpoint, entries: list[TensorEntry], tied: dict[str, str]) -> Checkpoint:
-    """A checkpoint of ``entries`` with ``ckpt``'s manifest (ties replaced)."""
-    meta = replace(ckpt.meta, tied=tied, tied_files={})
-    return Checkpoint(meta, entries)
+FAMILIES = (llama, gpt_bigcode)
 
 
 def export(ckpt: Checkpoint) -> HfExport:
     """``ckpt`` as an HF model of the first family that maps it; ``Unsupported`` naming why none does."""
-    from zckpt.formats.megatron.hf import gpt_bigcode, llama
-
     cfg = ckpt.meta.state.config or {}
     reasons = []
-    for fam in (llama, gpt_bigcode):
+    for fam in FAMILIES:
         why = fam.unsupported(cfg)
         if why is None:
             return fam.export(ckpt, cfg)
@@ -52,16 +34,4 @@ def export(ckpt: Checkpoint) -> HfExport:
     )
 
 
-def common_refusal(cfg: Mapping[str, Any]) -> str | None:
-    """What no family maps (experts, MLA, QK layer norms, zero-centred gamma, post-LN residuals)."""
-    if cfg.get("num_experts"):
-        return "mixture of experts"
-    if cfg.get("multi_latent_attention"):
-        return "multi-latent attention"
-    if cfg.get("qk_layernorm"):
-        return "QK layer norms"
-    if cfg.get("zero_centered_gamma"):
-        return "zero-centred layer-norm gamma"
-    if cfg.get("post_layernorm_residual"):
-        return "residual taken after the layer norm"
-    return None
+__all__ = ["FAMILIES", "HfExport", "export"]

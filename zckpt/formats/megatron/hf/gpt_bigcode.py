@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.formats.megatron.hf import HfExport, common_refusal, rebuild
+from zckpt.formats.megatron.hf.family import HfExport, common_refusal, rebuild
 from zckpt.model import TensorEntry
 
 FAMILY = "gpt2-style (GPTBigCode)"

@@ -23,7 +23,7 @@ from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.megatron.carve import rows
-from zckpt.formats.megatron.hf import HfExport, common_refusal, rebuild
+from zckpt.formats.megatron.hf.family import HfExport, common_refusal, rebuild
 from zckpt.model import TensorEntry
 
 FAMILY = "llama"
