@@ -104,3 +104,23 @@ def test_qkv_split_per_query_group_by_hand() -> None:
     assert torch.equal(hfc.read("model.layers.0.mlp.gate_proj.weight"), fc1[:64])
     assert torch.equal(hfc.read("model.layers.0.mlp.up_proj.weight"), fc1[64:])
     assert hfc.meta.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_diff_megatron_against_its_hf_export(tmp_path: Path) -> None:
+    """``zckpt diff`` of a Megatron checkpoint and its HF export compares under HF names: equal for the fp32
+    masters' export; a changed tensor in the export is found under its HF name."""
+    src = fixture("megatron", "tp2dp2_bf16_distopt", "ckpt")
+    zckpt.consolidate(src, tmp_path / "hf", dtype="fp32", progress=False)
+    assert zckpt.diff(src, tmp_path / "hf", progress=False).equal
+    assert zckpt.diff(tmp_path / "hf", src, progress=False).equal
+    w = load_file(tmp_path / "hf" / "model.safetensors")
+    w["model.layers.1.self_attn.v_proj.weight"][3, 5] += 1.0
+    from safetensors.torch import save_file
+
+    save_file(w, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    for side in (tmp_path / "hf").glob("model.safetensors.sha256*"):  # the edit is ours, not damage
+        side.unlink()
+    r = zckpt.diff(src, tmp_path / "hf", progress=False)
+    assert not r.equal
+    changed = [t for t in r.tensors if t.differs]
+    assert [t.key for t in changed] == ["model.layers.1.self_attn.v_proj.weight"] and changed[0].changed == 1

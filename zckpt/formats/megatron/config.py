@@ -155,3 +155,41 @@ def parallel(args: Mapping[str, Any], src: str) -> Parallel:
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         precision=prec,
     )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape ``args`` give each (unstacked) parameter name suffix: what ``check_shapes`` compares."""
+    h, kv, ffn = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    qkv = kv * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
+    fc1 = ffn * (2 if cfg.swiglu else 1)
+    return {
+        "embedding.word_embeddings.weight": (cfg.padded_vocab_size, h),
+        "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h),
+        "output_layer.weight": (cfg.padded_vocab_size, h),
+        "layernorm.weight": (h,),
+        "layernorm.bias": (h,),
+        "linear_qkv.weight": (qkv, h),
+        "linear_qkv.bias": (qkv,),
+        "linear_proj.weight": (h, cfg.num_attention_heads * kv),
+        "linear_proj.bias": (h,),
+        "linear_fc1.weight": (fc1, h),
+        "linear_fc1.bias": (fc1,),
+        "linear_fc2.weight": (h, ffn),
+        "linear_fc2.bias": (h,),
+    }
+
+
+def check_shapes(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], src: str) -> None:
+    """Every known parameter's shape is the one ``args`` give (a ``common.pt`` of another model, or damaged
+    args, would otherwise split tensors wrongly: QKV per group, ``[gate; up]``, flat buckets)."""
+    want = expected_shapes(cfg)
+    for name, shape in shapes.items():
+        key = next((k for k in want if name.endswith(k)), None)
+        if key is None or name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            continue
+        if shape != want[key]:
+            raise CorruptCheckpoint(
+                f"{src}: {name} has shape {list(shape)}, but common.pt's args give {list(want[key])}",
+                hint="common.pt does not belong to these tensors (files of two saves mixed, or damaged args)",
+                path=src,
+            )

@@ -42,7 +42,7 @@ from zckpt.formats.dcp.locate import blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, Chunk, DcpMetadata, TensorMeta, load_metadata
 from zckpt.formats.megatron import carve, flat
 from zckpt.formats.megatron.common import Common, load_common
-from zckpt.formats.megatron.config import ModelConfig, Parallel, model_config, parallel
+from zckpt.formats.megatron.config import ModelConfig, Parallel, check_shapes, model_config, parallel
 from zckpt.formats.megatron.layout import Source, resolve
 from zckpt.io import collector
 from zckpt.model import Piece, Role, TensorEntry
@@ -190,6 +190,7 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
         for name, i in st.names(k):
             model[name] = (st.shape(k, i), md.tensors[k].dtype, st.pieces(k, i))
     model = {n: model[n] for n in sorted(model, key=_name_order)}
+    check_shapes(cfg, {n: v[0] for n, v in model.items()}, com.source)
     masters, moments, buckets = _optim_states(st, optim_keys, model)
     if buckets:
         _flat_states(st, buckets, model, masters, moments, cfg, par, com)
