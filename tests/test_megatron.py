@@ -171,3 +171,24 @@ def test_latest_garbage_is_one_clear_error(tmp_path: Path) -> None:
     (dst / "latest_checkpointed_iteration.txt").write_text("three\n")
     with pytest.raises(CorruptCheckpoint, match="not an iteration number"):
         zckpt.open(dst)
+
+
+@pytest.mark.parametrize(
+    ("arg", "value"), [("num_query_groups", 1), ("swiglu", False), ("ffn_hidden_size", 80)]
+)
+def test_args_that_disagree_with_the_tensors_are_refused(tmp_path: Path, arg: str, value: object) -> None:
+    """A common.pt whose args describe another model is refused (it would split QKV, [gate; up] or the flat
+    buckets wrongly), naming the tensor and both shapes."""
+    from tests.fuzz import pickles
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fixture("megatron", "tp2dp2_bf16_distopt", "ckpt"), dst)
+    f = dst / "iter_0000003" / "common.pt"
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    obj["args"].state[arg] = value
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    with pytest.raises(CorruptCheckpoint, match="but common.pt's args give"):
+        zckpt.open(dst)
+    r = CliRunner().invoke(app, ["consolidate", str(dst), str(tmp_path / "hf")])
+    assert r.exit_code != 0 and "common.pt" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "hf").exists()
