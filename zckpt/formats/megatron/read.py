@@ -206,7 +206,7 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
         moments = [_trimmed(e, cfg) for e in moments]
     order = {n: j for j, n in enumerate(model)}
     moments.sort(key=lambda e: (order.get(e.name, 0), e.state or ""))
-    meta = _meta(src, cfg, par, com, entries, moments, list(model))
+    meta = _meta(src, cfg, par, com, entries, moments)
     return Checkpoint(meta, entries + moments), Opened(src, cfg, par, com)
 
 
@@ -274,7 +274,7 @@ def _flat_states(
 
 def _meta(
     src: Source, cfg: ModelConfig, par: Parallel, com: Common, entries: list[TensorEntry],
-    moments: list[TensorEntry], names: list[str],
+    moments: list[TensorEntry],
 ) -> CheckpointMeta:  # fmt: skip
     files = tuple(sorted({p.file for e in entries + moments for p in e.pieces if p.file}))
     return CheckpointMeta(
@@ -286,7 +286,7 @@ def _meta(
         files=(str(src.folder / METADATA), *files),  # common.pt: checked by ``verify`` (its allowlist)
         state=TrainingState(
             precision=par.precision,
-            optimizer=_optimizer(com, moments, names),
+            optimizer=_optimizer(com, moments),
             scheduler=dict(com.scheduler) or None,
             counters=Counters(global_steps=com.iteration),
             config=_config_json(cfg),
@@ -322,14 +322,14 @@ def _trimmed(e: TensorEntry, cfg: ModelConfig) -> TensorEntry:
     return TensorEntry(e.name, (cfg.vocab_size, *e.shape[1:]), e.dtype, e.role, ps, state=e.state)
 
 
-def _optimizer(com: Common, moments: list[TensorEntry], names: list[str]) -> OptimizerState | None:
+def _optimizer(com: Common, moments: list[TensorEntry]) -> OptimizerState | None:
+    """Adam's state names and ``common.pt``'s param groups. Which parameters each group holds Megatron does
+    not save (it rebuilds the groups from the model: no weight decay for biases and norms...), so the groups
+    name none rather than a guess."""
     if not moments and not com.param_groups:
         return None
     states = tuple(dict.fromkeys(str(e.state) for e in moments))
-    trained = [n for n in names if any(e.name == n for e in moments)] or names
-    groups = tuple(
-        ParamGroup(tuple(trained) if i == 0 else (), dict(g)) for i, g in enumerate(com.param_groups)
-    )
+    groups = tuple(ParamGroup((), dict(g)) for g in com.param_groups)
     kind = "adam" if "exp_avg_sq" in states else "unknown"
     return OptimizerState(kind, groups, states)
 
