@@ -61,6 +61,14 @@ class Bucket:
     kind: str
     length: int
 
+    @property
+    def short(self) -> str:
+        """The bucket as error messages name it (the key is long)."""
+        return f"flat bucket dp_group {self.group} gbuf {self.gbuf} bucket {self.bucket} ({self.kind})"
+
+
+_MISMATCH = "the flat buckets do not fit the model in common.pt's args (damaged, or from another save)"
+
 
 @dataclass(frozen=True)
 class Run:
@@ -183,8 +191,7 @@ def decode(
         raise Unsupported(
             f"{source}: the distributed optimizer's dp_reshardable flat buckets of this model cannot be "
             f"decoded: {why}",
-            hint="read the model weights only (consolidate works), or re-save with "
-            "--dist-ckpt-optim-fully-reshardable",
+            hint="re-save with --dist-ckpt-optim-fully-reshardable (model-space optimizer state)",
             path=source,
         )
     names = list(shapes)
@@ -210,16 +217,16 @@ def decode(
             if k >= len(bs):
                 raise CorruptCheckpoint(
                     f"{source}: dp_group_idx_{g} {kind}: the buckets end before parameter {name}",
-                    hint="the flat buckets do not match the model in args (a damaged or foreign file)",
+                    hint=_MISMATCH,
                     path=source,
                 )
             start = -(-pos // ALIGN) * ALIGN
             end = start + numel
             if end > bs[k].length:
                 raise CorruptCheckpoint(
-                    f"{source}: {bs[k].key}: parameter {name} ({numel} elements at {start}) runs past the "
+                    f"{source}: {bs[k].short}: parameter {name} ({numel} elements at {start}) runs past the "
                     f"bucket's {bs[k].length} elements",
-                    hint="the flat buckets do not match the model in args (a damaged or foreign file)",
+                    hint=_MISMATCH,
                     path=source,
                 )
             skip = name == "output_layer.weight" and cfg.tied  # the last stage's synced copy of the embedding
@@ -231,9 +238,9 @@ def decode(
         if k != len(bs) or pos:
             left = bs[min(k, len(bs) - 1)]
             raise CorruptCheckpoint(
-                f"{source}: {left.key}: {left.length - pos if pos else left.length} elements hold no "
+                f"{source}: {left.short}: {left.length - pos if pos else left.length} elements hold no "
                 "parameter of the model in args",
-                hint="the flat buckets do not match the model in args (a damaged or foreign file)",
+                hint=_MISMATCH,
                 path=source,
             )
     return Decoded({k: tuple(sorted(v, key=lambda p: p.start)) for k, v in got.items()})

@@ -26,6 +26,7 @@ give the model (``config``). Keys are global and independent of TP/PP; this modu
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import CorruptCheckpoint
+from zckpt.errors import CorruptCheckpoint, Unsupported
 from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
 from zckpt.formats.dcp.chunks import ChunkData, Files
 from zckpt.formats.dcp.layout import rank_of
@@ -193,7 +194,13 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
     check_shapes(cfg, {n: v[0] for n, v in model.items()}, com.source)
     masters, moments, buckets = _optim_states(st, optim_keys, model)
     if buckets:
-        _flat_states(st, buckets, model, masters, moments, cfg, par, com)
+        try:
+            _flat_states(st, buckets, model, masters, moments, cfg, par, com)
+        except Unsupported as e:
+            if not model_only:
+                raise
+            warnings.warn(f"{e.args[0]}; the model tensors are read as saved (in {par.precision}), not the "
+                          "fp32 masters", stacklevel=3)  # fmt: skip
     entries: list[TensorEntry] = []
     for name, (shape, dtype, ps) in model.items():
         role = Role.PARAM if dtype.is_floating_point else Role.BUFFER
