@@ -5,12 +5,13 @@ buckets, TP2 x PP2 bf16, TP1 fp32, GPT-2 style TP2), given as the save folder. F
 ``--megatron`` or by name):
 
 - ``megatron-metadata`` / ``megatron-chunks``: the DCP families' ``.metadata`` and ``.distcp`` damage
-  (``tests.fuzz.dcp``) on these bases (``.metadata`` here also holds Megatron's ``all_local_plans``);
+  (``tests.fuzz.dcp``) on these bases (``.metadata`` here also holds Megatron's ``all_local_plans``; it has no
+  ``planner_data``, so the mutators of that table are left out);
 - ``megatron-common``: ``common.pt``'s pickle re-written: a global outside the allowlist, ``args`` removed or
   not a Namespace, model arguments that disagree with the tensors (layers, hidden size, heads, query groups,
   FFN size, SwiGLU, vocab), the file truncated or emptied;
-- ``megatron-flat``: a distributed-optimizer flat bucket shortened in ``.metadata`` (its last chunk too),
-  ``args`` that move the buckets' layout (TP size), a bit flipped in a bucket's stored bytes;
+- ``megatron-flat``: a distributed-optimizer flat bucket shortened in ``.metadata`` (its last chunk too);
+  ``args`` naming another TP size (refused where flat buckets depend on it, else a value nothing checks);
 - ``megatron-latest``: ``latest_checkpointed_iteration.txt`` not a number, naming a missing iteration,
   leaving the folder, empty, binary, huge.
 """
@@ -70,7 +71,8 @@ ARG_EDITS: dict[str, ArgEdit] = {
 }
 
 
-def _common_op(op: str, edit: Callable[[Any, random.Random], str], *, must_refuse: bool = True) -> Any:
+def _common_op(op: str, edit: Callable[[Any, random.Random], str], *, must_refuse: bool = True,
+               value_only: bool = False) -> Any:  # fmt: skip
     def mutate(case_dir: Path, rng: random.Random) -> Mutation:
         base, root = fresh_copy(case_dir)
         f = _iter_dir(root) / "common.pt"
@@ -82,7 +84,8 @@ def _common_op(op: str, edit: Callable[[Any, random.Random], str], *, must_refus
         data = pickles.dump_opaque(obj)
         pickles.rewrite_records(f, {"data.pkl": data})
         return new("megatron-common", op, detail, base, root, touches=[Touch(rel(root, f), op)],
-                   inconsistent=True, must_refuse=must_refuse, related=(".metadata",))  # fmt: skip
+                   inconsistent=not value_only, must_refuse=must_refuse, value_only=value_only,
+                   related=(".metadata",))  # fmt: skip
 
     return mutate
 
@@ -169,7 +172,7 @@ FLAT_OPS = [
     Op("bucket-shorter", _shorten, KIND),
     Op("args-tp", _common_op("args-tp", lambda obj, rng: _arg("tensor_model_parallel_size",
                                                               lambda v: 1 if v > 1 else 2)(_args(obj), rng),
-                             must_refuse=False), KIND),
+                             must_refuse=False, value_only=True), KIND),
 ]  # fmt: skip
 
 
@@ -194,7 +197,11 @@ def _latest(op: str) -> Any:
 LATEST_OPS = [Op(op, _latest(op), KIND) for op in LATEST_TEXT]
 
 FAMILIES: dict[str, list[Op]] = {
-    "megatron-metadata": [Op(o.name, o.fn, KIND) for o in dcp.METADATA_OPS],
+    "megatron-metadata": [
+        Op(o.name, o.fn, KIND)
+        for o in dcp.METADATA_OPS
+        if "planner" not in o.name and not o.name.startswith("path-")
+    ],  # Megatron saves no planner_data
     "megatron-chunks": [Op(o.name, o.fn, KIND) for o in dcp.CHUNK_OPS],
     "megatron-common": COMMON_OPS,
     "megatron-flat": FLAT_OPS,
