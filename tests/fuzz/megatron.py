@@ -58,11 +58,35 @@ def _arg(name: str, change: Callable[[Any], Any]) -> ArgEdit:
     return edit
 
 
+def _gqa(edit: ArgEdit) -> ArgEdit:
+    """Only where the groups are read (``group_query_attention``; else every head is its own group)."""
+
+    def gated(args: dict[str, Any], rng: random.Random) -> str:
+        if not args.get("group_query_attention"):
+            raise LookupError("no grouped-query attention: num_query_groups is not read")
+        return edit(args, rng)
+
+    return gated
+
+
+def _planner_free(fn: Any) -> Any:
+    """A DCP mutator on a save without ``planner_data``: the ones that edit it are not applicable."""
+
+    def mutate(case_dir: Path, rng: random.Random) -> Mutation:
+        try:
+            m: Mutation = fn(case_dir, rng)
+        except TypeError as e:  # ``planner_data`` is None here
+            raise NotApplicable(None, f"edits planner_data, which Megatron does not save ({e})") from None
+        return m
+
+    return mutate
+
+
 ARG_EDITS: dict[str, ArgEdit] = {
     "num-layers": _arg("num_layers", lambda v: v + 1),
     "hidden-size": _arg("hidden_size", lambda v: v + 8),
     "heads": _arg("num_attention_heads", lambda v: v * 2),
-    "query-groups": _arg("num_query_groups", lambda v: max(1, v // 2) if v > 1 else 2),
+    "query-groups": _gqa(_arg("num_query_groups", lambda v: max(1, v // 2) if v > 1 else 2)),
     "ffn": _arg("ffn_hidden_size", lambda v: v + 16),
     "swiglu": _arg("swiglu", lambda v: not v),
     "padded-vocab": _arg("padded_vocab_size", lambda v: v + 16),
@@ -147,20 +171,23 @@ def _shorten(case_dir: Path, rng: random.Random) -> Mutation:
         raise NotApplicable(root, "no flat buckets")
     key = rng.choice(keys)
     t = md.state["state_dict_metadata"][key]
-    size = t.state["size"]
-    dims = size.args[0] if isinstance(size, pickles.Opaque) else size
     last = max(t.state["chunks"], key=lambda c: _first(c.state["offsets"]))
-    csize = last.state["sizes"]
-    cdims = csize.args[0] if isinstance(csize, pickles.Opaque) else csize
-    if cdims[0] <= 64:
+    if _first(last.state["sizes"]) <= 64:
         raise NotApplicable(root, "last chunk too small")
-    cdims[0] -= 64
-    dims[0] -= 64
+    _shrink(t.state["size"], 64)
+    _shrink(last.state["sizes"], 64)
     (folder / dcp.MD).write_bytes(pickles.dump_opaque(md))
     f = folder / dcp.MD
     return new("megatron-flat", "bucket-shorter", f"{key} 64 elements shorter", base, root,
                touches=[Touch(rel(root, f), "bucket-shorter")], inconsistent=True, must_refuse=True,
                related=(".distcp",))  # fmt: skip
+
+
+def _shrink(size: Any, n: int) -> None:
+    """``torch.Size((d0, ...))`` (an ``Opaque`` call) with ``d0`` made ``n`` smaller, in place."""
+    dims = list(size.args[0])
+    dims[0] -= n
+    size.args[0] = dims
 
 
 def _first(size: Any) -> int:
