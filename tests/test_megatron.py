@@ -192,3 +192,30 @@ def test_args_that_disagree_with_the_tensors_are_refused(tmp_path: Path, arg: st
     r = CliRunner().invoke(app, ["consolidate", str(dst), str(tmp_path / "hf")])
     assert r.exit_code != 0 and "common.pt" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_verify_reports_stray_file_and_missing_common(tmp_path: Path) -> None:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fixture("megatron", "tp1_fp32_llama", "ckpt"), dst)
+    it = dst / "iter_0000003"
+    (it / "__7_0.distcp").write_bytes(b"left over")
+    r = CliRunner().invoke(app, ["verify", str(dst)])
+    assert r.exit_code != 0 and "__7_0.distcp" in r.output and "not named by .metadata" in r.output
+    (it / "__7_0.distcp").unlink()
+    (it / "common.pt").unlink()
+    r = CliRunner().invoke(app, ["verify", str(dst)])
+    assert r.exit_code != 0 and "common.pt" in r.output and "Traceback" not in r.output
+
+
+def test_no_megatron_import_anywhere_in_zckpt() -> None:
+    """zckpt reads Megatron's files without Megatron: no module imports it (by source text)."""
+    root = Path(zckpt.__file__).parent
+    offenders = [
+        str(p)
+        for p in root.rglob("*.py")
+        if any(
+            line.lstrip().startswith(("import megatron", "from megatron"))
+            for line in p.read_text().splitlines()
+        )
+    ]
+    assert offenders == []

@@ -50,8 +50,6 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "megatron.core.transformer.enums": (
         "ModelType", "AttnBackend", "AttnMaskType", "AttnType", "LayerType", "CudaGraphScope",
     ),
-    "megatron.core.model_parallel_config": (),
-    "megatron.core.dist_checkpointing.serialization": (),
 }  # fmt: skip
 """Megatron enums ``common.pt`` may name, by module."""
 
