@@ -219,3 +219,19 @@ def test_no_megatron_import_anywhere_in_zckpt() -> None:
         )
     ]
     assert offenders == []
+
+
+def test_reshard_to_dcp_keeps_masters_and_moments(tmp_path: Path) -> None:
+    """``reshard --to dcp`` (for FSDP2/torchtitan): the fp32 masters and Adam moments of the dp_reshardable
+    flat buckets, under the unstacked names, equal the gathered references."""
+    src = fixture("megatron", "tp2dp2_bf16_distopt", "ckpt")
+    r = CliRunner().invoke(app, ["reshard", str(src), str(tmp_path / "dcp"), "--to", "dcp", "--world", "2"])
+    assert r.exit_code == 0, r.output
+    ref32 = _ref("tp2dp2_bf16_distopt", "model_state_dict_fp32.pt")
+    opt = _ref("tp2dp2_bf16_distopt", "optimizer_state_fp32.pt")["state"]
+    with zckpt.open(tmp_path / "dcp") as ck:
+        assert ck.meta.format == "dcp"
+        for k, v in ref32.items():
+            assert torch.equal(ck.read(k, torch.float32), v), k
+            for s, t in opt[k].items():
+                assert torch.equal(ck.read(f"{k}:{s}"), t), (k, s)
