@@ -239,11 +239,11 @@ def _build_dcp(cache: Path, bases: list[Base]) -> None:
 
 
 MEGATRON_FIXTURES = ROOT / "fixtures" / "megatron"
-MEGATRON_BASES = {  # base name: fixture case (its ckpt/ save folder is copied)
-    "megatron-tp2dp2-distopt": "tp2dp2_bf16_distopt",
-    "megatron-tp2pp2-bf16": "tp2pp2_bf16_llama",
-    "megatron-tp1-fp32": "tp1_fp32_llama",
-    "megatron-gpt2-tp2": "tp2_fp32_gpt2",
+MEGATRON_BASES = {  # base name (short: Megatron's keys make long error lines already): fixture case
+    "mg-distopt": "tp2dp2_bf16_distopt",
+    "mg-tp2pp2": "tp2pp2_bf16_llama",
+    "mg-tp1": "tp1_fp32_llama",
+    "mg-gpt2": "tp2_fp32_gpt2",
 }
 
 
