@@ -124,3 +124,19 @@ def test_diff_megatron_against_its_hf_export(tmp_path: Path) -> None:
     assert not r.equal
     changed = [t for t in r.tensors if t.differs]
     assert [t.key for t in changed] == ["model.layers.1.self_attn.v_proj.weight"] and changed[0].changed == 1
+
+
+def test_hf_export_with_the_true_vocab(tmp_path: Path) -> None:
+    """``trim_vocab``: the export's vocab is args.vocab_size (203, not the padded 208); its logits are
+    Megatron's first 203."""
+    ck, _ = open_megatron(fixture("megatron", "tp2_fp32_untied", "ckpt"), trim_vocab=True)
+    with ck:
+        zckpt.consolidate(ck, tmp_path / "hf", progress=False)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 203
+    ref = torch.load(fixture("megatron", "tp2_fp32_untied", "ref", "logits.pt"), weights_only=True)
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto").eval()
+    with torch.no_grad():
+        got = m(ref["tokens"]).logits
+    want = ref["logits"][..., :203]
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
