@@ -36,7 +36,7 @@ class Node:
         self.where = where
 
     def fail(self, expected: str, hint: str | None = None) -> CorruptCheckpoint:
-        where = self.where if len(self.where) <= 120 else f"{self.where[:60]}...{self.where[-57:]}"
+        where = self.where if len(self.where) <= 90 else f"{self.where[:45]}...{self.where[-42:]}"
         what = f"{where} is {_show(self.value)}" if where else f"top level is {type(self.value).__name__}"
         return CorruptCheckpoint(f"{self.file}: {what}, expected {expected}", hint=hint, path=self.file)
 
