@@ -66,7 +66,7 @@ def test_block_digests_and_crcs_match_hashlib_and_zlib(
     assert block_digests(tmp_path / "f", block, total) == want
     with pytest.raises(EOFError):
         block_digests(tmp_path / "f", block, total + 1)
-    monkeypatch.setenv("ZCKPT_HASH_THREADS", "3")  # lanes that do not divide the block count
+    monkeypatch.setenv("ZCKPT_WORKERS", "3")  # lanes that do not divide the block count
     assert block_digests(tmp_path / "f", block, total) == want
     with scan.shared(8):  # files checked side by side: one lane each
         assert block_digests(tmp_path / "f", block, total) == want

@@ -323,3 +323,29 @@ def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
     ranks[2].write_bytes(saved[: len(saved) // 3])
     r = verify(out)
     assert not r.ok and {Path(p.file).name for p in r.problems} == {ranks[2].name}, r.to_text()
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_one_damaged_file_is_one_problem_in_one_path_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: bool
+) -> None:
+    """Issue 40.2: a truncated DeepSpeed rank file was reported twice, by the reader (absolute path) and by
+    the file check (the path as given), and counted as "2 problems in 2 files". One line, one path form (the
+    user's), and the summary counts one problem in one file; ``--json`` agrees."""
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    ck = _ds_copy(tmp_path, "s1_bf16_w2")
+    f = ck / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:-100])
+    monkeypatch.chdir(tmp_path)
+    arg = Path(ck.name) if relative else ck
+    want = str(arg / "global_step3" / f.name)
+    res = CliRunner().invoke(app, ["verify", str(arg)])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 2, res.output
+    assert lines[0].startswith(f"{want}: ") and lines[1].endswith(": 1 problem in 1 file"), res.output
+    js = json.loads(CliRunner().invoke(app, ["verify", str(arg), "--json"]).output)
+    validate(js, SCHEMA)
+    assert [p["file"] for p in js["problems"]] == [want]

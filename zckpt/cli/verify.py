@@ -12,7 +12,6 @@ from zckpt.cli._options import (
     StorageOpt,
     TagOpt,
     TrustPickleOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output
 
@@ -39,7 +38,6 @@ def command(
     storage_option: StorageOpt = None,
 ) -> None:
     """Check a checkpoint's integrity without a trainer."""
-    use_storage_options(storage_option)
     from zckpt.ops.verify import verify
 
     r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)

@@ -32,7 +32,7 @@ from zckpt.io import integrity, safetensors, storage
 from zckpt.io.integrity import SIDECARS, Problem, VerifyContext
 from zckpt.io.items import WriteItem
 from zckpt.io.shards import HF_WEIGHT_BASES, family, planned_names, write_sharded
-from zckpt.io.staging import Staging
+from zckpt.io.staging import open_staging
 from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 
@@ -271,7 +271,7 @@ def write_safetensors(
     out = Path(out)
     is_dir = out.suffix != ".safetensors"
     base = SAFETENSORS if is_dir else out.name
-    with Staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
+    with open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
         st.expect(planned_names(base, items, max_shard_size))
         opts = ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes, workers)
         SafetensorsWriter().write_into(st.dir, base, items, opts)

@@ -31,6 +31,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import storage
+from zckpt.io.threads import Pool
 from zckpt.model import Checked, Piece
 
 _BUF = 8 << 20
@@ -134,7 +135,7 @@ class _Digest:
             self.sha.update(data)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-digest")
+            self._pool = Pool(1, thread_name_prefix="zckpt-digest")
         self._queued.append((self._pool.submit(self._hash_mapped, data, self.at), n))
         self._queued_bytes += n
         self._drain(ASYNC_BYTES)

@@ -17,13 +17,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import scan, storage
+from zckpt.io import env, scan, storage
 from zckpt.io.checks import crc32
+from zckpt.io.threads import Pool
 
 BLOCK_BYTES = 16 << 20
 """Block size of block digests. Small enough that consecutive write buffers (16-64 MiB) fall in different
@@ -39,11 +40,8 @@ the same way."""
 
 def lanes() -> int:
     """Threads a block digest is computed on: enough to outrun a fast disk, not the whole machine
-    (``ZCKPT_HASH_THREADS`` overrides)."""
-    env = os.environ.get("ZCKPT_HASH_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(4, os.cpu_count() or 1))
+    (``ZCKPT_WORKERS`` overrides, ``zckpt.io.env``); from the cores this process may run on."""
+    return env.workers(min(4, env.cores()))
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ class StreamHasher:
         self._whole = hashlib.sha256() if block is None else None
         self._blocks: list[Any] = []
         n = 1 if block is None else lanes() + (1 if self._regions else 0)
-        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="zckpt-hash") for _ in range(n)]
+        self._lanes = [Pool(1, thread_name_prefix="zckpt-hash") for _ in range(n)]
         self._last: list[Future[None] | None] = [None] * n  # each lane's last job (lanes run in order)
         self._lock = threading.Lock()
         self.busy_s = 0.0
@@ -210,7 +208,7 @@ def block_digests(f: Path, block: int, size: int) -> list[str]:
         if n == 1:
             lane(0)
         else:
-            with ThreadPoolExecutor(n, thread_name_prefix="zckpt-verify") as pool:
+            with Pool(n, thread_name_prefix="zckpt-verify") as pool:
                 for r in [pool.submit(lane, j) for j in range(n)]:
                     r.result()
         return out

@@ -261,8 +261,10 @@ def write_file(
                 on_bytes(len(mem))
         if run:
             pipeline.write_items(sink, run, workers=workers, on_bytes=on_bytes)
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     if on_stats is not None:
         on_stats(sink.stats())
     if sidecar:
@@ -305,8 +307,10 @@ def write_views(
     try:
         for v in views:
             sink.write(v, stable=True)
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     if on_stats is not None:
         on_stats(sink.stats())
     return _record(path, sink, plan)
@@ -353,11 +357,10 @@ class StreamWriter:
         return FileRecord(self.path.name, self._sink.digest(), self._sink.tell())
 
     def abort(self) -> None:
-        """Remove the file (also when closing it fails: a full disk fails the final flush)."""
+        """Remove the file (also when closing it fails: a full disk fails the final flush); an object's upload
+        is aborted."""
         try:
-            self._sink.close()
-        except OSError:
-            pass
+            self._sink.abort()
         finally:
             self.path.unlink(missing_ok=True)
 

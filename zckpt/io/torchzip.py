@@ -224,7 +224,7 @@ class EmbeddedArchive:
 
 def archive_at(
     path: str,
-    fd: int,
+    fd: storage.Handle,
     offset: int,
     length: int,
     *,
@@ -324,7 +324,7 @@ def _record_at(where: str, win: Window, info: zipdir.Entry, path: str | None = N
 
 
 def check_archive_at(
-    path: str, fd: int, offset: int, length: int, ctx: VerifyContext | None = None
+    path: str, fd: storage.Handle, offset: int, length: int, ctx: VerifyContext | None = None
 ) -> str | None:
     """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
     record's name, or a description of why the archive cannot be read; None when it is intact. With
@@ -333,7 +333,7 @@ def check_archive_at(
 
 
 def start_archive_check(
-    path: str, fd: int, offset: int, length: int, ctx: VerifyContext | None = None
+    path: str, fd: storage.Handle, offset: int, length: int, ctx: VerifyContext | None = None
 ) -> Callable[[], str | None]:
     """``check_archive_at`` in two steps: the archive is parsed and its small records checked now, its big
     records' CRC-32s started on ``ctx``'s scan threads; the call returned waits for them and gives the

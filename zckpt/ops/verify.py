@@ -24,8 +24,7 @@ the file-level checks still run over the files found on disk, so one run lists e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,14 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import objstore, safetensors, scan, storage, torchzip
+from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
+from zckpt.io.session import Storage
+from zckpt.io.threads import Pool
+from zckpt.ops.paths import input_kind
+from zckpt.ops.scope import storage_scoped
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -64,14 +67,15 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: the verdict, what was checked and how much."""
-        what = f"{self.format or 'unrecognised'} checkpoint"
+        what = input_kind(self.format, self.path)
         if self.tag:
             what += f" (tag {self.tag})"
         if self.world_size is not None:
             what += f", world size {self.world_size}"
-        counts = f"{len(self.files)} files, {self.checksums} checksums verified"
+        nf, nc = len(self.files), self.checksums
+        counts = f"{nf} file{'s' * (nf != 1)}, {nc} checksum{'s' * (nc != 1)} verified"
         if self.tensors is not None:
-            counts = f"{self.tensors} tensors, " + counts
+            counts = f"{self.tensors} tensor{'s' * (self.tensors != 1)}, " + counts
         n, nf = len(self.problems), len({p.file for p in self.problems})
         verdict = "OK" if self.ok else f"{n} problem{'s' * (n != 1)} in {nf} file{'s' * (nf != 1)}"
         return f"{self.path}: {what}: {counts}: {verdict}"
@@ -108,20 +112,20 @@ class VerifyReport:
         }
 
 
+@storage_scoped
 def verify(
     path: str | Path,
     *,
     tag: str | None = None,
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
     the object-store client's options for ``s3://`` paths."""
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
@@ -159,7 +163,7 @@ def _verify(
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
+    with Pool(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
         for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
             file_problems += found
     if ckpt is not None:
@@ -167,7 +171,10 @@ def _verify(
     file_problems += orphan_sidecars(p, files)
     if fmt is not None:
         file_problems += fmt.verify(p, ckpt, ctx)
-    # A reader error about a file that the file checks describe better is not repeated.
+    # One path form (the one the user gave: readers may name files by their absolute path), then a reader
+    # error about a file that the file checks describe better is not repeated.
+    problems = [_as_given(q, p) for q in problems]
+    file_problems = [_as_given(q, p) for q in file_problems]
     named = {q.file for q in file_problems}
     names = {Path(n).name for n in named}
     problems = [q for q in problems if q.file not in named and not any(n in q.message for n in names)]
@@ -183,6 +190,21 @@ def _verify(
         checksums=ctx.checksums,
         problems=tuple(_dedupe(problems)),
     )
+
+
+def _as_given(q: Problem, root: Path) -> Problem:
+    """``q`` naming its file the way the user named the checkpoint (``ckpt/x.pt``, not ``/abs/ckpt/x.pt``,
+    or the other way round), so one file is one key and one spelling in the report."""
+    if "://" in q.file or "://" in str(root):
+        return q
+    f = Path(q.file)
+    if f.is_absolute() == root.is_absolute():
+        return q
+    try:
+        rel = f.resolve().relative_to(root.resolve())
+    except (ValueError, OSError):
+        return q
+    return replace(q, file=str(root / rel) if rel.parts else str(root))
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:

@@ -63,7 +63,7 @@ class Files:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._fds: dict[str, tuple[int, int]] = {}
+        self._fds: dict[str, tuple[storage.Handle, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
         self._paths: dict[str, Path] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
@@ -99,7 +99,7 @@ class Files:
             )
         return self.folder / rel
 
-    def open(self, info: StorageInfo) -> tuple[str, int]:
+    def open(self, info: StorageInfo) -> tuple[str, storage.Handle]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
         f = str(self.path(info))
         if f not in self._fds:
@@ -109,8 +109,8 @@ class Files:
                     hint="restore the file from the original save",
                     path=f,
                 )
-            fd = storage.open_fd(f)
-            self._fds[f] = (fd, storage.fd_size(fd))
+            h = storage.open_fd(f)
+            self._fds[f] = (h, h.size)
         fd, size = self._fds[f]
         if info.offset + info.length > size:
             raise CorruptCheckpoint(
