@@ -21,6 +21,7 @@ from zckpt.io.objstore import as_path
 _MODULES = (
     "zckpt.formats.native",
     "zckpt.formats.deepspeed",
+    "zckpt.formats.megatron",
     "zckpt.formats.dcp",
     "zckpt.formats.hf",
     "zckpt.formats.torch_file",
@@ -29,6 +30,7 @@ _SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 _TELLTALES = (
     "manifest.json",
     "latest",
+    "latest_checkpointed_iteration.txt",
     ".metadata",
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",

@@ -124,3 +124,9 @@ class Format(abc.ABC):
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Format-specific integrity checks (the reader's own cross-checks already ran in ``read``)."""
         return []
+
+    def hf_model(self, ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, object]] | None:
+        """For a format whose names are not Hugging Face's (Megatron): ``ckpt`` under HF names and the
+        ``config.json`` that goes with it, which ``consolidate`` to a folder writes; None: write the names
+        as they are (the default). Raises ``Unsupported`` when the model maps to no HF architecture."""
+        return None

@@ -179,11 +179,14 @@ class _Plan:
     tied: dict[str, str]
     shard: int | None
     extras: list[Path]
+    config: Mapping[str, Any] | None = None
+    """A ``config.json`` the format built (``Format.hf_model``), written instead of copied ones."""
 
     @property
     def digest(self) -> str:
         tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in self.items]
-        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors]
+        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors,
+               self.config]  # fmt: skip
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
@@ -252,10 +255,10 @@ def consolidate(
 
         def make_plan() -> tuple[_Plan, Staging | RemoteStaging | None]:
             check_overlap(ckpt.meta, out)
-            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
+            src, config, extras = _source(ckpt, is_dir)
+            items, tied = plan(src, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
-            p = _Plan(writer, is_dir, base, items, tied, shard, extras)
+            p = _Plan(writer, is_dir, base, items, tied, shard, extras, config)
             st: Staging | RemoteStaging | None = None
             if g.rank == 0:
                 st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS, order=PUBLISH_ORDER)
@@ -326,6 +329,17 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
     )
 
 
+def _source(ckpt: Checkpoint, is_dir: bool) -> tuple[Checkpoint, Mapping[str, Any] | None, list[Path]]:
+    """What a consolidate writes: the checkpoint, under HF names with the ``config.json`` its format built
+    when it has its own (``Format.hf_model``: Megatron) and ``out`` is a folder; the HF files beside it."""
+    fmt = registry().get(ckpt.meta.format) if is_dir else None
+    got = fmt.hf_model(ckpt) if fmt is not None else None
+    if got is not None:
+        return got[0], got[1], []
+    extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+    return ckpt, None, extras
+
+
 def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:
     if isinstance(ckpt_or_path, Checkpoint):
         return ckpt_or_path
@@ -383,6 +397,8 @@ def _write(
             st.adopt([u for urls in elsewhere for u in urls])
         weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
         hf_files.copy(p.extras, st.dir, weights)
+        if p.config is not None:
+            hf_files.write_config(p.config, st.dir, weights)
         final = [str(f) for f in st.commit()]
         _warn_kept_config(st, hf_files.weights_dtype(weights))
         return final, st.kept

@@ -74,8 +74,8 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError
-from zckpt.formats import open_checkpoint
+from zckpt.errors import KeyMappingError, ZckptError
+from zckpt.formats import open_checkpoint, registry
 from zckpt.io import checks
 from zckpt.io.session import Storage
 from zckpt.model import Role
@@ -308,7 +308,8 @@ def diff(
         cb, close_b = _open(b, tag_b, trust_pickle, include_optimizer)
         try:
             with checks.verifying(verify_data):
-                return _diff(ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress,
+                xa, xb = _hf_names(ca, cb, include_optimizer)
+                return _diff(xa, xb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress,
                              chunk, mode)  # fmt: skip
         finally:
             if close_b:
@@ -326,6 +327,22 @@ def _open(
     if isinstance(x, Checkpoint):
         return x, False
     return open_checkpoint(x, tag=tag, trust_pickle=trust_pickle, model_only=not optim), True
+
+
+def _hf_names(a: Checkpoint, b: Checkpoint, optim: bool) -> tuple[Checkpoint, Checkpoint]:
+    """A checkpoint under its format's own names (Megatron) beside its Hugging Face export: that side under
+    HF names (``Format.hf_model``), when the two share no name and the HF names are the other side's."""
+    if optim or not set(a).isdisjoint(b):
+        return a, b
+    for x, y in ((a, b), (b, a)):
+        fmt = registry().get(x.meta.format)
+        try:
+            got = fmt.hf_model(x) if fmt is not None else None
+        except ZckptError:
+            got = None
+        if got is not None and not set(got[0]).isdisjoint(y):
+            return (got[0], b) if x is a else (a, got[0])
+    return a, b
 
 
 def _parse_map(m: str | tuple[str, str]) -> tuple[str, str]:

@@ -142,7 +142,7 @@ class Files:
         self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype, win: Window
     ) -> ChunkData:
         f, fd = self.open(info)
-        what = f"(chunk of {key!r:.80})"
+        what = f"(chunk of {key if len(key) <= 60 else '...' + key[-57:]!r})"  # the tail names the tensor
         arc = archive_at(f, fd, info.offset, info.length, what=what, memo=self.memo, win=win)
         ref = arc.obj
         where = f"{f}: chunk {list(box.offsets)} of {key!r:.80}"
