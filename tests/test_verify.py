@@ -103,6 +103,32 @@ def test_older_sha256_block_sidecar_is_still_checked(tmp_path: Path) -> None:
     assert f"sha256 of bytes [{k * b}, {len(raw)}) (block {k})" in str(r.problems[0])
 
 
+def test_sha256_on_request(tmp_path: Path) -> None:
+    """``verify --sha256`` also prints each file's whole sha256 in ``sha256sum`` format (hashlib is the
+    oracle) and lists them in ``--json``; without it the JSON has no such key."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    files = _write_st(tmp_path / "hf", max_shard_size=600)
+    assert len(files) >= 2
+    want = {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.suffix == ".safetensors"}
+    r = verify(tmp_path / "hf", sha256=True)
+    assert r.ok and dict(r.sha256) == want, r.to_text()
+    js = r.to_json()
+    validate(js, SCHEMA)
+    assert js["sha256"] == want and "sha256" not in verify(tmp_path / "hf").to_json()
+    res = CliRunner().invoke(app, ["verify", str(tmp_path / "hf"), "--sha256"])
+    assert res.exit_code == 0, res.output
+    sums = [ln for ln in res.output.splitlines() if "  " in ln and not ln.endswith("OK")]
+    assert sums == [f"{d}  {f}" for f, d in want.items()]
+    (tmp_path / "SUMS").write_text("\n".join(sums) + "\n")
+    ok = subprocess.run(["sha256sum", "-c", "--quiet", str(tmp_path / "SUMS")], capture_output=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_crc_sidecar_of_a_later_version_or_another_format_is_named(tmp_path: Path) -> None:
     """A ``.crc32.json`` of a later version is reported as unsupported (never read as if it were version 1);
     one without the format's name is corrupt."""

@@ -11,8 +11,10 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    recomputed and the pickle parsed through the safe unpickler, every storage record present and long
    enough (``zckpt.io.torchzip.check_file``).
 3. Every piece's bytes lie inside its file.
-4. Checksums, wherever recorded: ``<file>.sha256`` sidecars (``sha256sum`` format, written through
-   ``zckpt.io.sink.HashingSink``). A sidecar whose file is gone is a problem too.
+4. Checksums, wherever recorded: ``<file>.crc32.json`` block sidecars (written through
+   ``zckpt.io.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
+   (``sha256sum`` format). A sidecar whose file is gone is a problem too. With ``sha256=True`` each file's
+   whole sha256 is computed as well and reported (to compare with a digest published elsewhere).
 5. The format's own checks (``Format.verify``): e.g. the native manifest's digests and sizes, HF shards
    on disk that the index does not list, DeepSpeed files written by different DeepSpeed versions.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,8 @@ class VerifyReport:
     checksums: int
     """Checksums recomputed and compared (sidecars and manifest entries)."""
     problems: tuple[Problem, ...]
+    sha256: tuple[tuple[str, str], ...] = ()
+    """``(file, whole-file sha256)`` of each file, when asked for (``verify(sha256=True)``)."""
 
     @property
     def ok(self) -> bool:
@@ -90,7 +94,8 @@ class VerifyReport:
                 s = "s" * (more != 1)
                 line += f" (and {more} more problem{s} in this file: {kinds}; --json lists all)"
             lines.append(line + (f" (hint: {ps[0].hint})" if ps[0].hint else ""))
-        return "\n".join([*lines, self.summary()])
+        sums = [f"{digest}  {file}" for file, digest in self.sha256]  # ``sha256sum -c`` reads these lines
+        return "\n".join([*sums, *lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:
         """This report as JSON values (what ``zckpt verify --json`` prints)."""
@@ -105,7 +110,7 @@ class VerifyReport:
             "files": list(self.files),
             "checksums": self.checksums,
             "problems": [p.to_json() for p in self.problems],
-        }
+        } | ({"sha256": dict(self.sha256)} if self.sha256 else {})
 
 
 def verify(
@@ -114,12 +119,14 @@ def verify(
     tag: str | None = None,
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    sha256: bool = False,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
-    the object-store client's options for ``s3://`` paths."""
+    the object-store client's options for ``s3://`` paths. ``sha256``: also compute each file's whole
+    sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints)."""
     if storage_options is not None:  # s3:// paths: the store client's options
         objstore.configure(storage_options)
     p = as_path(path)
@@ -144,9 +151,13 @@ def verify(
             problems.append(problem_from(e, p))
     try:
         with Scanner() as scanner:
-            return _verify(
-                p, fmt, ckpt, problems, VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
-            )
+            ctx = VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
+            report = _verify(p, fmt, ckpt, problems, ctx)
+            if not sha256:
+                return report
+            files = [f for f in map(as_path, report.files) if _is_file(f)]
+            sums = [(str(f), scanner.sha256(str(f))) for f in files]  # side by side on the scan threads
+            return replace(report, sha256=tuple((f, s.result()) for f, s in sums))
     finally:
         if ckpt is not None:
             ckpt.close()
