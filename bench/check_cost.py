@@ -4,7 +4,7 @@ with its ``.crc32.json`` block sidecar), with the checks (the default), without 
 with the ``.sha256.json`` block sidecars of earlier versions instead (the "before" of issue 42). Warm page
 cache; the runs alternate, so machine load falls on all three alike.
 
-    python bench/check_cost.py [--gib 1] [--repeat 5] [--dir /tmp/zckpt-check-cost] [--json OUT.json]
+    python bench/check_cost.py [--gib 1] [--repeat 5] [--dir DIR] [--torch-threads N] [--json OUT.json]
 
 Prints one ``CHECK ...`` line per variant (median and all runs, seconds; GB/s of the two files' bytes) and
 the ratio of checked to unchecked. The page-cache read floor (``cat`` of both files to /dev/null, in the same
@@ -80,7 +80,10 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/zckpt-check-cost"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the files for another run")
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads(N) first (diff's own arithmetic)")
     args = ap.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     a, b = build(args.dir, args.gib)
     files = [a, b]
     nbytes = sum(f.stat().st_size for f in files)
@@ -103,7 +106,8 @@ def main() -> None:
         runs["sha256 (before)"].append(timed(lambda: diff(True)))
     crc_sidecars(files)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    out = {"bytes": nbytes, "cpus": len(os.sched_getaffinity(0)), "median_s": med, "runs_s": runs}
+    out = {"bytes": nbytes, "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
+    out |= {"load_avg": os.getloadavg(), "median_s": med, "runs_s": runs}
     for k, v in runs.items():
         print(f"CHECK {k:16s} median {med[k]:.3f} s  {nbytes / med[k] / 1e9:.2f} GB/s  of floor "
               f"{med['floor'] / med[k]:.2f}  runs {' '.join(f'{x:.3f}' for x in v)}")  # fmt: skip
