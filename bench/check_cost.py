@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/zckpt-check-cost"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the files for another run")
-    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads(N) first (diff's own arithmetic)")
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads(N) first")
     args = ap.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
