@@ -266,3 +266,32 @@ def test_block_sidecar_reads_check_each_block(tmp_path: Path, suffix: str) -> No
     assert not (tmp_path / "o.safetensors").exists()
     r = zckpt.verify(src)
     assert not r.ok and any(f"block {k}" in p.message for p in r.problems), r.to_text()
+
+
+def test_big_mapped_reads_are_crc_checked(tmp_path: Path) -> None:
+    """diff reads views of the mapping, a big tensor in 1 Mi-element pieces. Two 40 MiB files with their
+    ``.crc32.json`` sidecars (3 blocks each, 16 MiB): equal copies diff clean; a flipped byte deep in block
+    1 of one side (inside one big tensor) is refused naming that block; unchecked, it is a difference."""
+    from zckpt.formats.hf import write_safetensors
+    from zckpt.io.items import items_from_state_dict
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(10 << 20, generator=g), "b": torch.randn(7, generator=g)}
+    items, tied = items_from_state_dict(sd)
+    a, b = tmp_path / "a" / "m.safetensors", tmp_path / "b" / "m.safetensors"
+    for f in (a, b):
+        f.parent.mkdir()
+        write_safetensors(f, items, tied=tied)
+    side = json.loads(b.with_name(b.name + ".crc32.json").read_text())
+    assert side["block"] == 16 << 20 and len(side["crc32"]) == 3
+    assert zckpt.diff(a, b, progress=False).equal
+    at = (16 << 20) + 12345  # inside block 1, inside "w" (the header is a few hundred bytes)
+    with open(b, "r+b") as fh:
+        fh.seek(at)
+        x = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([x[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpoint, match=r"block 1\)") as e:
+        zckpt.diff(a, b, progress=False)
+    assert e.value.path == str(b)
+    assert not zckpt.diff(a, b, progress=False, verify_data=False).equal  # unchecked: a difference
