@@ -11,6 +11,7 @@ from zckpt.cli._options import (
     PICKLES,
     CkptArg,
     JsonOpt,
+    ProgressOpt,
     StorageOpt,
     TagOpt,
     TrustPickleOpt,
@@ -40,6 +41,7 @@ def command(
     json: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     storage_option: StorageOpt = None,
+    progress: ProgressOpt = True,
     sha256: Annotated[
         bool,
         typer.Option("--sha256", help="Also compute and print each file's whole sha256 (sha256sum format)."),
@@ -49,7 +51,7 @@ def command(
     use_storage_options(storage_option)
     from zckpt.ops.verify import verify
 
-    r = verify(ckpt, tag=tag, trust_pickle=trust_pickle, sha256=sha256)
+    r = verify(ckpt, tag=tag, trust_pickle=trust_pickle, sha256=sha256, progress=progress and not json)
     out = Output(json=json)
     out.result(r.to_json())
     out.text(r.to_text())

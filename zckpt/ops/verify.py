@@ -39,6 +39,7 @@ from zckpt.io import objstore, safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
+from zckpt.ops.progress import bar as progress_bar
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -120,13 +121,15 @@ def verify(
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
     sha256: bool = False,
+    progress: bool = True,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
     the object-store client's options for ``s3://`` paths. ``sha256``: also compute each file's whole
-    sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints)."""
+    sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints). ``progress``: a bar of the bytes of the
+    files checked so far, on stderr when it is a terminal."""
     if storage_options is not None:  # s3:// paths: the store client's options
         objstore.configure(storage_options)
     p = as_path(path)
@@ -152,7 +155,7 @@ def verify(
     try:
         with Scanner() as scanner:
             ctx = VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
-            report = _verify(p, fmt, ckpt, problems, ctx)
+            report = _verify(p, fmt, ckpt, problems, ctx, progress)
             if not sha256:
                 return report
             files = [f for f in map(as_path, report.files) if _is_file(f)]
@@ -164,15 +167,26 @@ def verify(
 
 
 def _verify(
-    p: Path, fmt: Format | None, ckpt: Checkpoint | None, problems: list[Problem], ctx: VerifyContext
+    p: Path,
+    fmt: Format | None,
+    ckpt: Checkpoint | None,
+    problems: list[Problem],
+    ctx: VerifyContext,
+    progress: bool = False,
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
-        for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
-            file_problems += found
+    sizes = [_size(f) for f in files]
+    with (
+        ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool,
+        scan.shared(k),
+        progress_bar(sum(sizes), "verify", enabled=progress) as bar,
+    ):
+        for found, size in zip(pool.map(lambda f: _check_file(f, ctx), files), sizes, strict=True):
+            file_problems += found  # side by side, reported in order
+            bar.update(size)
     if ckpt is not None:
         file_problems += _check_pieces(ckpt)
     file_problems += orphan_sidecars(p, files)
@@ -221,6 +235,14 @@ def _files_on_disk(p: Path) -> list[Path]:
         return [p]
     out = [f for pattern in ("*", "*/*") for f in sorted(p.glob(pattern))]
     return [f for f in out if f.suffix in TENSOR_SUFFIXES and _is_file(f)]
+
+
+def _size(f: Path) -> int:
+    """``f``'s size for the progress bar (0 where it cannot be had: the checks say why)."""
+    try:
+        return storage.size(str(f))
+    except (OSError, ZckptError):
+        return 0
 
 
 def _is_file(f: Path) -> bool:
