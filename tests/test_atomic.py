@@ -104,7 +104,7 @@ def test_consolidate_sigkill_random(name: str, src: Path, tmp_path: Path) -> Non
             verdict = "old"
         seen[verdict] += 1
         assert not verdict.startswith("CORRUPT"), f"trial {trial} killed at {when}: {verdict}"
-        _no_visible_junk(work, {name, name + ".sha256", name + ".sha256.json"})
+        _no_visible_junk(work, {name, name + ".sha256", name + ".sha256.json", name + ".crc32.json"})
         r = cli("consolidate", src, out, "--overwrite")
         assert r.code == 0, f"rerun after a kill at {when}: {r.stderr}"
         assert judge_output(out, ref) == "complete"

@@ -123,11 +123,11 @@ def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Pa
         assert sorted(got) == sorted(want), rel
         assert got == want, rel
         shards = [
-            n for n in got if n.startswith(("model-", "pytorch_model-")) and not n.endswith(".sha256.json")
+            n for n in got if n.startswith(("model-", "pytorch_model-")) and not n.endswith(".crc32.json")
         ]
-        assert len(shards) >= 4 and all(f"{n}.sha256.json" in got for n in shards), rel
+        assert len(shards) >= 4 and all(f"{n}.crc32.json" in got for n in shards), rel
         assert any(n.endswith(".index.json") for n in got), rel
-    for n in ("one.safetensors", "one.safetensors.sha256.json"):
+    for n in ("one.safetensors", "one.safetensors.crc32.json"):
         assert (dist_root / n).read_bytes() == (ref_root / n).read_bytes()
 
     # every rank returns the same result, listing the published files; idle ranks warned about once

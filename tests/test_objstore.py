@@ -94,9 +94,9 @@ def test_inspect_verify_consolidate_from_bucket_match_local(
     ra, rb = _cli("consolidate", str(lp), str(a)), _cli("consolidate", url, str(b))
     assert ra[0] == rb[0] == 0, rb[1]
     assert a.read_bytes() == b.read_bytes()
-    side_b = json.loads((tmp_path / "remote.safetensors.sha256.json").read_text())
-    side_a = json.loads((tmp_path / "local.safetensors.sha256.json").read_text())
-    assert side_b["sha256"] == side_a["sha256"] and side_b["size"] == side_a["size"]
+    side_b = json.loads((tmp_path / "remote.safetensors.crc32.json").read_text())
+    side_a = json.loads((tmp_path / "local.safetensors.crc32.json").read_text())
+    assert side_b["crc32"] == side_a["crc32"] and side_b["size"] == side_a["size"]
 
 
 @pytest.mark.parametrize("name", ["ds/s3_bf16_w3_sub_g2", "dcp/fsdp2_w2", "trainer"])

@@ -71,7 +71,7 @@ def test_consolidate_to_bucket_is_byte_identical(
     assert _cli("consolidate", lp, tmp_path / "m.safetensors")[0] == 0
     code, out = _cli("consolidate", url, "s3://ckpts/wout/m.safetensors")
     assert code == 0, out
-    assert _s3.keys(c, "ckpts", "wout/") == ["wout/m.safetensors", "wout/m.safetensors.sha256.json"]
+    assert _s3.keys(c, "ckpts", "wout/") == ["wout/m.safetensors", "wout/m.safetensors.crc32.json"]
     body = c.get_object(Bucket="ckpts", Key="wout/m.safetensors")["Body"].read()  # type: ignore[attr-defined]
     assert body == (tmp_path / "m.safetensors").read_bytes()
     # an existing output is refused, and replaced with --overwrite
@@ -119,9 +119,10 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
             done = [p.split("?")[0].rsplit("/", 1)[-1] for p in writes if "uploads" not in p.split("?")[-1]]
             assert done and last in done, done
             i = done.index(last)
-            assert all(n.endswith((".sha256", ".sha256.json")) or n in (last, "latest") for n in done[i:]), (
-                done
-            )
+            assert all(
+                n.endswith((".sha256", ".sha256.json", ".crc32.json")) or n in (last, "latest")
+                for n in done[i:]
+            ), done
             if to == "native":
                 assert done[-1] == "latest", done
         proxy.log.clear()

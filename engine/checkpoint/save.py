@@ -48,6 +48,7 @@ from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
 from zckpt.io import objstore, remote_staging, session
+from zckpt.io.digest import SIDECARS
 from zckpt.io.direct_io import ALIGN, WriteOptions
 from zckpt.io.objstore import as_path
 from zckpt.io.safetensors import FileRecord
@@ -263,7 +264,7 @@ def _previous_files(tag_dir: Path) -> set[str]:
         man = load_manifest(tag_dir)
     except Exception:  # noqa: BLE001 - no previous save, or a damaged one: nothing of it to recognise
         return set()
-    return {n + side for n in man.files for side in ("", ".sha256", ".sha256.json")}
+    return {n + side for n in man.files for side in ("", *SIDECARS)}
 
 
 def _superseded(rel: str) -> bool:
@@ -273,7 +274,7 @@ def _superseded(rel: str) -> bool:
     return (
         "/" not in rel
         and L.RANK_FILE.fullmatch(name + ".safetensors") is not None
-        and side in ("", ".sha256", ".sha256.json")
+        and side in ("", *SIDECARS)
     )
 
 

@@ -64,8 +64,8 @@ _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
 def _sidecar_check(path: Path) -> Checked | None:
-    """The whole-file sha256 of ``<path>.sha256``, or the block sha256s of ``<path>.sha256.json``, verified as
-    the file's tensors are read."""
+    """The whole-file sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of
+    an older ``<path>.sha256.json``), verified as the file's tensors are read."""
     digest = integrity.sidecar_digest(path)
     if isinstance(digest, Problem):
         raise CorruptCheckpoint(
@@ -73,21 +73,23 @@ def _sidecar_check(path: Path) -> Checked | None:
         )
     if digest is not None:
         return Checked(str(path), 0, storage.size(path), None, "checksum sidecar", sha256=digest)
-    blocks = integrity.block_sidecar_digest(path)
+    found = integrity.block_sidecars(path)
+    if not found:
+        return None
+    suffix, blocks = found[0]
     if isinstance(blocks, Problem):
         raise CorruptCheckpoint(
             str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
         )
-    if blocks is None:
-        return None
     d, size = blocks
     if size != storage.size(path):
         raise CorruptCheckpoint(
-            f"{path}: {storage.size(path)} bytes, but its block-digest sidecar records {size}",
+            f"{path}: {storage.size(path)} bytes, but its sidecar {path.name + suffix} records {size}",
             hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
             path=str(path),
         )
-    return Checked(str(path), 0, size, None, "block-digest sidecar", block=d.block, blocks=d.blocks)
+    what = f"block-digest sidecar {path.name + suffix}"
+    return Checked(str(path), 0, size, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
 
 
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:

@@ -47,6 +47,7 @@ from typing import Any
 
 from zckpt.errors import OutputExists, StorageError
 from zckpt.io import interrupts, objstore, session
+from zckpt.io.digest import SIDECARS
 
 HOST_TOKEN = ".zckpt-host-token"
 """In ``.dir``: a random token rank 0 also sends in its ``Ticket``; a rank that reads the same token there is
@@ -283,7 +284,7 @@ class RemoteStaging:
             if not self.overwrite and not self.is_dir:
                 raise OutputExists(f"{base}/{n} already exists", hint="pass --overwrite to replace it",
                                    path=f"{base}/{n}")  # fmt: skip
-            for side in (".sha256.json", ".sha256"):
+            for side in SIDECARS:
                 u = f"{base}/{n}{side}"
                 if objstore.kind(u) == "file":
                     with objstore.open_read(u) as f:

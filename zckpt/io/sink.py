@@ -108,10 +108,11 @@ class HashingSink(io.RawIOBase):
         opts: direct_io.WriteOptions | None = None,
         crc_regions: Sequence[tuple[int, int]] = (),
         block: int | None = None,
+        algorithm: str = "crc32",
     ) -> None:
         super().__init__()
         self.path = path
-        self._hasher = StreamHasher(block, crc_regions)
+        self._hasher = StreamHasher(block, crc_regions, algorithm)
         """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
         self._url = remote_staging.streamed(path)
         """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
@@ -315,7 +316,7 @@ class HashingSink(io.RawIOBase):
         io.RawIOBase.close(self)
 
     def write_sidecar(self) -> Path:
-        """Write the sidecar next to the file (call after ``close()``): ``<file>.sha256.json`` for a sink
+        """Write the sidecar next to the file (call after ``close()``): ``<file>.crc32.json`` for a sink
         made with ``block`` (``zckpt.io.digest.write_block_sidecar``), else ``<file>.sha256`` (``sha256sum``
         format)."""
         d = self._hasher.digest()

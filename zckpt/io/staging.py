@@ -39,10 +39,10 @@ from types import TracebackType
 
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
 from zckpt.io import interrupts, objstore, remote_staging, sink
-from zckpt.io.digest import BLOCK_SIDECAR
+from zckpt.io.digest import SIDECAR_PATTERN, SIDECARS
 from zckpt.io.remote_staging import RemoteStaging
 
-_SIDECARS = (".sha256", BLOCK_SIDECAR)
+_SIDECARS = SIDECARS
 
 _WRITE_HINTS = {
     errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
@@ -173,7 +173,7 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
     stem, dot, suffix = dest.name.partition(".")
     rx = re.compile(
         rf"^{re.escape(stem)}(?:{_SHARD})?{re.escape(dot + suffix)}"
-        r"(?:\.sha256|\.sha256\.json|\.index\.json)?$"
+        rf"(?:{SIDECAR_PATTERN}|\.index\.json)?$"
     )
     try:
         return [f for f in dest.parent.iterdir() if rx.match(f.name) and f.name not in keep and f.is_file()]

@@ -40,6 +40,7 @@ from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
 from zckpt.io import checks
+from zckpt.io.digest import SIDECAR_PATTERN
 from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
 from zckpt.io.remote_staging import RemoteStaging, Ticket
@@ -78,7 +79,7 @@ _CHECKPOINT_FILE = re.compile(
     r"^(?:latest|\.metadata|__\d+_\d+(?:\.g[0-9a-f]{16})?\.distcp"  # the tag pointer; a DCP folder's files
     r"|[^/]+/(?:manifest\.json|rank_\d{5}(?:\.g[0-9a-f]{16})?\.safetensors"  # a tag folder: native, DeepSpeed
     r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt|mp_rank_\d+_model_states\.pt)"
-    r")(?:\.sha256|\.sha256\.json)?$"
+    rf"){SIDECAR_PATTERN}?$"
 )
 """The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag,
 any generation: ``WritePlan.generation``)."""

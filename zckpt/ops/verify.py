@@ -11,8 +11,10 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    recomputed and the pickle parsed through the safe unpickler, every storage record present and long
    enough (``zckpt.io.torchzip.check_file``).
 3. Every piece's bytes lie inside its file.
-4. Checksums, wherever recorded: ``<file>.sha256`` sidecars (``sha256sum`` format, written through
-   ``zckpt.io.sink.HashingSink``). A sidecar whose file is gone is a problem too.
+4. Checksums, wherever recorded: ``<file>.crc32.json`` block sidecars (written through
+   ``zckpt.io.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
+   (``sha256sum`` format). A sidecar whose file is gone is a problem too. With ``sha256=True`` each file's
+   whole sha256 is computed as well and reported (to compare with a digest published elsewhere).
 5. The format's own checks (``Format.verify``): e.g. the native manifest's digests and sizes, HF shards
    on disk that the index does not list, DeepSpeed files written by different DeepSpeed versions.
 
@@ -39,6 +41,7 @@ from zckpt.io.scan import Scanner
 from zckpt.io.session import Storage
 from zckpt.io.threads import Pool
 from zckpt.ops.paths import input_kind
+from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 
 SCHEMA_VERSION = 1
@@ -59,6 +62,8 @@ class VerifyReport:
     checksums: int
     """Checksums recomputed and compared (sidecars and manifest entries)."""
     problems: tuple[Problem, ...]
+    sha256: tuple[tuple[str, str], ...] = ()
+    """``(file, whole-file sha256)`` of each file, when asked for (``verify(sha256=True)``)."""
 
     @property
     def ok(self) -> bool:
@@ -94,7 +99,8 @@ class VerifyReport:
                 s = "s" * (more != 1)
                 line += f" (and {more} more problem{s} in this file: {kinds}; --json lists all)"
             lines.append(line + (f" (hint: {ps[0].hint})" if ps[0].hint else ""))
-        return "\n".join([*lines, self.summary()])
+        sums = [f"{digest}  {file}" for file, digest in self.sha256]  # ``sha256sum -c`` reads these lines
+        return "\n".join([*sums, *lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:
         """This report as JSON values (what ``zckpt verify --json`` prints)."""
@@ -109,7 +115,7 @@ class VerifyReport:
             "files": list(self.files),
             "checksums": self.checksums,
             "problems": [p.to_json() for p in self.problems],
-        }
+        } | ({"sha256": dict(self.sha256)} if self.sha256 else {})
 
 
 @storage_scoped
@@ -119,13 +125,17 @@ def verify(
     tag: str | None = None,
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    sha256: bool = False,
+    progress: bool = True,
     storage: Storage | None = None,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
-    the object-store client's options for ``s3://`` paths."""
+    the object-store client's options for ``s3://`` paths. ``sha256``: also compute each file's whole
+    sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints). ``progress``: a bar of the bytes of the
+    files checked so far, on stderr when it is a terminal."""
     p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
@@ -148,24 +158,39 @@ def verify(
             problems.append(problem_from(e, p))
     try:
         with Scanner() as scanner:
-            return _verify(
-                p, fmt, ckpt, problems, VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
-            )
+            ctx = VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
+            report = _verify(p, fmt, ckpt, problems, ctx, progress)
+            if not sha256:
+                return report
+            files = [f for f in map(as_path, report.files) if _is_file(f)]
+            sums = [(str(f), scanner.sha256(str(f))) for f in files]  # side by side on the scan threads
+            return replace(report, sha256=tuple((f, s.result()) for f, s in sums))
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
 def _verify(
-    p: Path, fmt: Format | None, ckpt: Checkpoint | None, problems: list[Problem], ctx: VerifyContext
+    p: Path,
+    fmt: Format | None,
+    ckpt: Checkpoint | None,
+    problems: list[Problem],
+    ctx: VerifyContext,
+    progress: bool = False,
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
-    with Pool(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
-        for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
-            file_problems += found
+    sizes = [_size(f) for f in files]
+    with (
+        Pool(k, thread_name_prefix="zckpt-verify") as pool,
+        scan.shared(k),
+        progress_bar(sum(sizes), "verify", enabled=progress) as bar,
+    ):
+        for found, size in zip(pool.map(lambda f: _check_file(f, ctx), files), sizes, strict=True):
+            file_problems += found  # side by side, reported in order
+            bar.update(size)
     if ckpt is not None:
         file_problems += _check_pieces(ckpt)
     file_problems += orphan_sidecars(p, files)
@@ -232,6 +257,14 @@ def _files_on_disk(p: Path) -> list[Path]:
         return [p]
     out = [f for pattern in ("*", "*/*") for f in sorted(p.glob(pattern))]
     return [f for f in out if f.suffix in TENSOR_SUFFIXES and _is_file(f)]
+
+
+def _size(f: Path) -> int:
+    """``f``'s size for the progress bar (0 where it cannot be had: the checks say why)."""
+    try:
+        return storage.size(str(f))
+    except (OSError, ZckptError):
+        return 0
 
 
 def _is_file(f: Path) -> bool:

@@ -104,12 +104,13 @@ def write_rank(
     on_stats: Any = None,
     model: Mapping[str, str] | None = None,
 ) -> FileRecord:
-    """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest per
-    ``BLOCK_BYTES`` block, hashed on several cores. ``model``: rank 0's model record
-    (``zckpt.formats.native.record.encode``)."""
+    """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest: a sha256 per
+    ``BLOCK_BYTES`` block (the manifest's ``sha256_blocks``), hashed on several cores. ``model``: rank 0's
+    model record (``zckpt.formats.native.record.encode``)."""
     meta = {**_METADATA, **(model or {})}
     return safetensors.write_file(path, items, metadata=meta, on_bytes=on_bytes, sidecar=False,
-                                  opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES)  # fmt: skip
+                                  opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES,
+                                  algorithm="sha256")  # fmt: skip
 
 
 def rank_plan(
@@ -131,7 +132,9 @@ def write_rank_views(
     """One rank file already laid out in memory by ``rank_plan`` (header at 0, each tensor at its
     offset): ``views`` in order, unchanged until this returns. Byte for byte (and record for record)
     what ``write_rank`` writes for the same tensors."""
-    return safetensors.write_views(path, views, opts, on_stats, plan=plan, block=BLOCK_BYTES)
+    return safetensors.write_views(
+        path, views, opts, on_stats, plan=plan, block=BLOCK_BYTES, algorithm="sha256"
+    )
 
 
 # ---- the manifest --------------------------------------------------------------------------------
