@@ -46,7 +46,9 @@ from engine.utils import log_dist, logger
 from engine.zero.collectives import Comm
 
 DeepSpeedEngine = Engine
-__version__ = "0.1.0"
+__version__ = "0.19.8+engine"
+"""DeepSpeed's API version the engine follows, with a local label: ``deepspeed.__version__`` under
+``engine.run``, equal to the version of its ``deepspeed`` distribution metadata (``engine/alias``)."""
 __all__ = [
     "ConfigError",
     "DeepSpeedEngine",

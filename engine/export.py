@@ -1,4 +1,5 @@
-"""``save_16bit_model``: the model's weights in the compute dtype, in one file on rank 0, as DeepSpeed.
+"""``save_16bit_model``: the model's params in the compute dtype and its persistent buffers in their own dtype
+(an fp32 buffer stays fp32), in one file on rank 0, as DeepSpeed 0.19.8.
 
 Stage 3 needs ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and False is
 returned, as DeepSpeed does. With it, params are gathered ONE at a time (all ranks take part) and streamed

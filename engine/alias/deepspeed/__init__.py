@@ -1,15 +1,14 @@
-"""``import deepspeed`` on the engine: a script written for DeepSpeed runs unchanged in the project venv.
-
-The folder above this package (``engine/alias``, not itself a package, so no wheel ships it) is on the
-project venv's import path through a ``.pth`` file that ``make setup`` writes; importing ``deepspeed`` there
-gives the ``engine`` module itself, and DeepSpeed's submodule names that scripts import
+"""``import deepspeed`` on the engine: a script written for DeepSpeed runs unchanged under ``python -m
+engine.run SCRIPT`` (``engine.run``), which puts the folder above this package (``engine/alias``, with this
+package's ``deepspeed-0.19.8+engine.dist-info``) first on that process's import path. Importing
+``deepspeed`` there gives the ``engine`` module itself, and DeepSpeed's submodule names that scripts import
 (``deepspeed.comm``, ``deepspeed.accelerator``, ``deepspeed.utils``, ``deepspeed.zero``,
 ``deepspeed.checkpointing``) are the engine's modules of the same role. DeepSpeed's deeper paths are
 namespaces holding the engine's objects: ``deepspeed.ops.adam`` (and ``.fused_adam``, ``.cpu_adam``:
 ``FusedAdam``, ``DeepSpeedCPUAdam``), ``deepspeed.ops.lamb`` (``FusedLamb``, refused on use),
 ``deepspeed.runtime.lr_schedules`` (``engine.optim.scheduler``) and
-``deepspeed.runtime.activation_checkpointing.checkpointing``. The dev venv with real DeepSpeed
-(``.venv-ds``) never has this folder on its path.
+``deepspeed.runtime.activation_checkpointing.checkpointing``. ``engine.run`` refuses to start where real
+DeepSpeed is importable (``.venv-ds``), so this folder is never on the path beside it.
 """
 
 from __future__ import annotations
