@@ -32,7 +32,7 @@ USAGE = "usage: python -m engine.run [-m MODULE | SCRIPT] [ARGS...]  (runs it wi
 
 
 def _is_alias(origin: str | None) -> bool:
-    """Whether ``origin`` is an engine alias package (this checkout's or another's: ``engine/alias/deepspeed``)."""
+    """Whether ``origin`` is an engine alias package (any checkout's ``engine/alias/deepspeed``)."""
     if not origin:
         return False
     p = Path(origin).resolve()
@@ -57,28 +57,41 @@ def real_deepspeed() -> str | None:
     return None
 
 
+class RealDeepSpeed(RuntimeError):
+    """Real DeepSpeed is importable where the engine was asked to stand in for it."""
+
+
+def activate() -> None:
+    """Make ``import deepspeed`` the engine in this process from now on (what the launcher does before it runs
+    the script; tests call it in-process). Raises ``RealDeepSpeed`` where real DeepSpeed is importable."""
+    real = real_deepspeed()
+    if real is not None:
+        raise RealDeepSpeed(
+            f"real DeepSpeed is importable here ({real}); the engine stands in for `deepspeed` only where "
+            "DeepSpeed is not installed: run the script with DeepSpeed, or from an environment without it "
+            "(pip uninstall deepspeed)"
+        )
+    if str(ALIAS) not in sys.path:
+        sys.path.insert(0, str(ALIAS))
+        importlib.invalidate_caches()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
-    real = real_deepspeed()
-    if real is not None:
-        print(
-            f"engine.run: real DeepSpeed is importable here ({real}); the engine stands in for `deepspeed` "
-            "only where DeepSpeed is not installed: run the script with DeepSpeed, or from an environment "
-            "without it (pip uninstall deepspeed)",
-            file=sys.stderr,
-        )
-        return 2
     if args[0] == "-m" and len(args) < 2:
         print(f"engine.run: -m needs a module name; {USAGE}", file=sys.stderr)
         return 2
     if args[0] != "-m" and not Path(args[0]).is_file():
         print(f"engine.run: {args[0]}: no such script; {USAGE}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ALIAS))
-    importlib.invalidate_caches()
+    try:
+        activate()
+    except RealDeepSpeed as e:
+        print(f"engine.run: {e}", file=sys.stderr)
+        return 2
     if args[0] == "-m":
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

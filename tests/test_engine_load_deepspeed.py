@@ -90,8 +90,8 @@ def _engine(case: str, stage: int, precision: str, world: int) -> Any:
 
 def ds_return(tag_dir: Path, stage: int, rank: int) -> tuple[str, dict[str, Any]]:
     """What DeepSpeed 0.19.8's ``load_checkpoint`` returns for this fixture (the oracle): the model-states
-    file's path and its top-level keys less those a default load consumes (``DeepSpeedEngine._load_checkpoint``),
-    read with ``weights_only`` from the file DeepSpeed wrote."""
+    file's path and its top-level keys less those a default load consumes
+    (``DeepSpeedEngine._load_checkpoint``), read with ``weights_only`` from the file DeepSpeed wrote."""
     name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
     top = torch.load(tag_dir / name, map_location="cpu", weights_only=True)
     consumed = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler"}
@@ -117,7 +117,8 @@ def _check_loaded(eng: Any, case: str, path: str | None, client: Any) -> list[st
     if path != want_path:
         bad.append(f"path {path}")
     if client is None or list(client) != list(want_client):
-        bad.append(f"client_state keys {None if client is None else list(client)}, DeepSpeed's {list(want_client)}")
+        got_keys = None if client is None else list(client)
+        bad.append(f"client_state keys {got_keys}, DeepSpeed's {list(want_client)}")
     elif {k: client[k] for k in info["client_state"]} != info["client_state"]:
         bad.append(f"client_state {client}")
     else:

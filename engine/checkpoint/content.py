@@ -1,13 +1,14 @@
 """What one save of an ``Engine`` holds, captured when ``save_checkpoint`` is called.
 
 ``capture`` collects this rank's rank-file items (fp32 master chunks, optimizer-state chunks, frozen chunks,
-its RNG; rank 0 also the persistent buffers, in their own dtype, and client-state tensors) as ``WriteItem``s over the live tensors (on whatever
-device they live: nothing is copied here), this rank's Python/NumPy RNG state, and on rank 0 everything
-the manifest needs besides the rank files' records (``ManifestArgs``: tensor and optimizer-state specs,
-tied names, the ``TrainingState`` with optimizer groups, scheduler, loss scaler, counters, client state and
-config, all converted to JSON values, i.e. copies). A synchronous save writes the items straight away; an
-asynchronous one snapshots their bytes first (``engine.checkpoint.host``), after which training may change
-every live tensor. ``predict_bytes`` estimates a rank file's size before the optimizer has any state.
+its RNG; rank 0 also the persistent buffers, in their own dtype, and client-state tensors) as ``WriteItem``s
+over the live tensors (on whatever device they live: nothing is copied here), this rank's Python/NumPy RNG
+state, and on rank 0 everything the manifest needs besides the rank files' records (``ManifestArgs``: tensor
+and optimizer-state specs, tied names, the ``TrainingState`` with optimizer groups, scheduler, loss scaler,
+counters, client state and config, all converted to JSON values, i.e. copies). A synchronous save writes the
+items straight away; an asynchronous one snapshots their bytes first (``engine.checkpoint.host``), after which
+training may change every live tensor. ``predict_bytes`` estimates a rank file's size before the optimizer has
+any state.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.version import __version__
 from engine.zero.partition import persistent_buffers
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.native import layout as L
@@ -84,7 +85,7 @@ def client_state(
     top["mp_world_size"] = 1
     top["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
     top["ds_config"] = st.config
-    top["ds_version"] = st.private("deepspeed").get("ds_version") or _engine_version()
+    top["ds_version"] = st.private("deepspeed").get("ds_version") or __version__
     consumed = {"module"}
     if not module_only:
         consumed |= {"skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler"}
@@ -110,7 +111,7 @@ def _param_shapes(eng: Engine) -> list[OrderedDict[str, torch.Size]]:
 
 
 def _frozen_fragments(eng: Engine) -> OrderedDict[str, torch.Tensor]:
-    """Each frozen param as DeepSpeed saves it: the whole tensor (stage 2), this rank's partition (stage 3)."""
+    """Each frozen param as DeepSpeed saves it: whole (stage 2), this rank's partition (stage 3)."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for s in eng.states:
         if s.trainable:
@@ -121,8 +122,3 @@ def _frozen_fragments(eng: Engine) -> OrderedDict[str, torch.Tensor]:
             out[s.name] = s.param.detach().cpu().clone()
     return out
 
-
-def _engine_version() -> str:
-    import engine
-
-    return str(engine.__version__)
