@@ -426,6 +426,7 @@ class Engine(DeepSpeedAccessors):
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             strict=load_module_strict,
             module_only=load_module_only,
+            client_flags=(load_optimizer_states, load_lr_scheduler_states),
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

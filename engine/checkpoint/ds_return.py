@@ -53,11 +53,12 @@ def client_state(
     ckpt: Checkpoint,
     client: Any,
     *,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
+    flags: tuple[bool, bool],
     module_only: bool,
 ) -> dict[str, Any]:
-    """DeepSpeed's ``client_state`` for this load (see the module doc); ``client`` is the script's own."""
+    """DeepSpeed's ``client_state`` for this load (see the module doc); ``client`` is the script's own,
+    ``flags`` the call's ``(load_optimizer_states, load_lr_scheduler_states)``."""
+    load_optimizer_states, load_lr_scheduler_states = flags
     st = ckpt.meta.state
     stage3 = eng.stage == 3
     zero = eng.stage > 0
@@ -86,7 +87,7 @@ def client_state(
     top["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
     top["ds_config"] = st.config
     top["ds_version"] = st.private("deepspeed").get("ds_version") or __version__
-    consumed = {"module"}
+    consumed = {"module"}  # DeepSpeed's deepspeed_states; the two flags count as given, module_only or not
     if not module_only:
         consumed |= {"skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler"}
         consumed |= {"random_ltd"}
@@ -111,14 +112,17 @@ def _param_shapes(eng: Engine) -> list[OrderedDict[str, torch.Size]]:
 
 
 def _frozen_fragments(eng: Engine) -> OrderedDict[str, torch.Tensor]:
-    """Each frozen param as DeepSpeed saves it: whole (stage 2), this rank's partition (stage 3)."""
+    """Each frozen param as DeepSpeed saves it: whole (stage 2), this rank's flat partition (stage 3: its
+    ``ds_tensor``, ``ceil(numel / world)`` elements, the last rank's zero-padded)."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for s in eng.states:
         if s.trainable:
             continue
-        if s.sharded and s.shard is not None:
-            out[s.name] = s.shard.detach().cpu().clone()
-        else:
+        if eng.stage != 3:
             out[s.name] = s.param.detach().cpu().clone()
+        elif s.sharded and s.shard is not None:
+            out[s.name] = s.shard.detach().reshape(-1).cpu().clone()
+        else:
+            out[s.name] = s.param.detach().reshape(-1).cpu().clone()
     return out
 

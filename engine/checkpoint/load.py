@@ -90,6 +90,7 @@ def load(
     load_lr_scheduler_states: bool = True,
     strict: bool = True,
     module_only: bool = False,
+    client_flags: tuple[bool, bool] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore ``eng`` from a native or DeepSpeed ZeRO-1/2/3 checkpoint saved at any world size, stage and
     precision; ``(load_path, client_state)`` as DeepSpeed returns them (``engine.checkpoint.ds_return``), or
@@ -98,7 +99,9 @@ def load(
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
     vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded.
     ``module_only`` (DeepSpeed's ``load_module_only``; the caller also turns off the optimizer and scheduler
-    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed."""
+    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed. ``client_flags``:
+    the caller's own ``(load_optimizer_states, load_lr_scheduler_states)``, which decide, as in DeepSpeed,
+    whether ``client_state`` carries ``optimizer`` / ``lr_scheduler`` (default: the two flags above)."""
     t0 = time.perf_counter()
     ckpt = _open(as_path(load_dir), tag)
     if ckpt is None:
@@ -124,8 +127,7 @@ def load(
             eng,
             ckpt,
             _client_join(st.client_state, ckpt),
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
+            flags=client_flags or (load_optimizer_states, load_lr_scheduler_states),
             module_only=module_only,
         )
         took = time.perf_counter() - t0

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+"""DeepSpeed's ``lr_schedules.VALID_LR_SCHEDULES`` (accelerate tests a scheduler's class name against it)."""
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 
