@@ -125,4 +125,3 @@ def _frozen_fragments(eng: Engine) -> OrderedDict[str, torch.Tensor]:
         else:
             out[s.name] = s.param.detach().reshape(-1).cpu().clone()
     return out
-

@@ -6,9 +6,9 @@ fidelity points). Written for DeepSpeed; on the engine it runs unchanged under `
     ... --stage 3 --work DIR --load-only CKPT --out out.json   (a fresh engine loads CKPT, strict)
 
 One process (world 1), bf16, AdamW with WarmupLR. The model has a persistent fp32 buffer (``pos_scale``), a
-non-persistent one (``scratch``), an int64 one (``calls``), a frozen layer and a tied head. ``--out`` gets: the
-implementation (``deepspeed.__version__``), buffer and param dtypes after ``initialize``, three losses, the
-keys/dtypes of ``save_16bit_model``'s file, and for each ``load_checkpoint`` option set the returned path
+non-persistent one (``scratch``), an int64 one (``calls``), a frozen layer and a tied head. ``--out`` gets:
+the implementation (``deepspeed.__version__``), buffer and param dtypes after ``initialize``, three losses,
+the keys/dtypes of ``save_16bit_model``'s file, and for each ``load_checkpoint`` option set the returned path
 (relative to the save folder) and ``client_state`` (keys in order; tensors as dtype/shape/sum).
 """
 
@@ -36,8 +36,10 @@ def config(stage: int) -> dict:
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
-                                                     "warmup_num_steps": 2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 2},
+        },
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
     }
 
@@ -104,8 +106,11 @@ def main() -> None:
         eng = fresh(args.stage)
         path, _ = eng.load_checkpoint(args.load_only)
         pos = dict(eng.module.named_buffers())["pos_scale"]
-        rec = {"loaded": path is not None, "pos_scale": [str(pos.dtype), pos.double().sum().item()],
-               "loss": eng(*batch(9)).item()}
+        rec = {
+            "loaded": path is not None,
+            "pos_scale": [str(pos.dtype), pos.double().sum().item()],
+            "loss": eng(*batch(9)).item(),
+        }
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)
         return

@@ -51,9 +51,16 @@ class Record(TrainerCallback):
 
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -66,18 +73,38 @@ def main() -> None:
     ap.add_argument("--grad_accum", type=int, default=1)
     ap.add_argument("--resume_from_checkpoint", default=None)
     ap.add_argument("--save-model", default=None)
+    ap.add_argument(
+        "--init-from", default=None, help="from_pretrained(DIR) under the ZeRO-3 zero.Init context"
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     args = TrainingArguments(
-        output_dir=a.output_dir, deepspeed=a.deepspeed, bf16=True, max_steps=a.max_steps,
-        save_steps=a.save_steps, save_strategy="steps", logging_steps=1, per_device_train_batch_size=2,
-        gradient_accumulation_steps=a.grad_accum, learning_rate=3e-3, warmup_steps=2, weight_decay=3e-7,
-        adam_beta1=0.8, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, seed=42, report_to=[], use_cpu=True, dataloader_num_workers=0,
-        save_only_model=False, disable_tqdm=True,
+        output_dir=a.output_dir,
+        deepspeed=a.deepspeed,
+        bf16=True,
+        max_steps=a.max_steps,
+        save_steps=a.save_steps,
+        save_strategy="steps",
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=a.grad_accum,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=3e-7,
+        adam_beta1=0.8,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        seed=42,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        save_only_model=False,
+        disable_tqdm=True,
     )
     rec = Record()
-    trainer = Trainer(model=model(), args=args, train_dataset=Tokens(64), callbacks=[rec])
+    net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
+    trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
     out = {"losses": rec.losses, "step_s": rec.step_s}
     if a.save_model:
