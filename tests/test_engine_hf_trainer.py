@@ -117,6 +117,44 @@ def test_auto_config_trainer_matches_deepspeed(tmp_path: Path) -> None:
     assert _losses(got) == pytest.approx(_losses(want), rel=LOSS_REL)
 
 
+def _resume(python_bin: Path, work: Path, name: str, checkpoint: Path) -> dict[str, Any]:
+    """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder)."""
+    out_dir = work / name
+    out_dir.mkdir(parents=True)
+    os.symlink(checkpoint, out_dir / checkpoint.name)
+    return run_trainer(
+        python_bin, work, "zero3", name, "--resume_from_checkpoint", str(out_dir / checkpoint.name)
+    )
+
+
+@pytest.mark.deepspeed
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (DS_VENV / "python").exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present"
+)
+def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> None:
+    """The engine resumes real DeepSpeed's ``checkpoint-3`` as it is; real DeepSpeed resumes the engine's
+    after ``zckpt reshard --to deepspeed`` (a Trainer folder: its files kept); steps 4-6 log the other's
+    losses."""
+    from zckpt.ops.reshard import reshard
+
+    eng = run_trainer(Path(sys.executable), tmp_path, "zero3", "eng")
+    ds = run_trainer(DS_VENV / "python", tmp_path, "zero3", "ds")
+    eng_from_ds = _resume(Path(sys.executable), tmp_path, "eng_from_ds", tmp_path / "ds" / "checkpoint-3")
+    assert eng_from_ds["deepspeed"] == "0.19.8+engine"
+    assert _losses_from(eng_from_ds, 4) == pytest.approx(_losses_from(ds, 4), rel=LOSS_REL)
+    reshard(tmp_path / "eng" / "checkpoint-3", tmp_path / "conv" / "checkpoint-3", world=2, to="deepspeed",
+            progress=False)  # fmt: skip
+    ds_from_eng = _resume(DS_VENV / "python", tmp_path, "ds_from_eng", tmp_path / "conv" / "checkpoint-3")
+    assert ds_from_eng["deepspeed"] == "0.19.8"
+    assert _losses_from(ds_from_eng, 4) == pytest.approx(_losses_from(eng, 4), rel=LOSS_REL)
+
+
+def _losses_from(run: dict[str, Any], first: int) -> list[float]:
+    return [run["losses"][str(k)] for k in range(first, 7)]
+
+
 if __name__ == "__main__":  # regenerate tests/data/hf_trainer_ds.json from real DeepSpeed (.venv-ds)
     with tempfile.TemporaryDirectory() as d:
         result = {
