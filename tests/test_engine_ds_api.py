@@ -1,4 +1,4 @@
-"""DeepSpeed's script-facing API on the engine: ``import deepspeed`` in the project venv,
+"""DeepSpeed's script-facing API on the engine: ``import deepspeed`` under ``python -m engine.run``,
 ``add_config_arguments``, ``deepspeed.comm``, ``get_accelerator``, ``deepspeed.utils``, the ``training_data``
 loader, DeepSpeed's ``load_checkpoint`` signature, attribute pass-through to the model.
 
