@@ -43,11 +43,12 @@ def real_deepspeed() -> str | None:
     """Where real DeepSpeed is importable in this environment, or None: a ``deepspeed`` module that is not an
     engine alias, or a ``deepspeed`` distribution that is not the engine's."""
     loaded = sys.modules.get("deepspeed")
-    if loaded is not None and not _is_alias(getattr(loaded, "__file__", None)):
+    if loaded is not None:
         import engine
 
-        if loaded is not engine:
-            return f"already imported from {getattr(loaded, '__file__', None)}"
+        if loaded is engine:  # already active in this process (the alias registers the engine module)
+            return None
+        return f"already imported from {getattr(loaded, '__file__', None)}"
     spec = importlib.util.find_spec("deepspeed")
     if spec is not None and not _is_alias(spec.origin):
         return str(spec.origin or next(iter(spec.submodule_search_locations or []), "a namespace package"))

@@ -38,6 +38,8 @@ def test_launcher_makes_deepspeed_the_engine_with_metadata(tmp_path: Path) -> No
         "from transformers.integrations.deepspeed import is_deepspeed_available\n"
         "import deepspeed, engine\n"
         "assert deepspeed is engine, deepspeed\n"
+        "import engine.run\n"
+        "engine.run.activate()  # again, in a process where it is active: a no-op\n"
         "assert is_deepspeed_available()\n"
         "v = importlib.metadata.version('deepspeed')\n"
         "assert v == deepspeed.__version__ == '0.19.8+engine', v\n"
