@@ -12,7 +12,9 @@ Per config (``tests/data/hf/ds_config_zero3.json``: issue 39's config with bf16 
   exactly; ``trainer.save_model()`` writes weights ``from_pretrained`` loads with no missing or unexpected
   key, equal to zckpt's bf16 consolidation of the engine's ``checkpoint-6``.
 
-Measured on 2 shared CPU cores: see ``docs/engine-trainer.md``.
+A tiny T5 (``--model t5``) on the ZeRO-3 config: DeepSpeed's losses and an exact resume. The
+``deepspeed``-marked test resumes each implementation from the other's ``checkpoint-3``. Measured on 2 shared CPU cores: see
+``docs/engine-trainer.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ _DS_WRAPPER = (  # the harness's only change for DeepSpeed on CPU: no JIT-built 
     "import runpy, sys\nimport deepspeed.comm.torch as t\nt.build_shm_op = lambda: None\n"
     "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
+RUNS = {"zero3": ("zero3", ()), "auto": ("auto", ()), "t5": ("zero3", ("--model", "t5"))}
+"""The recorded DeepSpeed runs: name -> (config, extra script arguments)."""
 LOSS_REL = 2e-3
 """Loss agreement with DeepSpeed: a quarter of bf16's epsilon (7.8e-3); measured in docs/engine-trainer.md."""
 
@@ -117,14 +121,27 @@ def test_auto_config_trainer_matches_deepspeed(tmp_path: Path) -> None:
     assert _losses(got) == pytest.approx(_losses(want), rel=LOSS_REL)
 
 
-def _resume(python_bin: Path, work: Path, name: str, checkpoint: Path) -> dict[str, Any]:
+@pytest.mark.dist
+@pytest.mark.slow
+def test_t5_trainer_matches_deepspeed_and_resumes(tmp_path: Path) -> None:
+    """A tiny T5 (random ``T5Config``: tied embeddings shared by encoder, decoder and head) on the ZeRO-3
+    offload config: DeepSpeed's losses, and a resume from ``checkpoint-3`` logs steps 4-6 exactly."""
+    want = json.loads(EXPECTED.read_text())["t5"]
+    full = run_trainer(Path(sys.executable), tmp_path, "zero3", "run", "--model", "t5")
+    assert _losses(full) == pytest.approx(_losses(want), rel=LOSS_REL)
+    resumed = _resume(
+        Path(sys.executable), tmp_path, "resumed", tmp_path / "run" / "checkpoint-3", "--model", "t5"
+    )
+    assert _losses_from(resumed, 4) == _losses_from(full, 4)
+
+
+def _resume(python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: str) -> dict[str, Any]:
     """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder)."""
     out_dir = work / name
     out_dir.mkdir(parents=True)
     os.symlink(checkpoint, out_dir / checkpoint.name)
-    return run_trainer(
-        python_bin, work, "zero3", name, "--resume_from_checkpoint", str(out_dir / checkpoint.name)
-    )
+    resume = ["--resume_from_checkpoint", str(out_dir / checkpoint.name)]
+    return run_trainer(python_bin, work, "zero3", name, *resume, *extra)
 
 
 @pytest.mark.deepspeed
@@ -158,8 +175,10 @@ def _losses_from(run: dict[str, Any], first: int) -> list[float]:
 if __name__ == "__main__":  # regenerate tests/data/hf_trainer_ds.json from real DeepSpeed (.venv-ds)
     with tempfile.TemporaryDirectory() as d:
         result = {
-            c: run_trainer(DS_VENV / "python", Path(d), c, c, "--save-model", f"{d}/{c}-final")
-            for c in CONFIGS
+            name: run_trainer(
+                DS_VENV / "python", Path(d), cfg, name, *extra, "--save-model", f"{d}/{name}-final"
+            )
+            for name, (cfg, extra) in RUNS.items()
         }
     EXPECTED.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {EXPECTED}")

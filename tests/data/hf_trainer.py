@@ -1,5 +1,6 @@
 """An HF Trainer script run with ``--deepspeed CONFIG``: a tiny Llama-architecture model from a random
-``LlamaConfig`` (no download) trained on synthetic tokens. Written for DeepSpeed; on the engine it runs
+``LlamaConfig`` (no download; ``--model t5``: a tiny T5 from a random ``T5Config``) trained on synthetic
+tokens. Written for DeepSpeed; on the engine it runs
 unchanged under ``torchrun ... -m engine.run tests/data/hf_trainer.py``.
 
     torchrun --standalone --nproc-per-node 2 tests/data/hf_trainer.py --deepspeed CFG --output_dir OUT \\
@@ -15,7 +16,15 @@ import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 VOCAB, SEQ = 64, 16
 
@@ -49,6 +58,23 @@ class Record(TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
+def t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5ForConditionalGeneration(cfg)
+
+
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -73,6 +99,7 @@ def main() -> None:
     ap.add_argument("--grad_accum", type=int, default=1)
     ap.add_argument("--resume_from_checkpoint", default=None)
     ap.add_argument("--save-model", default=None)
+    ap.add_argument("--model", choices=["llama", "t5"], default="llama")
     ap.add_argument(
         "--init-from", default=None, help="from_pretrained(DIR) under the ZeRO-3 zero.Init context"
     )
@@ -103,7 +130,10 @@ def main() -> None:
         disable_tqdm=True,
     )
     rec = Record()
-    net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
+    if a.model == "t5":
+        net = t5()
+    else:
+        net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
     trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
     out = {"losses": rec.losses, "step_s": rec.step_s}
