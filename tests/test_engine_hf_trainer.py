@@ -13,8 +13,8 @@ Per config (``tests/data/hf/ds_config_zero3.json``: issue 39's config with bf16 
   key, equal to zckpt's bf16 consolidation of the engine's ``checkpoint-6``.
 
 A tiny T5 (``--model t5``) on the ZeRO-3 config: DeepSpeed's losses and an exact resume. The
-``deepspeed``-marked test resumes each implementation from the other's ``checkpoint-3``. Measured on 2 shared CPU cores: see
-``docs/engine-trainer.md``.
+``deepspeed``-marked test resumes each implementation from the other's ``checkpoint-3``. Measured on 2
+shared CPU cores: see ``docs/engine-trainer.md``.
 """
 
 from __future__ import annotations
