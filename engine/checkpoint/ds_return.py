@@ -9,7 +9,8 @@ its state was not loaded, ``optimizer`` (None under ZeRO) when the optimizer's w
 ``load_module_only`` also the step counters and world sizes), then the script's own ``client_state`` keys.
 
 The engine builds the same dict, in DeepSpeed's key order, from the loaded engine and the checkpoint's
-``TrainingState`` whatever the checkpoint's format (native or DeepSpeed): names and shapes from the model
+``TrainingState`` whatever the checkpoint's format (native or DeepSpeed), as the saving run's ZeRO stage
+wrote it (e.g. no frozen shapes from stage 0-1): names and shapes from the model
 (a strict load has checked they are the checkpoint's), the frozen fragments from the loaded params,
 counters, scheduler and config from the checkpoint. ``load_path`` of a DeepSpeed checkpoint is the file
 DeepSpeed names; of a native one, the rank file holding this rank's state (there is no model-states file).
@@ -60,21 +61,23 @@ def client_state(
     ``flags`` the call's ``(load_optimizer_states, load_lr_scheduler_states)``."""
     load_optimizer_states, load_lr_scheduler_states = flags
     st = ckpt.meta.state
-    stage3 = eng.stage == 3
-    zero = eng.stage > 0
+    # what the saving run's stage put in its model-states file (its entries are this file's keys)
+    saver = ckpt.meta.stage if ckpt.meta.stage is not None else eng.stage
+    stage3 = saver == 3
+    zero = saver > 0
     top: dict[str, Any] = OrderedDict()
     top["buffer_names"] = [n for n, _ in persistent_buffers(eng.module)]
     top["optimizer"] = None  # under ZeRO the optimizer states are in the optim-states files
     top["param_shapes"] = _param_shapes(eng) if zero else None
     top["frozen_param_shapes"] = (
         OrderedDict((s.name, torch.Size(s.shape)) for s in eng.states if not s.trainable)
-        if eng.stage >= 2
+        if saver >= 2
         else None
     )
     top["shared_params"] = dict(eng.tied) if zero and (eng.comm.rank == 0 or not stage3) else {}
     if not zero:
         top["shared_params"] = None
-    top["frozen_param_fragments"] = _frozen_fragments(eng) if eng.stage >= 2 else None
+    top["frozen_param_fragments"] = _frozen_fragments(eng, stage3) if saver >= 2 else None
     top["lr_scheduler"] = st.scheduler
     top["data_sampler"] = None
     top["random_ltd"] = None
@@ -111,14 +114,14 @@ def _param_shapes(eng: Engine) -> list[OrderedDict[str, torch.Size]]:
     return out
 
 
-def _frozen_fragments(eng: Engine) -> OrderedDict[str, torch.Tensor]:
+def _frozen_fragments(eng: Engine, stage3: bool) -> OrderedDict[str, torch.Tensor]:
     """Each frozen param as DeepSpeed saves it: whole (stage 2), this rank's flat partition (stage 3: its
     ``ds_tensor``, ``ceil(numel / world)`` elements, the last rank's zero-padded)."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for s in eng.states:
         if s.trainable:
             continue
-        if eng.stage != 3:
+        if not stage3:
             out[s.name] = s.param.detach().cpu().clone()
         elif s.sharded and s.shard is not None:
             out[s.name] = s.shard.detach().reshape(-1).cpu().clone()
