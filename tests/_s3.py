@@ -176,7 +176,9 @@ class FaultProxy:
     of chosen requests); the refusals are counted in ``counts["refused"]``."""
     hold: Callable[[str, str], bool] | None = None
     """(method, path) -> keep the request waiting (``held`` is set when one arrives) until ``release`` is
-    set, then drop its connection without relaying it: the client was killed before the request left."""
+    set, then drop its connection without relaying it (the client was killed before the request left), or,
+    with ``forward_held``, relay it then (it had left, and lands late)."""
+    forward_held: bool = False
     held: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     url: str = ""
@@ -199,9 +201,10 @@ class FaultProxy:
                 if proxy.hold is not None and proxy.hold(self.command, self.path):
                     proxy.held.set()
                     proxy.release.wait(120)
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
+                    if not proxy.forward_held:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                 if proxy.refuse is not None and proxy.refuse(self.command, self.path):
                     with lock:
                         proxy.counts["refused"] = proxy.counts.get("refused", 0) + 1

@@ -119,8 +119,8 @@ def test_failed_overwrite_of_one_file_keeps_it_and_its_sidecar(
     url = "s3://ckpts/one/model.safetensors"
     assert _cli("consolidate", SRC, url, "--dtype", "fp32")[0] == 0
     before = _objects(c, "one")
-    assert set(before) == {"one/model.safetensors", "one/model.safetensors.sha256.json"}
-    relay.refuse = lambda m, p: m in ("PUT", "POST") and "/one/model.safetensors" in p and "sha256" not in p
+    assert set(before) == {"one/model.safetensors", "one/model.safetensors.crc32.json"}
+    relay.refuse = lambda m, p: m in ("PUT", "POST") and p.split("?")[0].endswith("/one/model.safetensors")
     code, out = _cli("consolidate", SRC, url, "--dtype", "bf16", "--overwrite")
     assert code == 2, out
     relay.refuse = None
@@ -128,14 +128,18 @@ def test_failed_overwrite_of_one_file_keeps_it_and_its_sidecar(
     assert _cli("verify", url)[0] == 0
 
 
+@pytest.mark.parametrize("lands", [False, True], ids=["dropped", "lands-late"])
 @pytest.mark.parametrize("nth", [1, 2, 3])
 def test_interrupted_reshard_to_the_bucket_says_what_it_left(
-    nth: int, relay: _s3.FaultProxy, s3_server: _s3.Server, tmp_path: Path
+    nth: int, lands: bool, relay: _s3.FaultProxy, s3_server: _s3.Server, tmp_path: Path
 ) -> None:
     """Ctrl-C while ``reshard ... s3://.../out --world 3`` uploads its rank files (held at the ``nth``
-    rank file's upload): exit 130; when the command says "no partial output was left behind" the bucket
-    holds nothing under the output, and the same command then runs (not "already exists")."""
-    url = f"s3://ckpts/int-{nth}/out"
+    rank file's upload, then dropped, or relayed late: a request that had left when the interrupt came and
+    lands after the command gave its output up): exit 130; when the command says "no partial output was
+    left behind" the bucket holds nothing under the output, and the same command then runs (not "already
+    exists"). Before: a rank file whose upload landed late stayed, and the rerun was refused."""
+    name = f"int-{nth}-{int(lands)}"
+    url = f"s3://ckpts/{name}/out"
     seen: list[str] = []
 
     def hold(m: str, p: str) -> bool:
@@ -145,17 +149,20 @@ def test_interrupted_reshard_to_the_bucket_says_what_it_left(
         return m == "PUT" and len(seen) >= nth and path == seen[nth - 1]
 
     relay.hold = hold
+    relay.forward_held = lands
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TMPDIR": str(tmp_path)}
     argv = [sys.executable, "-m", "zckpt", "reshard", str(SRC), url, "--world", "3", "--to", "native"]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # noqa: S603
-    assert relay.held.wait(120), "the upload never reached the held request"
+    if not relay.held.wait(120):
+        p.kill()
+        raise AssertionError(f"the upload never reached the held request: {p.communicate()[0].decode()[-2000:]}")
     p.send_signal(signal.SIGINT)
     relay.release.set()
     out, _ = p.communicate(timeout=120)
     text = out.decode()
     relay.hold = None
     assert p.returncode == 130, text
-    left = _s3.keys(s3_server.client(), "ckpts", f"int-{nth}/")
+    left = _s3.keys(s3_server.client(), "ckpts", f"{name}/")
     if "no partial output was left behind" in text:
         assert left == [], (left, text)
     else:

@@ -39,6 +39,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,14 +341,26 @@ class RemoteStaging:
         )
 
     def commit(self) -> list[Any]:
-        """Upload the local files (data, then completing objects, then ``latest``); returns the outputs."""
+        """Upload the local files (data, then completing objects, then ``latest``); returns the outputs.
+        Once a completing object has landed the new output is whole: a later failure (``latest``, the
+        deletion of superseded objects) never deletes it, and says so."""
         base = self._base()
-
         rank = self.order.rank
         for rel in sorted(self._local(), key=lambda r: (rank(r), r)):
             url = f"{base}/{rel}"
-            objstore.upload_file(self.dir / rel, url, create=rank(rel) > 0 and not self.overwrite)
-            record(self.dir / rel, url)
+            try:
+                with interrupts.held():  # Ctrl-C waits while it lands and is noted (an abort deletes it)
+                    objstore.upload_file(self.dir / rel, url, create=rank(rel) > 0 and not self.overwrite)
+                    record(self.dir / rel, url)
+            except StorageError as e:
+                if not self._done:
+                    raise
+                self._release()
+                raise StorageError(f"{self.url}: published whole, but writing {rel} failed ({e})",
+                                   hint=e.hint, path=self.url) from e  # fmt: skip
+            if rank(rel) == 1 and not self._done:  # the new output is whole from here on
+                self._done = True
+                interrupts.closed(self, published=True)
         written = sorted(set(self._uploaded()))
         if self.overwrite:
             keep = set(written)
@@ -357,10 +370,15 @@ class RemoteStaging:
                 rx = re.compile(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.")
                 stale = [u for u in objstore.list_keys(base, recursive=False)
                          if rx.match(u.rsplit("/", 1)[1]) and u not in keep]  # fmt: skip
-            objstore.delete(stale)
+            try:
+                objstore.delete(stale)
+            except StorageError as e:
+                warnings.warn(f"{self.url}: published; the previous output's objects were not all deleted "
+                              f"({e})", stacklevel=3)  # fmt: skip
         self._release()
+        if not self._done:
+            interrupts.closed(self, published=True)
         self._done = True
-        interrupts.closed(self, published=True)
         return [objstore.as_path(u) for u in written]
 
 
@@ -391,8 +409,9 @@ class Follower(RemoteStaging):
         for rel in self._local():
             if self.order.rank(rel) > 0:  # rank 0 writes those, last
                 raise RuntimeError(f"{rel}: a completing object written off rank 0")
-            objstore.upload_file(self.dir / rel, f"{base}/{rel}", create=False)
-            record(self.dir / rel, f"{base}/{rel}")
+            with interrupts.held():
+                objstore.upload_file(self.dir / rel, f"{base}/{rel}", create=False)
+                record(self.dir / rel, f"{base}/{rel}")
         urls = self._uploaded()
         self._release()
         self._done = True
@@ -454,9 +473,10 @@ def publish_dir(
     )
     uploads = folder / UPLOADS
     for rel in sorted(local, key=lambda r: (order.rank(r), r)):
-        objstore.upload_file(folder / rel, f"{url}/{rel}")
-        with _lock, open(uploads, "a") as f:
-            f.write(f"{url}/{rel}\n")
+        with interrupts.held(), _lock:  # Ctrl-C waits while it lands and is noted (a failed save deletes it)
+            objstore.upload_file(folder / rel, f"{url}/{rel}")
+            with open(uploads, "a") as f:
+                f.write(f"{url}/{rel}\n")
     written = sorted(set(uploads.read_text().split()))
     unregister(folder)
     shutil.rmtree(folder, ignore_errors=True)

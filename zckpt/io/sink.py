@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import direct_io, objstore, remote_staging, scan, session
+from zckpt.io import direct_io, interrupts, objstore, remote_staging, scan, session
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
 
 _OVERLAP_BYTES = 1 << 20
@@ -275,7 +275,8 @@ class HashingSink(io.RawIOBase):
                     if self._url is None:
                         self._f.close()
                     else:  # an object appears only when its whole file was written, its output still wanted
-                        with remote_staging.completing(self.path) as wanted:
+                        # Ctrl-C waits while it lands and is noted (an abort then deletes it)
+                        with remote_staging.completing(self.path) as wanted, interrupts.held():
                             if self._aborted or not wanted:
                                 self._f.abort()
                             else:
