@@ -68,9 +68,9 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
     made: list[str] = []
     init = remote_staging.Follower.__init__
 
-    def counted(self: Any, url: str, *, is_dir: bool) -> None:
+    def counted(self: Any, url: str, *, is_dir: bool, order: Any) -> None:
         made.append(url)
-        init(self, url, is_dir=is_dir)
+        init(self, url, is_dir=is_dir, order=order)
 
     remote_staging.Follower.__init__ = counted  # type: ignore[method-assign]
     if rank == 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,16 @@ import torch
 
 from zckpt.formats.dcp.metadata import load_metadata
 from zckpt.io import zipdir, zipshape
+from zckpt.io.session import Storage
 
 
 @pytest.fixture(autouse=True)
-def _no_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test learns its own shapes (the cache is process-wide)."""
-    monkeypatch.setattr(zipshape, "_SHAPES", {})
+def _one_operation() -> Iterator[None]:
+    """Each test is one operation: it learns its own shapes (they belong to the operation's Storage)."""
+    st = Storage()
+    with st.bound():
+        yield
+    st.close()
 
 
 def _torch_archive(t: torch.Tensor) -> bytes:

@@ -114,6 +114,7 @@ class Storage:
             return self.memo.setdefault(name, {})
 
     def stats(self) -> dict[str, int]:
+        """Object-store requests made, bytes fetched and uploaded, retries, through this storage so far."""
         return self.objects.stats()
 
     @contextlib.contextmanager
