@@ -53,7 +53,8 @@ def test_help_snapshot() -> None:
         "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["verify"]) == {
-        "--json", "--tag", "--trust-pickle", "--sha256", "--progress", "--no-progress", "--storage-option", "--help",
+        "--json", "--tag", "--trust-pickle", "--sha256", "--progress", "--no-progress", "--storage-option",
+        "--help",
     }  # fmt: skip
     assert _options(["reshard"]) == {
         "--world", "--tag", "--to", "--stage", "--overwrite", "--json", "--trust-pickle", "--progress",
