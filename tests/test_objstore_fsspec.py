@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec  # the dev extra installs it
 import pytest
 from _fixtures import fixture
 from typer.testing import CliRunner
@@ -14,7 +15,6 @@ from typer.testing import CliRunner
 from zckpt.cli.app import app
 from zckpt.io import objstore
 
-fsspec = pytest.importorskip("fsspec")
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 
 
