@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: train the demo GPT with the embedded engine (ZeRO-3, several CPU ranks), then inspect,
 # verify, consolidate, evaluate, diff and reshard the result, and resume on another rank count. Pictures of
-# inspect, diff and the run's series land in demo-plots/ (docs/plots.md).
+# inspect, diff and the run's series land in demo-plots/ (README, "Pictures").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORLD=${1:-4}
