@@ -69,4 +69,5 @@ bench: setup $(DSSTAMP)
 	  --input bench/data/gpt100m_z3_w2 --append bench/RESULTS.md; fi
 
 clean:
-	rm -rf $(VENV) $(DSVENV) out demo-out
+	rm -rf $(VENV) $(DSVENV)
+	if [ -f demo-out/.zckpt-demo ]; then rm -rf demo-out; fi

@@ -31,9 +31,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _slow_writes  # noqa: E402
 from _engine_ref import BATCH, batch, config, full_params, make_model  # noqa: E402
 
 import engine as deepspeed  # noqa: E402
+
+_slow_writes.install()  # the killed rank stretches its background write (ZCKPT_TEST_WRITE_DELAY)
 
 
 def train(ckpt_dir: str, steps: int, kill_step: int = -1, kill_rank: int = 1) -> dict[str, object]:

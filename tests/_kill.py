@@ -3,9 +3,9 @@ moment, and judge what is left on disk. Used by ``tests/test_atomic.py`` and ``t
 
 Children are ``os.fork()`` copies of the calling process, which has zckpt and torch imported already, so a
 trial costs milliseconds instead of an interpreter start. ``ZCKPT_TEST_WRITE_DELAY`` (seconds slept before
-each ``HashingSink.write``) stretches a write so kill moments land inside it. A kill moment is either
-uniform over the whole run or uniform over the write phase (from the moment a temporary name appears in the
-output folder until the child exits), both measured on an uninterrupted calibration run.
+each ``HashingSink.write``, injected by ``_slow_writes``) stretches a write so kill moments land inside it. A
+kill moment is either uniform over the whole run or uniform over the write phase (from the moment a temporary
+name appears in the output folder until the child exits), both measured on an uninterrupted calibration run.
 
 Verdicts: ``absent`` (no output), ``complete`` (output present, equal to a reference written without a kill,
 and ``zckpt verify`` clean), ``CORRUPT`` (anything else: the bug these tests exist to catch).
@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _slow_writes
 import torch
 
-DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
+_slow_writes.install()  # forked children inherit it; each file reads the delay its child set
+DELAY_ENV = _slow_writes.ENV
 TEMP_MARKS = ("zckpt-tmp", "zckpt-old", ".tmp-")
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -171,6 +171,14 @@ class FaultProxy:
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "faults": 0, "bytes": 0})
     log: list[tuple[str, str]] = field(default_factory=list)
     """(method, path) of every request answered with success, in the order the answers went out."""
+    refuse: Callable[[str, str], bool] | None = None
+    """(method, path) -> answer 403 AccessDenied instead of relaying (a deterministic, non-retried failure
+    of chosen requests); the refusals are counted in ``counts["refused"]``."""
+    hold: Callable[[str, str], bool] | None = None
+    """(method, path) -> keep the request waiting (``held`` is set when one arrives) until ``release`` is
+    set, then drop its connection without relaying it: the client was killed before the request left."""
+    held: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
     url: str = ""
 
     def __post_init__(self) -> None:
@@ -188,6 +196,21 @@ class FaultProxy:
             def _any(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
+                if proxy.hold is not None and proxy.hold(self.command, self.path):
+                    proxy.held.set()
+                    proxy.release.wait(120)
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if proxy.refuse is not None and proxy.refuse(self.command, self.path):
+                    with lock:
+                        proxy.counts["refused"] = proxy.counts.get("refused", 0) + 1
+                    msg = b"<Error><Code>AccessDenied</Code><Message>refused by the test</Message></Error>"
+                    self.send_response(403)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
                 with lock:
                     r = rng.random()
                     proxy.counts["requests"] += 1

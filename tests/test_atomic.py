@@ -104,7 +104,7 @@ def test_consolidate_sigkill_random(name: str, src: Path, tmp_path: Path) -> Non
             verdict = "old"
         seen[verdict] += 1
         assert not verdict.startswith("CORRUPT"), f"trial {trial} killed at {when}: {verdict}"
-        _no_visible_junk(work, {name, name + ".sha256", name + ".sha256.json"})
+        _no_visible_junk(work, {name, name + ".sha256", name + ".sha256.json", name + ".crc32.json"})
         r = cli("consolidate", src, out, "--overwrite")
         assert r.code == 0, f"rerun after a kill at {when}: {r.stderr}"
         assert judge_output(out, ref) == "complete"
@@ -701,3 +701,65 @@ def test_reshard_to_dcp_sigkill_random(tmp_path: Path) -> None:
     assert r.code == 0, r.stderr
     assert judge_output(work / "out", ref) == "complete" and not temps(work)
     print(f"reshard --to dcp: {dict(seen)}")
+
+
+# ---- Ctrl-C during reshard --to dcp (issue 40.7) ----------------------------------------------------------
+def _sigint_at_frame_crc(n: int, args: list[Any]) -> Callable[[], int]:
+    """``zckpt reshard --to dcp`` with SIGINT sent to itself inside the n-th chunk-archive frame (``_frame``
+    computes a CRC-32 over an anonymous mapping of zeros): the signal's ``KeyboardInterrupt`` surfaces while
+    views of that mapping are alive, where it turned into ``BufferError: cannot close exported pointers
+    exist`` (exit 2, "a bug in zckpt")."""
+
+    def run() -> int:
+        from zckpt.formats.dcp import write as dcp_write
+
+        dcp_write._frame.cache_clear()  # this child computes every frame itself
+        real, calls = dcp_write.zlib, [0]
+
+        class Zlib:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            @staticmethod
+            def crc32(data: Any, *a: Any) -> int:
+                calls[0] += 1
+                if calls[0] == n:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return int(real.crc32(data, *a))
+
+        dcp_write.zlib = Zlib()  # type: ignore[assignment]
+        return run_cli(args)
+
+    return run
+
+
+def test_sigint_during_reshard_to_dcp_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C at each chunk-archive frame of ``reshard --to dcp`` (deterministic points), and at random
+    moments of its write phase (writes stretched): exit 130, one "interrupted" line, no traceback, and no
+    output or temporary file left."""
+    src = copy_case("s1_bf16_w2", tmp_path / "src")
+    frames = 4  # the fixture's output needs more than this many distinct frames: each one is a point
+    trials = [f"frame{k}" for k in range(1, frames + 1)] + [f"random{k}" for k in range(4)]
+    rng = random.Random(SEED)
+    for name in trials:
+        work = tmp_path / name
+        work.mkdir()
+        log = tmp_path / f"{name}.log"
+        args = ["reshard", src, work / "out", "--world", "3", "--to", "dcp", "--no-progress"]
+        if name.startswith("frame"):
+            pid = fork(_sigint_at_frame_crc(int(name[5:]), args), log=log)
+        else:
+            pid = fork(run_cli, args, env={DELAY_ENV: "0.05"}, log=log)
+            deadline = time.monotonic() + 60
+            while not temps(work):
+                assert not exited(pid), "finished before any write was seen"
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.3))
+            os.kill(pid, signal.SIGINT)
+        code = wait(pid)
+        text = log.read_text()
+        assert code == 130, f"{name}: exit {code}: {text}"
+        assert "Traceback" not in text and "BufferError" not in text, text
+        assert text.count("error: ") == 1 and "interrupted" in text, text
+        assert not list(work.iterdir()), (name, list(work.iterdir()))

@@ -159,14 +159,14 @@ def _flip_safetensors(path: Path, name: str | None) -> None:
 
 
 def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> None:
-    """An HF file with a ``.sha256`` sidecar (zckpt writes one) and a native rank file (its manifest records
+    """An HF file with its ``.crc32.json`` sidecar and a native rank file (its manifest records
     each tensor's CRC-32; an older one without them: the file's sha256): a flipped tensor byte, or a renamed
     tensor in the header, is refused by consolidate and diff; ``--no-verify-data`` reads the damaged file."""
     src = fixture("ds", "s2_fp32_w2_g2")
     hf = tmp_path / "hf"
     zckpt.consolidate(src, hf, progress=False)
     st = next(hf.glob("*.safetensors"))
-    assert (hf / (st.name + ".sha256.json")).is_file()
+    assert (hf / (st.name + ".crc32.json")).is_file()
     nat = tmp_path / "nat"
     zckpt.reshard(src, nat, world=2, to="native", progress=False)
     rank1 = next(nat.glob("*/rank_00001.safetensors"))
@@ -199,7 +199,7 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     code, msg = _cli("consolidate", no_crc, tmp_path / "nc.safetensors", "--no-progress")
     assert code == 2 and "records no CRC-32" in msg and rank1.name in msg, msg
     old1 = old / rank1.relative_to(nat)
-    cases = [(hf, st, sorted(read_header(st).tensors)[0], sha), (hf, st, None, sha), (nat, rank1, big, crc),
+    cases = [(hf, st, sorted(read_header(st).tensors)[0], crc), (hf, st, None, crc), (nat, rank1, big, crc),
              (old, old1, big, sha)]  # fmt: skip
     for root, f, name, expect in cases:
         work = tmp_path / f"w-{root.name}-{name}"
@@ -236,18 +236,25 @@ def test_dcp_chunk_flip_refused(tmp_path: Path, case: str) -> None:
     assert code == 0, out
 
 
-def test_block_sidecar_reads_check_each_block(tmp_path: Path) -> None:
-    """A file with a block-digest sidecar (``<file>.sha256.json``) is checked block by block as it is read:
-    the blocks here are 4 KiB (hashed with hashlib, independently of zckpt), so a flipped byte is named by
-    its block; a clean copy reads; verify names the same block."""
+@pytest.mark.parametrize("suffix", [".crc32.json", ".sha256.json"])
+def test_block_sidecar_reads_check_each_block(tmp_path: Path, suffix: str) -> None:
+    """A file with a block-digest sidecar (``<file>.crc32.json``, or an older zckpt's ``.sha256.json``) is
+    checked block by block as it is read: the blocks here are 4 KiB (digests by zlib and hashlib,
+    independently of zckpt), so a flipped byte is named by its block; a clean copy reads; verify names the
+    same block."""
     src = tmp_path / "m.safetensors"
     zckpt.consolidate(fixture("ds", "gpt2_s3_bf16_w2"), src, dtype="fp32", progress=False)
+    for old in tmp_path.glob("m.safetensors.*.json"):
+        old.unlink()
     raw = bytearray(src.read_bytes())
     b = 4096
-    digests = [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
-    side = {"file": src.name, "size": len(raw), "block": b, "sha256": digests}
-    assert len(side["sha256"]) > 8
-    (tmp_path / "m.safetensors.sha256.json").write_text(json.dumps(side))
+    side: dict[str, object] = {"file": src.name, "size": len(raw), "block": b}
+    if suffix == ".crc32.json":
+        side |= {"format": "zckpt-block-crc32", "version": 1}
+        side["crc32"] = [f"{zlib.crc32(raw[a : a + b]):08x}" for a in range(0, len(raw), b)]
+    else:
+        side["sha256"] = [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
+    (tmp_path / f"m.safetensors{suffix}").write_text(json.dumps(side))
     code, msg = _cli("diff", src, fixture("ds", "gpt2_s3_bf16_w2"), "--no-progress")
     assert code == 0, msg
     at = len(raw) - 3 * b - 5  # inside a tensor near the end: block len // b - 3 (or -4)
@@ -259,3 +266,32 @@ def test_block_sidecar_reads_check_each_block(tmp_path: Path) -> None:
     assert not (tmp_path / "o.safetensors").exists()
     r = zckpt.verify(src)
     assert not r.ok and any(f"block {k}" in p.message for p in r.problems), r.to_text()
+
+
+def test_big_mapped_reads_are_crc_checked(tmp_path: Path) -> None:
+    """diff reads views of the mapping, a big tensor in 1 Mi-element pieces. Two 40 MiB files with their
+    ``.crc32.json`` sidecars (3 blocks each, 16 MiB): equal copies diff clean; a flipped byte deep in block
+    1 of one side (inside one big tensor) is refused naming that block; unchecked, it is a difference."""
+    from zckpt.formats.hf import write_safetensors
+    from zckpt.io.items import items_from_state_dict
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(10 << 20, generator=g), "b": torch.randn(7, generator=g)}
+    items, tied = items_from_state_dict(sd)
+    a, b = tmp_path / "a" / "m.safetensors", tmp_path / "b" / "m.safetensors"
+    for f in (a, b):
+        f.parent.mkdir()
+        write_safetensors(f, items, tied=tied)
+    side = json.loads(b.with_name(b.name + ".crc32.json").read_text())
+    assert side["block"] == 16 << 20 and len(side["crc32"]) == 3
+    assert zckpt.diff(a, b, progress=False).equal
+    at = (16 << 20) + 12345  # inside block 1, inside "w" (the header is a few hundred bytes)
+    with open(b, "r+b") as fh:
+        fh.seek(at)
+        x = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([x[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpoint, match=r"block 1\)") as e:
+        zckpt.diff(a, b, progress=False)
+    assert e.value.path == str(b)
+    assert not zckpt.diff(a, b, progress=False, verify_data=False).equal  # unchecked: a difference

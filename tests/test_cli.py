@@ -48,8 +48,8 @@ def test_help_snapshot() -> None:
         "--no-verify-data", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["diff"]) == {
-        "--atol", "--rtol", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map", "--top",
-        "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
+        "--atol", "--rtol", "--dtype", "--strict-dtype", "--include-optimizer", "--json", "--keys", "--map",
+        "--top", "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
         "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
     assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--storage-option", "--help"}
@@ -293,3 +293,117 @@ def test_signals_held_once_the_command_is_done() -> None:
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert CliRunner().invoke(app, ["inspect", str(ck)]).exit_code == 0
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+# ---- issue 40.9: first-contact wording -----------------------------------------------------------------
+@pytest.mark.parametrize("cmd", [["inspect"], ["verify"], ["diff", "A"], ["reshard", "--world", "2"]])
+@pytest.mark.parametrize("url", ["s3://", "gs://"])
+def test_url_without_bucket_is_one_line(cmd: list[str], url: str) -> None:
+    """``zckpt inspect s3://`` said ``s3:: no such file or folder`` (pathlib's spelling of the URL)."""
+    res = runner.invoke(app, [*cmd, url])
+    scheme = url.removesuffix("://")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines() == [
+        f"error: {url}: the URL names no bucket",
+        f"hint: give {scheme}://BUCKET/PATH",
+    ]
+
+
+def test_lone_safetensors_file_is_no_hf_checkpoint_and_counts_agree(tmp_path: Path) -> None:
+    """A lone ``.safetensors`` is "a safetensors file" (not "hf checkpoint"); "1 file", "1 checksum",
+    "1 tensor" are singular; an HF folder is still an hf checkpoint."""
+    f = tmp_path / "one.safetensors"
+    save_file({"w": torch.ones(2)}, str(f))
+    (tmp_path / "one.safetensors.sha256").write_text(
+        __import__("hashlib").sha256(f.read_bytes()).hexdigest() + "  one.safetensors\n"
+    )
+    res = runner.invoke(app, ["verify", str(f)])
+    assert res.exit_code == 0 and res.stdout.strip() == (
+        f"{f}: safetensors file, world size 1: 1 tensor, 1 file, 1 checksum verified: OK"
+    ), res.output
+    res = runner.invoke(app, ["reshard", str(f), "--world", "2"])
+    assert res.exit_code == 2 and f"{f}: a safetensors file is not sharded" in res.stderr, res.output
+    hf = tmp_path / "hf"
+    res = runner.invoke(app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(hf), "--no-progress"])
+    assert res.exit_code == 0 and res.stdout.startswith("wrote 12 tensors ("), res.output
+    assert (
+        ": hf checkpoint, world size 1: 12 tensors, 1 file, 1 checksum verified: OK"
+        in runner.invoke(app, ["verify", str(hf)]).stdout
+    )
+
+
+def test_write_hints_do_not_blame_a_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zckpt makes missing parent folders itself, so "check the folder exists" was no advice: a parent that
+    is a file, and a folder this user may not write, each get their own hint."""
+    import errno
+    import tempfile
+
+    (tmp_path / "f").write_text("")
+    res = runner.invoke(
+        app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(tmp_path / "f" / "o.safetensors")]
+    )
+    assert res.exit_code == 2 and "hint: a part of the path is a file, not a folder" in res.stderr, res.output
+
+    def denied(*a: object, **k: object) -> str:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / ".o.zckpt-tmp-x"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    res = runner.invoke(
+        app, ["consolidate", str(fixture("ds", "s1_bf16_w2")), str(tmp_path / "o.safetensors")]
+    )
+    assert res.exit_code == 2 and "hint: you may not write in that folder" in res.stderr, res.output
+    assert "exists" not in res.stderr
+
+
+# ---- issue 40.13: every environment switch in one place, one worker-count parser ---------------------------
+_SWITCH = re.compile(r"\bZCKPT_[A-Z0-9_]+\b")
+
+
+def test_every_environment_switch_is_documented_and_none_is_a_test_hook() -> None:
+    """Every ``ZCKPT_*`` name in the code (the library, the engine, and the tests', fixtures' and benchmarks'
+    own) appears in docs/environment.md, and zckpt and the engine read no test hook."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "environment.md").read_text()
+    used: dict[str, set[str]] = {}
+    for top in ("zckpt", "engine", "tests", "fixtures", "bench"):
+        for f in (root / top).rglob("*.py"):
+            for name in _SWITCH.findall(f.read_text(errors="replace")):
+                used.setdefault(name, set()).add(str(f.relative_to(root)))
+    assert {"ZCKPT_WORKERS", "ZCKPT_DEBUG", "ZCKPT_TEST_WRITE_DELAY"} <= set(used)  # the scan found them
+    missing = {n: sorted(fs) for n, fs in used.items() if f"`{n}`" not in doc}
+    assert not missing, f"docs/environment.md does not list {missing}"
+    hooks = {
+        n: sorted(f for f in fs if f.startswith(("zckpt/", "engine/")))
+        for n, fs in used.items()
+        if "TEST" in n
+    }
+    assert not any(hooks.values()), hooks
+
+
+def test_workers_one_parser_that_follows_cpu_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ZCKPT_WORKERS`` was read three ways (``isdigit``, a bare ``int()`` that crashed on ``four``, and not
+    at all by the block digest, which counted ``os.cpu_count()`` rather than the CPU affinity)."""
+    from zckpt.io import digest, pipeline, scan
+    from zckpt.ops.diff_values import compare_threads
+
+    monkeypatch.delenv("ZCKPT_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})  # a 6-core share
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # of a bigger machine
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (4, 6, 5, 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (1, 1, 1, 1)
+    monkeypatch.setenv("ZCKPT_WORKERS", "3")
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (3, 3, 3, 3)
+    for bad in ("four", "0", "-2", "1.5"):
+        monkeypatch.setenv("ZCKPT_WORKERS", bad)
+        for f in (digest.lanes, scan.threads, pipeline.default_workers):
+            with pytest.raises(
+                ValueError, match=f"^ZCKPT_WORKERS='{re.escape(bad)}': not a positive whole number"
+            ):
+                f()
+        res = runner.invoke(app, ["inspect", str(fixture("ds", "s1_bf16_w2"))], env={"ZCKPT_WORKERS": bad})
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines() == [
+            f"error: ZCKPT_WORKERS='{bad}': not a positive whole number",
+            "hint: unset it, or give a count: ZCKPT_WORKERS=4",
+        ]

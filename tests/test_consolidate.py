@@ -137,7 +137,7 @@ def test_folder_sharded_with_index(tmp_path: Path, fmt: str) -> None:
     idx = json.loads((out / f"{base}.index.json").read_text())
     shards = sorted(set(idx["weight_map"].values()))
     assert len(shards) > 1
-    assert all((out / s).is_file() and (out / f"{s}.sha256.json").is_file() for s in shards)
+    assert all((out / s).is_file() and (out / f"{s}.crc32.json").is_file() for s in shards)
     assert {p.name for p in res.files} >= set(shards)
     merged: dict[str, torch.Tensor] = {}
     for s in shards:
@@ -159,7 +159,7 @@ def test_file_out_with_shards(tmp_path: Path) -> None:
     zckpt.consolidate(ck, tmp_path / "o" / "x.safetensors", dtype="fp32", max_shard_size=400, progress=False)
     names = sorted(p.name for p in (tmp_path / "o").iterdir())
     # 400-byte shards: [emb, norm] [fc, scale] [frozen, position_ids]
-    shards = [f"x-0000{k}-of-00003.safetensors{s}" for k in (1, 2, 3) for s in ("", ".sha256.json")]
+    shards = [f"x-0000{k}-of-00003.safetensors{s}" for k in (1, 2, 3) for s in ("", ".crc32.json")]
     assert names == sorted(["x.safetensors.index.json", *shards])
     merged: dict[str, torch.Tensor] = {}
     for i in (1, 2, 3):
@@ -377,4 +377,4 @@ def test_file_out_checks_every_name_first(tmp_path: Path) -> None:
     zckpt.consolidate(ck, tmp_path / "o" / "m.safetensors", progress=False)
     # the old sidecar is not left beside the new file (which carries a block-digest sidecar)
     assert not (tmp_path / "o" / "m.safetensors.sha256").exists()
-    assert (tmp_path / "o" / "m.safetensors.sha256.json").is_file()
+    assert (tmp_path / "o" / "m.safetensors.crc32.json").is_file()

@@ -54,7 +54,7 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     for name, (rel, kw) in _cases(out_root).items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            res = consolidate(FIXTURE, out_root / rel, progress=False, **kw)
+            res = consolidate(FIXTURE, out_root / rel, progress=False, distributed=True, **kw)
         seen[name] = {"files": [str(f) for f in res.files], "tensors": res.tensors,
                       "warned": any("idle" in str(w.message) for w in caught)}  # fmt: skip
 
@@ -81,14 +81,16 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     hf.write_file = flaky
     try:
         seen["failed"] = outcome(
-            lambda: consolidate(FIXTURE, out_root / "failed", max_shard_size=SHARD, progress=False)
+            lambda: consolidate(
+                FIXTURE, out_root / "failed", max_shard_size=SHARD, progress=False, distributed=True
+            )
         )
     finally:
         hf.write_file = real
 
     # ranks disagreeing on the plan (rank 1 asks for bf16): nothing is written, every rank raises
     try:
-        consolidate(FIXTURE, out_root / "mismatch", max_shard_size=SHARD, progress=False,
+        consolidate(FIXTURE, out_root / "mismatch", max_shard_size=SHARD, progress=False, distributed=True,
                     dtype="bf16" if rank == 1 else "fp32")  # fmt: skip
         seen["mismatch"] = "no error"
     except KeyMappingError as e:
@@ -98,7 +100,7 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # an existing OUT (checked on rank 0 only) is refused on every rank
     try:
-        consolidate(FIXTURE, out_root / "st", max_shard_size=SHARD, progress=False)
+        consolidate(FIXTURE, out_root / "st", max_shard_size=SHARD, progress=False, distributed=True)
         seen["exists"] = "no error"
     except Exception as e:  # noqa: BLE001
         seen["exists"] = type(e).__name__
@@ -121,11 +123,11 @@ def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Pa
         assert sorted(got) == sorted(want), rel
         assert got == want, rel
         shards = [
-            n for n in got if n.startswith(("model-", "pytorch_model-")) and not n.endswith(".sha256.json")
+            n for n in got if n.startswith(("model-", "pytorch_model-")) and not n.endswith(".crc32.json")
         ]
-        assert len(shards) >= 4 and all(f"{n}.sha256.json" in got for n in shards), rel
+        assert len(shards) >= 4 and all(f"{n}.crc32.json" in got for n in shards), rel
         assert any(n.endswith(".index.json") for n in got), rel
-    for n in ("one.safetensors", "one.safetensors.sha256.json"):
+    for n in ("one.safetensors", "one.safetensors.crc32.json"):
         assert (dist_root / n).read_bytes() == (ref_root / n).read_bytes()
 
     # every rank returns the same result, listing the published files; idle ranks warned about once
@@ -160,7 +162,44 @@ def test_distributed_consolidate_matches_single_process(world: int, tmp_path: Pa
 
 
 def test_single_process_when_not_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``distributed=None`` without an initialised group (even with WORLD_SIZE set) runs alone."""
+    """The default (``distributed=False``) without an initialised group (even with WORLD_SIZE set) runs
+    alone."""
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "4")
     res = consolidate(FIXTURE, tmp_path / "o", max_shard_size=SHARD, progress=False)
     assert len([f for f in res.files if f.suffix == ".safetensors"]) == 6
+
+
+def _rank0_only(rank: int, world: int, root: str) -> dict[str, Any]:
+    """After training under torchrun: ``if rank == 0: zckpt.consolidate(...)``, the other ranks go on (here:
+    they leave). Run in a thread with a deadline so that a call that waits for the other ranks fails the test
+    instead of hanging it."""
+    import threading
+
+    if rank != 0:
+        return {}
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            res = zckpt.consolidate(FIXTURE, Path(root) / "solo", max_shard_size=SHARD, progress=False)
+            rs = zckpt.reshard(FIXTURE, Path(root) / "solo-w3", world=3, progress=False)
+            done["files"] = sorted(f.name for f in res.files)
+            done["world"] = rs.world
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            done["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(120)
+    return {"hung": t.is_alive(), **done}
+
+
+def test_rank0_only_call_under_a_process_group_does_not_wait_for_other_ranks(tmp_path: Path) -> None:
+    """Issue 38: the library call on rank 0 alone, with a 2-rank gloo group initialised, runs single-process
+    and writes what a single-process call writes (oracle: the same call in this process, no group)."""
+    results = run(_rank0_only, 2, str(tmp_path))
+    assert results[0].get("hung") is False and "error" not in results[0], results[0]
+    assert results[0]["world"] == 3
+    ref = consolidate(FIXTURE, tmp_path / "ref", max_shard_size=SHARD, progress=False)
+    assert results[0]["files"] == sorted(f.name for f in ref.files)
+    assert _files(tmp_path / "solo") == _files(tmp_path / "ref")

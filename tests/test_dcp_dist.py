@@ -278,7 +278,7 @@ def test_heldout_dcp_resharded_resume_like_the_originals(tmp_path: Path) -> None
 # ---- reshard --to dcp split over processes ----------------------------------------------------------
 def _split(rank: int, world: int, root: str) -> dict[str, Any]:
     src = DCP / "torchtitan_w2" / "checkpoint"
-    res = zckpt.reshard(src, Path(root) / "dist", world=5, to="dcp", progress=False)
+    res = zckpt.reshard(src, Path(root) / "dist", world=5, to="dcp", progress=False, distributed=True)
     return {"files": res.files}
 
 

@@ -100,7 +100,7 @@ def test_dropped_key_and_changed_dtype_reported_exactly(tmp_path: Path) -> None:
     other["fc.weight"] = t["fc.weight"].to(torch.bfloat16)
     a = make_ckpt(tmp_path / "a", t)
     b = make_ckpt(tmp_path / "b", other)
-    r = diff(a, b, progress=False)
+    r = diff(a, b, progress=False, compare_dtype="full")  # as stored: the rounding to bf16 shows
     assert r.only_in_a == ("fc.bias",) and r.only_in_b == ()
     assert r.dtype_mismatches == 1 and r.shape_mismatches == 0 and r.differing == 1
     td = _by_key(r)["fc.weight"]
@@ -109,7 +109,14 @@ def test_dropped_key_and_changed_dtype_reported_exactly(tmp_path: Path) -> None:
     exp = _oracle(t["fc.weight"], t["fc.weight"].to(torch.bfloat16))
     assert td.max_abs_diff == pytest.approx(exp["max_abs_diff"], rel=1e-12)
     assert td.changed == exp["changed"]
-    assert diff(a, b, strict_dtype=True, progress=False).tensors[0].reasons == ("dtype", "values")
+    assert diff(a, b, strict_dtype=True, progress=False, compare_dtype="full").tensors[0].reasons == (
+        "dtype",
+        "values",
+    )
+    # by default B (bf16) is compared with A cast to bf16: exactly what B holds, so no value differs
+    auto = diff(a, b, progress=False)
+    assert auto.differing == 0 and auto.dtype_only == 1 and not auto.equal  # fc.bias is still only in A
+    assert auto.casts == (("A cast to bfloat16 as stored in B", 1, 1),)
     # values compared in float64 after exact upcasting: the same values in another dtype are equal,
     # the dtype difference is reported, and counts only with strict_dtype
     up = make_ckpt(tmp_path / "c", {k: v.float() if v.is_floating_point() else v for k, v in t.items()})

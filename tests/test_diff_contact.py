@@ -144,19 +144,27 @@ def test_dtype_summary_agrees_with_table(tmp_path: Path) -> None:
     b = dict(ref)
     b["fc1.weight"], b["emb.weight"] = ref["fc1.weight"].bfloat16(), ref["emb.weight"].bfloat16()
     b["norm.bias"] = ref["norm.bias"].double()
-    r = diff(TOY_REF, _st(tmp_path / "b.safetensors", b), progress=False)
+    r = diff(TOY_REF, _st(tmp_path / "b.safetensors", b), progress=False, compare_dtype="full")
     same = [k for k in ref if b[k].dtype != ref[k].dtype and torch.equal(b[k].double(), ref[k].double())]
     valued = [k for k in ref if b[k].dtype != ref[k].dtype and k not in same]
     assert (same, sorted(valued)) == (["norm.bias"], ["emb.weight", "fc1.weight"])  # the premise
     assert (r.dtype_mismatches, r.dtype_only, r.differing) == (3, 1, 2)
-    assert (
-        "3 dtype mismatches (1 with the same values: not a difference without --strict-dtype; 2 differ in "
-        "value)" in r.summary()
-    )
+    assert "3 dtype mismatches (1 equal, 2 differ in value)" in r.summary()
     table = r.to_text().splitlines()[2:]
     assert sorted(line.split()[0] for line in table if line.endswith("values")) == sorted(valued)
     only_values = _st(tmp_path / "c.safetensors", {**ref, "fc1.weight": ref["fc1.weight"].bfloat16()})
-    assert "1 dtype mismatch (values differ too)" in diff(TOY_REF, only_values, progress=False).summary()
+    full = diff(TOY_REF, only_values, progress=False, compare_dtype="full").summary()
+    assert "1 dtype mismatch (1 differ in value)" in full
+    # the default compares each pair at its narrower dtype: B's bf16 tensors are A's cast, B's float64 one
+    # is A's upcast (cast back to A's float32), so every value agrees and each cast is said
+    auto = diff(TOY_REF, tmp_path / "b.safetensors", progress=False)
+    assert auto.equal and (auto.dtype_only, auto.differing) == (3, 0)
+    a_cast, b_cast = "A cast to bfloat16 as stored in B", "B cast to float32 as stored in A"
+    assert auto.casts == ((a_cast, 2, 2), (b_cast, 1, 1))
+    assert (
+        f"3 dtype mismatches (2 compared as {a_cast}, 1 compared as {b_cast}: 3 equal; not a difference "
+        "without --strict-dtype)" in auto.summary()
+    )
 
 
 def _twenty(tmp_path: Path, differing: int) -> tuple[Path, Path]:
@@ -218,3 +226,58 @@ def test_verify_not_a_checkpoint_is_an_error(tmp_path: Path) -> None:
     bad.write_bytes(TOY_REF.read_bytes()[:100])
     code, out, _ = _cli("verify", str(bad))
     assert code == 1 and "truncated" in out
+
+
+# ---- issue 40.1: a checkpoint against its 16-bit export is EQUAL, and says how it was compared -----------
+@pytest.mark.parametrize("case", ["s1_bf16_w2", "gpt2_s3_bf16_w2"])
+def test_checkpoint_equals_its_default_export(tmp_path: Path, case: str) -> None:
+    """``consolidate`` (default dtype) of a bf16 DeepSpeed run writes the fp32 masters cast to bf16; ``diff``
+    of the checkpoint against that file is EQUAL by default, saying A was cast to B's bf16. The oracle is
+    DeepSpeed's own fp32 weights cast by torch. ``--dtype full`` compares as stored (every rounding shows),
+    and a tolerance that hides the rounding never calls the values the same."""
+    ckpt, ref = fixture("ds", case), load_file(fixture("ds", case, "ref_fp32.safetensors"))
+    out = tmp_path / "m.safetensors"
+    zckpt.consolidate(ckpt, out, progress=False)
+    got = load_file(out)
+    cast = [k for k in got if got[k].dtype == torch.bfloat16]
+    assert cast and all(torch.equal(got[k], ref[k].to(torch.bfloat16)) for k in cast)  # the premise
+    assert any(not torch.equal(got[k].float(), ref[k]) for k in cast)  # the cast rounded something
+    js = json.loads(_cli("diff", str(ckpt), str(out), "--json")[1])
+    validate(js, SCHEMA)
+    masters = [t["key"] for t in js["tensors"] if (t["dtype_a"], t["dtype_b"]) == ("float32", "bfloat16")]
+    n = len(masters)  # the checkpoint's fp32 masters (its 16-bit frozen params and buffers match B's dtype)
+    assert n and js["options"]["compare_dtype"] == "auto" and js["summary"]["dtype_only"] == n
+    assert {t["compared_as"] for t in js["tensors"] if t["key"] in masters} == {"bfloat16"}
+    code, text, _ = _cli("diff", str(ckpt), str(out), "--no-progress")
+    assert code == 0, text
+    head = text.splitlines()[0]
+    assert f"{n} dtype mismatches (compared as A cast to bfloat16 as stored in B: {n} equal" in head
+    assert head.endswith("EQUAL (atol=0, rtol=0, compared in float64)"), head
+    # at full precision the masters differ from their bf16 rounding: DIFFERENT, never "same values"
+    code, text, _ = _cli("diff", str(ckpt), str(out), "--no-progress", "--dtype", "full")
+    rounded = sum(not torch.equal(got[k].float(), ref[k]) for k in masters)
+    assert code == 1 and f"{rounded} differ in value" in text.splitlines()[0], text
+    code, text, _ = _cli("diff", str(ckpt), str(out), "--no-progress", "--dtype", "full", "--rtol", "4e-3")
+    head = text.splitlines()[0]
+    assert code == 0 and f"{rounded} within tolerance" in head and "same" not in head, head
+    # the explicit dtype: both sides at bf16 is the same verdict as auto
+    assert _cli("diff", str(ckpt), str(out), "--no-progress", "--dtype", "bfloat16")[0] == 0
+
+
+def test_export_off_by_one_ulp_differs(tmp_path: Path) -> None:
+    """B is A cast to bf16 but for one element moved one bf16 step: the default comparison (A cast to bf16)
+    finds exactly that element; a wrong comparison dtype is one clear error."""
+    g = torch.Generator().manual_seed(7)
+    a = {"w": torch.randn(64, generator=g), "b": torch.randn(8, generator=g)}
+    b = {k: v.to(torch.bfloat16) for k, v in a.items()}
+    bits = b["w"].view(torch.int16).clone()
+    bits[5] += 1  # the next bf16 value
+    b["w"] = bits.view(torch.bfloat16)
+    pa, pb = _st(tmp_path / "a.safetensors", a), _st(tmp_path / "b.safetensors", b)
+    r = diff(pa, pb, progress=False)
+    w = next(t for t in r.tensors if t.key == "w")
+    assert not r.equal and r.differing == 1 and w.changed == 1 and w.compared_as == "bfloat16"
+    assert w.max_abs_diff == pytest.approx(abs(float(b["w"][5]) - float(a["w"][5].to(torch.bfloat16))))
+    assert "1 equal, 1 differ in value" in r.summary()
+    code, _, err = _cli("diff", str(pa), str(pb), "--dtype", "int8")
+    assert code == 2 and err.startswith("error: unknown comparison dtype 'int8'") and "Traceback" not in err

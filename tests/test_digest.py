@@ -34,11 +34,16 @@ def _pieces(rng: random.Random, total: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("direct", ["1", "0"])
+def _oracle(algorithm: str, data: bytes) -> str:
+    """A block's digest computed by hashlib or zlib (independent of zckpt's ISA-L CRC and hash lanes)."""
+    return f"{zlib.crc32(data):08x}" if algorithm == "crc32" else hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(("direct", "algorithm"), [("1", "sha256"), ("0", "crc32")])
 @pytest.mark.parametrize("stable", [False, True])
 @pytest.mark.parametrize("block", [4096, 3 * 4096 + 512, 1 << 26])
 def test_block_digests_and_crcs_match_hashlib_and_zlib(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str, stable: bool, block: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str, algorithm: str, stable: bool, block: int
 ) -> None:
     monkeypatch.setenv("ZCKPT_DIRECT_IO", direct)
     rng = random.Random(block + stable)
@@ -51,7 +56,7 @@ def test_block_digests_and_crcs_match_hashlib_and_zlib(
     mem = src[pad : pad + total]
     mem.copy_(torch.frombuffer(bytearray(DATA[:total]), dtype=torch.uint8))
     view = memoryview(mem.numpy())
-    sink = HashingSink(tmp_path / "f", crc_regions=regions, block=block)
+    sink = HashingSink(tmp_path / "f", crc_regions=regions, block=block, algorithm=algorithm)
     at = 0
     for n in _pieces(rng, total):
         sink.write(view[at : at + n], stable=stable)
@@ -60,18 +65,18 @@ def test_block_digests_and_crcs_match_hashlib_and_zlib(
     raw = DATA[:total]
     assert (tmp_path / "f").read_bytes() == raw
     d = sink.digest()
-    want = [hashlib.sha256(raw[a : a + block]).hexdigest() for a in range(0, total, block)]
-    assert d.block == block and list(d.blocks) == want
+    want = [_oracle(algorithm, raw[a : a + block]) for a in range(0, total, block)]
+    assert d.block == block and list(d.blocks) == want and d.algorithm == algorithm
     assert sink.crcs == [zlib.crc32(raw[a:b]) for a, b in regions]
-    assert block_digests(tmp_path / "f", block, total) == want
+    assert block_digests(tmp_path / "f", block, total, algorithm) == want
     with pytest.raises(EOFError):
-        block_digests(tmp_path / "f", block, total + 1)
-    monkeypatch.setenv("ZCKPT_HASH_THREADS", "3")  # lanes that do not divide the block count
-    assert block_digests(tmp_path / "f", block, total) == want
+        block_digests(tmp_path / "f", block, total + 1, algorithm)
+    monkeypatch.setenv("ZCKPT_WORKERS", "3")  # lanes that do not divide the block count
+    assert block_digests(tmp_path / "f", block, total, algorithm) == want
     with scan.shared(8):  # files checked side by side: one lane each
-        assert block_digests(tmp_path / "f", block, total) == want
+        assert block_digests(tmp_path / "f", block, total, algorithm) == want
         with pytest.raises(EOFError):
-            block_digests(tmp_path / "f", block, total + 1)
+            block_digests(tmp_path / "f", block, total + 1, algorithm)
     assert lanes() >= 1
 
 

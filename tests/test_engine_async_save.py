@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import _engine_ref as R
+import _slow_writes
 import pytest
 import torch
 
@@ -38,7 +39,8 @@ from zckpt.formats.native import write as W
 from zckpt.ops.verify import verify
 
 HERE = Path(__file__).resolve().parent
-DELAY = "ZCKPT_TEST_WRITE_DELAY"
+DELAY = _slow_writes.ENV
+_slow_writes.install()
 
 
 def _cfg(stage: int = 3, **writer: Any) -> dict[str, Any]:
@@ -216,7 +218,8 @@ print("returned", flush=True)
 def test_interpreter_exit_flushes_and_reports(fail: bool, tmp_path: Path) -> None:
     """Exit without waiting: the background save is finished first; a failure is printed, exit status 1."""
     script = textwrap.dedent(_EXIT_SCRIPT.format(tests=str(HERE), fail=fail, out=str(tmp_path / "ck")))
-    env = {**os.environ, DELAY: "0.5", "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, DELAY: "0.5", "PYTHONPATH": _slow_writes.child_pythonpath(HERE.parent),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "returned" in p.stdout, p.stderr[-3000:]
     if fail:

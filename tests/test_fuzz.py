@@ -56,3 +56,14 @@ def test_sigint_before_zckpt_ran_is_not_counted_as_its_traceback() -> None:
     ours = _RUNPY_INTERRUPTED.replace("/usr/lib/python3.11/operator.py", "/w/zckpt/cli/app.py")
     assert not before_zckpt(proc(ours))
     assert not before_zckpt(proc(_RUNPY_INTERRUPTED, signal.SIGTERM))
+
+
+def test_megatron_families_handful(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Megatron families (``--megatron``) on a few cases of seed 0: one per family, each ending well."""
+    report = str(tmp_path / "megatron.json")
+    rc = suite.main(
+        ["--megatron", "--seed", "0", "--cases", "5", "--strict", "--timeout", "60", "--report", report]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out[-6000:]
+    assert "5 cases" in out, out[-2000:]

@@ -43,7 +43,7 @@ def test_write_then_safetensors_loads_it(tmp_path: Path) -> None:
     items, tied = items_from_state_dict(SD)
     assert tied == {"head.weight": "emb.weight"}
     files = hf.write_safetensors(tmp_path / "m.safetensors", items, tied=tied)
-    assert sorted(f.name for f in files) == ["m.safetensors", "m.safetensors.sha256.json"]
+    assert sorted(f.name for f in files) == ["m.safetensors", "m.safetensors.crc32.json"]
     got = load_file(tmp_path / "m.safetensors")
     _assert_same(got, {k: v for k, v in SD.items() if k != "head.weight"})  # one copy of the tied weight
     with safe_open(tmp_path / "m.safetensors", "pt") as f:
@@ -168,4 +168,4 @@ def test_writer_refuses_existing_output(tmp_path: Path) -> None:
         hf.write_safetensors(tmp_path / "a.safetensors", items)
     assert ei.value.hint and "--overwrite" in ei.value.hint
     assert (tmp_path / "a.safetensors").read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "a.safetensors.sha256.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "a.safetensors.crc32.json"]

@@ -220,3 +220,30 @@ def test_bad_reshard_arguments_are_value_errors(tmp_path: Path, kwargs: dict[str
     with pytest.raises(ValueError) as ei:
         zckpt.reshard(fixture("ds", DS), tmp_path / "o", progress=False, **kwargs)  # type: ignore[arg-type]
     assert isinstance(ei.value, InvalidArgument) and not (tmp_path / "o").exists()
+
+
+def test_checkpoint_obeys_the_mapping_laws() -> None:
+    """Issue 40.6: ``'embed.weight:exp_avg' in ck`` and ``ck[...]`` worked while the key was not in
+    ``list(ck)`` nor counted by ``len(ck)``. The mapping is the model, and every ``collections.abc.Mapping``
+    law holds over every key the checkpoint has; optimizer states stay readable through ``read``."""
+    from collections.abc import Mapping
+
+    with zckpt.open(fixture("ds", DS)) as ck:
+        assert isinstance(ck, Mapping)
+        keys = list(ck)
+        optim = ck.optim_keys()
+        assert optim and keys and not set(optim) & set(keys)
+        assert len(ck) == len(keys) == len(set(keys)) == len(ck.keys()) == len(list(ck.items()))
+        assert set(ck.keys()) == set(keys) and list(ck.keys()) == keys
+        for k in keys:  # every key iterated is in, gettable, and get agrees with []
+            assert k in ck and k in ck.keys()  # noqa: SIM118 (the KeysView is the law under test)
+            assert torch.equal(ck[k], ck.get(k)) and torch.equal(ck[k], dict(ck.items())[k])
+        for k in [*optim, "nope", 3]:  # every key not iterated is not in, and [] raises KeyError
+            keys_view = ck.keys()
+            assert k not in ck and k not in keys_view and ck.get(k, "d") == "d"  # type: ignore[call-overload]
+            with pytest.raises(KeyError):
+                ck[k]  # type: ignore[index]
+        with pytest.raises(MissingKey) as ei:
+            ck[optim[0]]
+        assert "optimizer state" in str(ei.value) and "ck" in (ei.value.hint or "")
+        assert torch.equal(ck.read(optim[0]), ck.read(ck.entries[optim[0]]))  # the accessor for states

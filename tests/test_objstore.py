@@ -4,6 +4,7 @@ one line, exit 2. The client is configured only by the ``AWS_*`` environment a u
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 import zckpt
 from zckpt.cli.app import app
 from zckpt.io import objstore
+from zckpt.io.session import Storage
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 
@@ -54,9 +56,18 @@ def s3env(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     """The client pointed at the server by the user's environment only."""
     for k, v in _s3.env_for(s3_server.url):
         monkeypatch.setenv(k, v)
-    objstore.configure(None)
     yield s3_server.url
-    objstore.configure(None)
+
+
+@contextlib.contextmanager
+def _op(options: dict[str, str] | None = None) -> Iterator[Storage]:
+    """One operation's storage, bound while the block runs (what every library call and command makes)."""
+    st = Storage(options)
+    try:
+        with st.bound():
+            yield st
+    finally:
+        st.close()
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -83,9 +94,9 @@ def test_inspect_verify_consolidate_from_bucket_match_local(
     ra, rb = _cli("consolidate", str(lp), str(a)), _cli("consolidate", url, str(b))
     assert ra[0] == rb[0] == 0, rb[1]
     assert a.read_bytes() == b.read_bytes()
-    side_b = json.loads((tmp_path / "remote.safetensors.sha256.json").read_text())
-    side_a = json.loads((tmp_path / "local.safetensors.sha256.json").read_text())
-    assert side_b["sha256"] == side_a["sha256"] and side_b["size"] == side_a["size"]
+    side_b = json.loads((tmp_path / "remote.safetensors.crc32.json").read_text())
+    side_a = json.loads((tmp_path / "local.safetensors.crc32.json").read_text())
+    assert side_b["crc32"] == side_a["crc32"] and side_b["size"] == side_a["size"]
 
 
 @pytest.mark.parametrize("name", ["ds/s3_bf16_w3_sub_g2", "dcp/fsdp2_w2", "trainer"])
@@ -119,17 +130,54 @@ def test_diff_of_two_bucket_checkpoints_matches_local(
     assert json.loads(remote[1].replace(ua, str(la)).replace(ub, str(lb))) == json.loads(local[1])
 
 
-def test_bytes_fetched_are_what_consolidate_needs(
-    inputs: dict[str, tuple[Path, str]], s3env: str, tmp_path: Path
-) -> None:
-    """Consolidating ZeRO-3 from the bucket reads the fp32 masters and the model-state files, not the Adam
-    moments: fewer bytes than the folder holds (the moments are two thirds of the optimizer files)."""
-    lp, url = inputs["ds/s3_fp32_w2"]
-    objstore.reset_stats()
-    assert _cli("consolidate", url, str(tmp_path / "m.safetensors"))[0] == 0
-    got = objstore.stats()
-    total = sum(f.stat().st_size for f in lp.rglob("*") if f.is_file())
-    assert 0 < got["bytes"] <= total
+def _ds_input(tmp_path: Path) -> Path:
+    """A ZeRO-3 DeepSpeed checkpoint of world 2 of a 1.06M-param model (the fixtures are too small for
+    byte counts: every file under one 256 KiB block): the engine trains it 2 steps, ``zckpt reshard --to
+    deepspeed`` writes DeepSpeed's layout (tests/test_reshard_deepspeed.py: real DeepSpeed resumes it)."""
+    import _engine_ref as R
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(R.VOCAB, 512)
+            self.l1 = nn.Linear(512, 2048)
+            self.l2 = nn.Linear(2048, R.VOCAB)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.l2(torch.tanh(self.l1(self.emb(x))))
+            return F.cross_entropy(h.reshape(-1, R.VOCAB), y.reshape(-1))
+
+    torch.manual_seed(0)
+    eng, _ = R.train(0, 1, R.config(3), 2, model=Wide())
+    eng.save_checkpoint(str(tmp_path / "native"), tag="global_step2")
+    eng.destroy()
+    zckpt.reshard(tmp_path / "native", tmp_path / "ds", world=2, to="deepspeed", progress=False)
+    return tmp_path / "ds"
+
+
+def test_bytes_fetched_are_what_consolidate_needs(s3_server: _s3.Server, s3env: str, tmp_path: Path) -> None:
+    """Consolidating ZeRO-3 from the bucket fetches the fp32 masters and the model-state files, not the Adam
+    moments (two thirds of the optimizer files). Oracle: the bytes the output needs, from the files
+    themselves: the fp32 output's size (the masters, one element each, and a small header), the model-state
+    files read whole (their pickles place each param's master), and four 256 KiB blocks per optimizer file
+    (its zip directory at the end, the pickle at the start, and the local header of each of the two moments'
+    records, located though not read: measured, 16 requests, 5.68 MB for 4.34 MB of masters)."""
+    lp = _ds_input(tmp_path)
+    url = _s3.upload(s3_server.client(), lp, "ckpts", "needs/ds")
+    st = Storage()
+    res = zckpt.consolidate(url, tmp_path / "m.safetensors", dtype="fp32", progress=False, storage=st)
+    got = st.stats()
+    st.close()
+    masters = res.files[0].stat().st_size
+    tag = lp / (lp / "latest").read_text().strip()
+    optim = sorted(tag.glob("*optim_states.pt"))
+    models = sum(f.stat().st_size for f in tag.glob("*model_states.pt"))
+    needed = masters + models + 4 * len(optim) * objstore.BLOCK
+    assert masters > 4_000_000 and sum(f.stat().st_size for f in optim) > 3 * masters
+    assert 0 < got["bytes"] <= needed, (got, needed)
     assert got["requests"] < 40
 
 
@@ -143,7 +191,6 @@ def test_faults_injected_results_identical(
     try:
         for k, v in _s3.env_for(proxy.url):
             monkeypatch.setenv(k, v)
-        objstore.configure(None)
         for name in ("ds/s3_bf16_w3_sub_g2", "dcp/torchtitan_w2", "hf"):
             lp, url = inputs[name]
             _same(_cli("verify", str(lp)), _cli("verify", url), lp, url)
@@ -163,7 +210,6 @@ def test_faults_injected_results_identical(
             assert got == f.read_bytes(), f.name
         assert proxy.counts["faults"] >= 5, proxy.counts  # the faults did happen
     finally:
-        objstore.configure(None)
         proxy.stop()
 
 
@@ -194,16 +240,13 @@ def test_storage_option_gives_the_endpoint(
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     lp, url = inputs["dcp/fsdp2_w2"]
-    try:
-        local = _cli("verify", str(lp))
-        remote = _cli("verify", url, "--storage-option", f"endpoint={s3_server.url}")
-        _same(local, remote, lp, url)
-        r = zckpt.inspect(url, storage_options={"endpoint": s3_server.url})
-        assert r.to_json()["params"] == zckpt.inspect(lp).to_json()["params"]
-        code, out = _cli("verify", url, "--storage-option", "endpoint")
-        assert code == 2 and "not key=value" in out
-    finally:
-        objstore.configure(None)
+    local = _cli("verify", str(lp))
+    remote = _cli("verify", url, "--storage-option", f"endpoint={s3_server.url}")
+    _same(local, remote, lp, url)
+    r = zckpt.inspect(url, storage_options={"endpoint": s3_server.url})
+    assert r.to_json()["params"] == zckpt.inspect(lp).to_json()["params"]
+    code, out = _cli("verify", url, "--storage-option", "endpoint")
+    assert code == 2 and "not key=value" in out
 
 
 @pytest.fixture(scope="module")
@@ -238,20 +281,16 @@ def test_credential_errors_are_one_line(
         assert isinstance(key, tuple)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key[0])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key[1])
-    objstore.configure(None)
-    try:
-        for cmd in (
-            ["inspect", "s3://authb/x"],
-            ["consolidate", "s3://authb/x", str(tmp_path / "m.safetensors")],
-        ):
-            code, out = _cli(*cmd)
-            lines = out.strip().splitlines()
-            assert code == 2 and len(lines) == 2, out
-            assert lines[0].startswith("error: s3://authb") and message in lines[0], out
-            assert lines[1].startswith("hint: ") and "Traceback" not in out
-        assert not (tmp_path / "m.safetensors").exists()
-    finally:
-        objstore.configure(None)
+    for cmd in (
+        ["inspect", "s3://authb/x"],
+        ["consolidate", "s3://authb/x", str(tmp_path / "m.safetensors")],
+    ):
+        code, out = _cli(*cmd)
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 2, out
+        assert lines[0].startswith("error: s3://authb") and message in lines[0], out
+        assert lines[1].startswith("hint: ") and "Traceback" not in out
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 def test_diff_series_from_bucket_matches_local(s3_server: _s3.Server, s3env: str, tmp_path: Path) -> None:
@@ -291,11 +330,11 @@ def test_read_ahead_stream_tiles_the_record_and_stops_at_its_end(
     url, lo, hi = "s3://ckpts/win/obj", 123_457, (17 << 20) + 999
     for max_request, requests in ((ahead.MAX_REQUEST, 1), (5 << 20, 4)):
         monkeypatch.setattr(ahead, "MAX_REQUEST", max_request)
-        objstore.configure({"window_bytes": str(1 << 20)})
-        objstore.size(url)  # the listing: not counted below
-        objstore.reset_stats()
-        assert _read_sequentially(url, lo, hi) == data[lo:hi]
-        st = objstore.stats()
+        with _op({"window_bytes": str(1 << 20)}) as op:
+            objstore.size(url)  # the listing: not counted below
+            before = op.stats()
+            assert _read_sequentially(url, lo, hi) == data[lo:hi]
+            st = {k: v - before[k] for k, v in op.stats().items()}
         assert st["bytes"] == hi - lo  # the stream tiles [lo, hi): no byte twice, none past the limit
         assert st["requests"] == requests and st["retries"] == 0
 
@@ -309,21 +348,20 @@ def test_read_ahead_runs_ahead_of_the_reader_but_no_further(s3_server: _s3.Serve
     data = bytes(range(256)) * (64 << 12)  # 64 MiB
     s3_server.client().put_object(Bucket="ckpts", Key="win/ahead", Body=data)  # type: ignore[attr-defined]
     ahead = 4 << 20
-    objstore.configure({"window_bytes": str(ahead)})
     url = "s3://ckpts/win/ahead"
-    objstore.size(url)
-    objstore.reset_stats()
-    got = bytearray(1000)
-    objstore.read_into(url, 0, memoryview(got), limit=len(data))
-    assert bytes(got) == data[:1000]
-    deadline = time.monotonic() + 30
-    while objstore.stats()["bytes"] < ahead and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    fetched = objstore.stats()["bytes"]
+    with _op({"window_bytes": str(ahead)}) as op:  # closing it closes the stream
+        objstore.size(url)
+        before = op.stats()["bytes"]
+        got = bytearray(1000)
+        objstore.read_into(url, 0, memoryview(got), limit=len(data))
+        assert bytes(got) == data[:1000]
+        deadline = time.monotonic() + 30
+        while op.stats()["bytes"] - before < ahead and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        fetched = op.stats()["bytes"] - before
     # past the read-ahead: at most the window being filled and the body's last chunk (1 MiB and a frame)
     assert ahead <= fetched <= 1000 + ahead + (4 << 20) + (2 << 20)
-    objstore.configure(None)  # closes the stream
 
 
 def test_read_ahead_resumes_cut_off_bodies(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,13 +375,11 @@ def test_read_ahead_resumes_cut_off_bodies(s3_server: _s3.Server, monkeypatch: p
     try:
         for k, v in _s3.env_for(proxy.url):
             monkeypatch.setenv(k, v)
-        objstore.configure({"part_bytes": str(5 << 20), "window_bytes": str(2 << 20)})
         url = "s3://ckpts/win/cut"
-        objstore.reset_stats()
-        assert _read_sequentially(url, 10, len(data) - 10, step=1 << 20) == data[10:-10]
-        assert proxy.counts["faults"] > 0 and objstore.stats()["retries"] > 0
+        with _op({"part_bytes": str(5 << 20), "window_bytes": str(2 << 20)}) as op:
+            assert _read_sequentially(url, 10, len(data) - 10, step=1 << 20) == data[10:-10]
+            assert proxy.counts["faults"] > 0 and op.stats()["retries"] > 0
     finally:
-        objstore.configure(None)
         proxy.stop()
 
 
@@ -360,7 +396,6 @@ def _profile_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, pro
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION",
               "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):  # fmt: skip
         monkeypatch.delenv(k, raising=False)
-    objstore.configure(None)
 
 
 def test_aws_profile_gives_the_credentials(
@@ -373,13 +408,10 @@ def test_aws_profile_gives_the_credentials(
     consolidate's output equals the local run's."""
     lp, url = inputs["ds/s3_fp32_w2"]
     _profile_home(tmp_path, monkeypatch, s3_server.url, "zck")
-    try:
-        assert _cli("consolidate", str(lp), str(tmp_path / "local.safetensors"))[0] == 0
-        code, out = _cli("consolidate", url, str(tmp_path / "remote.safetensors"))
-        assert code == 0, out
-        assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
-    finally:
-        objstore.configure(None)
+    assert _cli("consolidate", str(lp), str(tmp_path / "local.safetensors"))[0] == 0
+    code, out = _cli("consolidate", url, str(tmp_path / "remote.safetensors"))
+    assert code == 0, out
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
 
 
 def test_missing_aws_profile_is_one_line(
@@ -390,15 +422,12 @@ def test_missing_aws_profile_is_one_line(
 ) -> None:
     _, url = inputs["ds/s3_fp32_w2"]
     _profile_home(tmp_path, monkeypatch, s3_server.url, "nosuch")
-    try:
-        code, out = _cli("inspect", url)
-        lines = out.strip().splitlines()
-        assert code == 2 and len(lines) == 2, out
-        assert lines[0].startswith("error: s3://ckpts"), out
-        assert lines[0].endswith(": no AWS profile 'nosuch' in ~/.aws/config or ~/.aws/credentials"), out
-        assert lines[1].startswith("hint: check AWS_PROFILE") and "Traceback" not in out
-    finally:
-        objstore.configure(None)
+    code, out = _cli("inspect", url)
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 2, out
+    assert lines[0].startswith("error: s3://ckpts"), out
+    assert lines[0].endswith(": no AWS profile 'nosuch' in ~/.aws/config or ~/.aws/credentials"), out
+    assert lines[1].startswith("hint: check AWS_PROFILE") and "Traceback" not in out
 
 
 def _dcp_save(d: Path) -> None:
@@ -452,10 +481,9 @@ def test_dcp_consolidate_fetches_each_needed_block_once(
     ideal += (lp / ".metadata").stat().st_size
     assert ideal < 0.4 * size  # the moments are not needed
     assert _cli("consolidate", lp, tmp_path / "local.safetensors")[0] == 0
-    objstore.reset_stats()
-    code, out = _cli("consolidate", url, tmp_path / "remote.safetensors")
-    assert code == 0, out
-    got = objstore.stats()
+    with _op() as op:  # what the command makes: one storage for the whole consolidate
+        zckpt.consolidate(url, tmp_path / "remote.safetensors", progress=False)
+        got = op.stats()
     assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
     assert got["bytes"] <= ideal, (got, ideal)
 
@@ -474,17 +502,18 @@ def test_cache_room_keeps_blocks_while_a_fill_runs(
     c.put_object(Bucket="ckpts", Key="room/blob", Body=blob)  # type: ignore[attr-defined]
     url = "s3://ckpts/room/blob"
     monkeypatch.setattr(objread, "CACHE_BLOCKS", 2)
-    assert objstore.size(url) == len(blob)  # (its size is looked up once, then known)
+    with _op() as op:
+        assert objstore.size(url) == len(blob)  # (its size is looked up once, then known)
 
-    def read_all() -> int:
-        objstore.reset_stats()
-        for i in range(6):
-            buf = memoryview(bytearray(100))
-            objstore.read_into(url, i * objread.BLOCK + 7, buf)
-            assert bytes(buf) == blob[i * objread.BLOCK + 7 : i * objread.BLOCK + 107]
-        return objstore.stats()["requests"]
+        def read_all() -> int:
+            before = op.stats()["requests"]
+            for i in range(6):
+                buf = memoryview(bytearray(100))
+                objstore.read_into(url, i * objread.BLOCK + 7, buf)
+                assert bytes(buf) == blob[i * objread.BLOCK + 7 : i * objread.BLOCK + 107]
+            return op.stats()["requests"] - before
 
-    with objstore.cache_room(4 * objread.BLOCK):
-        assert read_all() == 6
-        assert read_all() == 0  # all six held: 2 + 4 of room
-    assert read_all() == 6  # back to 2 blocks: the oldest four were dropped on the way out
+        with objstore.cache_room(4 * objread.BLOCK):
+            assert read_all() == 6
+            assert read_all() == 0  # all six held: 2 + 4 of room
+        assert read_all() == 6  # back to 2 blocks: the oldest four were dropped on the way out

@@ -24,13 +24,16 @@ SRC = fixture("ds", "s3_fp32_w3_offall_sub_g2")
 
 
 def _procs(rank: int, world: int, url: str) -> dict[str, Any]:
-    from zckpt.io import objstore
+    from zckpt.io.session import Storage
 
-    objstore.reset_stats()
-    zckpt.consolidate(url, "s3://ckpts/dist/hf", max_shard_size="1KB", progress=False)
-    zckpt.reshard(url, "s3://ckpts/dist/native", world=5, to="native", progress=False)
-    zckpt.reshard(url, "s3://ckpts/dist/dcp", world=4, to="dcp", progress=False)
-    return {"uploads": objstore.stats()["uploads"]}
+    st = Storage()  # this process's share of the three jobs: its uploads are counted here
+    zckpt.consolidate(url, "s3://ckpts/dist/hf", max_shard_size="1KB", progress=False, distributed=True,
+                      storage=st)  # fmt: skip
+    zckpt.reshard(url, "s3://ckpts/dist/native", world=5, to="native", progress=False, distributed=True,
+                  storage=st)  # fmt: skip
+    zckpt.reshard(url, "s3://ckpts/dist/dcp", world=4, to="dcp", progress=False, distributed=True, storage=st)
+    st.close()
+    return {"uploads": st.stats()["uploads"]}
 
 
 def _tree(p: Path) -> dict[str, bytes]:
@@ -60,6 +63,7 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
     from _dist import outcome
 
     from zckpt.io import objstore, remote_staging
+    from zckpt.io.session import Storage
 
     made: list[str] = []
     init = remote_staging.Follower.__init__
@@ -70,11 +74,13 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
 
     remote_staging.Follower.__init__ = counted  # type: ignore[method-assign]
     if rank == 1:
-        remote_staging.on_this_host = lambda folder, url: False
-    objstore.reset_stats()
-    zckpt.consolidate(url, "s3://ckpts/nodes/hf", max_shard_size="1KB", progress=False)
-    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", progress=False)
-    uploads = objstore.stats()["uploads"]
+        remote_staging.on_this_host = lambda ticket: False
+    st = Storage()
+    opts: dict[str, Any] = {"progress": False, "distributed": True, "storage": st}
+    zckpt.consolidate(url, "s3://ckpts/nodes/hf", max_shard_size="1KB", **opts)
+    zckpt.reshard(url, "s3://ckpts/nodes/dcp", world=4, to="dcp", **opts)
+    uploads = st.stats()["uploads"]
+    st.close()
     if rank == 1:  # its small files (sidecars) fail to upload, after its shards streamed
 
         def fail(path: Path, *a: Any, **k: Any) -> None:
@@ -82,7 +88,7 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
 
         objstore.upload_file = fail
     failed = outcome(lambda: zckpt.consolidate(url, "s3://ckpts/nodes/failed", max_shard_size="1KB",
-                                               progress=False))  # fmt: skip
+                                               progress=False, distributed=True))  # fmt: skip
     return {"uploads": uploads, "failed": failed, "followers": made}
 
 

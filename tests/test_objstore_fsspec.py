@@ -13,7 +13,6 @@ from _fixtures import fixture
 from typer.testing import CliRunner
 
 from zckpt.cli.app import app
-from zckpt.io import objstore
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 
@@ -29,11 +28,9 @@ def mem() -> Iterator[object]:
     fs = fsspec.filesystem("memory")
     fs.store.clear()
     fs.pseudo_dirs[:] = [""]
-    objstore.configure(None)
     yield fs
     fs.store.clear()
     fs.pseudo_dirs[:] = [""]
-    objstore.configure(None)
 
 
 def _put(fs: object, folder: Path, prefix: str) -> str:

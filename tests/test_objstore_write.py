@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _s3
+import _slow_writes
 import pytest
 from _fixtures import fixture
 from typer.testing import CliRunner
@@ -35,9 +36,7 @@ def src(s3_server: _s3.Server) -> tuple[Path, str]:
 def s3env(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     for k, v in _s3.env_for(s3_server.url):
         monkeypatch.setenv(k, v)
-    objstore.configure(None)
     yield s3_server.client()
-    objstore.configure(None)
 
 
 def _cli(*args: object) -> tuple[int, str]:
@@ -72,7 +71,7 @@ def test_consolidate_to_bucket_is_byte_identical(
     assert _cli("consolidate", lp, tmp_path / "m.safetensors")[0] == 0
     code, out = _cli("consolidate", url, "s3://ckpts/wout/m.safetensors")
     assert code == 0, out
-    assert _s3.keys(c, "ckpts", "wout/") == ["wout/m.safetensors", "wout/m.safetensors.sha256.json"]
+    assert _s3.keys(c, "ckpts", "wout/") == ["wout/m.safetensors", "wout/m.safetensors.crc32.json"]
     body = c.get_object(Bucket="ckpts", Key="wout/m.safetensors")["Body"].read()  # type: ignore[attr-defined]
     assert body == (tmp_path / "m.safetensors").read_bytes()
     # an existing output is refused, and replaced with --overwrite
@@ -113,7 +112,6 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
     try:
         for k, v in _s3.env_for(proxy.url):
             monkeypatch.setenv(k, v)
-        objstore.configure(None)
         for to, last in (("native", "manifest.json"), ("dcp", ".metadata")):
             proxy.log.clear()
             assert _cli("reshard", src[1], f"s3://ckpts/word/{to}", "--world", "2", "--to", to)[0] == 0
@@ -121,9 +119,10 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
             done = [p.split("?")[0].rsplit("/", 1)[-1] for p in writes if "uploads" not in p.split("?")[-1]]
             assert done and last in done, done
             i = done.index(last)
-            assert all(n.endswith((".sha256", ".sha256.json")) or n in (last, "latest") for n in done[i:]), (
-                done
-            )
+            assert all(
+                n.endswith((".sha256", ".sha256.json", ".crc32.json")) or n in (last, "latest")
+                for n in done[i:]
+            ), done
             if to == "native":
                 assert done[-1] == "latest", done
         proxy.log.clear()
@@ -131,7 +130,6 @@ def test_publish_order_completing_object_last(src: tuple[Path, str], s3_server: 
         done = [p.split("?")[0].rsplit("/", 1)[-1] for m, p in proxy.log if m in ("PUT", "POST")]
         assert done[-1] == "model.safetensors.index.json", done
     finally:
-        objstore.configure(None)
         proxy.stop()
 
 
@@ -164,7 +162,7 @@ def test_sigkill_mid_upload_never_looks_complete(
     that does not look complete), or is complete and verifies clean: the tag folder once its manifest is
     there, the save folder once ``latest`` is. Never a manifest without its data."""
     env = {**os.environ, **dict(_s3.env_for(s3_server.url)), "ZCKPT_TEST_WRITE_DELAY": "0.2",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "PYTHONPATH": _slow_writes.child_pythonpath(Path(__file__).resolve().parents[1]),
            "TMPDIR": str(tmp_path)}  # fmt: skip  # a killed run's local stand-in stays: here, not in /tmp
     c = s3_server.client()
 
@@ -208,7 +206,6 @@ def test_sigkill_mid_upload_never_looks_complete(
         looks_complete = bool(manifests) or has_latest
         if looks_complete:
             assert manifests, names  # ``latest`` moves last: never before the tag's manifest
-            objstore.configure(None)
             # killed between the tag's manifest and ``latest``: the tag is complete, the save folder does not
             # name it yet; either way what looks complete verifies clean
             target = dst if has_latest else f"s3://ckpts/{manifests[0].rsplit('/', 1)[0]}"

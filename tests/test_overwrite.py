@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
-from zckpt.io.shards import HF_WEIGHT_BASES, family
+from zckpt.formats._names import HF_WEIGHT_BASES
+from zckpt.io.shards import family
 
 DS = "s1_bf16_w2"
 
@@ -51,12 +52,13 @@ def test_consolidate_folder_overwrite_keeps_files_zckpt_did_not_write(tmp_path: 
     for k in (1, 2, 3):
         (out / f"model-0000{k}-of-00003.safetensors").write_bytes(b"old")
         (out / f"model-0000{k}-of-00003.safetensors.sha256").write_text("x")
+        (out / f"model-0000{k}-of-00003.safetensors.sha256.json").write_text("x")  # an older zckpt's
     (out / "model.safetensors.index.json").write_text("{}")
     (out / "pytorch_model.bin").write_bytes(b"old")
     res = zckpt.consolidate(fixture("ds", DS), out, overwrite=True, progress=False)
     assert _listing(out) == sorted(
         ["README.md", "config.json", "mymodel.safetensors", "notes", "notes/eval.txt", "tokenizer.json",
-         "model.safetensors", "model.safetensors.sha256.json"]
+         "model.safetensors", "model.safetensors.crc32.json"]
     )  # fmt: skip
     for name, data in mine.items():
         assert (out / name).read_bytes() == data, name
@@ -75,7 +77,9 @@ def test_consolidate_folder_overwrite_fewer_shards_leaves_no_stale_shard(tmp_pat
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert shards == sorted(set(index["weight_map"].values())) and len(shards) < len(many)
-    assert sorted(p.name for p in out.glob("*.sha256*")) == [s + ".sha256.json" for s in shards]
+    assert sorted(p.name for p in out.glob("*.json") if p.name.startswith("model-")) == [
+        s + ".crc32.json" for s in shards
+    ]
     assert (out / "tokenizer.json").read_text() == "{}"
 
 
@@ -95,6 +99,7 @@ def test_copied_hf_files_replace_their_namesakes(tmp_path: Path) -> None:
 def test_hf_weight_family_names() -> None:
     owns = family(HF_WEIGHT_BASES)
     for n in ("model.safetensors", "model-00002-of-00009.safetensors.sha256", "pytorch_model.bin.index.json",
+              "model.safetensors.crc32.json", "model-00001-of-00002.safetensors.sha256.json",
               "pytorch_model-00001-of-00002.bin", "model.safetensors.index.json"):  # fmt: skip
         assert owns(n), n
     for n in ("config.json", "mymodel.safetensors", "model.safetensors.bak", "model-1-of-2.safetensors",

@@ -7,7 +7,7 @@ with ``--no-deps`` into a new venv that borrows this venv's site-packages for to
 after its own (so the installed copy of zckpt, not this checkout, is what runs). The dependency list is
 checked against ``pyproject.toml`` read with ``tomllib``. ``test_fresh_venv_pip_install`` (slow, needs the
 package index) does what the README says, for real: an empty venv, ``pip install SRC``, dependencies
-resolved by pip.
+resolved by pip. ``make demo``'s script, run with its tools stubbed, writes only into its own folder.
 """
 
 from __future__ import annotations
@@ -148,3 +148,54 @@ def test_fresh_venv_pip_install(tmp_path: Path) -> None:
     assert version.stdout == f"zckpt {zckpt.__version__}\n", version.stderr
     res = _run(py, "-m", "zckpt", "inspect", FIXTURE, "--json", cwd=tmp_path)
     assert res.returncode == 0 and json.loads(res.stdout)["format"] == "deepspeed", res.stderr
+
+
+# ---- issue 40.10: `make demo` writes only into its own folder --------------------------------------------
+_STUB = """#!/usr/bin/env bash
+printf '%s\\n' "$(basename "$0") $*" >> "$DEMO_LOG"
+prev=""
+for a in "$@"; do  # make what the real tools would make, so later steps find it
+  case "$prev" in --save) mkdir -p "$a" ;; esac
+  case "$a" in *.safetensors) [ "$prev" = consolidate ] || [ -e "$a" ] || : > "$a" ;; esac
+  prev=$a
+done
+"""
+
+
+def test_demo_leaves_the_users_paths_alone(tmp_path: Path) -> None:
+    """``make demo`` ran ``rm -rf out out-w2 model.safetensors demo-plots`` in the checkout: the names the
+    README's examples give a user's own checkpoint. The script is run in a copy of the checkout with the
+    tools stubbed (each logs its arguments): the user's files survive, every path a tool is given lies in
+    ``demo-out/``, and a ``demo-out/`` the demo did not make is refused, not deleted."""
+    root = tmp_path / "checkout"
+    (root / "docs" / "demo").mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / "demo" / "run.sh", root / "docs" / "demo" / "run.sh")
+    bin_ = root / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    for tool in ("torchrun", "zckpt", "python"):
+        (bin_ / tool).write_text(_STUB)
+        (bin_ / tool).chmod(0o755)
+    mine = {"out/keep.txt": "a", "out-w2/keep.txt": "b", "model.safetensors": "c", "demo-plots/keep.txt": "d"}
+    for rel, text in mine.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "DEMO_LOG": str(log)}
+    env.pop("DEMO_DIR", None)
+    for _ in range(2):  # twice: the second run replaces the first run's demo-out/
+        r = subprocess.run(
+            ["bash", "docs/demo/run.sh", "4", "2"], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert {rel: (root / rel).read_text() for rel in mine} == mine
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 * 11, calls  # each run: 3 trainings, 7 zckpt commands, 1 evaluation
+    paths = [a for c in calls for a in c.split()[1:] if "/" in a or a.endswith(".safetensors")]
+    outside = [a for a in paths if not (a.startswith("demo-out/") or a.startswith("docs/demo/"))]
+    assert paths and not outside, outside
+    assert "demo-out/" in r.stdout.splitlines()[-1]
+    (root / "demo-out" / ".zckpt-demo").unlink()  # now a folder the demo cannot call its own
+    (root / "demo-out" / "mine.txt").write_text("e")
+    r = subprocess.run(["bash", "docs/demo/run.sh"], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "demo-out exists and was not made by make demo" in r.stderr
+    assert (root / "demo-out" / "mine.txt").read_text() == "e"

@@ -102,22 +102,25 @@ def test_norms_and_rel_change_match_full_tensor_oracle(tmp_path: Path) -> None:
     assert t.norm_a == pytest.approx(float(x.norm()), rel=1e-12)
     assert t.norm_b == pytest.approx(float(y.norm()), rel=1e-12)
     assert t.norm_diff == pytest.approx(float((x - y).norm()), rel=1e-12)
-    assert t.rel_change == pytest.approx(float((y - x).norm() / x.norm()), rel=1e-12)
+    assert t.rel_l2 == pytest.approx(float((x - y).norm() / y.norm()), rel=1e-12)  # the one relative change
     same = by["model.layers.0.self_attn.q_proj.weight"]  # bit-identical fp32: the fast path's fp32 dot
-    assert same.norm_diff == 0 and same.rel_change == 0.0
+    assert same.norm_diff == 0 and same.rel_l2 == 0.0
     assert same.norm_a == pytest.approx(
         float(a["model.layers.0.self_attn.q_proj.weight"].double().norm()), 1e-6
     )
-    assert by[RESHAPED].rel_change is None and by[RESHAPED].norm_a is None
-    assert by[RETYPED].norm_diff == 0  # bf16 vs fp32, same values: compared in float64, norms summed
-    assert by[RETYPED].norm_a == pytest.approx(float(a[RETYPED].double().norm()), rel=1e-12)
+    assert by[RESHAPED].rel_l2 is None and by[RESHAPED].norm_a is None
+    # bf16 vs fp32, same values: compared at bf16 by default (bit-identical there, no norm summed) ...
+    assert by[RETYPED].compared_as == "bfloat16" and by[RETYPED].norm_diff == 0 and by[RETYPED].norm_a is None
+    full = {t.key: t for t in diff(ca, cb, progress=False, compare_dtype="full").tensors}[RETYPED]
+    assert full.norm_diff == 0  # ... and as stored, in float64, with the norms summed
+    assert full.norm_a == pytest.approx(float(a[RETYPED].double().norm()), rel=1e-12)
 
 
 def test_bit_identical_bf16_has_no_norm(tmp_path: Path) -> None:
     sd = {"w": torch.randn(40).bfloat16()}
     r = diff(make_ckpt(tmp_path / "a", sd), make_ckpt(tmp_path / "b", sd), progress=False)
     (t,) = r.tensors
-    assert (t.norm_a, t.norm_diff, t.rel_change) == (None, 0.0, 0.0)
+    assert (t.norm_a, t.norm_diff, t.rel_l2) == (None, 0.0, 0.0)
 
 
 # ---- diff figure data --------------------------------------------------------------------------------------
@@ -132,7 +135,7 @@ def test_diff_grid_one_hot_cell_and_markers(tmp_path: Path) -> None:
     x, y = a[NUDGED].double(), b[NUDGED].double()
     cell = h.cell("2", "up")
     assert cell.keys == (NUDGED,)
-    assert cell.rel == pytest.approx(float((y - x).norm() / x.norm()), rel=1e-12)
+    assert cell.rel == pytest.approx(float((x - y).norm() / y.norm()), rel=1e-12)
     xf, yf = x.flatten(), y.flatten()
     assert cell.cosine == pytest.approx(float(xf @ yf / xf.norm() / yf.norm()), rel=1e-12)
     assert (h.cell("1", "k").marks, h.cell("1", "k").rel) == ("A", None)
@@ -156,7 +159,7 @@ def test_cells_pool_weight_and_bias(tmp_path: Path) -> None:
     xa = torch.cat([a[k].double().flatten() for k in a])
     xb = torch.cat([b[k].double().flatten() for k in a])
     assert set(cell.keys) == set(a)
-    assert cell.rel == pytest.approx(float((xb - xa).norm() / xa.norm()), rel=1e-12)
+    assert cell.rel == pytest.approx(float((xa - xb).norm() / xb.norm()), rel=1e-12)
     assert cell.cosine == pytest.approx(float(xa @ xb / xa.norm() / xb.norm()), rel=1e-12)
 
 
@@ -242,7 +245,7 @@ def test_files_png_svg_and_self_contained_html(tmp_path: Path) -> None:
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)  # nothing fetched: opens offline
     assert "<script" not in page
     picture = page[page.index("<svg") : page.index("</svg>")]
-    assert f"<title>1 / k: ||B-A||/||A|| -\nonly in A\n{MISSING}</title>" in picture  # the cell's tooltip
+    assert f"<title>1 / k: ||A-B||/||B|| -\nonly in A\n{MISSING}</title>" in picture  # the cell's tooltip
     assert NUDGED in page and MISSING in page  # the tensor table and the only-in-A table
     assert not list(tmp_path.glob(".*tmp*"))
     import xml.dom.minidom

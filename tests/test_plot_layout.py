@@ -88,7 +88,9 @@ def _check(s: Scene, top_notes: list[str]) -> None:
 
 
 def _figure(a: Path | str, b: Path | str) -> tuple[Scene, list[str]]:
-    d = diff_plot(diff(a, b, progress=False))
+    """The figure of ``diff(a, b)`` with every tensor compared as stored (the layout is the subject here,
+    not the comparison dtype: a 16-bit side's rounding shows)."""
+    d = diff_plot(diff(a, b, progress=False, compare_dtype="full"))
     return diff_scene(d), [bar_note(bar) for bar in d.top]
 
 
@@ -126,19 +128,19 @@ def test_changes_over_nine_decades(tmp_path: Path) -> None:
     assert len(s.panels["top"].xticks) >= 3  # thinned, not emptied
 
 
-def _pair(tmp_path: Path, rels: dict[str, float], zero_a: str = "") -> tuple[Path, Path]:
-    """A: the GPT-2 fixture's fp32 weights; B: the same in float64 with every tensor of module ``m`` scaled by
-    ``1 + rels[m]`` (so its cell's and its bars' change is exactly ``rels[m]``); ``zero_a``: a tensor that is
-    all zeros in A (an infinite change)."""
+def _pair(tmp_path: Path, rels: dict[str, float], zero_b: str = "") -> tuple[Path, Path]:
+    """A: the GPT-2 fixture's fp32 weights; B: the same in float64 with every tensor of module ``m``
+    divided by ``1 + rels[m]`` (so its cell's and its bars' change ``||A-B||/||B||`` is exactly ``rels[m]``);
+    ``zero_b``: a tensor that is all zeros in B (an infinite change)."""
     ref = load_file(GPT2 / "ref_fp32.safetensors")
     a = dict(ref)
     b = {k: v.double() for k, v in ref.items()}
     for m, r in rels.items():
         for k in ref:
             if k.startswith(m + "."):
-                b[k] = ref[k].double() * (1 + r)
-    if zero_a:
-        a[zero_a] = torch.zeros_like(ref[zero_a])
+                b[k] = ref[k].double() / (1 + r)
+    if zero_b:
+        b[zero_b] = torch.zeros_like(b[zero_b])
     save_file(a, str(tmp_path / "a.safetensors"))
     save_file(b, str(tmp_path / "b.safetensors"))
     return tmp_path / "a.safetensors", tmp_path / "b.safetensors"
@@ -168,7 +170,7 @@ def test_colour_bars_and_axes_over_any_range(tmp_path: Path, rels: dict[str, flo
 
 
 def test_infinite_change_is_labelled_inside(tmp_path: Path) -> None:
-    a, b = _pair(tmp_path, {QKV0: 1e-4, UP0: 0.5}, zero_a="transformer.wte.weight")
+    a, b = _pair(tmp_path, {QKV0: 1e-4, UP0: 0.5}, zero_b="transformer.wte.weight")
     s, notes = _figure(a, b)
     _check(s, notes)
     assert notes[0].startswith("inf")

@@ -89,13 +89,13 @@ def test_layer_updates_match_oracle_one_pair_open_at_a_time(
             keys = [f"layers.{i}.{n}" for n in NAMES]
             xa = torch.cat([a[k].double().flatten() for k in keys])
             xb = torch.cat([b[k].double().flatten() for k in keys])
-            want = float((xb - xa).norm() / xa.norm())
+            want = float((xa - xb).norm() / xb.norm())  # B the reference, as diff's rel_l2
             assert d.values[i][j] == pytest.approx(want, rel=1e-12)
             assert (want > 0) == (i == moved)
         assert d.values[3][j] == 0.0
         weights = [k for k in a if k != "position_ids"]
         num = sum(float((b[k].double() - a[k].double()).norm() ** 2) for k in weights)
-        den = sum(float(a[k].double().norm() ** 2) for k in weights)
+        den = sum(float(b[k].double().norm() ** 2) for k in weights)
         # unchanged tensors' norms come from diff's bit-identical fast path (float32 dot): 1e-6, not 1e-12
         assert d.totals[j] == pytest.approx((num / den) ** 0.5, rel=1e-6)
 
@@ -144,3 +144,36 @@ def test_real_deepspeed_tag_folders(tmp_path: Path) -> None:
     assert (p.a.name, p.b.name, p.total, p.differing) == ("global_step3", "global_step12", 0.0, 0)
     d = series_plot(s)
     assert d.rows[: d.layer_rows] == ("0", "1") and all(v == 0.0 for row in d.values for v in row)
+
+
+def test_one_relative_change_in_table_plot_and_series(tmp_path: Path) -> None:
+    """Issue 40.5: the table's ``rel_l2``, the diff figure's cell and bar, and ``--series`` (rows, total,
+    JSON) show one figure, ``||A-B|| / ||B||``. B = 2A makes the two conventions disagree (0.5 and 1.0)."""
+    from zckpt.ops.diff import diff
+    from zckpt.ops.plots.grids import diff_plot
+
+    g = torch.Generator().manual_seed(4)
+    a = {"layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g)}
+    b = {k: 2 * v for k, v in a.items()}
+    run = tmp_path / "run"
+    for step, sd in ((1, a), (2, b)):
+        (run / f"step-{step}").mkdir(parents=True)
+        save_file(sd, run / f"step-{step}" / "model.safetensors", metadata={"format": "pt"})
+    x, y = (next(iter(sd.values())).double() for sd in (a, b))
+    want = float((x - y).norm() / y.norm())
+    assert want == pytest.approx(0.5, rel=1e-12)  # the oracle, from torch alone
+    r = diff(run / "step-1" / "model.safetensors", run / "step-2" / "model.safetensors", progress=False)
+    (t,) = r.tensors
+    assert t.rel_l2 == pytest.approx(want, rel=1e-12)
+    assert r.to_json()["tensors"][0]["rel_l2"] == pytest.approx(want, rel=1e-12)
+    d = diff_plot(r)
+    assert d.layers.cell("0", "up").rel == pytest.approx(want, rel=1e-12)
+    assert [bar.rel for bar in d.top] == [pytest.approx(want, rel=1e-12)]
+    s = diff_series(run, progress=False)
+    (p,) = s.pairs
+    assert p.total == pytest.approx(want, rel=1e-12)
+    assert series_plot(s).values[0][0] == pytest.approx(want, rel=1e-12)
+    js = s.to_json()["pairs"][0]
+    assert js["rel_change"] == pytest.approx(want, rel=1e-12)
+    assert js["rows"][0]["rel_change"] == pytest.approx(want, rel=1e-12)
+    assert "||A-B||/||B|| 0.5," in s.to_text()

@@ -406,3 +406,52 @@ def test_native_manifest_refuses_a_tensor_valued_option() -> None:
         "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99], "params": ["a"]}],
         "state_names": [],
     }
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "native", "dcp"])
+def test_progress_bar_ends_at_its_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str) -> None:
+    """Issue 40.4: the bar's total was an estimate of the bytes and the real files overshot it (``1.11GB
+    [00:01]``, no percentage). It now counts rank units, known before writing, ends at exactly 100 %, and the
+    bytes beside it are the rank files' real sizes."""
+    import io
+    import re
+
+    import zckpt.ops.reshard as reshard_mod
+    from zckpt.ops import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    bars: list[object] = []
+    screen = Terminal()
+
+    def shown(total: int, desc: str, **kw: object) -> object:  # the real bar, drawn to a string
+        bars.append(progress.bar(total, desc, **kw))  # type: ignore[arg-type]
+        return bars[-1]
+
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(reshard_mod, "progress_bar", shown)
+    res = reshard(FIX / "s1_bf16_w2", tmp_path / "out", world=3, to=to)
+    (b,) = bars
+    assert b.total == 3 and b.n == b.total, (b.total, b.n)  # type: ignore[attr-defined]
+    last = str(b)  # what the bar shows once every unit is written
+    assert "100%" in last and "3/3" in last, last
+    unit_file = re.compile(
+        r"(optim_states\.pt|zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt|\.distcp|rank_\d+\.safetensors)$"
+    )
+    rank_files = sum((tmp_path / "out" / f).stat().st_size for f in res.files if unit_file.search(f))
+    assert f"{progress.sized(rank_files)} written" in last, (last, res.files)
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "native"])
+def test_tag_from_a_dcp_source_is_its_step(tmp_path: Path, to: str) -> None:
+    """Issue 40.8: a DCP folder has no tag, and reshard named the output tag ``reshard`` though the source
+    records step 3 (its fixture's ``case.json``: 3 steps). The tag is DeepSpeed's name for that step."""
+    src = REPO / "fixtures" / "dcp" / "fsdp2_w2"
+    steps = json.loads((src / "case.json").read_text())["steps"]
+    res = reshard(src / "checkpoint", tmp_path / "out", world=3, to=to, progress=False)
+    assert res.tag == f"global_step{steps}"
+    assert (tmp_path / "out" / "latest").read_text().strip() == f"global_step{steps}"
+    with zckpt.open(tmp_path / "out") as ck:
+        assert (ck.meta.tag, ck.meta.step) == (f"global_step{steps}", steps)

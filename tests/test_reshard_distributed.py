@@ -45,7 +45,7 @@ def _procs(rank: int, world: int, root: str) -> dict[str, Any]:
 
     hf.write_file = counting
     for name, kw in CASES.items():
-        res = reshard(FIXTURE, out / name, world=5, progress=False, **kw)
+        res = reshard(FIXTURE, out / name, world=5, progress=False, distributed=True, **kw)
         seen[name] = {"files": res.files, "bytes": res.bytes_written, "stage": res.stage}
     hf.write_file = real
     seen["wrote"] = sorted(mine)  # the native case's rank files this process wrote itself
@@ -70,7 +70,7 @@ def _procs(rank: int, world: int, root: str) -> dict[str, Any]:
     hf.write_file = flaky
     try:
         seen["failed"] = outcome(
-            lambda: reshard(FIXTURE, out / "failed", world=5, to="native", progress=False)
+            lambda: reshard(FIXTURE, out / "failed", world=5, to="native", progress=False, distributed=True)
         )
     finally:
         hf.write_file = real

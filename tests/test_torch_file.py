@@ -3,9 +3,9 @@ checked against torch.save / torch.load(weights_only=True)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 def test_write_then_torch_load_weights_only(tmp_path: Path) -> None:
     items, tied = items_from_state_dict(SD)
     files = torch_file.write_torch(tmp_path / "m.bin", items, tied=tied)
-    assert sorted(f.name for f in files) == ["m.bin", "m.bin.sha256.json"]
+    assert sorted(f.name for f in files) == ["m.bin", "m.bin.crc32.json"]
     got = torch.load(tmp_path / "m.bin", weights_only=True)
     _assert_same(got, SD)
     # tied names come back as one tensor on one storage
@@ -52,14 +52,16 @@ def test_write_then_torch_load_weights_only(tmp_path: Path) -> None:
     # every storage record starts 64-byte aligned, like torch.save's
     _, records = torchzip.record_offsets(str(tmp_path / "m.bin"))
     assert all(off % 64 == 0 for name, (off, _) in records.items() if "/data/" in name)
-    # the sidecar: the sha256 of each 16 MiB block (one here), what sha256sum prints for it
-    side = json.loads((tmp_path / "m.bin.sha256.json").read_text())
+    # the sidecar: the CRC-32 of each 16 MiB block (one here), what zlib.crc32 computes for it
+    side = json.loads((tmp_path / "m.bin.crc32.json").read_text())
     raw = (tmp_path / "m.bin").read_bytes()
     assert side == {
+        "format": "zckpt-block-crc32",
+        "version": 1,
         "file": "m.bin",
         "size": len(raw),
         "block": 16 << 20,
-        "sha256": [hashlib.sha256(raw).hexdigest()],
+        "crc32": [f"{zlib.crc32(raw):08x}"],
     }
 
 

@@ -103,7 +103,9 @@ def test_trainer_folder_resharded_complete(case: str, world: int, per_device: in
     )
     assert (out / "trainer_state.json").read_text() == text  # only that value's digits changed
     written = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
-    assert set(res.files) == {n for n in written if not n.endswith((".sha256", ".sha256.json"))} - {"latest"}
+    assert set(res.files) == {
+        n for n in written if not n.endswith((".sha256", ".sha256.json", ".crc32.json"))
+    } - {"latest"}
     notes = "\n".join(res.notes)
     assert f"new rank r takes old rank r % {old}'s file" in notes
     if per_device != 2:
@@ -258,7 +260,7 @@ DIST = [("trainer_z2_w1", 2), ("trainer_z3off_w2", 3), ("trainer_z2_w2", 1)]
 def _dist_procs(rank: int, world: int, root: str) -> dict[str, Any]:
     seen = {}
     for case, w in DIST:
-        res = reshard(_src(case), Path(root) / "dist" / f"{case}-{w}", world=w, progress=False)
+        res = reshard(_src(case), Path(root) / "dist" / f"{case}-{w}", world=w, progress=False, distributed=True)
         seen[f"{case}-{w}"] = {"files": res.files, "notes": res.notes}
     return seen
 

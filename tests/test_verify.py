@@ -8,6 +8,7 @@ import json
 import shutil
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -72,18 +73,81 @@ def _check_json(r: VerifyReport) -> None:
 def test_clean_safetensors_with_sidecar(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     _write_st(f)
-    side = json.loads(f.with_name(f.name + ".sha256.json").read_text())  # block digests (16 MiB blocks)
+    side = json.loads(f.with_name(f.name + ".crc32.json").read_text())  # block CRC-32s (16 MiB blocks)
     raw, b = f.read_bytes(), side["block"]
+    assert side["format"] == "zckpt-block-crc32" and side["version"] == 1
     assert side["file"] == f.name and side["size"] == len(raw) and b == 16 << 20
-    assert side["sha256"] == [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
+    assert side["crc32"] == [f"{zlib.crc32(raw[a : a + b]):08x}" for a in range(0, len(raw), b)]
+    assert not f.with_name(f.name + ".sha256.json").exists()
     r = verify(f)
     assert r.ok and r.checksums == 1 and r.format == "hf", r.to_text()
     assert r.to_text().endswith("OK")
     _check_json(r)
 
 
+def test_older_sha256_block_sidecar_is_still_checked(tmp_path: Path) -> None:
+    """A ``<file>.sha256.json`` of an earlier zckpt (sha256 per block, made here with hashlib) is verified,
+    and a flipped byte is named by its block; a damaged one is not mistaken for the CRC sidecar's."""
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    f.with_name(f.name + ".crc32.json").unlink()
+    raw, b = f.read_bytes(), 4096
+    digests = [hashlib.sha256(raw[a : a + b]).hexdigest() for a in range(0, len(raw), b)]
+    side = {"file": f.name, "size": len(raw), "block": b, "sha256": digests}
+    f.with_name(f.name + ".sha256.json").write_text(json.dumps(side))
+    r = verify(f)
+    assert r.ok and r.checksums == len(digests), r.to_text()
+    _flip(f, len(raw) - 10)
+    r = verify(f)
+    k = (len(raw) - 10) // b
+    assert [p.kind for p in r.problems] == ["checksum"], r.to_text()
+    assert f"sha256 of bytes [{k * b}, {len(raw)}) (block {k})" in str(r.problems[0])
+
+
+def test_sha256_on_request(tmp_path: Path) -> None:
+    """``verify --sha256`` also prints each file's whole sha256 in ``sha256sum`` format (hashlib is the
+    oracle) and lists them in ``--json``; without it the JSON has no such key."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    files = _write_st(tmp_path / "hf", max_shard_size=600)
+    assert len(files) >= 2
+    want = {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.suffix == ".safetensors"}
+    r = verify(tmp_path / "hf", sha256=True)
+    assert r.ok and dict(r.sha256) == want, r.to_text()
+    js = r.to_json()
+    validate(js, SCHEMA)
+    assert js["sha256"] == want and "sha256" not in verify(tmp_path / "hf").to_json()
+    res = CliRunner().invoke(app, ["verify", str(tmp_path / "hf"), "--sha256"])
+    assert res.exit_code == 0, res.output
+    sums = [ln for ln in res.output.splitlines() if "  " in ln and not ln.endswith("OK")]
+    assert sums == [f"{d}  {f}" for f, d in want.items()]
+    (tmp_path / "SUMS").write_text("\n".join(sums) + "\n")
+    ok = subprocess.run(["sha256sum", "-c", "--quiet", str(tmp_path / "SUMS")], capture_output=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_crc_sidecar_of_a_later_version_or_another_format_is_named(tmp_path: Path) -> None:
+    """A ``.crc32.json`` of a later version is reported as unsupported (never read as if it were version 1);
+    one without the format's name is corrupt."""
+    f = tmp_path / "model.safetensors"
+    _write_st(f)
+    side = f.with_name(f.name + ".crc32.json")
+    doc = json.loads(side.read_text())
+    side.write_text(json.dumps({**doc, "version": 2}))
+    r = verify(f)
+    assert [(p.file, p.kind) for p in r.problems] == [(str(side), "unsupported")], r.to_text()
+    assert "version 2" in str(r.problems[0]) and "upgrade zckpt" in (r.problems[0].hint or "")
+    side.write_text(json.dumps({k: v for k, v in doc.items() if k != "format"}))
+    r = verify(f)
+    assert [(p.file, p.kind) for p in r.problems] == [(str(side), "corrupt")], r.to_text()
+
+
 @pytest.mark.parametrize("stand_in", ["dev-zero", "fifo", "dangling-link", "folder"])
-@pytest.mark.parametrize("suffix", [".sha256.json", ".sha256"])
+@pytest.mark.parametrize("suffix", [".crc32.json", ".sha256.json", ".sha256"])
 def test_sidecar_that_is_no_regular_file_is_named(stand_in: str, suffix: str, tmp_path: Path) -> None:
     """A checksum sidecar replaced by a device, a FIFO, a link to nothing or a folder: verify names it and
     consolidate refuses naming it (before, it read as "no sidecar": OK, checksums unchecked)."""
@@ -94,7 +158,7 @@ def test_sidecar_that_is_no_regular_file_is_named(stand_in: str, suffix: str, tm
 
     f = tmp_path / "model.safetensors"
     _write_st(f)
-    f.with_name(f.name + ".sha256.json").unlink()
+    f.with_name(f.name + ".crc32.json").unlink()
     side = f.with_name(f.name + suffix)
     if stand_in == "dev-zero":
         side.symlink_to("/dev/zero")
@@ -120,7 +184,7 @@ def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
     _flip(f, f.stat().st_size - 10)  # inside tensor data: the header still parses
     r = verify(f)
     assert not r.ok and [p.kind for p in r.problems] == ["checksum"]
-    assert r.problems[0].file == str(f) and "sha256" in str(r.problems[0])
+    assert r.problems[0].file == str(f) and "crc32 of bytes" in str(r.problems[0])
     _check_json(r)
 
 
@@ -277,7 +341,7 @@ def test_cli(tmp_path: Path) -> None:
     assert res.exit_code == 0 and json.loads(res.output)["ok"] is True
     _flip(f, f.stat().st_size - 1)
     res = run(app, ["verify", str(f)])
-    assert res.exit_code == 1 and res.output.startswith(f"{f}: sha256 ")
+    assert res.exit_code == 1 and res.output.startswith(f"{f}: crc32 ")
     js = json.loads(run(app, ["verify", str(f), "--json"]).output)
     validate(js, SCHEMA)
     assert js["problems"][0]["kind"] == "checksum"
@@ -322,3 +386,51 @@ def test_native_manifest_checksums_and_rank_files(tmp_path: Path) -> None:
     ranks[2].write_bytes(saved[: len(saved) // 3])
     r = verify(out)
     assert not r.ok and {Path(p.file).name for p in r.problems} == {ranks[2].name}, r.to_text()
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_one_damaged_file_is_one_problem_in_one_path_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: bool
+) -> None:
+    """Issue 40.2: a truncated DeepSpeed rank file was reported twice, by the reader (absolute path) and by
+    the file check (the path as given), and counted as "2 problems in 2 files". One line, one path form (the
+    user's), and the summary counts one problem in one file; ``--json`` agrees."""
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    ck = _ds_copy(tmp_path, "s1_bf16_w2")
+    f = ck / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:-100])
+    monkeypatch.chdir(tmp_path)
+    arg = Path(ck.name) if relative else ck
+    want = str(arg / "global_step3" / f.name)
+    res = CliRunner().invoke(app, ["verify", str(arg)])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 2, res.output
+    assert lines[0].startswith(f"{want}: ") and lines[1].endswith(": 1 problem in 1 file"), res.output
+    js = json.loads(CliRunner().invoke(app, ["verify", str(arg), "--json"]).output)
+    validate(js, SCHEMA)
+    assert [p["file"] for p in js["problems"]] == [want]
+
+
+def test_progress_bar_counts_the_bytes_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal, verify shows a bar of the bytes of the files checked, out of their total (issue 40
+    point 3: a verify of a bucket said nothing for 52 s); ``progress=False`` shows none."""
+    import io
+    import sys
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    files = _write_st(tmp_path / "hf", max_shard_size=600)
+    total = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert verify(tmp_path / "hf").ok
+    out = err.getvalue()
+    assert "verify:   0%|" in out and f"/{total / 1024:.2f}k [" in out, out
+    err2 = Tty()
+    monkeypatch.setattr(sys, "stderr", err2)
+    assert verify(tmp_path / "hf", progress=False).ok and err2.getvalue() == ""

@@ -60,9 +60,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     "inspect": ("zckpt.ops.inspect", "inspect"),
     "reshard": ("zckpt.ops.reshard", "reshard"),
     "verify": ("zckpt.ops.verify", "verify"),
+    "Storage": ("zckpt.io.session", "Storage"),
 }
 __all__ = [
-    "Checkpoint", "CheckpointMeta", "Role", "TensorEntry", "TrainingState", "ZckptError",
+    "Checkpoint", "CheckpointMeta", "Role", "Storage", "TensorEntry", "TrainingState", "ZckptError",
     "consolidate", "diff", "diff_series", "errors", "inspect", "open", "reshard", "verify",
 ]  # fmt: skip
 
@@ -71,6 +72,7 @@ if _typing.TYPE_CHECKING:
     from zckpt.checkpoint import Checkpoint
     from zckpt.errors import ZckptError
     from zckpt.formats import open_checkpoint as open  # noqa: A004
+    from zckpt.io.session import Storage
     from zckpt.model import Role, TensorEntry
     from zckpt.ops.consolidate import consolidate
     from zckpt.ops.diff import diff

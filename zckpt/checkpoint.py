@@ -1,7 +1,9 @@
 """The lazy ``Checkpoint``: a checkpoint's entries and manifest (``zckpt.model``) plus on-demand reads.
 
 Every format reader returns one; every operation works on one. Tensor bytes are read only when asked
-for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly that tensor's pieces).
+for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly that tensor's pieces), with
+the ``zckpt.io.session.Storage`` it was opened with (``attach``): its open files, its object-store client
+and the listings it saw, one consistent view for the checkpoint's lifetime.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from zckpt.errors import CorruptCheckpoint, MissingKey
-from zckpt.io import spans, storage
+from zckpt.io import session, spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
 
@@ -25,7 +27,11 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     """A lazily read checkpoint. A ``Mapping`` of model tensors (params, frozen params, buffers and
     tied aliases) keyed by state-dict name; ``ckpt[name]`` reads that one tensor.
 
-    Optimizer states are reached through ``optim_keys()`` / ``read(key)`` / ``entries``.
+    The mapping is exactly the model: ``key in ckpt``, ``ckpt[key]``, ``iter``, ``len``, ``keys()``,
+    ``items()`` and ``==`` agree (``collections.abc.Mapping``'s laws). Optimizer states
+    (``"<param>:<state>"``) are no keys of it: they are reached through ``optim_keys()`` and
+    ``read(key)`` (``ckpt["w:exp_avg"]`` is a ``KeyError`` whose hint says so), and ``entries`` holds
+    every tensor's entry.
     """
 
     def __init__(self, meta: CheckpointMeta, entries: list[TensorEntry]) -> None:
@@ -54,11 +60,27 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                 )
         self._model_keys = [k for k, e in self.entries.items() if e.role.is_model]
         self._model_keys += [a for a in meta.tied if a not in self.entries]
+        self.storage: session.Storage | None = None
+        """What its bytes are read through (``attach``)."""
+        self._owns_storage = False
+
+    def attach(self, st: session.Storage, *, owned: bool) -> None:
+        """Read through ``st`` from now on; ``owned``: ``close`` closes it (else only this checkpoint's
+        files in it)."""
+        self.storage, self._owns_storage = st, owned
 
     # -- Mapping -------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> torch.Tensor:
-        """``ckpt[name]``: read one model tensor (or optimizer state); a missing name raises
-        ``MissingKey``, a ``KeyError``."""
+        """``ckpt[name]``: read one model tensor; a name that is no model tensor (an optimizer state
+        included) raises ``MissingKey``, a ``KeyError``."""
+        if key not in self:
+            e = self.entries.get(key) if isinstance(key, str) else None
+            if e is not None:  # an optimizer state: in the checkpoint, not in the model mapping
+                raise MissingKey(
+                    f"{self.meta.path}: {key!r} is an optimizer state, not a model tensor",
+                    hint=f"read it with ckpt.read({key!r}); ckpt.optim_keys() lists them",
+                )
+            raise MissingKey(f"{self.meta.path}: no tensor {key!r}", hint="`zckpt inspect` lists the keys")
         return self.read(key)
 
     def __iter__(self) -> Iterator[str]:
@@ -68,7 +90,11 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return len(self._model_keys)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and (key in self.entries or key in self.meta.tied)
+        """A model tensor's name (tied aliases included); optimizer states are not keys (class doc)."""
+        if not isinstance(key, str):
+            return False
+        e = self.entries.get(key)
+        return e.role.is_model if e is not None else key in self.meta.tied
 
     # -- lazy access ---------------------------------------------------------------------------
     def entry(self, key: str) -> TensorEntry:
@@ -90,13 +116,23 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return [e for e in self.entries.values() if e.role.is_model]
 
     def read(self, key: str | TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read one logical tensor (and nothing else) into memory, optionally cast."""
+        """Read one logical tensor (and nothing else) into memory, optionally cast: any key of ``entries``
+        (model tensors and optimizer states ``"<param>:<state>"``), a tied alias or an entry."""
         e = key if isinstance(key, TensorEntry) else self.entry(key)
-        return spans.read_entry(e, dtype)
+        if self.storage is None or session.bound_storage() is self.storage:
+            return spans.read_entry(e, dtype)
+        with self.storage.bound():
+            return spans.read_entry(e, dtype)
 
     def close(self) -> None:
-        """Release the open files and maps (also on leaving a ``with`` block)."""
-        storage.close_files(self.meta.files)
+        """Release the open files and maps (also on leaving a ``with`` block), and the storage it made."""
+        st = self.storage
+        if st is None:
+            storage.close_files(self.meta.files)
+        elif self._owns_storage:
+            st.close()
+        else:
+            st.files.close(self.meta.files)
 
     def __enter__(self) -> Checkpoint:
         return self

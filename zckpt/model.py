@@ -124,8 +124,9 @@ class Role(str, enum.Enum):
 class Checked:
     """A stored byte range whose checksum is recorded: ``size`` bytes at ``start`` of ``file`` with CRC-32
     ``crc32`` (a zip record), or a whole file with its ``sha256`` (a ``.sha256`` sidecar, a native
-    manifest's digest) or its ``blocks``' sha256s (a ``.sha256.json`` sidecar); ``what`` names it. Pieces
-    inside it carry it so reads can verify it."""
+    manifest's digest) or its ``blocks``' digests (``algorithm``: ``crc32`` from a ``.crc32.json`` sidecar,
+    ``sha256`` from a ``.sha256.json`` one or a native manifest); ``what`` names it. Pieces inside it carry
+    it so reads can verify it."""
 
     file: str
     start: int
@@ -134,8 +135,10 @@ class Checked:
     what: str
     sha256: str | None = None
     block: int = 0
-    """With ``blocks``: the file's sha256 per ``block`` bytes (a ``.sha256.json`` sidecar), not whole."""
+    """With ``blocks``: the file's digest per ``block`` bytes (a block sidecar), not whole."""
     blocks: tuple[str, ...] = ()
+    algorithm: str = "sha256"
+    """Of ``blocks`` (hex): ``crc32`` or ``sha256``."""
 
 
 @dataclass(frozen=True, eq=False)

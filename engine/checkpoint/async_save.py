@@ -46,8 +46,11 @@ from engine.checkpoint.content import RankSave, predict_bytes
 from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
 from zckpt.formats.native import write as W
+from zckpt.io import objstore
 from zckpt.io.items import WriteItem
 from zckpt.io.safetensors import FilePlan, FileRecord
+from zckpt.io.session import Storage
+from zckpt.io.threads import start
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -107,17 +110,18 @@ class AsyncSaver:
         self._error: BaseException | None = None
         _LIVE.add(self)
 
-    def submit(self, job: RankSave, t0: float) -> None:
-        """Snapshot ``job``'s items (blocking), then write and publish them on a background thread. A
-        failed snapshot is raised here, once the other ranks know of it (their save fails too)."""
+    def submit(self, job: RankSave, t0: float, st: Storage) -> None:
+        """Snapshot ``job``'s items (blocking), then write and publish them on a background thread, through
+        the save's ``st`` (closed when the thread ends). A failed snapshot is raised here, once the other
+        ranks know of it (their save fails too)."""
         try:
             plan = self._snapshot(job.items, job.model_record)
         except Exception as e:
-            self._start(replace(job, items=[]), None, e, t0)
+            self._start(replace(job, items=[]), None, e, t0, st)
             with contextlib.suppress(CheckpointSaveError):
                 self.wait()  # the peers learn of it; the snapshot's own error is raised below
             raise
-        self._start(replace(job, items=[]), plan, None, t0)  # the live tensors are free to change now
+        self._start(replace(job, items=[]), plan, None, t0, st)  # the live tensors are free to change now
 
     def _snapshot(self, items: list[WriteItem], model: dict[str, str] | None) -> FilePlan:
         """The rank file of ``items`` (and rank 0's ``model`` record) laid out in ``staging``; its layout."""
@@ -129,14 +133,30 @@ class AsyncSaver:
         self.staging.settle()
         return plan
 
-    def _start(self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float) -> None:
+    def _start(
+        self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float, st: Storage
+    ) -> None:
         self._job = job
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._run, args=(job, plan, failed, t0, blocked),
-                                        name=f"engine-ckpt-{job.tag}", daemon=False)  # fmt: skip
-        self._thread.start()
+        args = (job, plan, failed, t0, blocked, st)
+        self._thread = start(self._run, args=args, name=f"engine-ckpt-{job.tag}", daemon=False)
 
     def _run(
+        self,
+        job: RankSave,
+        plan: FilePlan | None,
+        failed: Exception | None,
+        t0: float,
+        blocked: float,
+        st: Storage,
+    ) -> None:
+        try:
+            with st.bound():
+                self._write(job, plan, failed, t0, blocked)
+        finally:
+            st.close()
+
+    def _write(
         self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float, blocked: float
     ) -> None:
         stats: dict[str, Any] = {}
@@ -184,8 +204,8 @@ class AsyncSaver:
         job = self._job
         if job is None or (self._thread is None and self._error is None):
             return
-        want = Path(folder).resolve()
-        if want in (job.root.resolve(), job.tag_dir.resolve()):
+        want = _place(folder)
+        if want in (_place(job.root), _place(job.tag_dir)):
             self.wait()
 
     def close(self) -> None:
@@ -196,6 +216,13 @@ class AsyncSaver:
             self.staging.release()
             self.group.destroy()
             _LIVE.discard(self)
+
+
+def _place(x: str | os.PathLike[str]) -> str:
+    """Where ``x`` is, comparable across spellings: an object URL normalised (``s3://b/k``, whatever
+    ``pathlib`` made of it), a local path resolved."""
+    u = objstore.parse(x)
+    return str(u) if u is not None else str(Path(x).resolve())
 
 
 def _flat(it: WriteItem) -> torch.Tensor:

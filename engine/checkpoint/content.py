@@ -26,7 +26,6 @@ from engine.checkpoint_optim import state_layout
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import record
 from zckpt.formats.native import write as W
-from zckpt.io import objstore, remote_staging
 from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.model import Role, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
@@ -36,10 +35,8 @@ if TYPE_CHECKING:
 
 
 def staging_dir(save_dir: Path, tag: str) -> Path:
-    """Where the ranks of one save write the tag folder before rank 0 publishes it (for an ``s3://`` save
-    dir, a local stand-in whose data files stream to the bucket: ``zckpt.io.remote_staging``)."""
-    if objstore.is_url(save_dir):
-        return remote_staging.local_stand_in(f"{objstore.as_path(save_dir)}/{tag}")
+    """Where the ranks of one save into a local ``save_dir`` write the tag folder before rank 0 publishes it
+    (an ``s3://`` save dir gets a fresh local stand-in instead: ``engine.checkpoint.save.prepare``)."""
     return save_dir / f".{tag}.staging"
 
 
@@ -72,6 +69,10 @@ class RankSave:
     """This rank's Python and NumPy RNG states (JSON), for the manifest."""
     manifest: ManifestArgs | None
     save_latest: bool
+    stage: Path | None = None
+    """Where this rank writes its file (``prepare``); None: ``staging_dir``."""
+    generation: str | None = None
+    """The generation in the rank files' names (an ``s3://`` save: ``prepare``)."""
 
     @property
     def model_record(self) -> dict[str, str] | None:
@@ -85,11 +86,11 @@ class RankSave:
 
     @property
     def stage_dir(self) -> Path:
-        return staging_dir(self.root, self.tag)
+        return self.stage if self.stage is not None else staging_dir(self.root, self.tag)
 
     @property
     def rank_path(self) -> Path:
-        return self.stage_dir / L.rank_file(self.rank)
+        return self.stage_dir / L.rank_file(self.rank, self.generation)
 
 
 def capture(

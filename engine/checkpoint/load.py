@@ -33,6 +33,7 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
 from zckpt.formats.native import layout as L
+from zckpt.io import session
 from zckpt.io.objstore import as_path
 from zckpt.io.spans import read_entry
 from zckpt.model import Role, TensorEntry
@@ -95,7 +96,25 @@ def load(
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
     vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded.
     ``module_only`` (DeepSpeed's ``load_module_only``; the caller also turns off the optimizer and scheduler
-    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed."""
+    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed. The load runs with
+    a ``zckpt.io.session.Storage`` of its own (its reads, listings and client), closed when it returns."""
+    with session.operation(session.Storage()) as st:
+        try:
+            flags = (load_optimizer_states, load_lr_scheduler_states, strict, module_only)
+            return _load(eng, load_dir, tag, *flags)
+        finally:
+            st.close()
+
+
+def _load(
+    eng: Engine,
+    load_dir: str | os.PathLike[str],
+    tag: str | None,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    strict: bool,
+    module_only: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
     t0 = time.perf_counter()
     ckpt = _open(as_path(load_dir), tag)
     if ckpt is None:

@@ -26,6 +26,7 @@ from zckpt.errors import CorruptCheckpoint
 from zckpt.io import direct_io, storage
 from zckpt.io.direct_io import ALIGN
 from zckpt.io.spans import spans
+from zckpt.io.threads import Pool
 from zckpt.model import TensorEntry
 
 CHUNK = 64 << 20
@@ -87,7 +88,7 @@ class ReadPlan:
         if size:
             cuda = any(s.dst.device.type == "cuda" for segs in files.values() for s in segs)
             bufs = [_buffer(size, cuda) for _ in range(DEPTH + 1)]
-            with ThreadPoolExecutor(DEPTH, thread_name_prefix="engine-read") as pool:
+            with Pool(DEPTH, thread_name_prefix="engine-read") as pool:
                 for path, segs in files.items():
                     _read_file(path, segs, chunks[path], bufs, pool, waits)
         for dst, tmp in self._casts:
@@ -173,7 +174,8 @@ def _read_file(
 ) -> None:
     """Read ``chunks`` of ``path`` (``DEPTH`` in flight, into ``bufs`` in turn), scatter into ``segs``."""
     fd = storage.open_fd(path)
-    remote = fd < -1  # an object (s3://): ranged GETs through zckpt.io.storage, no O_DIRECT
+    local = fd.fd  # None: an object (s3://), ranged GETs through zckpt.io.storage, no O_DIRECT
+    remote = local is None
     dfd = None if remote else direct_io.open_direct(path)
     waits.direct &= dfd is not None
     events = _Events(len(bufs))
@@ -195,10 +197,10 @@ def _read_file(
                 drain()
             events.wait(i, waits)
             view = memoryview(bufs[i].numpy()).cast("B")[: b - a]  # type: ignore[arg-type]
-            if remote:
+            if local is None:
                 fut = pool.submit(storage.pread_into, fd, view, a)
             else:
-                fut = pool.submit(direct_io.read_direct, dfd, fd, a, view)
+                fut = pool.submit(direct_io.read_direct, dfd, local, a, view)
             pending.append((a, b, i, fut))
         while pending:
             drain()

@@ -3,19 +3,26 @@
 Protocol (both modes; every rank calls ``save``):
 
 1. rank 0 empties the staging folder ``.<tag>.staging`` (a killed save's leftovers) and a barrier on the
-   training group follows, so no rank writes into it before (an ``s3://`` save dir: a local stand-in whose
-   rank files stream to the bucket; a rank on another node makes its node's own stand-in after the barrier,
-   reports the object it uploaded with its result, and removes that stand-in once the save is over);
+   training group follows, so no rank writes into it before. An ``s3://`` save dir: rank 0 makes a fresh
+   local stand-in (``zckpt.io.remote_staging.stand_in``) whose rank files stream to the bucket under a fresh
+   generation (``rank_00000.g<16 hex>.safetensors``: keys no earlier save used, so the previous save of the
+   tag stays whole while they upload) and broadcasts it; a rank on another node makes its node's own
+   stand-in, reports the object it uploaded with its result, and removes that stand-in once the save is over;
 2. each rank captures its part (``engine.checkpoint.content``) and writes its rank file into the staging
    folder through the native format's one writer (``zckpt.formats.native.write``): ``write_rank`` straight
    from the live tensors (synchronous), or ``write_rank_views`` from the snapshot (asynchronous,
    ``engine.checkpoint.async_save``); the file is fsynced when it closes;
 3. ``write_and_publish``: every rank's (record, RNG, error) is all-gathered; rank 0 -- only when every rank
    succeeded -- writes ``manifest.json``, fsyncs the folder, publishes it as ``<tag>`` (an atomic swap when
-   the tag exists) and then moves ``latest``; rank 0 broadcasts the outcome, which keeps every rank in the
+   the tag exists; in a bucket, the manifest naming the new generation replaces the old one in one PUT, and
+   the previous generation's objects are deleted after it) and then moves ``latest``; rank 0 broadcasts the
+   outcome, which keeps every rank in the
    save until ``latest`` moved and makes a failure on any rank fail the save on every rank (the failing rank
-   raises its own error, the others ``CheckpointSaveError``); a failed save's staging folder is removed and
-   ``latest`` still names the previous checkpoint.
+   raises its own error, the others ``CheckpointSaveError``); a failed save's staging folder (its uploaded
+   objects) is removed and ``latest`` still names the previous checkpoint, whole. A failure after the new
+   manifest landed (moving ``latest``) leaves the new tag whole and says so.
+
+Every save runs with a ``zckpt.io.session.Storage`` of its own (a background save keeps it until it ends).
 
 Synchronous saves run step 3 on the training group. Asynchronous ones run steps 2 (the write) and 3 on a
 background thread, over a separate gloo group (``SideGroup``): collectives issued from a second thread on
@@ -28,7 +35,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,8 +44,11 @@ from engine.checkpoint.content import RankSave, capture, staging_dir
 from engine.config import WriterConfig
 from zckpt.errors import WriteFailed
 from zckpt.formats._latest import write_latest
+from zckpt.formats._names import PUBLISH_ORDER
+from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
-from zckpt.io import objstore, remote_staging
+from zckpt.io import objstore, remote_staging, session
+from zckpt.io.digest import SIDECARS
 from zckpt.io.direct_io import ALIGN, WriteOptions
 from zckpt.io.objstore import as_path
 from zckpt.io.safetensors import FileRecord
@@ -103,37 +114,55 @@ def save(
         saver.wait()  # one save at a time; the previous one's error surfaces here
     root = as_path(save_dir)
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
-    prepare(eng, root, tag)
-    job = capture(eng, root, tag, client_state or {}, save_latest, exclude_frozen)
-    if saver is not None:
-        saver.submit(job, t0)
-        return job.tag_dir
-    stats: dict[str, Any] = {}
-    opts = write_options(eng.config.checkpoint.writer)
-    model = job.model_record
-    write_and_publish(job, eng.comm, lambda: W.write_rank(job.rank_path, job.items, opts=opts,
-                                                          on_stats=stats.update, model=model))  # fmt: skip
+    st = session.Storage()
+    handed = False
+    try:
+        with st.bound():
+            stage, gen = prepare(eng, root, tag)
+            job = capture(eng, root, tag, client_state or {}, save_latest, exclude_frozen)
+            job = replace(job, stage=stage, generation=gen)
+            if saver is not None:
+                saver.submit(job, t0, st)  # the background save closes the storage when it ends
+                handed = True
+                return job.tag_dir
+            stats: dict[str, Any] = {}
+            opts = write_options(eng.config.checkpoint.writer)
+            model = job.model_record
+            path, items = job.rank_path, job.items
+            write_and_publish(
+                job,
+                eng.comm,
+                lambda: W.write_rank(path, items, opts=opts, on_stats=stats.update, model=model),
+            )
+    finally:
+        if not handed:
+            st.close()
     took = time.perf_counter() - t0
     eng.checkpoint_stats = {"tag": tag, "mode": "sync", "blocked_s": took, "total_s": took, "write": stats}
     report(eng, eng.checkpoint_stats)
     return job.tag_dir
 
 
-def prepare(eng: Engine, root: Path, tag: str) -> None:
-    """Step 1: a fresh staging folder, created by rank 0 before any rank writes into it. For an ``s3://``
-    save dir, a rank on another node than rank 0 (where that folder is not) then makes its host's own
-    stand-in for the same tag folder (its rank file streams from there to the bucket)."""
-    stage = staging_dir(root, tag)
-    remote = objstore.is_url(root)
-    if eng.comm.rank == 0:
-        shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
-        stage.mkdir(parents=True)
-        if remote:  # ranks stream their rank files from here to the bucket
-            remote_staging.mark(stage, root / tag)
-    eng.comm.barrier()
-    if remote and not remote_staging.on_this_host(stage, str(as_path(root / tag))):
-        stage.mkdir(parents=True, exist_ok=True)
-        remote_staging.mark(stage, root / tag)
+def prepare(eng: Engine, root: Path, tag: str) -> tuple[Path, str | None]:
+    """Step 1: (the folder this rank writes its file into, the rank files' generation). A fresh staging
+    folder, created by rank 0 before any rank writes into it. For an ``s3://`` save dir: rank 0's fresh
+    stand-in and a fresh generation, broadcast; a rank on another node than rank 0 (where that folder is not)
+    makes its host's own stand-in for the same tag folder (its rank file streams from there to the
+    bucket)."""
+    if not objstore.is_url(root):
+        stage = staging_dir(root, tag)
+        if eng.comm.rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
+            stage.mkdir(parents=True)
+        eng.comm.barrier()
+        return stage, None
+    mine = (
+        (remote_staging.stand_in(root / tag, PUBLISH_ORDER), L.new_generation())
+        if eng.comm.rank == 0
+        else None
+    )
+    ticket, gen = eng.comm.broadcast_object(mine)
+    return (Path(ticket.folder) if mine is not None else remote_staging.join(ticket)), gen
 
 
 def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecord]) -> None:
@@ -149,30 +178,40 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
         mine = RankResult(None, job.rng, f"rank {job.rank}: {type(e).__name__}: {e}")
     results = group.all_gather_object(mine)
     err = next((r.error for r in results if r.error), None)
+    phase = ["writing"]
     if job.rank == 0:
         if err is None:
             try:
-                _publish(job, results)
+                _publish(job, results, phase)
             except Exception as e:
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
-        if err is not None:
-            if remote:  # every rank's uploaded file, wherever its node
+                if phase[0] == "published":
+                    err = f"{_PUBLISHED} ({e}); `latest` still names the previous tag"
+        if err is not None and phase[0] != "published":
+            if remote:  # every rank's uploaded file, wherever its node (never the previous save's)
                 remote_staging.discard_dir(job.stage_dir, [u for r in results for u in r.uploaded])
             else:
                 shutil.rmtree(job.stage_dir, ignore_errors=True)
     err = group.broadcast_object(err)
-    if remote and job.rank != 0 and remote_staging.on_this_host(job.stage_dir, str(as_path(job.tag_dir))):
-        shutil.rmtree(job.stage_dir, ignore_errors=True)  # another node's stand-in (rank 0 removed its own)
+    if remote and job.rank != 0 and job.stage_dir.is_dir():  # this node's share of rank 0's stand-in, or
+        remote_staging.unregister(job.stage_dir)  # its own stand-in on another node: removed
+        shutil.rmtree(job.stage_dir, ignore_errors=True)
+    if err is not None and err.startswith(_PUBLISHED):  # the new tag is whole; only `latest` did not move
+        raise CheckpointSaveError(f"{job.tag_dir}: {err}", path=str(job.tag_dir)) from own
     if own is not None:
         raise own
     if err is not None:
-        raise CheckpointSaveError(f"{job.tag_dir}: not saved ({err}); `latest` is unchanged",
-                                  path=str(job.tag_dir))  # fmt: skip
+        raise CheckpointSaveError(f"{job.tag_dir}: not saved ({err}); `latest` is unchanged, the previous "
+                                  "save is whole", path=str(job.tag_dir))  # fmt: skip
 
 
-def _publish(job: RankSave, results: list[RankResult]) -> None:
-    """Rank 0, every rank file written: manifest, fsync, publish the folder, then move ``latest``."""
+_PUBLISHED = "published whole, but moving `latest` failed"
+
+
+def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None:
+    """Rank 0, every rank file written: manifest, fsync, publish the folder, then move ``latest``.
+    ``phase[0]`` becomes ``"published"`` once the tag is in place (a later failure leaves it whole)."""
     m = job.manifest
     assert m is not None
     records = [r.record for r in results if r.record is not None]
@@ -187,16 +226,56 @@ def _publish(job: RankSave, results: list[RankResult]) -> None:
         client_state=m.client_state,
         rng=[r.rng for r in results],
         records=records,
+        generation=job.generation,
     )
     W.write_manifest(job.stage_dir, man)
     for f in job.stage_dir.iterdir():
         fsync_path(f)
     fsync_path(job.stage_dir)
-    publish_folder(
-        job.stage_dir, job.tag_dir, overwrite=True, uploaded=[u for r in results for u in r.uploaded]
-    )
+    if objstore.is_url(job.root):
+        before = _previous_files(job.tag_dir)
+        done = remote_staging.publish_dir(
+            job.stage_dir,
+            job.tag_dir,
+            PUBLISH_ORDER,
+            _superseded,
+            also=[u for r in results for u in r.uploaded],
+        )
+        dead = sorted(u.rsplit("/", 1)[1] for u in done.deleted if u.rsplit("/", 1)[1] not in before)
+        if dead:
+            warnings.warn(f"{job.tag_dir}: deleted {len(dead)} object(s) of an unfinished earlier save "
+                          f"({dead[0]}{', ...' if len(dead) > 1 else ''})", stacklevel=4)  # fmt: skip
+        if done.left:
+            warnings.warn(f"{job.tag_dir}: the previous save's objects were not all deleted; the next save "
+                          "of this tag deletes them", stacklevel=4)  # fmt: skip
+    else:
+        publish_folder(job.stage_dir, job.tag_dir, overwrite=True)
+    phase[0] = "published"
     if job.save_latest:
         write_latest(job.root, job.tag)
+
+
+def _previous_files(tag_dir: Path) -> set[str]:
+    """The files (and their sidecars) the tag's current manifest in the bucket names: the previous good
+    save's, deleted after the new one lands without a word; none when there is no readable manifest."""
+    from zckpt.formats.native import load_manifest
+
+    try:
+        man = load_manifest(tag_dir)
+    except Exception:  # noqa: BLE001 - no previous save, or a damaged one: nothing of it to recognise
+        return set()
+    return {n + side for n in man.files for side in ("", *SIDECARS)}
+
+
+def _superseded(rel: str) -> bool:
+    """An object of a tag folder in a bucket that a new save replaces: a rank file of any generation and its
+    sidecars (the new save's own are kept by ``publish_dir``); never a file zckpt did not write."""
+    name, _, side = rel.partition(".safetensors")
+    return (
+        "/" not in rel
+        and L.RANK_FILE.fullmatch(name + ".safetensors") is not None
+        and side in ("", *SIDECARS)
+    )
 
 
 def report(eng: Engine, stats: dict[str, Any]) -> None:

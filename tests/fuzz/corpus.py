@@ -36,7 +36,7 @@ FIXTURES = ROOT / "fixtures" / "ds"
 PY = sys.executable
 DEFAULT_CACHE = Path(os.environ.get("ZCKPT_FUZZ_CACHE", Path(tempfile.gettempdir()) / "zckpt-fuzz-cache"))
 
-KINDS = ("deepspeed", "native", "safetensors", "hf", "bin", "hf-bin", "dcp")
+KINDS = ("deepspeed", "native", "safetensors", "hf", "bin", "hf-bin", "dcp", "megatron")
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,31 @@ def _build_dcp(cache: Path, bases: list[Base]) -> None:
         bases.append(b)
 
 
+MEGATRON_FIXTURES = ROOT / "fixtures" / "megatron"
+MEGATRON_BASES = {  # base name (short: Megatron's keys make long error lines already): fixture case
+    "mg-distopt": "tp2dp2_bf16_distopt",
+    "mg-tp2pp2": "tp2pp2_bf16_llama",
+    "mg-tp1": "tp1_fp32_llama",
+    "mg-gpt2": "tp2_fp32_gpt2",
+}
+
+
+def _build_megatron(cache: Path, bases: list[Base]) -> None:
+    for name, case in MEGATRON_BASES.items():
+        src = MEGATRON_FIXTURES / case / "ckpt"
+        if not src.is_dir():
+            raise RuntimeError(
+                f"corpus: Megatron fixture missing: {src} (fixtures/megatron/make_megatron_fixtures.py)"
+            )
+        folder = cache / name
+        folder.mkdir()
+        shutil.copytree(src, folder / "ckpt")
+        world = json.loads((MEGATRON_FIXTURES / case / "case.json").read_text())["world"]
+        b = Base(name, "megatron", "ckpt", world)
+        b.save(folder)
+        bases.append(b)
+
+
 def cache_key() -> str:
     h = hashlib.sha256(Path(__file__).read_bytes())
     for case, donor in DS_FIXTURES.values():
@@ -247,6 +272,10 @@ def cache_key() -> str:
                     h.update(f.name.encode() + f.read_bytes())
     for case, sub in DCP_BASES.values():
         for f in sorted((DCP_FIXTURES / case / sub).rglob("*")):
+            if f.is_file():
+                h.update(f.name.encode() + f.read_bytes())
+    for case in MEGATRON_BASES.values():
+        for f in sorted((MEGATRON_FIXTURES / case / "ckpt").rglob("*")):
             if f.is_file():
                 h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:12]
@@ -267,6 +296,7 @@ def build(cache: Path = DEFAULT_CACHE) -> list[Base]:
         _build_engine_bases(work, bases)
         _build_consolidated(work, bases)
         _build_dcp(work, bases)
+        _build_megatron(work, bases)
         (work / "done").write_text("\n".join(b.name for b in bases) + "\n")
         if final.exists():
             shutil.rmtree(final)

@@ -26,7 +26,7 @@ import re
 import shutil
 from pathlib import Path
 
-from tests.fuzz import dcp, layout, scenarios, structural
+from tests.fuzz import dcp, layout, megatron, scenarios, structural
 from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import (
     ALL_KINDS,
@@ -376,7 +376,10 @@ FAMILIES: dict[str, list[Op]] = {
     **structural.FAMILIES,
     **scenarios.FAMILIES,
     **dcp.FAMILIES,
+    **megatron.FAMILIES,
 }
 DCP_FAMILIES = tuple(dcp.FAMILIES)
+MEGATRON_FAMILIES = tuple(megatron.FAMILIES)
+"""Run only when named (``--families`` / ``--megatron``), as the DCP families."""
 """Run only when named (``--families`` / ``--dcp``): the default selection, and so every earlier seed's
 cases, stay as they were."""

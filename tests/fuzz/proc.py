@@ -67,7 +67,9 @@ def command_line(args: list[str], *, no_dac: bool = False) -> list[str]:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZCKPT_")}
-    env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "120", "NO_COLOR": "1"})
+    # the tests folder and its _site: a ZCKPT_TEST_WRITE_DELAY in ``extra`` slows the child's writes there
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "_site"))
+    env.update({"PYTHONPATH": path, "COLUMNS": "120", "NO_COLOR": "1"})
     env.update(extra or {})
     return env
 

@@ -6,6 +6,7 @@
     python -m tests.fuzz.suite --ops concurrent-consolidates shape-bool --cases 10 -v   # chosen mutators
     python -m tests.fuzz.suite --seed 1 --index 77 113 --keep -v      # replay cases of a report, keep copies
     python -m tests.fuzz.suite --dcp --seed 11 --cases 300 --report dcp.json   # the DCP families only
+    python -m tests.fuzz.suite --megatron --seed 0 --cases 100 --report meg.json  # the Megatron families
 
 Case ``i`` of seed ``S`` is fully determined by ``(S, i)``: its family (round-robin over the selected
 families, so each gets its share), mutator and base (``random.Random(f"{S}:{i}")``), the damage, and the
@@ -35,7 +36,7 @@ from typing import Any
 from tests.fuzz import corpus, mutation, runner
 from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import NotApplicable, Op
-from tests.fuzz.mutators import DCP_FAMILIES, FAMILIES
+from tests.fuzz.mutators import DCP_FAMILIES, FAMILIES, MEGATRON_FAMILIES
 
 FAST_SEED, FAST_CASES = 0, 60
 TRIES = 8
@@ -183,6 +184,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per case")
     ap.add_argument("--list", action="store_true", help="list the families and their mutators, then exit")
     ap.add_argument("--dcp", action="store_true", help=f"the DCP families ({', '.join(DCP_FAMILIES)})")
+    ap.add_argument(
+        "--megatron", action="store_true", help=f"the Megatron families ({', '.join(MEGATRON_FAMILIES)})"
+    )
     a = ap.parse_args(argv)
     a.seed = (FAST_SEED if a.fast else 1) if a.seed is None else a.seed
     a.cases = (FAST_CASES if a.fast else 400) if a.cases is None else a.cases
@@ -190,7 +194,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.ops and set(a.ops) - names:
         ap.error(f"unknown mutators {sorted(set(a.ops) - names)}; --list shows them")
     holding = sorted(f for f, ops in FAMILIES.items() if a.ops and {o.name for o in ops} & set(a.ops))
-    default = sorted(DCP_FAMILIES) if a.dcp else sorted(f for f in FAMILIES if f not in DCP_FAMILIES)
+    named = (*DCP_FAMILIES, *MEGATRON_FAMILIES)
+    default = (sorted(DCP_FAMILIES) if a.dcp else sorted(MEGATRON_FAMILIES) if a.megatron
+               else sorted(f for f in FAMILIES if f not in named))  # fmt: skip
     a.families = a.families or holding or default
     if a.ops:
         a.families = [f for f in a.families if {o.name for o in FAMILIES[f]} & set(a.ops)]

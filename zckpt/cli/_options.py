@@ -89,10 +89,3 @@ StorageOpt = Annotated[
         show_default=False,
     ),
 ]
-
-
-def use_storage_options(pairs: list[str] | None) -> None:
-    """Apply ``--storage-option`` pairs to this process's object-store client."""
-    from zckpt.io import objstore
-
-    objstore.configure(objstore.parse_options(pairs))

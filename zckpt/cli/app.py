@@ -18,6 +18,7 @@ import functools
 import gc
 import importlib
 import os
+import re
 import signal
 import traceback
 import warnings
@@ -84,51 +85,96 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
         _preopen(kwargs)
         _leave_startup()
-        from zckpt.io import interrupts  # after torch's import, which ``_leave_startup`` guards
+        from zckpt.io import objstore, session  # after torch's import, which ``_leave_startup`` guards
 
-        start = interrupts.mark()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always" if debug else "default")
-                if not debug:  # library warnings as one `warning: ...` line, not file:line + source
-                    warnings.showwarning = _one_line_warning
-                out = fn(*args, **kwargs)
-            _done()
-            return out
-        except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
-            _done()
-            raise
+            options = objstore.parse_options(kwargs.get("storage_option"))
         except ZckptError as e:
-            if debug:
-                traceback.print_exc()
             Output.error(str(e), e.hint)
             raise typer.Exit(EXIT_ERROR) from None
-        except BrokenPipeError:  # `zckpt inspect ... | head`: the reader left; stop quietly, as cat does
-            _silence_stdout()
-            raise typer.Exit(EXIT_BROKEN_PIPE) from None
-        except OSError as e:
-            if debug:
-                traceback.print_exc()
-            where = f"{e.filename}: " if e.filename else ""
-            Output.error(f"{where}{e.strerror or e}")
-            raise typer.Exit(EXIT_ERROR) from None
-        except KeyboardInterrupt as e:
-            stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
-            if interrupts.published_since(start):  # it came after the output was in place: the job is done
-                Output.warning(f"{stopped} after the output was published; it is complete")
-                return None
-            Output.error(f"{stopped}; no partial output was left behind")
-            _said.interrupted = True
-            raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
-        except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
-            if debug:
-                traceback.print_exc()
-            Output.error(f"unexpected {type(e).__name__}: {e}",
-                         "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
-                         "traceback to report")  # fmt: skip
-            raise typer.Exit(EXIT_ERROR) from None
+        st = session.Storage(options)  # the command's one Storage (its s3:// client, caches, open files)
+        try:
+            with st.bound():
+                return _run(fn, args, kwargs, st, debug)
+        finally:
+            st.close()
 
     return run
+
+
+def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, debug: bool) -> Any:
+    """The command ``fn`` with its errors as one line and its interrupts reported truthfully (``st``: the
+    command's ``Storage``, bound)."""
+    from zckpt.errors import ZckptError
+    from zckpt.io import interrupts
+
+    start = interrupts.mark()
+    try:
+        _refuse_bare_schemes(kwargs)
+        from zckpt.io import env
+
+        env.check()  # a bad ZCKPT_WORKERS is one line before any work, not an error mid-write
+        with warnings.catch_warnings():
+            warnings.simplefilter("always" if debug else "default")
+            if not debug:  # library warnings as one `warning: ...` line, not file:line + source
+                warnings.showwarning = _one_line_warning
+            out = fn(*args, **kwargs)
+        _done()
+        return out
+    except typer.Exit:  # a command's own exit status (diff: 1 = different; verify: 1 = problems)
+        _done()
+        raise
+    except ZckptError as e:
+        if debug:
+            traceback.print_exc()
+        Output.error(str(e), e.hint)
+        raise typer.Exit(EXIT_ERROR) from None
+    except BrokenPipeError:  # `zckpt inspect ... | head`: the reader left; stop quietly, as cat does
+        _silence_stdout()
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename else ""
+        Output.error(f"{where}{e.strerror or e}")
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt as e:
+        stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
+        if interrupts.published_since(start):  # it came after the output was in place: the job is done
+            Output.warning(f"{stopped} after the output was published; it is complete")
+            return None
+        if st.left:  # what a given-up output could not delete: say so, never "nothing left"
+            shown = ", ".join(st.left[:3]) + (f" (+{len(st.left) - 3} more)" if len(st.left) > 3 else "")
+            Output.error(f"{stopped}; {len(st.left)} object(s) of the unfinished output could not be "
+                         f"deleted: {shown}", "delete them before writing there again")  # fmt: skip
+        else:
+            Output.error(f"{stopped}; no partial output was left behind")
+        _said.interrupted = True
+        raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
+    except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
+        if debug:
+            traceback.print_exc()
+        Output.error(f"unexpected {type(e).__name__}: {e}",
+                     "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
+                     "traceback to report")  # fmt: skip
+        raise typer.Exit(EXIT_ERROR) from None
+
+
+_BARE_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/*")
+
+
+def _refuse_bare_schemes(kwargs: dict[str, Any]) -> None:
+    """A path argument that is a URL with no bucket (``zckpt inspect s3://``, which typer hands over as the
+    path ``s3:``) in one line, not as a local file named ``s3:`` that does not exist."""
+    from zckpt.errors import InvalidArgument
+
+    for value in kwargs.values():
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        m = _BARE_SCHEME.fullmatch(os.fspath(value))
+        if m is not None and not os.path.lexists(value):
+            s = m.group(1)
+            raise InvalidArgument(f"{s}://: the URL names no bucket", hint=f"give {s}://BUCKET/PATH")
 
 
 _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}

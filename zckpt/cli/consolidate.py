@@ -24,7 +24,6 @@ from zckpt.cli._options import (
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -107,7 +106,6 @@ def command(
     parameters come from the fp32 masters; tied weights are stored once in safetensors and recorded
     as aliases.
     """
-    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.consolidate import consolidate
 
@@ -126,14 +124,15 @@ def command(
         trust_pickle=trust_pickle,
         workers=workers,
         verify_data=verify_data,
-        distributed=distributed or None,
+        distributed=distributed,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return
     o = Output(json=json)
     o.result(res.to_json())
     dts = ", ".join(f"{n} {d}" for d, n in res.dtypes.items())
-    o.text(f"wrote {res.tensors} tensors ({human_bytes(res.bytes)}; {dts}) to {res.out}")
+    n = f"{res.tensors} tensor{'s' * (res.tensors != 1)}"
+    o.text(f"wrote {n} ({human_bytes(res.bytes)}; {dts}) to {res.out}")
     for f in res.files:
         o.text(f"  {f}")
     if res.tied:

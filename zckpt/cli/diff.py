@@ -20,7 +20,6 @@ from zckpt.cli._options import (
     TrustPickleOpt,
     VerifyDataOpt,
     check_plot,
-    use_storage_options,
 )
 from zckpt.cli._output import Output
 from zckpt.errors import ZckptError
@@ -28,11 +27,18 @@ from zckpt.errors import ZckptError
 NAME = "diff"
 EXIT_DIFFERENT = 1
 EPILOG = f"""Reports keys only in A or B, shape and dtype mismatches, and per tensor the max abs and max
-rel difference, relative L2, cosine similarity, fraction changed and NaN/Inf counts. Values are
-compared in float64 after exact upcasting (integers exactly), so the same values stored in bf16 and
-in fp32 are equal unless --strict-dtype. A tensor differs when |a-b| > atol + rtol*|b| anywhere.
+rel difference, relative L2 ||A-B||/||B||, cosine similarity, fraction changed and NaN/Inf counts.
+Values are compared in float64 (integers exactly). A tensor differs when |a-b| > atol + rtol*|b|
+anywhere; B is the reference of every relative figure.
 
---plot FILE draws layer x role heatmaps of ||B-A||/||A|| and cosine, with the most-changed tensors.
+--dtype picks the dtype values are compared at. auto (default): a tensor stored in two float dtypes
+is compared at the narrower one (bf16 against fp16: at B's), the other side cast to it as
+consolidate casts, so a checkpoint and its 16-bit export are EQUAL (said as "A cast to bfloat16 as
+stored in B"); full: every tensor as stored, every rounding difference shows; fp32, bf16, fp16:
+every float tensor cast to it first.
+A dtype mismatch is not a difference of its own unless --strict-dtype.
+
+--plot FILE draws layer x role heatmaps of ||A-B||/||B|| and cosine, with the most-changed tensors.
 --series RUN_DIR diffs each consecutive pair of the checkpoints in RUN_DIR instead (global_stepN,
 checkpoint-N, step-N; by step; one pair open at a time); --plot then draws layer x step.
 
@@ -46,7 +52,8 @@ verdict).
 Examples:
 
 \b
-  zckpt diff out/ model.safetensors --atol 1e-6
+  zckpt diff out/ model.safetensors
+  zckpt diff out/ model.safetensors --dtype full --atol 1e-6
   zckpt diff A B --keys 'layers.0.*' --map module.= --top 10
   zckpt diff --series out/ --plot series.png
 """
@@ -93,8 +100,13 @@ TopOpt = Annotated[
 ]
 StrictDtypeOpt = Annotated[
     bool,
-    typer.Option("--strict-dtype", help="Count a dtype-only difference as a difference."),
+    typer.Option("--strict-dtype", help="Count a dtype mismatch as a difference, even where values agree."),
 ]
+CompareDtypeOpt = Annotated[
+    str,
+    typer.Option("--dtype", metavar="auto|full|fp32|bf16|fp16",
+                 help="Dtype to compare at: auto (two dtypes: the narrower), full (as stored), or one."),
+]  # fmt: skip
 IgnoreDtypeOpt = Annotated[
     bool,
     typer.Option("--ignore-dtype", hidden=True, help="The default now (kept for old scripts); no effect."),
@@ -117,6 +129,7 @@ def command(
     map: MapOpt = None,
     top: TopOpt = None,
     strict_dtype: StrictDtypeOpt = False,
+    dtype: CompareDtypeOpt = "auto",
     ignore_dtype: IgnoreDtypeOpt = False,
     tag_a: TagAOpt = None,
     tag_b: TagBOpt = None,
@@ -132,7 +145,6 @@ def command(
 
     Streamed chunk by chunk, in bounded memory for any tensor size.
     """
-    use_storage_options(storage_option)
     from zckpt.ops.diff import diff
 
     check_plot(plot, preload=series is not None)  # the series figure is matplotlib's; diff's is not
@@ -153,6 +165,7 @@ def command(
         map=tuple(map or ()),
         top=top if json and plot is None else None,
         strict_dtype=strict_dtype and not ignore_dtype,
+        compare_dtype=dtype,
         tag_a=tag_a,
         tag_b=tag_b,
         progress=progress and not json,

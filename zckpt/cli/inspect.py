@@ -16,7 +16,6 @@ from zckpt.cli._options import (
     TagOpt,
     TrustPickleOpt,
     check_plot,
-    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -49,7 +48,6 @@ def command(
 
     Reads its metadata only: no tensor data unless --stats.
     """
-    use_storage_options(storage_option)
     from zckpt.ops.inspect import inspect
 
     check_plot(plot)

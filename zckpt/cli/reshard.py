@@ -25,7 +25,6 @@ from zckpt.cli._options import (
     TagOpt,
     TrustPickleOpt,
     VerifyDataOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output, human_bytes
 
@@ -105,7 +104,6 @@ def command(
 
     Optimizer states, scheduler, RNG and client state included; see below.
     """
-    use_storage_options(storage_option)
     from zckpt.ops import group as dist
     from zckpt.ops.reshard import reshard
 
@@ -120,7 +118,7 @@ def command(
         overwrite=overwrite,
         progress=progress and not json,
         trust_pickle=trust_pickle,
-        distributed=distributed or None,
+        distributed=distributed,
         verify_data=verify_data,
     )
     if distributed and int(os.environ.get("RANK", "0")) != 0:
@@ -128,9 +126,11 @@ def command(
     o = Output(json=json)
     o.result(dataclasses.asdict(res))
     zero = f" ZeRO-{res.stage}" if res.stage is not None else ""
+    tag = f", tag {res.tag}" if res.tag is not None else ""
+    files = f"{len(res.files)} file{'s' * (len(res.files) != 1)}"
     o.text(
         f"{res.src} ({res.src_format}, world {res.src_world}) -> {res.dst} ({res.dst_format}{zero}, world "
-        f"{res.world}, tag {res.tag}): {len(res.files)} files, {human_bytes(res.bytes_written)} "
+        f"{res.world}{tag}): {files}, {human_bytes(res.bytes_written)} "
         f"in {res.seconds:.1f}s"
     )
     for n in res.notes:

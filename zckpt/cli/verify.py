@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from zckpt.cli._options import (
@@ -9,18 +11,19 @@ from zckpt.cli._options import (
     PICKLES,
     CkptArg,
     JsonOpt,
+    ProgressOpt,
     StorageOpt,
     TagOpt,
     TrustPickleOpt,
-    use_storage_options,
 )
 from zckpt.cli._output import Output
 
 NAME = "verify"
 EPILOG = f"""Checks that every file is present and readable, no stray or stale rank files, a consistent
 world size and partition sizes, intact safetensors headers and zip CRC-32s, and recomputes recorded
-checksums (.sha256 and .sha256.json sidecars, manifests). Prints one line per problem, naming the
-file.
+checksums (.crc32.json, .sha256.json and .sha256 sidecars, manifests). Prints one line per problem,
+naming the file. --sha256 also prints each file's whole sha256 as sha256sum does (for `sha256sum -c`, or to
+compare with a digest published elsewhere, such as the Hugging Face Hub's).
 
 Exit status: 0 clean, 1 problems found, 2 error.
 
@@ -37,12 +40,16 @@ def command(
     json: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     storage_option: StorageOpt = None,
+    progress: ProgressOpt = True,
+    sha256: Annotated[
+        bool,
+        typer.Option("--sha256", help="Also compute and print each file's whole sha256 (sha256sum format)."),
+    ] = False,
 ) -> None:
     """Check a checkpoint's integrity without a trainer."""
-    use_storage_options(storage_option)
     from zckpt.ops.verify import verify
 
-    r = verify(ckpt, tag=tag, trust_pickle=trust_pickle)
+    r = verify(ckpt, tag=tag, trust_pickle=trust_pickle, sha256=sha256, progress=progress and not json)
     out = Output(json=json)
     out.result(r.to_json())
     out.text(r.to_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
@@ -14,12 +15,13 @@ from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, Unknow
 from zckpt.formats._latest import LATEST, refuse_dangling, valid_tag
 from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
-from zckpt.io import objstore, storage
+from zckpt.io import objstore, session, storage
 from zckpt.io.objstore import as_path
 
 _MODULES = (
     "zckpt.formats.native",
     "zckpt.formats.deepspeed",
+    "zckpt.formats.megatron",
     "zckpt.formats.dcp",
     "zckpt.formats.hf",
     "zckpt.formats.torch_file",
@@ -28,6 +30,7 @@ _SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 _TELLTALES = (
     "manifest.json",
     "latest",
+    "latest_checkpointed_iteration.txt",
     ".metadata",
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
@@ -143,6 +146,8 @@ def open_checkpoint(
     format: str | None = None,
     trust_pickle: bool = False,
     model_only: bool = False,
+    storage_options: Mapping[str, str] | None = None,
+    storage: session.Storage | None = None,
 ) -> Checkpoint:
     """Open a checkpoint lazily: headers and metadata only; tensor bytes are read on access.
 
@@ -159,6 +164,10 @@ def open_checkpoint(
         model_only: the model tensors are all the caller needs: a format may then leave out optimizer
             and training state (DCP does: it opens only the model chunks' archives, each when its tensor
             is first read, so a damaged archive is reported then), and ``optim_keys()`` may be empty.
+        storage_options: the object-store client's options for an ``s3://`` path (``zckpt.io.objstore``).
+        storage: a ``zckpt.Storage`` to read through (yours to close); by default the checkpoint makes its
+            own, from ``storage_options``, and closes it with itself. The checkpoint sees the files as they
+            were listed while it is open: open it again to see a newer save.
 
     Returns:
         A ``Checkpoint``: a ``Mapping`` of model tensors by state-dict name (``ckpt["emb.weight"]`` reads
@@ -182,8 +191,21 @@ def open_checkpoint(
         ...     w = ckpt["emb.weight"]           # reads only this tensor's pieces
         ...     ckpt.get("missing", None)        # a Mapping: None, no error
     """
-    check_access(as_path(path), tag)
-    fmt = get(format) if format is not None else detect(path)
-    if model_only:
-        return fmt.read_model(as_path(path), tag=tag, trust_pickle=trust_pickle)
-    return fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)
+    given = storage if storage is not None else session.bound_storage()
+    if given is not None and storage_options and storage is None:
+        given = None  # called inside an operation, with options of its own: a storage of its own
+    st = given if given is not None else session.Storage(storage_options)
+    try:
+        with st.bound():
+            check_access(as_path(path), tag)
+            fmt = get(format) if format is not None else detect(path)
+            if model_only:
+                ck = fmt.read_model(as_path(path), tag=tag, trust_pickle=trust_pickle)
+            else:
+                ck = fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)
+    except BaseException:
+        if given is None:
+            st.close()
+        raise
+    ck.attach(st, owned=given is None)
+    return ck

@@ -36,11 +36,8 @@ class Node:
         self.where = where
 
     def fail(self, expected: str, hint: str | None = None) -> CorruptCheckpoint:
-        what = (
-            f"{self.where} is {_show(self.value)}"
-            if self.where
-            else f"top level is {type(self.value).__name__}"
-        )
+        where = self.where if len(self.where) <= 90 else f"{self.where[:45]}...{self.where[-42:]}"
+        what = f"{where} is {_show(self.value)}" if where else f"top level is {type(self.value).__name__}"
         return CorruptCheckpoint(f"{self.file}: {what}, expected {expected}", hint=hint, path=self.file)
 
     def _child(self, value: Any, key: object) -> Node:

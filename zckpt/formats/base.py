@@ -44,10 +44,16 @@ class WritePlan:
     """What the conversion changed that the user should know (batch size, dropped states)."""
     digest: tuple[object, ...] = field(default=(), compare=False)
     """Anything else every process must agree on (checked before writing)."""
+    generation: str | None = None
+    """A name part for the data files (``zckpt.io.remote_staging.RemoteStaging.generation``: an output that
+    replaces another in an object store), for writers whose completing file names them (``generations``)."""
 
 
 class CheckpointWriter(abc.ABC):
     """Writes a training checkpoint of any ``Checkpoint`` for another world size."""
+
+    generations: ClassVar[bool] = False
+    """Its completing file names its data files, so they can carry ``WritePlan.generation``."""
 
     @abc.abstractmethod
     def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan: ...
@@ -118,3 +124,9 @@ class Format(abc.ABC):
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Format-specific integrity checks (the reader's own cross-checks already ran in ``read``)."""
         return []
+
+    def hf_model(self, ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, object]] | None:
+        """For a format whose names are not Hugging Face's (Megatron): ``ckpt`` under HF names and the
+        ``config.json`` that goes with it, which ``consolidate`` to a folder writes; None: write the names
+        as they are (the default). Raises ``Unsupported`` when the model maps to no HF architecture."""
+        return None

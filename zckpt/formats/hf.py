@@ -27,12 +27,13 @@ from typing import Any, ClassVar
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
+from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import integrity, safetensors, storage
 from zckpt.io.integrity import SIDECARS, Problem, VerifyContext
 from zckpt.io.items import WriteItem
-from zckpt.io.shards import HF_WEIGHT_BASES, family, planned_names, write_sharded
-from zckpt.io.staging import Staging
+from zckpt.io.shards import family, planned_names, write_sharded
+from zckpt.io.staging import open_staging
 from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 
@@ -63,8 +64,8 @@ _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
 def _sidecar_check(path: Path) -> Checked | None:
-    """The whole-file sha256 of ``<path>.sha256``, or the block sha256s of ``<path>.sha256.json``, verified as
-    the file's tensors are read."""
+    """The whole-file sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of
+    an older ``<path>.sha256.json``), verified as the file's tensors are read."""
     digest = integrity.sidecar_digest(path)
     if isinstance(digest, Problem):
         raise CorruptCheckpoint(
@@ -72,21 +73,23 @@ def _sidecar_check(path: Path) -> Checked | None:
         )
     if digest is not None:
         return Checked(str(path), 0, storage.size(path), None, "checksum sidecar", sha256=digest)
-    blocks = integrity.block_sidecar_digest(path)
+    found = integrity.block_sidecars(path)
+    if not found:
+        return None
+    suffix, blocks = found[0]
     if isinstance(blocks, Problem):
         raise CorruptCheckpoint(
             str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
         )
-    if blocks is None:
-        return None
     d, size = blocks
     if size != storage.size(path):
         raise CorruptCheckpoint(
-            f"{path}: {storage.size(path)} bytes, but its block-digest sidecar records {size}",
+            f"{path}: {storage.size(path)} bytes, but its sidecar {path.name + suffix} records {size}",
             hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
             path=str(path),
         )
-    return Checked(str(path), 0, size, None, "block-digest sidecar", block=d.block, blocks=d.blocks)
+    what = f"block-digest sidecar {path.name + suffix}"
+    return Checked(str(path), 0, size, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
 
 
 def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
@@ -271,7 +274,9 @@ def write_safetensors(
     out = Path(out)
     is_dir = out.suffix != ".safetensors"
     base = SAFETENSORS if is_dir else out.name
-    with Staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
+    with open_staging(
+        out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES), order=PUBLISH_ORDER
+    ) as st:
         st.expect(planned_names(base, items, max_shard_size))
         opts = ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes, workers)
         SafetensorsWriter().write_into(st.dir, base, items, opts)

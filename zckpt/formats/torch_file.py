@@ -26,14 +26,15 @@ from typing import Any, ClassVar
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
+from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.io import storage, torchzip
 from zckpt.io.digest import BLOCK_BYTES, FileDigest
 from zckpt.io.items import WriteItem
 from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.shards import HF_WEIGHT_BASES, family, planned_names, write_sharded
+from zckpt.io.shards import family, planned_names, write_sharded
 from zckpt.io.sink import HashingSink
-from zckpt.io.staging import Staging
+from zckpt.io.staging import open_staging
 from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, TrainingState
@@ -42,7 +43,7 @@ NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 OPTIM_KEYS = ("optim", "optimizer", "optimizer_state_dict")
-ZCKPT_RECORD = "zckpt.json"
+RECORD_NAME = "zckpt.json"
 BIN = "pytorch_model.bin"
 MAX_RUNS = 1 << 16
 
@@ -116,12 +117,12 @@ def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
 def _zckpt_record(path: Path) -> dict[str, Any]:
     try:
         with storage.open_regular(path) as f, zipfile.ZipFile(f) as zf:
-            names = [n for n in zf.namelist() if n.rpartition("/")[2] == ZCKPT_RECORD]
+            names = [n for n in zf.namelist() if n.rpartition("/")[2] == RECORD_NAME]
             if not names:
                 return {}
             rec = json.loads(zf.read(names[0]))
     except (ValueError, UnicodeDecodeError, RecursionError, zipfile.BadZipFile, OSError):
-        raise CorruptCheckpoint(f"{path}: unreadable {ZCKPT_RECORD} record", path=str(path)) from None
+        raise CorruptCheckpoint(f"{path}: unreadable {RECORD_NAME} record", path=str(path)) from None
     return rec if isinstance(rec, dict) else {}
 
 
@@ -160,7 +161,7 @@ def file_entries(
         sd, container = {}, ""  # an optimizer state dict alone (accelerate's optimizer_0 .pt)
     roles = _zckpt_record(path).get("roles") or {}
     if not isinstance(roles, dict):
-        raise CorruptCheckpoint(f"{path}: {ZCKPT_RECORD} roles must be an object", path=str(path))
+        raise CorruptCheckpoint(f"{path}: {RECORD_NAME} roles must be an object", path=str(path))
     entries: list[TensorEntry] = []
     tied: dict[str, str] = {}
     owners: dict[tuple[str, int, tuple[int, ...], tuple[int, ...]], str] = {}
@@ -215,7 +216,7 @@ def write_file(
     try:
         zw = TorchZipWriter(sink)
         zw.write_header_records(dumps(sd))
-        zw.write_bytes(ZCKPT_RECORD, json.dumps({"roles": roles, "tied": aliases}, sort_keys=True).encode())
+        zw.write_bytes(RECORD_NAME, json.dumps({"roles": roles, "tied": aliases}, sort_keys=True).encode())
         for it in items:
             key = slots[it.name].storage.key
 
@@ -227,8 +228,10 @@ def write_file(
 
             zw.write_record(f"data/{key}", counted(), it.nbytes)
         zw.close()
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     sink.write_sidecar()
     return sink.digest()
 
@@ -266,7 +269,9 @@ def write_torch(
     out = Path(out)
     is_dir = out.suffix not in SUFFIXES
     base = BIN if is_dir else out.name
-    with Staging(out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES)) as st:
+    with open_staging(
+        out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES), order=PUBLISH_ORDER
+    ) as st:
         st.expect(planned_names(base, items, max_shard_size))
         BinWriter().write_into(
             st.dir, base, items, ModelWriteOptions(dict(tied or {}), max_shard_size, on_bytes)

@@ -1,17 +1,18 @@
 """Checksums verified while tensor bytes stream through: a flipped bit in a checkpoint becomes an error, not a
 wrong weight in the output.
 
-Formats that record a checksum over stored bytes attach it to their pieces (``Piece.check``): a zip
-record's CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives) or a whole file's
-sha256 (a ``<file>.sha256`` sidecar, a native manifest's digest of a rank file). Inside a ``session`` every
-read of such bytes (``zckpt.io.spans``, ``zckpt.io.pipeline``) reports them here. A record's CRC is
-computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
+Formats that record a checksum over stored bytes attach it to their pieces (``Piece.check``): a zip record's
+CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives), each block's CRC-32 (a
+``<file>.crc32.json`` sidecar: a record per block) or sha256 (a ``.sha256.json`` sidecar, a native manifest's
+block digests), or a whole file's sha256 (a ``<file>.sha256`` sidecar, an older native manifest). Inside a
+``session`` every read of such bytes (``zckpt.io.spans``, ``zckpt.io.pipeline``) reports them here. A record's
+CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
 out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that arrive
-ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so
-a file read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads
-what the operation did not need of each touched record or file (padding, headers, the tail), then
-compares. Records no read touched are not checked (``verify`` checks every byte of every file).
-Operations call ``finish`` before they publish anything.
+ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so a file
+read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads what the
+operation did not need of each touched record or file (padding, headers, the tail), then compares. Records no
+read touched are not checked (``verify`` checks every byte of every file). Operations call ``finish`` before
+they publish anything.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.io import storage
+from zckpt.io.threads import Pool
 from zckpt.model import Checked, Piece
 
 _BUF = 8 << 20
@@ -134,7 +136,7 @@ class _Digest:
             self.sha.update(data)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-digest")
+            self._pool = Pool(1, thread_name_prefix="zckpt-digest")
         self._queued.append((self._pool.submit(self._hash_mapped, data, self.at), n))
         self._queued_bytes += n
         self._drain(ASYNC_BYTES)
@@ -215,10 +217,13 @@ class _Digest:
 
 @functools.lru_cache(maxsize=4096)
 def _block(check: Checked, i: int) -> Checked:
-    """Block ``i`` of a file checked by block digests, as a range checked by its own sha256."""
+    """Block ``i`` of a file checked by block digests, as a range checked by its own CRC-32 (a record, its
+    reads combined in any order) or sha256 (a stream, fed in order)."""
     lo = i * check.block
     n = min(check.block, check.size - lo)
     what = f"{check.what} (bytes [{lo}, {lo + n}), block {i})"
+    if check.algorithm == "crc32":
+        return Checked(check.file, check.start + lo, n, int(check.blocks[i], 16), what)
     return Checked(check.file, check.start + lo, n, None, what, sha256=check.blocks[i])
 
 
@@ -236,14 +241,18 @@ class Session:
         lo = byte_offset - check.start
         if lo < 0 or lo + len(data) > check.size or not len(data):
             return
-        if check.blocks:  # each block its own sha256 stream: reads of different blocks hash side by side
+        if check.blocks:  # each block checked on its own: reads of different blocks hash side by side
             pos, end, b = lo, lo + len(data), check.block
             while pos < end:
                 i = pos // b
                 stop = min(end, (i + 1) * b)
-                self._digest(_block(check, i)).add(pos - i * b, data[pos - lo : stop - lo], stable)
+                self._add(_block(check, i), pos - i * b, data[pos - lo : stop - lo], stable)
                 pos = stop
             return
+        self._add(check, lo, data, stable)
+
+    def _add(self, check: Checked, lo: int, data: memoryview, stable: bool) -> None:
+        """``data`` at ``lo`` inside ``check``'s range: fed to its sha256 stream, or CRC'd as a segment."""
         if check.sha256 is not None:
             self._digest(check).add(lo, data, stable)
             return

@@ -40,11 +40,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
+
+from zckpt.io.threads import Pool
 
 BUF_BYTES = 16 << 20
 """Default bytes per ``O_DIRECT`` write (two such buffers per open file)."""
@@ -113,7 +115,7 @@ class DirectWriter:
         self._cur = 0
         self._fill = 0
         self._off = 0  # file offset of the current buffer's first byte
-        self._pool = ThreadPoolExecutor(self.opts.in_flight, thread_name_prefix="zckpt-direct")
+        self._pool = Pool(self.opts.in_flight, thread_name_prefix="zckpt-direct")
         self._pending: collections.deque[Future[None]] = collections.deque()
         self._direct = True
         self._stats_lock = threading.Lock()

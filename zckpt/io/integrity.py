@@ -2,9 +2,11 @@
 
 ``Problem`` is one thing wrong with one file; ``VerifyContext`` carries what one verify run accumulates
 (the checksums compared, each file's sha256 computed once, pickles already parsed, files already found
-broken). Checksums: ``<file>.sha256`` sidecars (``sha256sum`` format, written by ``HashingSink``) and
+broken). Checksums: the sidecars beside a file (``<file>.crc32.json`` block CRC-32s, which zckpt writes;
+``<file>.sha256.json`` block sha256s of earlier versions; ``<file>.sha256`` in ``sha256sum`` format) and
 digests recorded by a format's own manifest, compared through ``compare_sha`` (whole file) or
-``compare_digest`` (whole file or per block).
+``compare_digest`` (whole file or per block). ``VerifyContext.sha256`` also computes a file's whole sha256
+on request (``verify --sha256``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.io import storage
-from zckpt.io.digest import BLOCK_SIDECAR, FileDigest, block_digests
+from zckpt.io.digest import (
+    BLOCK_SIDECAR,
+    CRC_SIDECAR,
+    CRC_SIDECAR_FORMAT,
+    CRC_SIDECAR_VERSION,
+    WHOLE_SIDECAR,
+    FileDigest,
+    block_digests,
+)
+from zckpt.io.digest import SIDECARS as SIDECARS  # re-exported: every sidecar suffix
 from zckpt.io.scan import Scanner, sha256_file
 
-SIDECAR = ".sha256"
-SIDECARS = (SIDECAR, BLOCK_SIDECAR)
-"""Every sidecar suffix zckpt writes: ``sha256sum`` lines and block digests (``zckpt.io.digest``)."""
+SIDECAR = WHOLE_SIDECAR
 
 
 def sidecar_suffix(name: str) -> str:
@@ -124,7 +133,7 @@ def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: Verify
         return []
     ctx.count(len(want.blocks))
     try:
-        got = block_digests(f, want.block, size)
+        got = block_digests(f, want.block, size, want.algorithm)
     except EOFError:
         return [Problem(str(f), f"shorter than the {size} bytes {where} records", "truncated")]
     bad = [i for i, (g, w) in enumerate(zip(got, want.blocks, strict=True)) if g != w]
@@ -135,7 +144,8 @@ def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: Verify
     return [
         Problem(
             str(f),
-            f"sha256 of bytes [{lo}, {hi}) (block {bad[0]}){more} does not match the one recorded in {where}",
+            f"{want.algorithm} of bytes [{lo}, {hi}) (block {bad[0]}){more} does not match the one recorded "
+            f"in {where}",
             "checksum",
             "the file changed after it was written (bit rot, partial copy, or edited)",
         )
@@ -169,11 +179,15 @@ def sidecar_digest(f: Path) -> str | Problem | None:
     return fields[0].lower()
 
 
-def block_sidecar_digest(f: Path) -> tuple[FileDigest, int] | Problem | None:
-    """The block digests and size that ``<f>.sha256.json`` records for ``f``
-    (``zckpt.io.digest.write_block_sidecar``); None when there is none; a ``Problem`` naming the sidecar when
-    it is not one for ``f``."""
-    side = f.with_name(f.name + BLOCK_SIDECAR)
+_HEX = {"crc32": re.compile(r"[0-9a-f]{8}"), "sha256": re.compile(r"[0-9a-f]{64}")}
+
+
+def block_sidecar_digest(f: Path, suffix: str = CRC_SIDECAR) -> tuple[FileDigest, int] | Problem | None:
+    """The block digests and size that ``<f><suffix>`` records for ``f``: ``.crc32.json`` (what
+    ``zckpt.io.digest.write_block_sidecar`` writes: format ``zckpt-block-crc32``, version 1) or the earlier
+    ``.sha256.json``; None when there is none; a ``Problem`` naming the sidecar when it is not one for ``f``
+    (or a later version of the format)."""
+    side = f.with_name(f.name + suffix)
     if not side.is_file():
         return _not_regular(side)
     try:
@@ -182,47 +196,72 @@ def block_sidecar_digest(f: Path) -> tuple[FileDigest, int] | Problem | None:
         )
     except (OSError, UnicodeDecodeError, ValueError, CorruptCheckpoint) as e:
         return Problem(str(side), f"unreadable checksum sidecar ({str(e)[:100]})", "corrupt")
+    algorithm = "crc32" if suffix == CRC_SIDECAR else "sha256"
+    if algorithm == "crc32" and isinstance(doc, dict):
+        if doc.get("format") != CRC_SIDECAR_FORMAT:
+            return Problem(str(side), f'not a {CRC_SIDECAR_FORMAT} sidecar (its "format")', "corrupt")
+        version = doc.get("version")
+        if version != CRC_SIDECAR_VERSION:
+            return Problem(
+                str(side),
+                f"block-checksum sidecar version {version!r:.20}; this zckpt reads version "
+                f"{CRC_SIDECAR_VERSION}",
+                "unsupported",
+                "a newer zckpt wrote it: upgrade zckpt to check the file",
+            )
     size, block = (doc.get("size"), doc.get("block")) if isinstance(doc, dict) else (None, None)
-    digests = doc.get("sha256") if isinstance(doc, dict) else None
+    digests = doc.get(algorithm) if isinstance(doc, dict) else None
+    hexdigest = _HEX[algorithm]
     ok = (
         type(size) is int and size >= 0 and type(block) is int and block > 0 and isinstance(digests, list)
         and len(digests) == -(-size // block)
-        and all(isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in digests)
+        and all(isinstance(d, str) and hexdigest.fullmatch(d) for d in digests)
     )  # fmt: skip
     if not ok:
         return Problem(
-            str(side), "not a block-digest sidecar (size, block and one sha256 per block)", "corrupt"
+            str(side), f"not a block-digest sidecar (size, block and one {algorithm} per block)", "corrupt"
         )
     if doc.get("file") != f.name:
         return Problem(
             str(side), f"checksum sidecar names {doc.get('file')!r:.80}, not {f.name!r}", "inconsistent"
         )
     assert isinstance(block, int) and isinstance(size, int) and isinstance(digests, list)
-    return FileDigest(block=block, blocks=tuple(digests)), size
+    return FileDigest(block=block, blocks=tuple(digests), algorithm=algorithm), size
+
+
+def block_sidecars(f: Path) -> list[tuple[str, tuple[FileDigest, int] | Problem]]:
+    """``f``'s block sidecars that exist (or stand there broken): ``(suffix, digest and size, or a Problem)``,
+    the ``.crc32.json`` first."""
+    out: list[tuple[str, tuple[FileDigest, int] | Problem]] = []
+    for suffix in (CRC_SIDECAR, BLOCK_SIDECAR):
+        got = block_sidecar_digest(f, suffix)
+        if got is not None:
+            out.append((suffix, got))
+    return out
 
 
 def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
-    """``f`` against its sidecars, when it has them: ``<f>.sha256`` (``sha256sum``) and ``<f>.sha256.json``
-    (block digests, checked on several cores)."""
+    """``f`` against its sidecars, when it has them: ``<f>.sha256`` (``sha256sum``), ``<f>.crc32.json`` and
+    ``<f>.sha256.json`` (block digests, checked on several cores)."""
     out: list[Problem] = []
     want = sidecar_digest(f)
     if isinstance(want, Problem):
         out.append(want)
     elif want is not None:
         out += compare_sha(f, want, f.name + SIDECAR, ctx)
-    blocks = block_sidecar_digest(f)
-    if isinstance(blocks, Problem):
-        out.append(blocks)
-    elif blocks is not None:
+    for suffix, blocks in block_sidecars(f):
+        if isinstance(blocks, Problem):
+            out.append(blocks)
+            continue
         digest, size = blocks
         have = f.stat().st_size
         if have != size:
             kind = "truncated" if have < size else "corrupt"
-            msg = f"{have} bytes, but {f.name + BLOCK_SIDECAR} records {size}"
+            msg = f"{have} bytes, but {f.name + suffix} records {size}"
             hint = "the file changed after it was written (partial copy, or edited)"
             out.append(Problem(str(f), msg, kind, hint))
         else:
-            out += compare_digest(f, digest, size, f.name + BLOCK_SIDECAR, ctx)
+            out += compare_digest(f, digest, size, f.name + suffix, ctx)
     return out
 
 
@@ -232,7 +271,7 @@ def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
     folders = {f.parent for f in files} | ({p} if p.is_dir() else set())
     out = []
     for d in sorted(folders):
-        for side in sorted([*d.glob(f"*{SIDECAR}"), *d.glob(f"*{BLOCK_SIDECAR}")]):
+        for side in sorted(side for suffix in SIDECARS for side in d.glob(f"*{suffix}")):
             target = side.with_name(side.name[: -len(sidecar_suffix(side.name))])
             if not target.exists() and target.resolve() not in known:
                 out.append(

@@ -7,10 +7,11 @@ signal is delivered when the block ends, to the handler that was in place (``Key
 CLI's ``Terminated``, or the default action). Only the main thread can change handlers; elsewhere the
 block runs as is.
 
-``opened()``/``closed()``/``mark()``/``published_since()``: whether every output staged since a point (a
-command's start) is in place. The CLI
-uses it to tell an interrupt that came after the output was published (the job is done: exit 0, with a
-warning) from one that stopped the job (exit 130, nothing left).
+``opened()``/``closed()``/``mark()``/``published_since()``: whether every output the running operation
+staged since a point (a command's start) is in place, kept in its ``zckpt.io.session.Storage`` (never
+process-wide: two operations in two threads do not see each other's). The CLI uses it to tell an interrupt
+that came after the output was published (the job is done: exit 0, with a warning) from one that stopped the
+job (exit 130, and what was left, ``Storage.left``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from zckpt.io import session
+
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_open: set[int] = set()
-_published = [0]
 
 
 @contextlib.contextmanager
@@ -62,23 +63,28 @@ def _deliver(signum: int, handler: Any) -> None:
 
 
 def opened(key: object) -> None:
-    _open.add(id(key))
+    st = session.current()
+    with st.lock:
+        st.staged.add(id(key))
 
 
 def closed(key: object, *, published: bool) -> None:
-    _open.discard(id(key))
-    if published:
-        _published[0] += 1
+    st = session.current()
+    with st.lock:
+        st.staged.discard(id(key))
+        if published:
+            st.published += 1
 
 
 def mark() -> int:
     """A point to ask ``published_since`` about (the start of a command)."""
-    return _published[0]
+    return session.current().published
 
 
 def published_since(point: int) -> bool:
     """Some output was published since ``point`` and none is being staged now."""
-    return _published[0] > point and not _open
+    st = session.current()
+    return st.published > point and not st.staged
 
 
 __all__ = ["closed", "held", "mark", "opened", "published_since"]

@@ -83,6 +83,9 @@ class SubparamShape:
     partition_dim: Any = None
 
 
+Allowed = Mapping[tuple[str, str], Any]
+"""Globals a caller allows for one pickle: ``(module, name)`` -> the inert object they resolve to."""
+
 # The dotted names these stand-ins are pickled under (also used by writers of DeepSpeed files).
 FOREIGN_CLASSES: dict[tuple[str, str], Any] = {
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStageEnum,

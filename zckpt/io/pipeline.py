@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import torch
 
-from zckpt.io import checks, storage
+from zckpt.io import checks, env, storage
 from zckpt.io.fill import Layout, layout_of_items
 from zckpt.io.scan import cores as _cores
 from zckpt.io.scan import shared, sharing
 from zckpt.io.spans import CHUNK_BYTES, Span, spans, windows
+from zckpt.io.threads import Pool, start
 
 if TYPE_CHECKING:
     from zckpt.io.items import WriteItem
@@ -49,20 +49,18 @@ class Sink(Protocol):
 
 
 def default_workers() -> int:
-    env = os.environ.get("ZCKPT_WORKERS")
-    if env:
-        return max(1, int(env) // sharing())
-    # the device writes and the hash lanes need cores too; files written side by side share these
-    return max(1, min(8, _cores() - 1) // sharing())
+    """Reader threads of a write: the usable cores minus one, at most 8 (``ZCKPT_WORKERS`` overrides,
+    ``zckpt.io.env``); files written side by side share them."""
+    # the device writes and the hash lanes need cores too
+    return max(1, env.workers(min(8, _cores() - 1)) // sharing())
 
 
 def files_in_flight(n: int) -> int:
     """Output files ``each_file`` writes at once: one per 4 usable cores (a file's stream has a reader, a
     writer, a hasher and a device writer), at most 4 and at most ``n``; ``ZCKPT_FILES`` overrides. On 2 cores:
     1, one file after another as before."""
-    env = os.environ.get("ZCKPT_FILES", "")
-    k = int(env) if env.isdigit() and int(env) > 0 else min(4, _cores() // 4)
-    return max(1, min(n, k))
+    k = env.count(env.FILES)
+    return max(1, min(n, k if k is not None else min(4, _cores() // 4)))
 
 
 def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
@@ -73,7 +71,7 @@ def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
     k = files_in_flight(len(jobs))
     if k <= 1:
         return [write(j) for j in jobs]
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-file") as pool, shared(k):
+    with Pool(k, thread_name_prefix="zckpt-file") as pool, shared(k):
         futures = [pool.submit(write, j) for j in jobs]
         try:
             return [f.result() for f in futures]
@@ -246,7 +244,7 @@ def _pieces_fill(
         hand_over()
         return out
     room = storage.read_ahead(2 * (workers + 1) * step if layout.remote else 0)  # fp32 read for bf16: 2x
-    with room, ThreadPoolExecutor(workers, thread_name_prefix="zckpt-fill") as pool:
+    with room, Pool(workers, thread_name_prefix="zckpt-fill") as pool:
         try:
             for lo, hi in pieces:
                 # hand over what is filled (in order), and at most ``workers + 1`` pieces filling: the other
@@ -292,7 +290,7 @@ def write_items(
     slots = [_Slot(chunk_bytes) for _ in range(nslots)]
     tasks = _tasks(items, chunk_bytes)
     total = 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-read") as pool:
+    with Pool(workers, thread_name_prefix="zckpt-read") as pool:
         write = sink.write
         window: list[tuple[Future[memoryview], int]] = []
         k = 0
@@ -335,8 +333,7 @@ def prefetch(it: Iterable[T], depth: int = 2) -> Iterator[T]:
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             q.put((2, e))
 
-    t = threading.Thread(target=run, name="zckpt-prefetch", daemon=True)
-    t.start()
+    t = start(run, name="zckpt-prefetch")
     try:
         while True:
             kind, x = q.get()

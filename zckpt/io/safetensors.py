@@ -235,16 +235,18 @@ def write_file(
     on_stats: Callable[[dict[str, Any]], None] | None = None,
     crc: bool = False,
     block: int | None = None,
+    algorithm: str = "crc32",
 ) -> FileRecord:
     """Stream ``items`` into a new safetensors file at ``path`` (which must not exist): header first, then
     each tensor in bounded chunks (a whole in-memory host tensor of the output dtype straight from its
-    memory); with ``sidecar`` also ``<path>.sha256.json`` (block digests, ``BLOCK_BYTES`` unless ``block``
+    memory); with ``sidecar`` also ``<path>.crc32.json`` (block digests, ``BLOCK_BYTES`` unless ``block``
     says otherwise); with ``crc`` each tensor's CRC-32 in the record; with
-    ``block`` the record's digest is per ``block`` bytes (``zckpt.io.digest``: computed on several cores)."""
+    ``block`` the record's digest is the ``algorithm`` digest of each ``block`` bytes
+    (``zckpt.io.digest``)."""
     plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
     if sidecar and block is None:  # a block-digest sidecar: hashed on several cores as it is written
         block = BLOCK_BYTES
-    sink = HashingSink(path, opts, plan.regions() if crc else (), block)
+    sink = HashingSink(path, opts, plan.regions() if crc else (), block, algorithm)
     try:
         sink.write(plan.header)
         run: list[WriteItem] = []
@@ -261,8 +263,10 @@ def write_file(
                 on_bytes(len(mem))
         if run:
             pipeline.write_items(sink, run, workers=workers, on_bytes=on_bytes)
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     if on_stats is not None:
         on_stats(sink.stats())
     if sidecar:
@@ -296,17 +300,20 @@ def write_views(
     on_stats: Callable[[dict[str, Any]], None] | None = None,
     plan: FilePlan | None = None,
     block: int | None = None,
+    algorithm: str = "crc32",
 ) -> FileRecord:
     """A new file at ``path`` made of ``views`` in order (a file laid out in memory, e.g. by ``plan_file``):
     the views must stay unchanged until this returns, which lets aligned memory go to the device without
     a copy while it is hashed. Given the ``plan`` of that layout, each tensor's CRC-32 is in the record;
-    ``block``: as for ``write_file``."""
-    sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block)
+    ``block``, ``algorithm``: as for ``write_file``."""
+    sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block, algorithm)
     try:
         for v in views:
             sink.write(v, stable=True)
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()  # nothing of it appears (an object upload is aborted)
+        raise
+    sink.close()
     if on_stats is not None:
         on_stats(sink.stats())
     return _record(path, sink, plan)
@@ -353,11 +360,10 @@ class StreamWriter:
         return FileRecord(self.path.name, self._sink.digest(), self._sink.tell())
 
     def abort(self) -> None:
-        """Remove the file (also when closing it fails: a full disk fails the final flush)."""
+        """Remove the file (also when closing it fails: a full disk fails the final flush); an object's upload
+        is aborted."""
         try:
-            self._sink.close()
-        except OSError:
-            pass
+            self._sink.abort()
         finally:
             self.path.unlink(missing_ok=True)
 

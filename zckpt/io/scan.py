@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from zckpt.io import storage
+from zckpt.io import env, storage
 from zckpt.io.checks import crc32, crc32_combine
+from zckpt.io.threads import Pool
 
 CHUNK_BYTES = 32 << 20
 _READ = 8 << 20
@@ -28,11 +28,8 @@ _local = threading.local()
 
 
 def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (``zckpt.io.env.cores``: its CPU affinity)."""
+    return env.cores()
 
 
 _sharing = 1
@@ -58,11 +55,8 @@ def shared(k: int) -> Iterator[None]:
 
 def threads(cap: int = 16, per: int = 1) -> int:
     """Threads for work that scales with cores: one per ``per`` usable cores, at most ``cap`` (scans: every
-    core, at most 16); ``ZCKPT_WORKERS`` overrides."""
-    env = os.environ.get("ZCKPT_WORKERS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(cap, cores() // per))
+    core, at most 16); ``ZCKPT_WORKERS`` overrides (``zckpt.io.env``)."""
+    return env.workers(min(cap, cores() // per))
 
 
 def _buf() -> memoryview:
@@ -72,7 +66,7 @@ def _buf() -> memoryview:
     return b
 
 
-def _crc_piece(fd: int, lo: int, n: int) -> int:
+def _crc_piece(fd: storage.Handle, lo: int, n: int) -> int:
     """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``)."""
     buf, crc, pos, end = _buf(), 0, lo, lo + n
     while pos < end:
@@ -99,7 +93,9 @@ class PendingCrcs:
     """The CRC-32s of byte ranges of an open descriptor, being computed in pieces on a pool: ``result``
     waits for them; the caller keeps the descriptor open until it has returned."""
 
-    def __init__(self, fd: int, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, fd: storage.Handle, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
+    ) -> None:
         self._jobs: list[list[tuple[Future[int], int]]] = []
         for start, size in ranges:
             cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
@@ -148,8 +144,8 @@ class Scanner:
     def __init__(self, n: int | None = None) -> None:
         self.width = n or threads()
         """Threads computing CRC pieces (and, on the other pool, sha256s)."""
-        self.pool = ThreadPoolExecutor(self.width, thread_name_prefix="zckpt-scan")
-        self._crc_pool = ThreadPoolExecutor(self.width, thread_name_prefix="zckpt-crc")
+        self.pool = Pool(self.width, thread_name_prefix="zckpt-scan")
+        self._crc_pool = Pool(self.width, thread_name_prefix="zckpt-crc")
         self._sha: dict[str, Future[str]] = {}
         self._lock = threading.Lock()
 
@@ -164,7 +160,7 @@ class Scanner:
     def crc_ranges(self, path: str | Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
         return crc_ranges(path, ranges, self._crc_pool)
 
-    def crc_pending(self, fd: int, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:
+    def crc_pending(self, fd: storage.Handle, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:
         """The CRC-32s of ``ranges`` of the open ``fd``, started now (see ``PendingCrcs``)."""
         return PendingCrcs(fd, ranges, self._crc_pool)
 

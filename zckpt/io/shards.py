@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.errors import InvalidArgument
+from zckpt.io.digest import SIDECAR_PATTERN
 from zckpt.io.items import WriteItem
 from zckpt.io.pipeline import each_file
 
@@ -70,20 +71,16 @@ def planned_names(base: str, items: Sequence[WriteItem], max_shard_size: int | N
     return shard_names(base, n) + ([f"{base}.index.json"] if n > 1 else [])
 
 
-HF_WEIGHT_BASES = ("model.safetensors", "pytorch_model.bin")
-"""The weight files zckpt writes into an HF folder (transformers' SAFE_WEIGHTS_NAME, WEIGHTS_NAME)."""
-
-
 def family(bases: Sequence[str]) -> Callable[[str], bool]:
     """Whether a file name belongs to the model files written under one of ``bases``: the base itself, its
-    shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the ``.sha256`` /
-    ``.sha256.json`` sidecars of these. What ``--overwrite`` of an HF folder replaces, and nothing else
+    shards ``stem-0000k-of-0000n.suffix`` (any count), ``<base>.index.json``, and the sidecars of these
+    (``zckpt.io.digest.SIDECARS``). What ``--overwrite`` of an HF folder replaces, and nothing else
     (transformers' ``save_pretrained`` removes only stale shards of its own weights name the same way)."""
     alts = []
     for b in bases:
         stem, dot, suffix = b.partition(".")
         alts.append(rf"{re.escape(stem)}(?:-\d{{5}}-of-\d{{5}})?{re.escape(dot + suffix)}(?:\.index\.json)?")
-    rx = re.compile(rf"^(?:{'|'.join(alts)})(?:\.sha256|\.sha256\.json)?$")
+    rx = re.compile(rf"^(?:{'|'.join(alts)}){SIDECAR_PATTERN}?$")
     return lambda name: rx.match(name) is not None
 
 

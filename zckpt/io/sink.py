@@ -22,44 +22,43 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from zckpt.io import direct_io, objstore, remote_staging, scan
+from zckpt.io import direct_io, objstore, remote_staging, scan, session
 from zckpt.io.digest import FileDigest, StreamHasher, lanes, write_block_sidecar
-
-_TEST_DELAY_ENV = "ZCKPT_TEST_WRITE_DELAY"
-"""Seconds to sleep before each ``HashingSink.write`` (tests only: spreads a kill over a write)."""
-
 
 _OVERLAP_BYTES = 1 << 20
 """Writes at least this large hash on a helper thread concurrently with the file write (both release
 the GIL, so the sha256 costs no wall time on a machine with a spare core)."""
 
 
-_active_staging: set[Path] = set()
-_staging_lock = threading.Lock()
-
-
 def defer_fsync(folder: Path) -> None:
-    """Files created under ``folder`` from now on are fsynced by whoever publishes it, not at close."""
-    with _staging_lock:
-        _active_staging.add(folder)
+    """Files the running operation creates under ``folder`` from now on are fsynced by whoever publishes it,
+    not at close (``Storage.deferred``; outside an operation, nothing is deferred)."""
+    st = session.bound_storage()
+    if st is not None:
+        with st.lock:
+            st.deferred.add(folder)
 
 
 def undefer_fsync(folder: Path) -> None:
-    with _staging_lock:
-        _active_staging.discard(folder)
+    st = session.bound_storage()
+    if st is not None:
+        with st.lock:
+            st.deferred.discard(folder)
 
 
 def _fsync_deferred(path: Path) -> bool:
-    """``path`` lies in a staging folder of this process whose ``commit()`` will fsync it."""
-    with _staging_lock:
-        return any(d in path.parents for d in _active_staging)
+    """``path`` lies in a staging folder of the running operation whose ``commit()`` will fsync it."""
+    st = session.bound_storage()
+    if st is None:
+        return False
+    with st.lock:
+        return any(d in path.parents for d in st.deferred)
 
 
 class FillRing:
@@ -109,16 +108,18 @@ class HashingSink(io.RawIOBase):
         opts: direct_io.WriteOptions | None = None,
         crc_regions: Sequence[tuple[int, int]] = (),
         block: int | None = None,
+        algorithm: str = "crc32",
     ) -> None:
         super().__init__()
         self.path = path
-        self._hasher = StreamHasher(block, crc_regions)
+        self._hasher = StreamHasher(block, crc_regions, algorithm)
         """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
         self._url = remote_staging.streamed(path)
         """The object this file stands for, streamed there (a data file of an ``s3://`` output)."""
+        self._aborted = False
         self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
         self._f: Any = None
-        self._f = open(path, "xb") if self._url is None else objstore.Upload(self._url)  # noqa: SIM115
+        self._f = open(path, "xb") if self._url is None else objstore.upload(self._url)  # noqa: SIM115
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
         if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written;
@@ -135,7 +136,6 @@ class HashingSink(io.RawIOBase):
         self._ring = FillRing()  # ``fill_ring``
         self._scratch: memoryview | None = None  # ``reserve`` without O_DIRECT
         self._t_open = time.perf_counter()
-        self._delay = float(os.environ.get(_TEST_DELAY_ENV) or 0)  # read once per file, not per write
         self._fsync_s = 0.0
         self._wall_s = 0.0
 
@@ -148,8 +148,6 @@ class HashingSink(io.RawIOBase):
     def write(self, b: object, stable: bool = False) -> int:
         """Append ``b``. ``stable``: ``b`` stays unchanged until ``close()`` (see the module doc)."""
         mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if self._delay:  # test hook: lets kill tests land in the middle of a write
-            time.sleep(self._delay)
         if self._direct is not None:  # it hands every byte to the hash threads itself (``_hasher.queue``)
             self._direct.write(mv, stable)
         elif len(mv) >= _OVERLAP_BYTES:  # hash on a helper thread while the bytes go to the file
@@ -175,8 +173,6 @@ class HashingSink(io.RawIOBase):
         if self._direct is None:
             self.write(mv)
             return []
-        if self._delay:
-            time.sleep(self._delay)
         busy = self._direct.write_owned(mv)
         self._pos += len(mv)
         return busy
@@ -218,8 +214,6 @@ class HashingSink(io.RawIOBase):
             assert self._scratch is not None
             self.write(self._scratch[:n])
             return
-        if self._delay:
-            time.sleep(self._delay)
         self._direct.commit(n)
         self._pos += n
 
@@ -278,9 +272,15 @@ class HashingSink(io.RawIOBase):
                         os.fsync(self._f.fileno())
                         self._fsync_s = time.perf_counter() - t0
                 finally:  # a failed flush (disk full) must still release the file
-                    self._f.close()
-                    if self._url is not None:
-                        remote_staging.record(self.path, self._url)
+                    if self._url is None:
+                        self._f.close()
+                    else:  # an object appears only when its whole file was written, its output still wanted
+                        with remote_staging.completing(self.path) as wanted:
+                            if self._aborted or not wanted:
+                                self._f.abort()
+                            else:
+                                self._f.close()
+                                remote_staging.record(self.path, self._url)
                     self._hasher.close()  # waits for queued hashes, even after an error
                     self._hashing.clear()
                     self._ring.release()
@@ -288,6 +288,19 @@ class HashingSink(io.RawIOBase):
                     self._wall_s = time.perf_counter() - self._t_open
         finally:
             super().close()
+
+    def abort(self) -> None:
+        """Give the file up (an error while writing it): an object's upload is aborted, nothing appears; a
+        local file is released (its staging folder's removal deletes it). Never raises for the file itself."""
+        self._aborted = True
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        if ev is not None:
+            self.abort()
+        else:
+            self.close()
 
     def __del__(self) -> None:
         """A sink dropped unclosed (an error path) is released without flushing, fsyncing or waiting on its
@@ -303,7 +316,7 @@ class HashingSink(io.RawIOBase):
         io.RawIOBase.close(self)
 
     def write_sidecar(self) -> Path:
-        """Write the sidecar next to the file (call after ``close()``): ``<file>.sha256.json`` for a sink
+        """Write the sidecar next to the file (call after ``close()``): ``<file>.crc32.json`` for a sink
         made with ``block`` (``zckpt.io.digest.write_block_sidecar``), else ``<file>.sha256`` (``sha256sum``
         format)."""
         d = self._hasher.digest()

@@ -17,8 +17,8 @@ convention, which removes only stale shards of its own naming) or the run is ref
 naming them (``foreign="refuse"``: a training checkpoint folder, where a kept stray rank file would pass
 for part of the new set). The caller's own files that the new output does not rewrite (shards of a run
 with another shard count) are not kept, so nothing stale looks like part of the new set.
-An ``s3://`` destination is published by ``zckpt.io.remote_staging.RemoteStaging`` (``Staging(url, ...)``
-returns one).
+An ``s3://`` destination is published by ``zckpt.io.remote_staging.RemoteStaging``: ``open_staging(dest,
+...)`` returns the one that fits ``dest``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from types import TracebackType
 
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
 from zckpt.io import interrupts, objstore, remote_staging, sink
-from zckpt.io.digest import BLOCK_SIDECAR
+from zckpt.io.digest import SIDECAR_PATTERN, SIDECARS
 from zckpt.io.remote_staging import RemoteStaging
 
-_SIDECARS = (".sha256", BLOCK_SIDECAR)
+_SIDECARS = SIDECARS
 
 _WRITE_HINTS = {
     errno.ENOSPC: "free space on the output's filesystem or write elsewhere",
@@ -116,13 +116,9 @@ def move(src: Path, dest: Path, *, replace: bool) -> None:
     os.rename(src, dest)
 
 
-def publish_folder(staged: Path, target: Path, *, overwrite: bool, uploaded: Sequence[str] = ()) -> None:
-    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably. A URL
-    ``target`` (``staged`` made by ``remote_staging.mark``) is published in order instead (no rename);
-    ``uploaded``: its objects that ranks on other nodes streamed (they are part of it)."""
-    if objstore.is_url(target):
-        remote_staging.publish_dir(staged, target, list(uploaded))
-        return
+def publish_folder(staged: Path, target: Path, *, overwrite: bool) -> None:
+    """Make the complete, fsynced folder ``staged`` visible as ``target`` (see ``move``), durably. (An
+    ``s3://`` target is published by ``remote_staging.publish_dir``: a store has no rename.)"""
     move(staged, target, replace=overwrite)
     _fsync_dir(target.parent)
 
@@ -177,7 +173,7 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
     stem, dot, suffix = dest.name.partition(".")
     rx = re.compile(
         rf"^{re.escape(stem)}(?:{_SHARD})?{re.escape(dot + suffix)}"
-        r"(?:\.sha256|\.sha256\.json|\.index\.json)?$"
+        rf"(?:{SIDECAR_PATTERN}|\.index\.json)?$"
     )
     try:
         return [f for f in dest.parent.iterdir() if rx.match(f.name) and f.name not in keep and f.is_file()]
@@ -185,21 +181,51 @@ def stale_shards(dest: Path, keep: set[str]) -> list[Path]:
         return []
 
 
+Ticket = str | remote_staging.Ticket
+"""What rank 0 sends the other ranks of a split job about its staging folder (``Staging.ticket``): a local
+folder's path, or a ``remote_staging.Ticket``."""
+
+
 @contextlib.contextmanager
-def share(staging: str, dest: Path, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], list[str]]]]:
+def share(ticket: Ticket, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], list[str]]]]:
     """(the folder a process writes its share of a split job's output into, ``done``): rank 0's staging
-    folder ``staging``, except for an ``s3://`` output on another node, where that folder is not: a
+    folder (``ticket``), except for an ``s3://`` output on another node, where that folder is not: a
     ``remote_staging.Follower`` of its own there (see that module). ``done()`` once the share is written:
     the objects uploaded off rank 0's host, for rank 0 to ``RemoteStaging.adopt``; leaving the block by an
     error (or without ``done()``) deletes them."""
-    folder = Path(staging)
-    url = str(objstore.as_path(dest)) if objstore.is_url(dest) else None
-    if url is None or remote_staging.on_this_host(folder, url):
-        yield folder, list
+    if isinstance(ticket, str):
+        yield Path(ticket), list
         return
-    follower = remote_staging.Follower(url, is_dir=is_dir)
+    if remote_staging.on_this_host(ticket):  # rank 0's folder: its own, or one of its host's ranks'
+        mine = remote_staging.register(Path(ticket.folder), ticket.url, ticket.is_dir, ticket.order)
+        try:
+            yield Path(ticket.folder), list
+        finally:
+            if mine:
+                remote_staging.unregister(Path(ticket.folder))
+        return
+    follower = remote_staging.Follower(ticket.url, is_dir=is_dir, order=ticket.order)
     with follower:
         yield follower.dir, follower.flush
+
+
+def open_staging(
+    dest: Path,
+    *,
+    is_dir: bool,
+    overwrite: bool = False,
+    owns: Callable[[str], bool] | None = None,
+    foreign: str = "keep",
+    order: remote_staging.PublishOrder,
+) -> Staging | RemoteStaging:
+    """The staging of an output ``dest``: a ``Staging`` beside a local path, a ``RemoteStaging`` for an
+    ``s3://`` (or other store's) URL, where nothing can be renamed (see each class; ``order``: which of its
+    files complete it, there)."""
+    if objstore.is_url(dest):
+        return RemoteStaging(
+            dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign, order=order
+        )
+    return Staging(dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign)
 
 
 class Staging:
@@ -210,20 +236,6 @@ class Staging:
     replaces its namesake in ``dest``'s folder. Leaving the ``with`` block without ``commit()`` — an
     error, KeyboardInterrupt — removes the temporary folder and everything in it.
     """
-
-    def __new__(
-        cls,
-        dest: Path,
-        *,
-        is_dir: bool,
-        overwrite: bool = False,
-        owns: Callable[[str], bool] | None = None,
-        foreign: str = "keep",
-    ) -> Staging:
-        if objstore.is_url(dest):  # a store has no rename: published in order instead
-            remote = RemoteStaging(dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign)
-            return remote  # type: ignore[return-value]
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -263,6 +275,10 @@ class Staging:
         interrupts.opened(self)
         self._key = Path(os.path.abspath(self.dir))
         sink.defer_fsync(self._key)
+
+    def ticket(self) -> Ticket:
+        """What the other ranks of a split job need to write their share into this folder (``share``)."""
+        return str(self.dir)
 
     def __enter__(self) -> Staging:
         return self
@@ -348,8 +364,14 @@ def _cannot_write(dest: Path, e: OSError) -> WriteFailed:
     if e.errno in _WRITE_HINTS:
         msg = f"{dest}: writing failed ({what}); nothing was written, temporary files removed"
         return WriteFailed(msg, hint=_WRITE_HINTS[e.errno], path=str(dest))
-    cls = OutputNotWritable if e.errno in (errno.EACCES, errno.EPERM) else WriteFailed
-    hint = "check the folder exists and is writable, or write elsewhere"
+    denied = e.errno in (errno.EACCES, errno.EPERM)
+    cls = OutputNotWritable if denied else WriteFailed
+    if denied:  # missing folders are made, so permission is what is wanting
+        hint = "you may not write in that folder (or one above it): change its permissions or write elsewhere"
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):  # makedirs over a file: EEXIST
+        hint = "a part of the path is a file, not a folder: write elsewhere"
+    else:
+        hint = "write elsewhere"
     return cls(f"{dest}: cannot write here ({what}); nothing was written", hint=hint, path=str(dest))
 
 

@@ -6,48 +6,84 @@ read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy
 ``release`` drops its consumed pages. ``zckpt.io.spans`` turns tensor ranges into these byte reads.
 
 An object-store URL (``s3://bucket/key``) is routed to ``zckpt.io.objstore`` here, at the top of each
-function (``objstore.parse``), and nowhere else; its descriptors are negative handles that only
-``pread`` / ``fd_size`` / ``close_fd`` understand. Local paths keep their path below unchanged.
+function (``objstore.parse``), and nowhere else. ``open_fd`` returns a ``Handle``: a local descriptor, or an
+object read through the ``ObjectStore`` of the operation that opened it. Open descriptors and mappings
+belong to the running operation's ``zckpt.io.session.Storage`` (``close_files`` closes its own only).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
 import shutil
 import stat
-import threading
 from typing import TYPE_CHECKING, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
-from zckpt.io import objstore
+from zckpt.io import objstore, session
 
 if TYPE_CHECKING:  # imported where used: the CLI opens a DCP .metadata here before torch is imported
     import torch
 
-_lock = threading.Lock()
-_maps: dict[str, tuple[mmap.mmap, int]] = {}
-_fds: dict[str, tuple[int, int]] = {}
-_remote: dict[int, str] = {}
-_handles = itertools.count(2)
-"""Negative handle -> URL: what ``open_fd`` returns for an object (no kernel descriptor exists)."""
+
+class Handle:
+    """An open checkpoint file (``open_fd``): a local read descriptor ``fd``, or (``fd`` None) an object
+    read through the ``ObjectStore`` it was opened with. ``size`` is fixed at open."""
+
+    __slots__ = ("_st", "_url", "fd", "name", "size")
+
+    def __init__(self, name: str, fd: int | None, size: int, st: objstore.ObjectStore | None = None) -> None:
+        self.name, self.fd, self.size, self._st = name, fd, size, st
+        self._url = objstore.parse(name) if fd is None else None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if self.fd is not None:
+            return os.pread(self.fd, n, offset)
+        buf = bytearray(max(0, min(n, self.size - offset)))
+        self.read_object(offset, memoryview(buf))
+        return bytes(buf)
+
+    def pread_into(self, buf: memoryview, offset: int) -> int:
+        if self.fd is not None:
+            return os.preadv(self.fd, [buf], offset)
+        n = max(0, min(len(buf), self.size - offset))
+        self.read_object(offset, buf[:n])
+        return n
+
+    def read_object(self, offset: int, out: memoryview) -> None:
+        assert self._st is not None and self._url is not None
+        from zckpt.io.objstore import read
+
+        read.read_into(self._st, self._url, offset, out)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"Handle({self.name!r})"
 
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}  # fmt: skip
 
 
-def open_fd(path: str) -> int:
-    """A read-only descriptor of the regular file ``path`` (a symlink to one is fine). FIFOs, devices,
-    sockets and folders are refused without blocking (``O_NONBLOCK``): a checkpoint is made of files."""
+def open_fd(path: str) -> Handle:
+    """A read-only ``Handle`` of the regular file ``path`` (a symlink to one is fine), or of the object
+    ``path`` names. FIFOs, devices, sockets and folders are refused without blocking (``O_NONBLOCK``): a
+    checkpoint is made of files."""
     if objstore.is_url(path):
-        objstore.size(path)  # fails here, naming the URL, when the object is not there
-        with _lock:
-            h = -next(_handles)
-            _remote[h] = str(objstore.parse(path))
-        return h
+        st = objstore.current()
+        n = objstore.paths.size(st, path)  # fails here, naming the URL, when the object is not there
+        return Handle(str(objstore.parse(path)), None, n, st)
+    fd = _open_local(path)
+    return Handle(path, fd, os.fstat(fd).st_size)
+
+
+def _open_local(path: str) -> int:
+    """A read-only descriptor of the local regular file ``path`` (see ``open_fd``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except PermissionError as e:  # not damage: say so, as the PermissionError it is
@@ -110,7 +146,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """``open(path, "rb")`` for regular files only (see ``open_fd``)."""
     if objstore.is_url(path):
         return objstore.open_read(path)
-    return os.fdopen(open_fd(os.fspath(path)), "rb")
+    return os.fdopen(_open_local(os.fspath(path)), "rb")
 
 
 def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
@@ -160,22 +196,14 @@ def read_ahead(nbytes: int) -> contextlib.AbstractContextManager[None]:
     return objstore.cache_room(nbytes)
 
 
-def pread(fd: int, n: int, offset: int) -> bytes:
-    """``os.pread`` that also takes ``open_fd``'s handles of objects."""
-    if fd < -1:
-        buf = bytearray(max(0, min(n, objstore.size(_remote[fd]) - offset)))
-        objstore.read_into(_remote[fd], offset, memoryview(buf))
-        return bytes(buf)
-    return os.pread(fd, n, offset)
+def pread(fd: Handle, n: int, offset: int) -> bytes:
+    """``os.pread`` of an ``open_fd`` handle (a file or an object)."""
+    return fd.pread(n, offset)
 
 
-def pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    """``os.preadv(fd, [buf], offset)`` that also takes ``open_fd``'s handles of objects."""
-    if fd < -1:
-        n = max(0, min(len(buf), objstore.size(_remote[fd]) - offset))
-        objstore.read_into(_remote[fd], offset, buf[:n])
-        return n
-    return os.preadv(fd, [buf], offset)
+def pread_into(fd: Handle, buf: memoryview, offset: int) -> int:
+    """``os.preadv(fd, [buf], offset)`` of an ``open_fd`` handle (a file or an object)."""
+    return fd.pread_into(buf, offset)
 
 
 def exists(path: str | os.PathLike[str]) -> bool:
@@ -206,9 +234,9 @@ def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         shutil.copyfileobj(fin, fout, 8 << 20)
 
 
-def fd_size(fd: int) -> int:
-    """The size of the file (or object) behind an ``open_fd`` descriptor."""
-    return objstore.size(_remote[fd]) if fd < -1 else os.fstat(fd).st_size
+def fd_size(fd: Handle) -> int:
+    """The size of the file (or object) behind an ``open_fd`` handle."""
+    return fd.size
 
 
 def file_size(f: BinaryIO) -> int:
@@ -217,51 +245,28 @@ def file_size(f: BinaryIO) -> int:
     return raw.size if isinstance(raw, objstore.RemoteFile) else os.fstat(f.fileno()).st_size
 
 
-def close_fd(fd: int) -> None:
-    if fd < -1:
-        with _lock:
-            _remote.pop(fd, None)
-    else:
-        os.close(fd)
+def close_fd(fd: Handle) -> None:
+    fd.close()
+
+
+def _files() -> session.LocalFiles:
+    """The running operation's open files; outside any operation, a throwaway set (closed by its reader)."""
+    s = session.bound_storage()
+    return s.files if s is not None else session.LocalFiles()
 
 
 def _map(path: str) -> tuple[mmap.mmap, int]:
-    with _lock:
-        hit = _maps.get(path)
-        if hit is not None:
-            return hit
-        fd = open_fd(path)
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else mmap.mmap(-1, 1)
-        finally:
-            os.close(fd)
-        _maps[path] = (mm, size)
-        return mm, size
+    return _files().mapping(path, _open_local)
 
 
 def close_files(paths: object = None) -> None:
-    """Drop cached mappings (all of them when ``paths`` is None). Views already handed out stay valid."""
-    with _lock:
-        keys = list(_maps) if paths is None else [p for p in paths if p in _maps]  # type: ignore[attr-defined]
-        for k in keys:
-            _maps.pop(k)
-        fkeys = list(_fds) if paths is None else [p for p in paths if p in _fds]  # type: ignore[attr-defined]
-        for k in fkeys:
-            os.close(_fds.pop(k)[0])
+    """Drop the running operation's cached mappings and descriptors of ``paths`` (all of them when None).
+    Views already handed out stay valid."""
+    s = session.bound_storage()
+    if s is not None:
+        s.files.close(paths)
 
 
-def _fd(path: str) -> tuple[int, int]:
-    with _lock:
-        hit = _fds.get(path)
-        if hit is not None:
-            return hit
-        fd = open_fd(path)
-        size = os.fstat(fd).st_size
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        _fds[path] = (fd, size)
-        return fd, size
 
 
 def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
@@ -276,7 +281,18 @@ def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = Non
         mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         objstore.read_into(path, offset, mv, limit)
         return
-    fd, size = _fd(path)
+    files = _files()
+    fd, size = files.fd(path, _open_local)
+    try:
+        _pread_all(path, fd, size, offset, out, n)
+    finally:
+        if session.bound_storage() is None:
+            files.close()
+
+
+def _pread_all(path: str, fd: int, size: int, offset: int, out: torch.Tensor, n: int) -> None:
+    import torch
+
     if offset < 0 or offset + n > size:
         raise CorruptCheckpoint(
             f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)",
@@ -320,9 +336,10 @@ def release(path: str, offset: int, nbytes: int) -> None:
     """Drop the pages of a consumed byte range from this process (``MADV_DONTNEED``), so streaming a
     checkpoint does not grow RSS by its size. Safe on the copy-on-write mapping: untouched private
     pages are simply re-read from the file if anyone reads them again."""
-    if objstore.is_url(path):
+    s = session.bound_storage()
+    if objstore.is_url(path) or s is None:
         return
-    mm, size = _map(path)
+    mm, size = s.files.mapping(path, _open_local)
     start = offset - offset % _AROUND
     end = min(size, -(-(offset + nbytes) // _AROUND) * _AROUND)
     if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.io import storage, zipdir, zipshape
 from zckpt.io.integrity import Problem, VerifyContext, problem_from
-from zckpt.io.pickle_safe import TensorRef, _Record, safe_loads
+from zckpt.io.pickle_safe import Allowed, TensorRef, _Record, safe_loads
 from zckpt.io.window import Window
 from zckpt.model import Checked
 
@@ -156,9 +156,9 @@ def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptChe
     )
 
 
-def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
-    """(archive name, object) of a torch zip archive, with tensors as ``TensorRef`` (no tensor bytes read).
-    The archive name is what ``torch.save`` called the root folder: the stem of the file it saved to."""
+def load_archive(path: str, *, trust_pickle: bool = False, extra: Allowed | None = None) -> tuple[str, Any]:
+    """(archive name: the stem of the file ``torch.save`` wrote, object) of a torch zip archive, tensors as
+    ``TensorRef`` (no tensor bytes read); ``extra``: a format's own inert stand-ins (``safe_loads``)."""
     with storage.open_regular(path) as f:
         size = storage.file_size(f)
         if size == 0:
@@ -176,7 +176,7 @@ def load_archive(path: str, *, trust_pickle: bool = False) -> tuple[str, Any]:
                 path=path,
             )
         prefix, records, data, _ = _pickle_of(path, f, size)
-    obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size)
+    obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size, extra=extra)
     _place_refs(path, prefix, records, obj)
     return prefix.rstrip("/"), obj
 
@@ -224,7 +224,7 @@ class EmbeddedArchive:
 
 def archive_at(
     path: str,
-    fd: int,
+    fd: storage.Handle,
     offset: int,
     length: int,
     *,
@@ -324,7 +324,7 @@ def _record_at(where: str, win: Window, info: zipdir.Entry, path: str | None = N
 
 
 def check_archive_at(
-    path: str, fd: int, offset: int, length: int, ctx: VerifyContext | None = None
+    path: str, fd: storage.Handle, offset: int, length: int, ctx: VerifyContext | None = None
 ) -> str | None:
     """Recompute the CRC-32 of every record of the archive at ``[offset, offset + length)``: the first bad
     record's name, or a description of why the archive cannot be read; None when it is intact. With
@@ -333,7 +333,7 @@ def check_archive_at(
 
 
 def start_archive_check(
-    path: str, fd: int, offset: int, length: int, ctx: VerifyContext | None = None
+    path: str, fd: storage.Handle, offset: int, length: int, ctx: VerifyContext | None = None
 ) -> Callable[[], str | None]:
     """``check_archive_at`` in two steps: the archive is parsed and its small records checked now, its big
     records' CRC-32s started on ``ctx``'s scan threads; the call returned waits for them and gives the

@@ -37,6 +37,7 @@ from zckpt.io.fill import Layout
 from zckpt.io.items import tensor_bytes
 from zckpt.io.pickle_safe import FOREIGN_CLASSES
 from zckpt.io.sink import HashingSink
+from zckpt.io.threads import Pool
 
 ALIGNMENT = 64
 _OVERLAP_BYTES = 1 << 20
@@ -205,7 +206,7 @@ class TorchZipWriter:
 
     def _crc_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-crc")
+            self._pool = Pool(1, thread_name_prefix="zckpt-crc")
         return self._pool
 
     def write_bytes(self, name: str, data: bytes) -> None:

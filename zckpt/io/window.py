@@ -15,12 +15,12 @@ costs two reads instead of a dozen (a DCP checkpoint has thousands of chunk arch
 
 
 class Window(io.RawIOBase):
-    """Read-only, seekable file over bytes ``[offset, offset + length)`` of the open descriptor ``fd`` (reads
-    are ``pread``: several windows may share one descriptor). The first and last ``_EDGE`` bytes (all of a
-    window up to twice that) are read once, at the first read that needs them, and served from memory after
-    that."""
+    """Read-only, seekable file over bytes ``[offset, offset + length)`` of the open file ``fd`` (a
+    ``storage.Handle``; reads are ``pread``: several windows may share one handle). The first and last
+    ``_EDGE`` bytes (all of a window up to twice that) are read once, at the first read that needs them, and
+    served from memory after that."""
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    def __init__(self, fd: storage.Handle, offset: int, length: int) -> None:
         super().__init__()
         self.fd, self.base, self.length, self.pos = fd, offset, length, 0
         self._edges: list[tuple[int, bytes]] = []  # (window offset, bytes) read so far

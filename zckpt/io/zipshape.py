@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zckpt.io import zipdir
+from zckpt.io import session, zipdir
 
 _EOCD = 22
 _CD_CRC = 16
@@ -86,13 +86,18 @@ class _Shape:
     gap: str | None
 
 
-_SHAPES: dict[tuple[int, bytes], _Shape | int] = {}
-"""Shapes by the archive's length and end record (which fix the central directory's size and place); for
-one not learnable, how many archives with that key failed (one damaged archive does not stop the next from
-being learned; ``_TRIES`` failures do)."""
+def _shapes() -> dict[tuple[int, bytes], _Shape | int]:
+    """The running operation's learned shapes (its ``Storage.cache("zipshape")``), by the archive's length
+    and end record (which fix the central directory's size and place); for one not learnable, how many
+    archives with that key failed (one damaged archive does not stop the next from being learned;
+    ``_TRIES`` failures do)."""
+    return session.current().cache("zipshape")
+
+
 _TRIES = 8
 _MAX = 512
 _LOCK = threading.Lock()
+"""Serialises updates of a shapes cache between the threads of one operation."""
 
 
 def known(pread: zipdir.Pread, length: int) -> Known | None:
@@ -100,7 +105,7 @@ def known(pread: zipdir.Pread, length: int) -> Known | None:
     doc), else None."""
     if length < _EOCD:
         return None
-    s = _SHAPES.get((length, pread(_EOCD, length - _EOCD)))
+    s = _shapes().get((length, pread(_EOCD, length - _EOCD)))
     if s is None or isinstance(s, int):
         return None
     vals: tuple[object, ...] = ()
@@ -133,7 +138,8 @@ def learn(pread: zipdir.Pread, length: int, d: zipdir.Directory) -> None:
     if length < _EOCD:
         return
     key = (length, pread(_EOCD, length - _EOCD))
-    failed = _SHAPES.get(key, 0)
+    shapes = _shapes()
+    failed = shapes.get(key, 0)
     if not isinstance(failed, int) or failed >= _TRIES:
         return
     try:
@@ -141,9 +147,9 @@ def learn(pread: zipdir.Pread, length: int, d: zipdir.Directory) -> None:
     except (zipdir.ZipError, struct.error, ValueError):
         shape = None
     with _LOCK:
-        while len(_SHAPES) >= _MAX:
-            del _SHAPES[next(iter(_SHAPES))]
-        _SHAPES[key] = shape if shape is not None else failed + 1
+        while len(shapes) >= _MAX:
+            del shapes[next(iter(shapes))]
+        shapes[key] = shape if shape is not None else failed + 1
 
 
 def _shape(pread: zipdir.Pread, length: int, d: zipdir.Directory) -> _Shape | None:

@@ -50,20 +50,23 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import InvalidArgument
+from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import open_checkpoint, registry
+from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
 from zckpt.io import checks, objstore, pipeline
 from zckpt.io.items import WriteItem
 from zckpt.io.objstore import as_path
 from zckpt.io.remote_staging import RemoteStaging
-from zckpt.io.shards import HF_WEIGHT_BASES, family, oversized, parse_size, plan_shards, planned_names
-from zckpt.io.staging import Staging, share
+from zckpt.io.session import Storage
+from zckpt.io.shards import family, oversized, parse_size, plan_shards, planned_names
+from zckpt.io.staging import Staging, Ticket, open_staging, share
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
 from zckpt.ops.paths import check_overlap
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 from zckpt.ops.select import require_globs
 
 
@@ -176,14 +179,18 @@ class _Plan:
     tied: dict[str, str]
     shard: int | None
     extras: list[Path]
+    config: Mapping[str, Any] | None = None
+    """A ``config.json`` the format built (``Format.hf_model``), written instead of copied ones."""
 
     @property
     def digest(self) -> str:
         tensors = [(it.name, list(it.shape), str(it.dtype), it.nbytes, it.role.value) for it in self.items]
-        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors]
+        doc = [self.writer.kind, self.base, self.is_dir, self.shard, sorted(self.tied.items()), tensors,
+               self.config]  # fmt: skip
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
+@storage_scoped
 def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Path,
@@ -198,9 +205,10 @@ def consolidate(
     progress: bool = True,
     trust_pickle: bool = False,
     workers: int | None = None,
-    distributed: bool | None = None,
+    distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> ConsolidateResult:
     """Write the model tensors of a checkpoint as one loadable model; returns a ``ConsolidateResult``
     listing the files written (on every rank, when distributed).
@@ -219,9 +227,10 @@ def consolidate(
         progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
             default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
-        distributed (`bool`, *optional*): split the writing over the ranks of a ``torch.distributed``
-            group (module doc). ``None``: when a group of world > 1 is initialised; ``True``: also start
-            one (gloo, ``env://``) under ``torchrun``; ``False``: never. Call it on every rank.
+        distributed (`bool`, *optional*): ``False`` (default): this process alone, whatever process group
+            exists (a call on rank 0 only never waits for the others). ``True``: split the writing over
+            the ranks of the default ``torch.distributed`` group, started (gloo, ``env://``) under
+            ``torchrun`` when none is; then call it on every rank.
         verify_data: compare the checksums the input records over the bytes read (zip CRCs: DeepSpeed,
             ``.bin``), and refuse to publish damaged data (``zckpt.io.checks``).
         storage_options: the object-store client's options for ``s3://`` paths (``zckpt.io.objstore``).
@@ -234,8 +243,6 @@ def consolidate(
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     out = as_path(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -246,27 +253,43 @@ def consolidate(
         if not isinstance(ckpt_or_path, Checkpoint):
             stack.callback(ckpt.close)
 
-        def make_plan() -> tuple[_Plan, Staging | None]:
+        def make_plan() -> tuple[_Plan, Staging | RemoteStaging | None]:
             check_overlap(ckpt.meta, out)
-            items, tied = plan(ckpt, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
+            src, config, extras = _source(ckpt, is_dir)
+            items, tied = plan(src, dtype=dtype, keep_fp32=keep_fp32, exclude_frozen=exclude_frozen)
             base = writer.base_name if is_dir else out.name
-            extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
-            p = _Plan(writer, is_dir, base, items, tied, shard, extras)
-            st: Staging | None = None
+            p = _Plan(writer, is_dir, base, items, tied, shard, extras, config)
+            st: Staging | RemoteStaging | None = None
             if g.rank == 0:
-                st = stack.enter_context(Staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS))
-                st.expect(planned_names(base, items, shard))
+                st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS, order=PUBLISH_ORDER)
+                stack.enter_context(st)
+                names = planned_names(base, items, shard)
+                if isinstance(st, RemoteStaging) and _replaces_shards(st, names):
+                    raise Unsupported(
+                        f"{out}: replacing a sharded output in an object store in place would leave neither "
+                        "version whole while its shards upload (a shard's name is fixed by its index)",
+                        hint="write to a new prefix, then delete the old one",
+                        path=str(out),
+                    )
+                st.expect(names)
             return p, st
 
         p, st = g.step("consolidate: planning the output", make_plan)
-        staging, digest0 = g.broadcast((str(st.dir), p.digest) if st is not None else None)
+        staging, digest0 = g.broadcast((st.ticket(), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        files, kept = _write(g, p, out, Path(staging), st, progress, workers, verify_data)
+        files, kept = _write(g, p, out, staging, st, progress, workers, verify_data)
     return _result(out, p, files, kept)
 
 
-def _warn_kept_config(st: Staging, written: str | None) -> None:
+def _replaces_shards(st: RemoteStaging, names: list[str]) -> bool:
+    """A sharded output (an index among ``names``) that would replace an existing output in a store."""
+    if not st.overwrite or not any(n.endswith(".index.json") for n in names):
+        return False
+    return st.generation is not None or any(objstore.kind(f"{st.url.rsplit('/', 1)[0]}/{n}") for n in names)
+
+
+def _warn_kept_config(st: Staging | RemoteStaging, written: str | None) -> None:
     """A ``config.json`` kept from an earlier folder (none was copied in) that names another dtype than the
     weights now written would make ``from_pretrained(dtype="auto")`` load them cast: say so."""
     if "config.json" not in st.kept or written is None:
@@ -306,6 +329,17 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
     )
 
 
+def _source(ckpt: Checkpoint, is_dir: bool) -> tuple[Checkpoint, Mapping[str, Any] | None, list[Path]]:
+    """What a consolidate writes: the checkpoint, under HF names with the ``config.json`` its format built
+    when it has its own (``Format.hf_model``: Megatron) and ``out`` is a folder; the HF files beside it."""
+    fmt = registry().get(ckpt.meta.format) if is_dir else None
+    got = fmt.hf_model(ckpt) if fmt is not None else None
+    if got is not None:
+        return got[0], got[1], []
+    extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+    return ckpt, None, extras
+
+
 def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: bool) -> Checkpoint:
     if isinstance(ckpt_or_path, Checkpoint):
         return ckpt_or_path
@@ -335,8 +369,8 @@ def _write(
     g: zgroup.Group,
     p: _Plan,
     out: Path,
-    staging: Path,
-    st: Staging | None,
+    staging: Ticket,
+    st: Staging | RemoteStaging | None,
     progress: bool,
     workers: int | None,
     verify_data: bool,
@@ -348,7 +382,7 @@ def _write(
 
     def write() -> list[str]:
         bar_on = progress and g.rank == 0
-        with share(str(staging), out, is_dir=p.is_dir) as (folder, done):
+        with share(staging, is_dir=p.is_dir) as (folder, done):
             with checks.verifying(verify_data), progress_bar(mine, "consolidate", enabled=bar_on) as bar:
                 opts = ModelWriteOptions(p.tied, p.shard, bar.update, workers, (g.rank, g.world))
                 p.writer.write_into(folder, p.base, p.items, opts)
@@ -363,6 +397,8 @@ def _write(
             st.adopt([u for urls in elsewhere for u in urls])
         weights = [it.dtype for it in p.items if it.role is not Role.BUFFER]
         hf_files.copy(p.extras, st.dir, weights)
+        if p.config is not None:
+            hf_files.write_config(p.config, st.dir, weights)
         final = [str(f) for f in st.commit()]
         _warn_kept_config(st, hf_files.weights_dtype(weights))
         return final, st.kept

@@ -33,27 +33,34 @@ Key mapping
 Precision
     Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype), then
     compared in float64 (``zckpt.ops.diff_values``), chunk by chunk, so memory stays bounded for any
-    tensor size; padding is never read.
+    tensor size; padding is never read. ``compare_dtype`` picks the dtype a pair is compared at first:
+    ``auto`` (default) compares a pair stored in two float dtypes at the narrower one, or at B's when
+    neither holds the other (A's fp32 masters cast to bf16 against a bf16 export: what ``consolidate``'s
+    default writes, so a checkpoint and its export are equal); ``full`` compares every pair as stored
+    (every rounding difference shows); ``fp32``/``bf16``/``fp16`` cast every floating side to that dtype.
+    Each cast is reported (``TensorDiff.compared_as``, the summary's "A cast to bfloat16 as stored in B").
 
 Metrics (per tensor, over the elements finite on both sides unless stated)
     ``max_abs_diff = max|a-b|``; ``max_rel_diff = max |a-b|/|b|`` (0/0 counts as 0, x/0 as +inf);
-    ``rel_l2 = ||a-b|| / ||b||`` (0 when both are 0, +inf when only ||b|| is 0);
+    ``rel_l2 = ||a-b|| / ||b||`` (0 when both are 0, +inf when only ||b|| is 0): **the** relative change,
+    B the reference as for ``rtol`` and ``max_rel_diff``; tables, JSON, ``--plot`` and ``--series`` all
+    show this one;
     ``cosine = <a,b> / (||a|| ||b||)`` (``None`` when either norm is 0);
     ``changed``: elements with ``|a-b| > atol + rtol*|b|`` — over *all* elements, where NaN equals
     NaN and an infinity equals the same infinity, anything else non-finite vs finite is a change;
-    ``nan_a/nan_b/inf_a/inf_b``: counts on each side; ``norm_a/norm_b/norm_diff`` and
-    ``rel_change = ||b-a|| / ||a||`` (A as the reference) from the same accumulators.
+    ``nan_a/nan_b/inf_a/inf_b``: counts on each side; ``norm_a/norm_b/norm_diff`` from the same
+    accumulators.
 
 Pictures
     ``DiffResult.plot(path)`` draws the result (``zckpt.ops.plots``): layer x role heatmaps of
-    ``rel_change`` and cosine, from these statistics alone (no second pass over the tensors).
+    ``rel_l2`` and cosine, from these statistics alone (no second pass over the tensors).
 
 Equality
     The result is equal when no key is only on one side, no shapes differ and no compared element
-    changed. A dtype-only difference (a tensor stored in bf16 on one side and fp32 on the other, with the
-    same values after exact upcasting, as DeepSpeed's frozen params against zero_to_fp32's output) is
-    reported (``dtype_mismatches``; ``dtype_only`` of them hold the same values) but is not a difference
-    unless ``strict_dtype``.
+    changed. A dtype mismatch (a tensor stored in bf16 on one side and fp32 on the other) is reported
+    (``dtype_mismatches``: of them ``dtype_only`` hold exactly the same values as compared, ``dtype_within``
+    differ within the tolerance, ``dtype_differ`` beyond it) but is not a difference of its own unless
+    ``strict_dtype``. The summary never calls values the same unless every element is.
 """
 
 from __future__ import annotations
@@ -64,14 +71,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from zckpt.checkpoint import Checkpoint
-from zckpt.errors import KeyMappingError
-from zckpt.formats import open_checkpoint
-from zckpt.io import checks, objstore
+from zckpt.errors import KeyMappingError, ZckptError
+from zckpt.formats import open_checkpoint, registry
+from zckpt.io import checks
+from zckpt.io.session import Storage
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
-from zckpt.ops.diff_values import TensorDiff, compare_all
+from zckpt.ops.diff_values import TensorDiff, compare_all, parse_compare_dtype
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 from zckpt.ops.stats import CHUNK
 
 SCHEMA_VERSION = 1
@@ -113,7 +124,17 @@ class DiffResult:
     top: int | None = None
     maps: tuple[tuple[str, str], ...] = field(default=())
     dtype_only: int = 0
-    """Dtype mismatches whose values are the same (the others differ in value too)."""
+    """Dtype mismatches whose values (as compared: after the cast ``compare_dtype`` makes) are exactly the
+    same."""
+    dtype_within: int = 0
+    """Dtype mismatches whose values differ, but nowhere beyond the tolerance."""
+    dtype_differ: int = 0
+    """Dtype mismatches (same shape) whose values differ beyond the tolerance."""
+    compare_dtype: str = "full"
+    """``auto``, ``full``, ``fp32``, ``bf16`` or ``fp16`` (module doc)."""
+    casts: tuple[tuple[str, int, int], ...] = field(default=())
+    """``(how, pairs, of them dtype mismatches)`` for each cast made before comparing
+    (``"A cast to bfloat16 as stored in B"``), most pairs first."""
     aliases_matched: tuple[tuple[str, str, str], ...] = field(default=())
     """``(side, alias, owner)``: a tied alias of ``side`` ("A" or "B") the other side lacks, matched via
     the owner it holds (names in each side's own namespace)."""
@@ -126,12 +147,15 @@ class DiffResult:
 
     def summary(self) -> str:
         verdict = "EQUAL" if self.equal else "DIFFERENT"
-        parts = [f"{self.compared} tensors compared, {self.differing} differ"]
+        parts = [f"{self.compared} tensor{'s' * (self.compared != 1)} compared, {self.differing} differ"]
         if self.shape_mismatches:
             parts.append(f"{self.shape_mismatches} shape mismatch{'es' * (self.shape_mismatches != 1)}")
         if self.dtype_mismatches:
             n = self.dtype_mismatches
-            parts.append(f"{n} dtype mismatch{'es' * (n != 1)}{self._dtype_note()}")
+            parts.append(f"{n} dtype mismatch{'es' * (n != 1)} ({self._dtype_note()})")
+        for how, k, mism in self.casts:
+            if k > mism:  # pairs stored in one dtype, cast by an explicit compare dtype
+                parts.append(f"{k - mism} of one dtype compared as {how}")
         if self.aliases_matched:
             n = len(self.aliases_matched)
             parts.append(f"{n} tied alias{'es' * (n != 1)} matched via {'their' if n != 1 else 'its'} owner")
@@ -140,19 +164,24 @@ class DiffResult:
         return f"{', '.join(parts)}: {verdict} ({tol}, compared in {PRECISION})"
 
     def _dtype_note(self) -> str:
-        """What the dtype mismatches are: the same values (not a difference unless ``strict_dtype``) or
-        also different values (then the table lists them under ``values``)."""
+        """How the dtype mismatches were compared (the cast, when one was made) and what came out: exactly
+        the same values, values within tolerance, or values that differ."""
+        n = self.dtype_mismatches
+        hows = [(how, mism) for how, _, mism in self.casts if mism]
+        said = [f"compared as {h}" if m == n else f"{m} compared as {h}" for h, m in hows]
+        if said and sum(m for _, m in hows) < n:
+            said.append(f"{n - sum(m for _, m in hows)} as stored")
+        same, within, differ = self.dtype_only, self.dtype_within, self.dtype_differ
+        got = [f"{same} equal"] if same else []
+        got += [f"{within} within tolerance"] if within else []
+        got += [f"{differ} differ in value"] if differ else []
+        got += [f"{n - same - within - differ} reshaped"] if n - same - within - differ else []
+        head = ", ".join(said) + ": " if said else ""
         if self.strict_dtype:
-            return ""
-        same, n = self.dtype_only, self.dtype_mismatches
-        if same == n:
-            return " (same values: not a difference without --strict-dtype)"
-        if same == 0:
-            return " (values differ too)"
-        return (
-            f" ({same} with the same values: not a difference without --strict-dtype; "
-            f"{n - same} differ in value)"
-        )
+            tail = "; each a difference with --strict-dtype"
+        else:
+            tail = "; not a difference without --strict-dtype" if not differ else ""
+        return head + ", ".join(got) + tail
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -165,6 +194,7 @@ class DiffResult:
                 "rtol": self.rtol,
                 "strict_dtype": self.strict_dtype,
                 "ignore_dtype": not self.strict_dtype,
+                "compare_dtype": self.compare_dtype,
                 "include_optimizer": self.include_optimizer,
                 "map": [f"{o}={n}" for o, n in self.maps],
                 "top": self.top,
@@ -176,6 +206,9 @@ class DiffResult:
                 "shape_mismatches": self.shape_mismatches,
                 "dtype_mismatches": self.dtype_mismatches,
                 "dtype_only": self.dtype_only,
+                "dtype_within": self.dtype_within,
+                "dtype_differ": self.dtype_differ,
+                "casts": [{"how": h, "pairs": k, "dtype_mismatches": m} for h, k, m in self.casts],
                 "aliases_matched": len(self.aliases_matched),
                 "only_in_a": len(self.only_in_a),
                 "only_in_b": len(self.only_in_b),
@@ -210,14 +243,15 @@ class DiffResult:
 
     def plot(self, path: str | Path, *, top: int = 20) -> Path:
         """Draw the result to ``path`` (``.png``, ``.svg`` or a self-contained ``.html``): layer x role
-        heatmaps of ``||B-A||/||A||`` and cosine, non-layer tensors in a strip, the ``top`` most-changed
-        tensors as bars; one-sided, reshaped and retyped tensors marked. Needs matplotlib (``zckpt[plot]``).
-        Draws the tensors this result holds: all of them unless ``diff`` was given ``top``."""
+        heatmaps of ``||A-B||/||B||`` (``rel_l2``) and cosine, non-layer tensors in a strip, the ``top``
+        most-changed tensors as bars; one-sided, reshaped and retyped tensors marked. Needs matplotlib
+        (``zckpt[plot]``). Draws the tensors this result holds: all unless ``diff`` was given ``top``."""
         from zckpt.ops.plots.files import plot_diff
 
         return plot_diff(self, path, top=top)
 
 
+@storage_scoped
 def diff(
     a: str | Path | Checkpoint,
     b: str | Path | Checkpoint,
@@ -229,6 +263,7 @@ def diff(
     map: Sequence[str | tuple[str, str]] = (),
     top: int | None = None,
     strict_dtype: bool = False,
+    compare_dtype: str | torch.dtype = "auto",
     tag_a: str | None = None,
     tag_b: str | None = None,
     progress: bool = True,
@@ -236,6 +271,7 @@ def diff(
     chunk: int = CHUNK,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (paths or opened ``Checkpoint`` objects) tensor by tensor.
 
@@ -248,7 +284,12 @@ def diff(
         map: ``"OLD=NEW"`` (or ``(OLD, NEW)``) prefix renames applied to A's keys; an entry that renames
             no key of A is a ``KeyMappingError``.
         top: keep only the ``top`` most-changed tensors in ``tensors`` (counts cover all).
-        strict_dtype: count dtype-only differences (same values in another dtype) as differences.
+        strict_dtype: count a dtype mismatch as a difference even when the values agree.
+        compare_dtype: ``auto`` (a pair stored in two float dtypes is compared at the narrower, or at B's
+            when neither holds the other, cast as ``consolidate`` casts: a checkpoint and its 16-bit export
+            are equal),
+            ``full`` (every pair as stored: every rounding shows), or ``fp32``/``bf16``/``fp16`` (every
+            floating side cast to it first). Every cast is reported.
         progress: tqdm bar on stderr (only when stderr is a terminal).
         verify_data: compare the checksums the inputs record over the bytes read (a damaged file is an
             error, not a difference).
@@ -256,21 +297,20 @@ def diff(
     Returns:
         A ``DiffResult``; ``result.equal`` says whether the checkpoints match within tolerance.
     """
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     if top is not None and top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     maps = tuple(_parse_map(m) for m in map)
+    mode = parse_compare_dtype(compare_dtype)
     ca, close_a = _open(a, tag_a, trust_pickle, include_optimizer)
     try:
         cb, close_b = _open(b, tag_b, trust_pickle, include_optimizer)
         try:
             with checks.verifying(verify_data):
-                return _diff(
-                    ca, cb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress, chunk
-                )
+                xa, xb = _hf_names(ca, cb, include_optimizer)
+                return _diff(xa, xb, atol, rtol, include_optimizer, keys, maps, top, strict_dtype, progress,
+                             chunk, mode)  # fmt: skip
         finally:
             if close_b:
                 cb.close()
@@ -287,6 +327,22 @@ def _open(
     if isinstance(x, Checkpoint):
         return x, False
     return open_checkpoint(x, tag=tag, trust_pickle=trust_pickle, model_only=not optim), True
+
+
+def _hf_names(a: Checkpoint, b: Checkpoint, optim: bool) -> tuple[Checkpoint, Checkpoint]:
+    """A checkpoint under its format's own names (Megatron) beside its Hugging Face export: that side under
+    HF names (``Format.hf_model``), when the two share no name and the HF names are the other side's."""
+    if optim or not set(a).isdisjoint(b):
+        return a, b
+    for x, y in ((a, b), (b, a)):
+        fmt = registry().get(x.meta.format)
+        try:
+            got = fmt.hf_model(x) if fmt is not None else None
+        except ZckptError:
+            got = None
+        if got is not None and not set(got[0]).isdisjoint(y):
+            return (got[0], b) if x is a else (a, got[0])
+    return a, b
 
 
 def _parse_map(m: str | tuple[str, str]) -> tuple[str, str]:
@@ -313,14 +369,22 @@ def _diff(
     strict_dtype: bool,
     progress: bool,
     chunk: int,
+    mode: str,
 ) -> DiffResult:
     m = match_keys(ca, cb, globs, maps, include_optimizer)
     pairs = list(m.pairs)
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
     with bar:
-        results = compare_all(pairs, atol, rtol, strict_dtype, chunk, bar)
+        results = compare_all(pairs, atol, rtol, strict_dtype, chunk, bar, mode)
     results.sort(key=TensorDiff.sort_key)
+    mism = [t for t in results if t.dtype_a != t.dtype_b and t.shape_a == t.shape_b]
+    casts: dict[str, list[int]] = {}
+    for t in results:
+        if t.cast is not None:
+            c = casts.setdefault(t.cast, [0, 0])
+            c[0] += 1
+            c[1] += t.dtype_a != t.dtype_b
     return DiffResult(
         notes=_notes(ca, cb, m.only_a, m.only_b, results) + m.notes,
         a=_side(ca),
@@ -336,7 +400,11 @@ def _diff(
         differing=sum(t.differs for t in results),
         shape_mismatches=sum("shape" in t.reasons for t in results),
         dtype_mismatches=sum(t.dtype_a != t.dtype_b for t in results),
-        dtype_only=sum(t.dtype_a != t.dtype_b and t.shape_a == t.shape_b and not t.changed for t in results),
+        dtype_only=sum(t.identical for t in mism),
+        dtype_within=sum(not t.identical and not t.changed for t in mism),
+        dtype_differ=sum(bool(t.changed) for t in mism),
+        compare_dtype=mode,
+        casts=tuple(sorted(((h, k, m) for h, (k, m) in casts.items()), key=lambda c: (-c[1], c[0]))),
         aliases_matched=m.aliases,
         tied_skipped=m.tied_skipped,
         tensors=tuple(results if top is None else results[:top]),
@@ -386,6 +454,8 @@ def _table(rows: list[TensorDiff]) -> str:
             else f"{list(t.shape_a)}!={list(t.shape_b)}"
         )
         dtype = t.dtype_a if t.dtype_a == t.dtype_b else f"{t.dtype_a}!={t.dtype_b}"
+        if t.compared_as is not None:
+            dtype += f" (as {t.compared_as})"
         key = t.key if t.key_b is None else f"{t.key} -> {t.key_b}"
         nans = "-" if t.nan_a is None else f"{t.nan_a}/{t.nan_b}"
         body.append((

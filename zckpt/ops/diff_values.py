@@ -13,9 +13,20 @@ bit-identical in every chunk gets ``cosine = 1`` (``None`` when no finite elemen
 norms; when a later chunk differs, the earlier identical chunks are re-read and their float64 sums of
 squares added. A finite float64 sum of squares of each side stands in for the per-element finiteness test.
 
+Comparison dtype (``compare_dtype``, ``zckpt.ops.diff``'s ``dtype=``): ``auto`` compares a pair stored in two
+float dtypes, one of which holds every value of the other (fp32 and bf16, fp32 and fp16, fp64 and any), at
+the narrower one: the wider side is cast to it with torch's cast (round to nearest even, the cast
+``consolidate`` writes a 16-bit export with), so a checkpoint's fp32 masters and their bf16 export compare
+equal, whichever side is the export. Two float dtypes neither of which holds the other (bf16 and fp16)
+are compared at B's, the reference (A cast to it: ``consolidate --dtype fp16`` of a bf16 tensor). Pairs of
+one dtype and integers are compared as stored. ``full`` never casts.
+``fp32``/``bf16``/``fp16`` cast every floating side not already in that dtype. ``TensorDiff.compared_as``
+names the dtype a cast pair was compared in; the cast values are then upcast exactly to float64 as above.
+
 Norms: ``norm_a``, ``norm_b``, ``norm_diff`` (``||a||``, ``||b||``, ``||a-b||`` over the finite elements)
-come from the same accumulators, so ``rel_change = ||b-a|| / ||a||`` (A as the reference, what the plots
-show) costs nothing extra. For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
+come from the same accumulators (the plots pool them per cell); ``rel_l2 = ||a-b|| / ||b||`` is the one
+relative change every report shows, B the reference as for ``rtol``.
+For a tensor bit-identical in every chunk, ``norm_diff`` is 0 and
 ``norm_a = norm_b`` is the fast path's own-dtype dot product (float32/float64 tensors; float32 ones are
 accumulated in float32), or ``None`` for other dtypes or when a chunk holds non-finite values (the fast
 path sums nothing there).
@@ -27,16 +38,17 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from zckpt.errors import InvalidArgument
 from zckpt.io import scan
 from zckpt.io.spans import aligned_views
-from zckpt.model import TensorEntry, dtype_name
+from zckpt.io.threads import Pool
+from zckpt.model import PRECISIONS, TensorEntry, dtype_name, parse_precision
 from zckpt.ops.stats import is_exact, iter_chunks
 
 
@@ -70,16 +82,25 @@ class TensorDiff:
     norm_b: float | None = None
     norm_diff: float | None = None
     """``||a-b||`` over the elements finite on both sides; ``None`` only when the shapes differ."""
+    compared_as: str | None = None
+    """The dtype both sides were cast to before comparing (see the module doc); ``None``: as stored."""
 
     @property
-    def rel_change(self) -> float | None:
-        """``||b-a|| / ||a||``: the change relative to A (0 when nothing changed, +inf when ``||a||`` is 0 and
-        something did; ``None`` when the shapes differ). ``rel_l2`` is relative to B."""
-        if self.norm_diff is None:
+    def cast(self) -> str | None:
+        """Which side(s) the comparison cast, in words (``"A cast to bfloat16 as stored in B"``), or None."""
+        if self.compared_as is None:
             return None
-        if self.norm_diff == 0:
-            return 0.0
-        return self.norm_diff / self.norm_a if self.norm_a else math.inf
+        ca, cb = self.dtype_a != self.compared_as, self.dtype_b != self.compared_as
+        if ca and cb:
+            return f"both cast to {self.compared_as}"
+        if ca:
+            return f"A cast to {self.compared_as} as stored in B"
+        return f"B cast to {self.compared_as} as stored in A" if cb else None
+
+    @property
+    def identical(self) -> bool:
+        """Same shape and exactly the same values as compared (NaN where NaN, no element differs at all)."""
+        return self.max_abs_diff == 0 and self.changed == 0
 
     @property
     def fraction_changed(self) -> float | None:
@@ -117,6 +138,7 @@ class TensorDiff:
             "inf_b": self.inf_b,
             "differs": self.differs,
             "reasons": list(self.reasons),
+            "compared_as": self.compared_as,
         }
 
 
@@ -146,8 +168,10 @@ def compare(
     chunk: int,
     work: Work,
     bar: tqdm,
+    cast: torch.dtype | None = None,
 ) -> TensorDiff:
-    """Compare one pair; ``chunks`` yields its aligned chunk pairs (nothing when the shapes differ)."""
+    """Compare one pair; ``chunks`` yields its aligned chunk pairs (nothing when the shapes differ); ``cast``:
+    the dtype both sides are cast to first (``comparison_dtype``), None to compare them as stored."""
     reasons: list[str] = []
     if ea.dtype != eb.dtype and strict_dtype:  # else a dtype-only difference is none: values decide
         reasons.append("dtype")
@@ -160,6 +184,7 @@ def compare(
         dtype_a=dtype_name(ea.dtype),
         dtype_b=dtype_name(eb.dtype),
         numel=ea.numel,
+        compared_as=None if cast is None else dtype_name(cast),
     )
     if ea.shape != eb.shape:
         reasons.insert(0, "shape")
@@ -172,13 +197,15 @@ def compare(
     owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
     nonzero = False  # some finite element of those chunks is nonzero
     for xa, xb in chunks:
+        if cast is not None:
+            xa, xb = xa.to(cast), xb.to(cast)  # a no-op (the same view) for a side already in ``cast``
         if not exact and owed >= 0 and _bits_equal(xa, xb):
             nonzero |= _scan_same(xa, acc)
             owed += 1
         else:
             if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's chunks)
                 for _, x in itertools.islice(iter_chunks(ea, chunk), owed):
-                    _fold_same(x, acc, work, count=False)
+                    _fold_same(x if cast is None else x.to(cast), acc, work, count=False)
             owed = -1
             _fold(xa, xb, exact, atol, rtol, acc, work)
         bar.update(xa.numel())
@@ -229,8 +256,53 @@ def compare_threads() -> int:
     return scan.threads(cap=8, per=2)
 
 
+COMPARE_DTYPES = ("auto", "full", "fp32", "bf16", "fp16")
+"""``compare_dtype`` values (the module doc); ``fp32``/``bf16``/``fp16`` in any spelling ``parse_precision``
+reads."""
+
+
+def parse_compare_dtype(name: str | torch.dtype) -> str:
+    """``auto``, ``full``, ``fp32``, ``bf16`` or ``fp16`` for a ``compare_dtype`` in any spelling."""
+    if isinstance(name, str) and name.strip().lower() in ("auto", "full"):
+        return name.strip().lower()
+    got = parse_precision(name.strip()) if isinstance(name, str) else None
+    if isinstance(name, torch.dtype):
+        got = next((k for k, v in PRECISIONS.items() if v == name), None)
+    if got is None:
+        raise InvalidArgument(
+            f"unknown comparison dtype {name!r}; choose auto, full, fp32, bf16 or fp16",
+            hint="auto: a pair stored in two dtypes is compared at the narrower; full: as stored, in float64",
+        )
+    return got
+
+
+def comparison_dtype(mode: str, da: torch.dtype, db: torch.dtype) -> torch.dtype | None:
+    """The dtype a pair stored as ``da``/``db`` is cast to before comparing under ``mode`` (a
+    ``parse_compare_dtype`` result), or None to compare it as stored (the module doc)."""
+    if mode == "full" or not (da.is_floating_point and db.is_floating_point):
+        return None
+    if mode != "auto":
+        target = PRECISIONS[mode]
+        return None if da == db == target else target
+    if da == db:
+        return None
+    return da if _holds(db, da) and not _holds(da, db) else db  # the narrower; else B's, the reference
+
+
+def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every value of ``narrow`` is a value of ``wide`` (finer or equal spacing, wider or equal range)."""
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return w.eps <= n.eps and w.max >= n.max and w.smallest_normal <= n.smallest_normal
+
+
 def compare_all(
-    pairs: list[Pair], atol: float, rtol: float, strict_dtype: bool, chunk: int, bar: tqdm
+    pairs: list[Pair],
+    atol: float,
+    rtol: float,
+    strict_dtype: bool,
+    chunk: int,
+    bar: tqdm,
+    compare_dtype: str = "auto",
 ) -> list[TensorDiff]:
     """``compare`` over every pair, in order, ``compare_threads()`` pairs at once, each thread with its own
     working buffers; each pair's chunks are zero-copy views of both files' page cache (``aligned_views``)."""
@@ -241,12 +313,13 @@ def compare_all(
         if not hasattr(local, "work"):
             local.work = Work()
         chunks = iter(aligned_views(ea, eb, chunk)) if ea.shape == eb.shape else iter(())
-        return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, local.work, bar)
+        cast = comparison_dtype(compare_dtype, ea.dtype, eb.dtype)
+        return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, local.work, bar, cast)
 
     n = min(compare_threads(), len(pairs))
     if n <= 1:
         return [one(p) for p in pairs]
-    with ThreadPoolExecutor(n, thread_name_prefix="zckpt-diff") as pool:
+    with Pool(n, thread_name_prefix="zckpt-diff") as pool:
         return list(pool.map(one, pairs))
 
 

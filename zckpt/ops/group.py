@@ -9,10 +9,11 @@ error, the others a ``WriteFailed`` naming the failed ranks — so no rank goes 
 another rank did not finish. Collectives carry small Python objects only (paths, plan digests, error
 texts), never tensor bytes: those go straight to the shared output folder.
 
-``group(distributed)`` resolves the mode: ``None`` uses the default process group when one is
-initialised with world > 1; ``True`` also initialises one (gloo, ``env://``, as ``torchrun`` sets up)
-when ``WORLD_SIZE`` > 1 and none exists; ``False`` is single-process. A default group on another
-backend (NCCL) gets a gloo sub-group for these CPU-side messages.
+``group(distributed)`` resolves the mode: ``False`` (the library's default) is single-process, whatever
+process group exists: a call made on one rank only (``if rank == 0: zckpt.consolidate(...)`` after training)
+never waits for the others. ``True`` splits the work over the default process group, and initialises one
+(gloo, ``env://``, as ``torchrun`` sets up) when ``WORLD_SIZE`` > 1 and none exists; then every rank must
+make the call. A default group on another backend (NCCL) gets a gloo sub-group for these CPU-side messages.
 """
 
 from __future__ import annotations
@@ -113,24 +114,20 @@ def env_world() -> int:
         return 1
 
 
-def group(distributed: bool | None) -> Group:
+def group(distributed: bool) -> Group:
     """The group to split work over (``SOLO`` for a single process; see the module doc)."""
-    if distributed is False:
+    if not distributed:
         return SOLO
     import torch.distributed as dist
 
     if not dist.is_available():
-        if distributed:
-            raise KeyMappingError("distributed mode needs torch.distributed, which this torch build lacks")
-        return SOLO
+        raise KeyMappingError("distributed mode needs torch.distributed, which this torch build lacks")
     if not dist.is_initialized():
-        if not distributed or env_world() <= 1:
-            if distributed:
-                raise KeyMappingError(
-                    "distributed mode: no process group is initialised and WORLD_SIZE is not > 1",
-                    hint="launch with torchrun --nproc_per_node N (or init torch.distributed first)",
-                )
-            return SOLO
+        if env_world() <= 1:
+            raise KeyMappingError(
+                "distributed mode: no process group is initialised and WORLD_SIZE is not > 1",
+                hint="launch with torchrun --nproc_per_node N (or init torch.distributed first)",
+            )
         dist.init_process_group("gloo", init_method="env://")
     world = dist.get_world_size()
     if world <= 1:

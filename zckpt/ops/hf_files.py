@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -65,6 +65,16 @@ def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> No
             _write_config(f, dest / f.name, dtype)
         else:
             storage.copy_file(f, dest / f.name)
+
+
+def write_config(config: Mapping[str, object], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
+    """Write a ``config.json`` a format built (``Format.hf_model``) into ``dest``, its ``dtype`` (and
+    ``torch_dtype``) the weights' dtype."""
+    doc = dict(config)
+    dtype = weights_dtype(dtypes)
+    if dtype is not None:
+        doc["dtype"] = doc["torch_dtype"] = dtype
+    (dest / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def kept_config_dtype(path: Path) -> str | None:

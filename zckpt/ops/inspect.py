@@ -18,8 +18,9 @@ from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
-from zckpt.io import objstore
+from zckpt.io.session import Storage
 from zckpt.model import Role, TensorEntry, dtype_name
+from zckpt.ops.scope import storage_scoped
 from zckpt.ops.stats import TensorStats, checkpoint_stats
 
 
@@ -159,6 +160,7 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
     )  # fmt: skip
 
 
+@storage_scoped
 def inspect(
     path: str | Path | Checkpoint,
     *,
@@ -166,6 +168,7 @@ def inspect(
     trust_pickle: bool = False,
     stats: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> InspectReport:
     """Describe a checkpoint without reading tensor data.
 
@@ -178,8 +181,6 @@ def inspect(
     Example:
         >>> r = zckpt.inspect("out/checkpoint-100"); r.world_size, r.params
     """
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     if isinstance(path, Checkpoint):
         return report(path, stats=stats)
     with open_checkpoint(path, tag=tag, trust_pickle=trust_pickle) as ckpt:

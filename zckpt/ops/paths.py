@@ -1,4 +1,5 @@
-"""Where outputs may go: never over, inside or around the input they are made from."""
+"""Where outputs may go (never over, inside or around the input they are made from), and what an input is
+called in reports."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from pathlib import Path
 from zckpt.errors import OutputExists
 from zckpt.io.objstore import as_path
 from zckpt.state import CheckpointMeta
+
+
+def input_kind(format: str | None, path: str | Path) -> str:
+    """What reports call an input: ``"safetensors file"`` for a lone ``.safetensors`` (the ``hf`` format reads
+    it, but it is no HF checkpoint: no config, no index), else ``"<format> checkpoint"``."""
+    if format is None:
+        return "unrecognised checkpoint"
+    if format == "hf" and str(path).endswith(".safetensors"):
+        return "safetensors file"
+    return f"{format} checkpoint"
 
 
 def input_root(meta: CheckpointMeta) -> Path:

@@ -26,27 +26,33 @@ import contextlib
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
+from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
-from zckpt.io import checks, objstore
+from zckpt.io import checks
+from zckpt.io.digest import SIDECAR_PATTERN
 from zckpt.io.objstore import as_path
 from zckpt.io.pipeline import each_file
-from zckpt.io.remote_staging import RemoteStaging
+from zckpt.io.remote_staging import RemoteStaging, Ticket
 from zckpt.io.safetensors import FileRecord
-from zckpt.io.staging import Staging, share
+from zckpt.io.session import Storage
+from zckpt.io.staging import Staging, open_staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
-from zckpt.ops.paths import check_overlap, input_root
+from zckpt.ops.paths import check_overlap, input_kind, input_root
 from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.progress import sized
+from zckpt.ops.scope import storage_scoped
 
 __all__ = ["ReshardResult", "default_dst", "reshard"]
 
@@ -61,7 +67,8 @@ class ReshardResult:
     world: int
     src_stage: int | None
     stage: int | None
-    tag: str
+    tag: str | None
+    """The output's tag folder; None for a DCP output (a flat folder, no tag)."""
     files: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
@@ -69,12 +76,13 @@ class ReshardResult:
 
 
 _CHECKPOINT_FILE = re.compile(
-    r"^(?:latest|\.metadata|__\d+_\d+\.distcp"  # the tag pointer; a DCP folder's files
-    r"|[^/]+/(?:manifest\.json|rank_\d{5}\.safetensors"  # a tag folder: native, then DeepSpeed
+    r"^(?:latest|\.metadata|__\d+_\d+(?:\.g[0-9a-f]{16})?\.distcp"  # the tag pointer; a DCP folder's files
+    r"|[^/]+/(?:manifest\.json|rank_\d{5}(?:\.g[0-9a-f]{16})?\.safetensors"  # a tag folder: native, DeepSpeed
     r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(?:optim|model)_states\.pt|mp_rank_\d+_model_states\.pt)"
-    r")(?:\.sha256|\.sha256\.json)?$"
+    rf"){SIDECAR_PATTERN}?$"
 )
-"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag)."""
+"""The files reshard writes into a checkpoint folder, in every format it writes (any world size, any tag,
+any generation: ``WritePlan.generation``)."""
 
 
 def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
@@ -146,7 +154,7 @@ def _job(
     try:
         if not fmt.training:
             raise Unsupported(
-                f"{src}: a {fmt.name} checkpoint is not sharded; nothing to reshard",
+                f"{src}: a {input_kind(fmt.name, src)} is not sharded; nothing to reshard",
                 hint="reshard reads sharded training checkpoints (native, DeepSpeed)",
             )
         target = get(to or fmt.name)
@@ -165,7 +173,7 @@ def _job(
         _check_masters_named(ckpt)
         out = default_dst(root, world) if dst is None else dst
         check_overlap(ckpt.meta, out)
-        out_tag = ckpt.meta.tag or "reshard"
+        out_tag = _out_tag(ckpt)
         plan = target.writer.plan(ckpt, world=world, stage=stage, tag=out_tag)
         side = trainer_files.plan(ckpt.meta, world)
     except BaseException:
@@ -180,7 +188,7 @@ def _job(
         world,
         ckpt.meta.stage,
         plan.stage,
-        out_tag,
+        None if target.name == "dcp" else out_tag,
         notes=[n for n in plan.notes if not (side is not None and side.batch_noted and is_batch_note(n))]
         + list(side.notes if side is not None else ()),  # the Trainer's batch note covers the writer's
     )
@@ -202,6 +210,7 @@ def _check_masters_named(ckpt: Checkpoint) -> None:
     )
 
 
+@storage_scoped
 def reshard(
     src: str | Path,
     dst: str | Path | None = None,
@@ -213,20 +222,20 @@ def reshard(
     overwrite: bool = False,
     progress: bool = True,
     trust_pickle: bool = False,
-    distributed: bool | None = None,
+    distributed: bool = False,
     verify_data: bool = True,
     storage_options: Mapping[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> ReshardResult:
     """Reshard ``src`` for ``world`` ranks into the checkpoint folder ``dst`` (see the module docstring).
 
     ``to``: ``"native"`` or ``"deepspeed"`` (default: the source's format). ``stage``: ZeRO stage of the
-    output (default: the source's; native sources default to 3). ``distributed``: split the rank files over
-    the processes of a ``torch.distributed`` group, as ``consolidate`` does (``None``: when a group of
-    world > 1 is initialised; ``True``: also start one from ``env://``, as under ``torchrun``).
+    output (default: the source's; native sources default to 3). ``distributed``: ``False`` (default): this
+    process alone, whatever process group exists; ``True``: split the rank files over the processes of the
+    default ``torch.distributed`` group (started from ``env://`` under ``torchrun``), as ``consolidate``
+    does; then call it on every rank.
     ``verify_data``: compare the checksums the source records over every byte read; publish nothing if one
     fails."""
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
     if world < 1:
         raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
@@ -239,21 +248,32 @@ def reshard(
         )
         stack.callback(job.ckpt.close)
 
-        def make_staging() -> Staging | None:
-            return (
-                stack.enter_context(
-                    Staging(job.dst, is_dir=True, overwrite=overwrite, owns=_owns(job.side), foreign="refuse")
-                )
-                if g.rank == 0
-                else None
+        def make_staging() -> Staging | RemoteStaging | None:
+            if g.rank != 0:
+                return None
+            owns = _owns(job.side)
+            st = open_staging(
+                job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse", order=PUBLISH_ORDER
             )
+            stack.enter_context(st)
+            if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
+                fmt = job.result.dst_format
+                raise Unsupported(
+                    f"{job.dst}: replacing a {fmt} checkpoint in an object store in place would leave "
+                    "neither version whole while it uploads (its files have fixed names)",
+                    hint="write to a new prefix, then delete the old one",
+                    path=str(job.dst),
+                )
+            return st
 
         st = g.step("reshard: staging the output", make_staging)
-        staging, digest0 = g.broadcast((str(st.dir), job.digest) if st is not None else None)
+        staging, digest0 = g.broadcast((st.ticket(), job.digest) if st is not None else None)
         g.check_same("the reshard plan", job.digest, digest0)
+        if isinstance(staging, Ticket) and staging.generation is not None:  # replacing an output in a store
+            job = replace(job, plan=replace(job.plan, generation=staging.generation))
 
         def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
-            with share(staging, job.dst, is_dir=True) as (folder, done):
+            with share(staging, is_dir=True) as (folder, done):
                 recs, names = _write_units(g, job, folder, progress, verify_data)
                 return recs, names, done()
 
@@ -281,25 +301,43 @@ def reshard(
     return res
 
 
+def _out_tag(ckpt: Checkpoint) -> str:
+    """The output's tag: the source's (DeepSpeed and native tag folders), else named after the step the
+    source records as DeepSpeed and the engine name theirs (a DCP folder has no tag: ``global_step3``), else
+    ``reshard``."""
+    if ckpt.meta.tag:
+        return ckpt.meta.tag
+    step = ckpt.meta.step
+    return f"global_step{step}" if step is not None else "reshard"
+
+
 def _write_units(
     g: zgroup.Group, job: _Job, staging: Path, progress: bool, verify_data: bool
 ) -> tuple[list[FileRecord], list[tuple[str, int]]]:
-    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written)."""
+    """This process's units ``rank::world`` of the plan; (their records, (file, bytes) written).
+
+    The bar counts rank units, whose number is known before writing (the bytes a unit writes are not: a
+    DeepSpeed rank file is a torch zip whose size its pickle decides), so it ends at exactly 100 %; the
+    bytes written so far are shown beside it, counted from the files as they are closed."""
     units = range(g.rank, job.plan.units, g.world)
-    per_unit = sum(e.stored_nbytes for e in job.ckpt.entries.values()) // max(1, job.plan.units)
     written: list[tuple[str, int]] = []
     records: list[FileRecord] = []
+    lock = threading.Lock()
     with progress_bar(
-        per_unit * len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0
+        len(units), f"reshard -> world {job.plan.world}", enabled=progress and g.rank == 0, unit="rank"
     ) as bar:
 
         def on_file(name: str, nbytes: int) -> None:
-            written.append((name, nbytes))
-            bar.update(nbytes)
+            with lock:
+                written.append((name, nbytes))
 
         with checks.verifying(verify_data):  # several ranks' files at once on many cores
             for recs in each_file(
                 lambda u: job.writer.write_unit(job.ckpt, job.plan, staging, u, on_file), units
             ):
                 records += recs
+                with lock:
+                    done = sum(n for _, n in written)
+                bar.set_postfix_str(f"{sized(done)} written", refresh=False)
+                bar.update(1)
     return records, written

@@ -6,9 +6,10 @@ reads them) and whose name carries a step (``STEP_PATTERNS``), sorted by that nu
 
 Each consecutive pair goes through the streaming ``zckpt.ops.diff.diff`` (bounded memory, one pair open at
 a time: the newer side is kept open as the next pair's older side, metadata only). Of each pair only the
-per-row sums are kept (``RowUpdate``: ``sum ||b-a||^2`` and ``sum ||a||^2`` over the tensors of one layer,
+per-row sums are kept (``RowUpdate``: ``sum ||a-b||^2`` and ``sum ||b||^2`` over the tensors of one layer,
 or of one non-layer module, rows from ``zckpt.ops.plots.names``), so a long run costs what one diff costs.
-A row's update size is ``sqrt(sum ||b-a||^2 / sum ||a||^2)``: the layer's relative change in L2. Buffers
+A row's update size is ``sqrt(sum ||a-b||^2 / sum ||b||^2)``: the layer's relative change in L2, relative to
+the newer side B as every relative figure of ``diff`` is (its ``rel_l2``). Buffers
 (``position_ids``, running statistics, masks) get rows of their own, one per buffer module, and stay out of
 the layers' and the whole model's sums: an integer ``arange`` would otherwise outweigh every weight's norm.
 """
@@ -54,9 +55,9 @@ class RowUpdate:
     layer: int | None
     module: str | None
     d2: float
-    """``sum ||b-a||^2`` over the row's compared tensors."""
-    a2: float
-    """``sum ||a||^2`` over those whose norm the diff summed (a bit-identical 16-bit tensor's is unknown)."""
+    """``sum ||a-b||^2`` over the row's compared tensors."""
+    b2: float
+    """``sum ||b||^2`` over those whose norm the diff summed (a bit-identical 16-bit tensor's is unknown)."""
     tensors: int
     marks: str = ""
     """``A``/``B``: a tensor only in the older/newer side; ``S``: a shape changed (as the diff figure)."""
@@ -67,7 +68,7 @@ class RowUpdate:
     def rel(self) -> float:
         if self.d2 == 0:
             return 0.0
-        return math.sqrt(self.d2 / self.a2) if self.a2 > 0 else math.inf
+        return math.sqrt(self.d2 / self.b2) if self.b2 > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,10 @@ class SeriesPair:
 
     @property
     def total(self) -> float:
-        """The whole model's relative change ``sqrt(sum ||b-a||^2 / sum ||a||^2)``."""
+        """The whole model's relative change ``sqrt(sum ||a-b||^2 / sum ||b||^2)``."""
         d2 = sum(r.d2 for r in self.rows if not r.buffer)
-        a2 = sum(r.a2 for r in self.rows if not r.buffer)
-        return 0.0 if d2 == 0 else (math.sqrt(d2 / a2) if a2 > 0 else math.inf)
+        b2 = sum(r.b2 for r in self.rows if not r.buffer)
+        return 0.0 if d2 == 0 else (math.sqrt(d2 / b2) if b2 > 0 else math.inf)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class SeriesResult:
             where = "-" if top is None or top.rel == 0 else f"{_row_name(top)} {top.rel:.3g}"
             extra = [f"{n} {what}" for n, what in ((p.only_in_a, "only in A"), (p.only_in_b, "only in B"),
                                                    (p.shape_mismatches, "reshaped")) if n]  # fmt: skip
-            head = f"{p.a.name} -> {p.b.name}: ||B-A||/||A|| {p.total:.3g}, most moved {where}"
+            head = f"{p.a.name} -> {p.b.name}: ||A-B||/||B|| {p.total:.3g}, most moved {where}"
             lines.append(
                 f"{head}, {p.differing}/{p.compared} tensors differ" + "".join(f", {e}" for e in extra)
             )
@@ -239,12 +240,12 @@ def summarise(a: RunTag, b: RunTag, r: DiffResult) -> SeriesPair:
             s[3].add("S")
             continue
         s[0] += t.norm_diff**2
-        s[1] += (t.norm_a or 0.0) ** 2
+        s[1] += (t.norm_b or 0.0) ** 2
     for keys, mark in ((r.only_in_a, "A"), (r.only_in_b, "B")):
         for k in keys:
             row(k, False)[3].add(mark)
-    rows = tuple(RowUpdate(st, ly, mod, d2, a2, n, "".join(m for m in "ABS" if m in marks), buf)
-                 for (st, ly, mod, buf), (d2, a2, n, marks) in sums.items())  # fmt: skip
+    rows = tuple(RowUpdate(st, ly, mod, d2, b2, n, "".join(m for m in "ABS" if m in marks), buf)
+                 for (st, ly, mod, buf), (d2, b2, n, marks) in sums.items())  # fmt: skip
     return SeriesPair(
         a, b, rows, r.compared, r.differing, len(r.only_in_a), len(r.only_in_b), r.shape_mismatches
     )

@@ -11,6 +11,13 @@ dtype exactly as ``Checkpoint.read`` would, then folded into float64 accumulator
   the result does not depend on the chunk size beyond float64 rounding and does not suffer the
   cancellation of sum/sum-of-squares.
 - Integer and bool tensors keep exact ``min``/``max`` (Python ints); their moments are in float64.
+
+The arithmetic runs in numpy on one thread (``_values``: bf16 widened to float32 by a bit shift, exact), not
+in torch: a chunk is small (1 Mi elements), and torch splits each of the ~10 kernels of a chunk over its
+intra-op threads; on a busy 2-core machine every kernel then waits for a thread the OS has not scheduled
+(issue 42: ``inspect --stats`` of 78 MB of fp32 took 17-21 s in torch, 1.2-1.4 s with one torch thread,
+0.3-0.5 s here; bench/RESULTS.md).
+Non-finite values are looked for only when a chunk's min or max is not finite (NaN propagates through both).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -95,20 +103,39 @@ class _Moments:
         self.m2 = 0.0
         self.sumsq = 0.0
 
-    def add(self, x: torch.Tensor) -> None:
-        """Fold a float64 chunk of finite values in."""
-        nb = x.numel()
+    def add(self, x: np.ndarray) -> None:
+        """Fold a chunk of finite values in (computed in float64)."""
+        nb = x.size
         if nb == 0:
             return
-        mb = float(x.mean())
-        m2b = float(((x - mb) ** 2).sum())
-        self.sumsq += float(x.square().sum())
+        d = x.astype(np.float64)  # a copy: centred and squared in place below
+        mb = float(d.sum()) / nb
+        d -= mb
+        m2b = float(np.square(d, out=d).sum())
+        self.sumsq += m2b + nb * mb * mb  # sum(x^2) = sum((x - mean)^2) + n mean^2: two positive terms
         na = self.n
         n = na + nb
         delta = mb - self.mean
         self.mean += delta * nb / n
         self.m2 += m2b + delta * delta * na * nb / n
         self.n = n
+
+
+_NUMPY_NATIVE = {torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                 torch.int32, torch.int64}  # fmt: skip
+
+
+def _values(x: torch.Tensor) -> np.ndarray:
+    """A chunk as a numpy array, without a torch kernel where numpy holds the dtype: bf16 widened to float32
+    by shifting its bits (exact), bool as uint8; other dtypes (float8) cast to float32 by torch."""
+    x = x.reshape(-1)
+    if x.dtype in _NUMPY_NATIVE:
+        return x.numpy()
+    if x.dtype == torch.bfloat16:
+        return (x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if x.dtype == torch.bool:
+        return x.view(torch.uint8).numpy()
+    return x.to(torch.float32).numpy()
 
 
 def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK) -> TensorStats:
@@ -118,26 +145,28 @@ def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK) -> TensorStats:
     lo_v: float | int | None = None
     hi_v: float | int | None = None
     mom = _Moments()
-    for _, x in iter_chunks(entry, chunk):
+    for _, t in iter_chunks(entry, chunk):
+        x = _values(t)
+        if not x.size:
+            continue
         if exact:
-            if x.dtype == torch.bool:
-                x = x.to(torch.uint8)
             finite = x
-            if x.numel():
-                imin, imax = int(x.min()), int(x.max())
-                lo_v = imin if lo_v is None else min(lo_v, imin)
-                hi_v = imax if hi_v is None else max(hi_v, imax)
+            imin, imax = int(x.min()), int(x.max())
+            lo_v = imin if lo_v is None else min(lo_v, imin)
+            hi_v = imax if hi_v is None else max(hi_v, imax)
         else:
-            c_nan = int(torch.isnan(x).sum())
-            c_inf = int(torch.isinf(x).sum())
-            nan += c_nan
-            inf += c_inf
-            finite = x[torch.isfinite(x)] if c_nan or c_inf else x
-            if finite.numel():
+            cmin, cmax = float(x.min()), float(x.max())  # NaN if any is, +-inf if any is
+            finite = x
+            if not (math.isfinite(cmin) and math.isfinite(cmax)):
+                nan += int(np.isnan(x).sum())
+                inf += int(np.isinf(x).sum())
+                finite = x[np.isfinite(x)]
+                if not finite.size:
+                    continue
                 cmin, cmax = float(finite.min()), float(finite.max())
-                lo_v = cmin if lo_v is None else min(lo_v, cmin)
-                hi_v = cmax if hi_v is None else max(hi_v, cmax)
-        mom.add(finite.to(torch.float64))
+            lo_v = cmin if lo_v is None else min(lo_v, cmin)
+            hi_v = cmax if hi_v is None else max(hi_v, cmax)
+        mom.add(finite)
     have = mom.n > 0
     return TensorStats(
         key=entry.key,

@@ -11,8 +11,10 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    recomputed and the pickle parsed through the safe unpickler, every storage record present and long
    enough (``zckpt.io.torchzip.check_file``).
 3. Every piece's bytes lie inside its file.
-4. Checksums, wherever recorded: ``<file>.sha256`` sidecars (``sha256sum`` format, written through
-   ``zckpt.io.sink.HashingSink``). A sidecar whose file is gone is a problem too.
+4. Checksums, wherever recorded: ``<file>.crc32.json`` block sidecars (written through
+   ``zckpt.io.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
+   (``sha256sum`` format). A sidecar whose file is gone is a problem too. With ``sha256=True`` each file's
+   whole sha256 is computed as well and reported (to compare with a digest published elsewhere).
 5. The format's own checks (``Format.verify``): e.g. the native manifest's digests and sizes, HF shards
    on disk that the index does not list, DeepSpeed files written by different DeepSpeed versions.
 
@@ -24,8 +26,7 @@ the file-level checks still run over the files found on disk, so one run lists e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,15 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import objstore, safetensors, scan, storage, torchzip
+from zckpt.io import safetensors, scan, storage, torchzip
 from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 from zckpt.io.objstore import as_path
 from zckpt.io.scan import Scanner
+from zckpt.io.session import Storage
+from zckpt.io.threads import Pool
+from zckpt.ops.paths import input_kind
+from zckpt.ops.progress import bar as progress_bar
+from zckpt.ops.scope import storage_scoped
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -56,6 +62,8 @@ class VerifyReport:
     checksums: int
     """Checksums recomputed and compared (sidecars and manifest entries)."""
     problems: tuple[Problem, ...]
+    sha256: tuple[tuple[str, str], ...] = ()
+    """``(file, whole-file sha256)`` of each file, when asked for (``verify(sha256=True)``)."""
 
     @property
     def ok(self) -> bool:
@@ -64,14 +72,15 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: the verdict, what was checked and how much."""
-        what = f"{self.format or 'unrecognised'} checkpoint"
+        what = input_kind(self.format, self.path)
         if self.tag:
             what += f" (tag {self.tag})"
         if self.world_size is not None:
             what += f", world size {self.world_size}"
-        counts = f"{len(self.files)} files, {self.checksums} checksums verified"
+        nf, nc = len(self.files), self.checksums
+        counts = f"{nf} file{'s' * (nf != 1)}, {nc} checksum{'s' * (nc != 1)} verified"
         if self.tensors is not None:
-            counts = f"{self.tensors} tensors, " + counts
+            counts = f"{self.tensors} tensor{'s' * (self.tensors != 1)}, " + counts
         n, nf = len(self.problems), len({p.file for p in self.problems})
         verdict = "OK" if self.ok else f"{n} problem{'s' * (n != 1)} in {nf} file{'s' * (nf != 1)}"
         return f"{self.path}: {what}: {counts}: {verdict}"
@@ -90,7 +99,8 @@ class VerifyReport:
                 s = "s" * (more != 1)
                 line += f" (and {more} more problem{s} in this file: {kinds}; --json lists all)"
             lines.append(line + (f" (hint: {ps[0].hint})" if ps[0].hint else ""))
-        return "\n".join([*lines, self.summary()])
+        sums = [f"{digest}  {file}" for file, digest in self.sha256]  # ``sha256sum -c`` reads these lines
+        return "\n".join([*sums, *lines, self.summary()])
 
     def to_json(self) -> dict[str, Any]:
         """This report as JSON values (what ``zckpt verify --json`` prints)."""
@@ -105,23 +115,27 @@ class VerifyReport:
             "files": list(self.files),
             "checksums": self.checksums,
             "problems": [p.to_json() for p in self.problems],
-        }
+        } | ({"sha256": dict(self.sha256)} if self.sha256 else {})
 
 
+@storage_scoped
 def verify(
     path: str | Path,
     *,
     tag: str | None = None,
     trust_pickle: bool = False,
     storage_options: Mapping[str, str] | None = None,
+    sha256: bool = False,
+    progress: bool = True,
+    storage: Storage | None = None,
 ) -> VerifyReport:
     """Check a checkpoint's integrity (see the module docstring). Raises ``UnknownFormat`` only when
     ``path`` does not exist or is not a checkpoint at all (no format recognises it and it holds no tensor
     file to check: a text file, an empty folder), as ``inspect`` does; every other failure, an
     unrecognisable but damaged checkpoint included, is reported as a ``Problem``. ``storage_options``:
-    the object-store client's options for ``s3://`` paths."""
-    if storage_options is not None:  # s3:// paths: the store client's options
-        objstore.configure(storage_options)
+    the object-store client's options for ``s3://`` paths. ``sha256``: also compute each file's whole
+    sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints). ``progress``: a bar of the bytes of the
+    files checked so far, on stderr when it is a terminal."""
     p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
@@ -144,30 +158,48 @@ def verify(
             problems.append(problem_from(e, p))
     try:
         with Scanner() as scanner:
-            return _verify(
-                p, fmt, ckpt, problems, VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
-            )
+            ctx = VerifyContext(trust=trust_pickle, tag=tag, scanner=scanner)
+            report = _verify(p, fmt, ckpt, problems, ctx, progress)
+            if not sha256:
+                return report
+            files = [f for f in map(as_path, report.files) if _is_file(f)]
+            sums = [(str(f), scanner.sha256(str(f))) for f in files]  # side by side on the scan threads
+            return replace(report, sha256=tuple((f, s.result()) for f, s in sums))
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
 def _verify(
-    p: Path, fmt: Format | None, ckpt: Checkpoint | None, problems: list[Problem], ctx: VerifyContext
+    p: Path,
+    fmt: Format | None,
+    ckpt: Checkpoint | None,
+    problems: list[Problem],
+    ctx: VerifyContext,
+    progress: bool = False,
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
     files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
-    with ThreadPoolExecutor(k, thread_name_prefix="zckpt-verify") as pool, scan.shared(k):
-        for found in pool.map(lambda f: _check_file(f, ctx), files):  # side by side, reported in order
-            file_problems += found
+    sizes = [_size(f) for f in files]
+    with (
+        Pool(k, thread_name_prefix="zckpt-verify") as pool,
+        scan.shared(k),
+        progress_bar(sum(sizes), "verify", enabled=progress) as bar,
+    ):
+        for found, size in zip(pool.map(lambda f: _check_file(f, ctx), files), sizes, strict=True):
+            file_problems += found  # side by side, reported in order
+            bar.update(size)
     if ckpt is not None:
         file_problems += _check_pieces(ckpt)
     file_problems += orphan_sidecars(p, files)
     if fmt is not None:
         file_problems += fmt.verify(p, ckpt, ctx)
-    # A reader error about a file that the file checks describe better is not repeated.
+    # One path form (the one the user gave: readers may name files by their absolute path), then a reader
+    # error about a file that the file checks describe better is not repeated.
+    problems = [_as_given(q, p) for q in problems]
+    file_problems = [_as_given(q, p) for q in file_problems]
     named = {q.file for q in file_problems}
     names = {Path(n).name for n in named}
     problems = [q for q in problems if q.file not in named and not any(n in q.message for n in names)]
@@ -183,6 +215,21 @@ def _verify(
         checksums=ctx.checksums,
         problems=tuple(_dedupe(problems)),
     )
+
+
+def _as_given(q: Problem, root: Path) -> Problem:
+    """``q`` naming its file the way the user named the checkpoint (``ckpt/x.pt``, not ``/abs/ckpt/x.pt``,
+    or the other way round), so one file is one key and one spelling in the report."""
+    if "://" in q.file or "://" in str(root):
+        return q
+    f = Path(q.file)
+    if f.is_absolute() == root.is_absolute():
+        return q
+    try:
+        rel = f.resolve().relative_to(root.resolve())
+    except (ValueError, OSError):
+        return q
+    return replace(q, file=str(root / rel) if rel.parts else str(root))
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
@@ -210,6 +257,14 @@ def _files_on_disk(p: Path) -> list[Path]:
         return [p]
     out = [f for pattern in ("*", "*/*") for f in sorted(p.glob(pattern))]
     return [f for f in out if f.suffix in TENSOR_SUFFIXES and _is_file(f)]
+
+
+def _size(f: Path) -> int:
+    """``f``'s size for the progress bar (0 where it cannot be had: the checks say why)."""
+    try:
+        return storage.size(str(f))
+    except (OSError, ZckptError):
+        return 0
 
 
 def _is_file(f: Path) -> bool:

@@ -63,7 +63,7 @@ class Files:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._fds: dict[str, tuple[int, int]] = {}
+        self._fds: dict[str, tuple[storage.Handle, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
         self._paths: dict[str, Path] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
@@ -99,7 +99,7 @@ class Files:
             )
         return self.folder / rel
 
-    def open(self, info: StorageInfo) -> tuple[str, int]:
+    def open(self, info: StorageInfo) -> tuple[str, storage.Handle]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
         f = str(self.path(info))
         if f not in self._fds:
@@ -109,8 +109,8 @@ class Files:
                     hint="restore the file from the original save",
                     path=f,
                 )
-            fd = storage.open_fd(f)
-            self._fds[f] = (fd, storage.fd_size(fd))
+            h = storage.open_fd(f)
+            self._fds[f] = (h, h.size)
         fd, size = self._fds[f]
         if info.offset + info.length > size:
             raise CorruptCheckpoint(
@@ -142,7 +142,7 @@ class Files:
         self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype, win: Window
     ) -> ChunkData:
         f, fd = self.open(info)
-        what = f"(chunk of {key!r:.80})"
+        what = f"(chunk of {key if len(key) <= 60 else '...' + key[-57:]!r})"  # the tail names the tensor
         arc = archive_at(f, fd, info.offset, info.length, what=what, memo=self.memo, win=win)
         ref = arc.obj
         where = f"{f}: chunk {list(box.offsets)} of {key!r:.80}"

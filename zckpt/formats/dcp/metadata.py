@@ -38,7 +38,7 @@ from zckpt.formats.dcp.standins import (
     TensorStorageMetadata,
     Unpickler,
 )
-from zckpt.io import collector, preopen, storage
+from zckpt.io import collector, preopen, session, storage
 from zckpt.io.objstore import as_path
 from zckpt.io.pickle_core import bounded_loads
 
@@ -141,25 +141,23 @@ def build(source: str, p: Parsed) -> DcpMetadata:
 
 
 def load_metadata(folder: Path) -> DcpMetadata:
-    """Read and check ``folder/.metadata`` (one ``CorruptCheckpoint``/``UnsafePickle`` line on any damage)."""
+    """Read and check ``folder/.metadata`` (one ``CorruptCheckpoint``/``UnsafePickle`` line on any damage).
+    The running operation keeps the last few parses (its ``Storage.cache("dcp.metadata")``), by path and the
+    digest of their bytes (read in full each time: a changed file is parsed again); ``DcpMetadata`` is
+    frozen, its mappings only read."""
     f = folder / METADATA
     data = _read(f)
     src = str(f)
     digest = _digest(data)
-    got = _PARSED.get((src, digest))
+    parsed = session.current().cache("dcp.metadata")
+    got = parsed.get((src, digest))
     if got is None:
         with collector.paused(long_lived=True):  # ~100k small records, kept (see paused)
             got = build(src, _preloaded(src, digest) or parse_bytes(data, src))
-        while len(_PARSED) >= 4:  # a few kept: verify reads them right after the open did
-            del _PARSED[next(iter(_PARSED))]
-        _PARSED[(src, digest)] = got
+        while len(parsed) >= 4:  # a few kept: verify reads them right after the open did
+            del parsed[next(iter(parsed))]
+        parsed[(src, digest)] = got
     return got
-
-
-_PARSED: dict[tuple[str, bytes], DcpMetadata] = {}
-"""The last ``.metadata`` files parsed (a DCP checkpoint has one per folder), by path and the digest of
-their bytes (read in full each time: a changed file is parsed again). ``DcpMetadata`` is frozen; its
-mappings are only read."""
 
 
 def _read(f: Path) -> bytes:

@@ -40,7 +40,7 @@ from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.locate import Locator, blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
-from zckpt.io import collector, spans
+from zckpt.io import collector, session, spans
 from zckpt.io.objstore import as_path
 from zckpt.model import DeferredEntry, Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
@@ -129,15 +129,18 @@ def load_folder(
     return out
 
 
-_RECENT: dict[str, tuple[DcpMetadata, Loaded]] = {}
-"""The folders the last full ``read`` loaded (by path): the ``.metadata`` parse it used and what they hold.
-Never mutated (``read`` merges them into a fresh ``Loaded``). A model-only read (lazy) is not kept."""
+def _recent() -> dict[str, tuple[DcpMetadata, Loaded]]:
+    """The folders the running operation's last full ``read`` loaded (by path): the ``.metadata`` parse it
+    used and what they hold (its ``Storage.cache("dcp.read")``). Never mutated (``read`` merges them into a
+    fresh ``Loaded``). A model-only read (lazy) is not kept."""
+    return session.current().cache("dcp.read")
 
 
 def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
-    if len(_RECENT) >= 4:
-        _RECENT.clear()
-    _RECENT[str(folder)] = (md, part)
+    recent = _recent()
+    if len(recent) >= 4:
+        recent.clear()
+    recent[str(folder)] = (md, part)
 
 
 def model_of(folder: Path, md: DcpMetadata | None) -> Loaded:
@@ -145,7 +148,7 @@ def model_of(folder: Path, md: DcpMetadata | None) -> Loaded:
     it loaded when it used this very parse (the same object: ``load_metadata`` gives one parse per file
     content), else loaded model-only now (``md`` None: parsed now). verify's checks after its open so read the
     folder's chunk archives once, not twice."""
-    got = _RECENT.get(str(folder))
+    got = _recent().get(str(folder))
     if got is not None and md is not None and got[0] is md:
         return got[1]
     return load_folder(folder, model_only=True, md=md)

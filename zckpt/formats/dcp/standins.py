@@ -8,7 +8,10 @@ torch 2.13, and in torch 2.0-2.12's sources for the older names) are ``ALLOWED``
 besides them ``torch.Size``, read as an int64 array, and torch's dtypes, kept as their names (``DtypeName``).
 torch < 2.2 pickled ``TensorProperties``/``MEM_FORMAT_ENCODING`` from
 ``torch.distributed._shard.sharded_tensor.metadata``; torch 1.13's prototype lived in
-``torch.distributed._shard.checkpoint``. Nothing from ``torch.distributed`` is imported, nor torch itself:
+``torch.distributed._shard.checkpoint``. Megatron-Core's ``torch_dist`` saves add
+``Metadata.all_local_plans``, every rank's ``SavePlan`` (``WriteItem``, ``WriteItemType``,
+``TensorWriteData``, ``BytesIOWriteData``): inert records too, never read. Nothing from
+``torch.distributed`` is imported, nor torch itself:
 ``zckpt.formats.dcp.metadata`` checks what this builds. The writer (``pickler``) pickles the same stand-ins
 under DCP's names.
 """
@@ -75,6 +78,30 @@ class TensorProperties(_Record):
             raise CorruptCheckpoint(f"TensorProperties state of unexpected shape {type(state).__name__}")
 
 
+class SavePlan(_Record):
+    """Stand-in for ``planner.SavePlan`` (items, storage_data, planner_data, usable): Megatron-Core's
+    ``torch_dist`` save keeps every rank's plan in ``Metadata.all_local_plans``; nothing here reads it."""
+
+
+class WriteItem(_Record):
+    """Stand-in for ``planner.WriteItem`` (index, type, bytes_io_data, tensor_data) of ``all_local_plans``."""
+
+
+class TensorWriteData(_Record):
+    """Stand-in for ``planner.TensorWriteData`` (chunk, properties, size) of ``all_local_plans``."""
+
+
+class BytesIOWriteData(_Record):
+    """Stand-in for ``planner.BytesIOWriteData`` (nbytes) of ``all_local_plans``."""
+
+
+def _write_item_type(value: Any) -> int:
+    """``WriteItemType(value)``: the enum's number (1 TENSOR, 2 SHARD, 3 BYTE_IO)."""
+    if type(value) is not int or not 0 <= value <= 8:
+        raise CorruptCheckpoint(f"WriteItemType {value!r:.40} is not a small int")
+    return value
+
+
 def _mem_format(value: Any) -> int:
     """``_MEM_FORMAT_ENCODING(value)``: the encoding's number (0 contiguous, 1 channels_last, 2 preserve)."""
     if value not in (0, 1, 2):
@@ -112,6 +139,11 @@ ALLOWED: dict[tuple[str, str], Any] = {
     **{(f"{_DCP}.metadata", n): c for n, c in _CLASSES.items()},
     **{("torch.distributed._shard.checkpoint.metadata", n): c for n, c in _CLASSES.items()},  # torch 1.13
     (f"{_DCP}.filesystem", "_StorageInfo"): StorageInfo_,
+    (f"{_DCP}.planner", "SavePlan"): SavePlan,  # Megatron-Core's ``all_local_plans``
+    (f"{_DCP}.planner", "WriteItem"): WriteItem,
+    (f"{_DCP}.planner", "WriteItemType"): _write_item_type,
+    (f"{_DCP}.planner", "TensorWriteData"): TensorWriteData,
+    (f"{_DCP}.planner", "BytesIOWriteData"): BytesIOWriteData,
     ("torch.distributed._shard.checkpoint.filesystem", "_StorageInfo"): StorageInfo_,
     (_SHARDED, "TensorProperties"): TensorProperties,  # torch 2.0 - 2.1
     (_SHARDED, "MEM_FORMAT_ENCODING"): _mem_format,

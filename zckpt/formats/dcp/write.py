@@ -364,13 +364,14 @@ def _frame(pickled: bytes, nbytes: int) -> _Frame:
     zw = TorchZipWriter(cast(HashingSink, rec))
     zw.write_header_records(pickled)
     zeros = mmap.mmap(-1, max(nbytes, 1))
-    try:
-        view = memoryview(zeros)[:nbytes]
-        crc = zlib.crc32(view).to_bytes(4, "little")
-        zw.write_record("data/0", [view] if nbytes >= _Rel._SMALL else [bytes(view)], nbytes)
-        view.release()
-    finally:
-        zeros.close()
+    # Closed only on success: an exception (Ctrl-C's KeyboardInterrupt above all) leaves views of the
+    # mapping in its traceback's frames, and closing it then raises BufferError in place of that exception;
+    # the mapping is unmapped when the last view goes.
+    view = memoryview(zeros)[:nbytes]
+    crc = zlib.crc32(view).to_bytes(4, "little")
+    zw.write_record("data/0", [view] if nbytes >= _Rel._SMALL else [bytes(view)], nbytes)
+    view.release()
+    zeros.close()
     zw.close()
     whole = b"".join(rec.parts)
     if rec.gap is None:  # the data is in ``whole``: where its record says
@@ -433,6 +434,8 @@ def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
 class DcpWriter(CheckpointWriter):
     """``zckpt reshard --to dcp`` (see the module doc)."""
 
+    generations = True  # ``.metadata``'s storage data names each item's file
+
     def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan:
         if stage is not None:
             raise InvalidArgument(
@@ -462,7 +465,7 @@ class DcpWriter(CheckpointWriter):
         if not mine:
             return []
         mine.sort(key=lambda it: it.entry is not None)  # bytes items first, as DCP writes them
-        name = f"__{unit}_0.distcp"
+        name = f"__{unit}_0.{plan.generation}.distcp" if plan.generation else f"__{unit}_0.distcp"
         out.mkdir(parents=True, exist_ok=True)
         sink = HashingSink(out / name, block=BLOCK_BYTES)  # its digest: blocks, hashed on several cores
         stored = []
@@ -472,8 +475,10 @@ class DcpWriter(CheckpointWriter):
                 _write_item(sink, it, ckpt)
                 off = it.offsets if it.entry is not None else None
                 stored.append(Stored(it.key, off, name, start, sink.tell() - start))
-        finally:
-            sink.close()
+        except BaseException:
+            sink.abort()  # nothing of it appears (an object upload is aborted)
+            raise
+        sink.close()
         sink.write_sidecar()
         on_file(name, sink.tell())
         return [DcpRecord(name, sink.digest(), sink.tell(), stored=tuple(stored))]
@@ -489,6 +494,8 @@ class DcpWriter(CheckpointWriter):
         sink = HashingSink(out / METADATA)
         try:
             sink.write(data)
-        finally:
-            sink.close()
+        except BaseException:
+            sink.abort()  # nothing of it appears (an object upload is aborted)
+            raise
+        sink.close()
         on_file(METADATA, len(data))

@@ -89,7 +89,9 @@ class Archive:
             for slot, src in self.storages:
                 w.write_record(f"data/{slot.key}", src.layout(), src.nbytes)
             w.close()
-        finally:
-            sink.close()
+        except BaseException:
+            sink.abort()  # nothing of it appears (an object upload is aborted)
+            raise
+        sink.close()
         sink.write_sidecar()
         return FileRecord(path.name, sink.digest(), sink.tell())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
 from zckpt.io import storage
 from zckpt.io.pickle_safe import TensorRef
+from zckpt.io.threads import Pool
 from zckpt.io.torchzip import load_archive
 from zckpt.model import Piece, Role, TensorEntry
 
@@ -78,7 +78,7 @@ def load_all(paths: list[Path], trust: bool) -> list[Callable[[], Node]]:
     if not paths or not storage.is_remote(str(paths[0])):
         return [functools.partial(load, p, trust) for p in paths]
     storage.will_open([str(p) for p in paths])
-    pool = ThreadPoolExecutor(min(len(paths), 8), thread_name_prefix="zckpt-open")
+    pool = Pool(min(len(paths), 8), thread_name_prefix="zckpt-open")
     futures = [pool.submit(load, p, trust) for p in paths]
     pool.shutdown(wait=False)
     return [f.result for f in futures]

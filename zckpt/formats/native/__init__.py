@@ -7,7 +7,6 @@ manifest against every rank file); ``write`` is the one writer, shared by the en
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,7 +32,8 @@ class NativeFormat(Format):
 
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Every file the manifest lists present, of the recorded size and digest; no rank file the manifest
-        does not list; one rank file per rank of the recorded world size."""
+        does not list (but those of another generation: an unfinished save's, in a bucket); one rank file per
+        rank of the recorded world size."""
         try:
             td = resolve(path, ctx.tag)[1]
             man = load_manifest(td)
@@ -52,7 +52,11 @@ class NativeFormat(Format):
             elif str(f) not in ctx.broken:
                 out += compare_digest(f, digest, size, layout.MANIFEST, ctx)
         for f in sorted(td.glob("rank_*.safetensors")):
-            if f.name not in man.files:
+            # a rank file of another generation than the manifest's: an unfinished save's leftover in a
+            # bucket, never read as part of this one (the manifest names its generation); the next save of
+            # the tag deletes it
+            m = layout.RANK_FILE.fullmatch(f.name)
+            if m and f.name not in man.files and not (m.group(1) and m.group(1)[1:] != man.generation):
                 out.append(
                     Problem(
                         str(f),
@@ -61,7 +65,7 @@ class NativeFormat(Format):
                         "move it away",
                     )
                 )
-        ranks = {n for n in man.files if re.fullmatch(r"rank_\d+\.safetensors", n)}
+        ranks = {n for n in man.files if n in {man.rank_file(r) for r in range(man.world_size)}}
         if len(ranks) != man.world_size:
             out.append(
                 Problem(

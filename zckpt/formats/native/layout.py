@@ -19,8 +19,13 @@ from zckpt.io.digest import FileDigest
 from zckpt.model import DTYPES, Role
 
 FORMAT_ID = "zckpt-native"
-VERSION = 2
-"""2: rank files carry per-block sha256s (``sha256_blocks``); 1 (still read): one whole-file ``sha256``."""
+VERSION = 3
+"""3: a manifest may name a ``generation``, part of its rank files' names (a save into an object store,
+where the new files must not replace the previous save's until the manifest does); written only then,
+2 otherwise. 2: rank files carry per-block sha256s (``sha256_blocks``); 1 (still read): one whole-file
+``sha256``."""
+GENERATION = re.compile(r"g[0-9a-f]{16}")
+"""A generation's spelling (``new_generation``)."""
 MANIFEST = "manifest.json"
 MAX_WORLD = 1 << 20
 """Largest world size a manifest may claim (a bound for hostile input, far above any real run)."""
@@ -30,8 +35,20 @@ RNG_KEYS = ("torch_cpu", "torch_cuda")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
+def rank_file(rank: int, generation: str | None = None) -> str:
+    """``rank_00003.safetensors``; with a generation, ``rank_00003.g0123456789abcdef.safetensors``."""
+    return f"rank_{rank:05d}.{generation}.safetensors" if generation else f"rank_{rank:05d}.safetensors"
+
+
+RANK_FILE = re.compile(r"rank_\d{5}(\.g[0-9a-f]{16})?\.safetensors")
+"""Any rank file's name, of any generation."""
+
+
+def new_generation() -> str:
+    """A fresh generation name (``zckpt.io.remote_staging.new_generation``: 64 random bits)."""
+    from zckpt.io.remote_staging import new_generation as fresh
+
+    return fresh()
 
 
 def tensor_key(role: Role, name: str) -> str:
@@ -127,11 +144,19 @@ class Manifest:
     client_state: Any = None
     config: Any = None
     version: int = VERSION
+    generation: str | None = None
+    """Part of the rank files' names (``rank_file``), when the save gave them one."""
+
+    def rank_file(self, rank: int) -> str:
+        """The name of ``rank``'s file in this save."""
+        return rank_file(rank, self.generation)
 
     def to_json(self) -> dict[str, Any]:
+        gen = {"generation": self.generation} if self.generation else {}
         return {
             "format": FORMAT_ID,
-            "version": self.version,
+            "version": VERSION if self.generation else min(self.version, 2),
+            **gen,
             "tag": self.tag,
             "world_size": self.world_size,
             "partition_world": self.partition_world,
@@ -164,6 +189,10 @@ class Manifest:
         version = m["version"].as_int(lo=1)
         if version > VERSION:
             raise m["version"].fail(f"a version this reader knows (<= {VERSION})", hint="upgrade zckpt")
+        gen = m.get("generation")
+        generation = gen.as_str() if gen is not None and gen.value is not None else None
+        if generation is not None and not GENERATION.fullmatch(generation):
+            raise m["generation"].fail("g and 16 hex digits")
         world = m["world_size"].as_int(lo=1, hi=MAX_WORLD)
         pw = m["partition_world"].as_int(lo=1, hi=world)
         if pw not in (1, world):
@@ -194,6 +223,7 @@ class Manifest:
             client_state=m.value.get("client_state"),
             config=m.value.get("config"),
             version=version,
+            generation=generation,
         )
 
 

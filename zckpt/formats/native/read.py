@@ -99,7 +99,7 @@ def load_manifest(tag_dir: Path) -> L.Manifest:
 def _headers(td: Path, man: L.Manifest) -> list[Header]:
     out = []
     for r in range(man.world_size):
-        name = L.rank_file(r)
+        name = man.rank_file(r)
         f = td / name
         if not f.is_file():
             raise ShardMismatch(f"{f}: missing (world size {man.world_size})", path=str(f))
@@ -112,7 +112,7 @@ def _headers(td: Path, man: L.Manifest) -> list[Header]:
                 path=str(f),
             )
         out.append(safetensors.read_header(f))
-    extra = sorted(set(man.files) - {L.rank_file(r) for r in range(man.world_size)})
+    extra = sorted(set(man.files) - {man.rank_file(r) for r in range(man.world_size)})
     if extra:
         raise ShardMismatch(
             f"{td / L.MANIFEST}: lists {extra[0]} beyond world size {man.world_size}",
@@ -129,19 +129,19 @@ class _Files:
         self.headers = _headers(td, man)
         self.used: list[set[str]] = [set() for _ in self.headers]
         for r, h in enumerate(self.headers):
-            crcs = man.crc32.get(L.rank_file(r), {})
+            crcs = man.crc32.get(man.rank_file(r), {})
             stray = sorted(set(crcs) - set(h.tensors))
             if stray:
                 raise ShardMismatch(
-                    f"{td / L.MANIFEST}: records a CRC-32 for {stray[0]!r:.80}, which {L.rank_file(r)} "
+                    f"{td / L.MANIFEST}: records a CRC-32 for {stray[0]!r:.80}, which {man.rank_file(r)} "
                     "does not hold",
                     hint="the manifest and the rank files come from different saves",
                     path=str(td / L.MANIFEST),
                 )
             unchecked = sorted(set(h.tensors) - set(crcs))
-            if unchecked and man.files[L.rank_file(r)][0].sha256 is None:
+            if unchecked and man.files[man.rank_file(r)][0].sha256 is None:
                 raise CorruptCheckpoint(  # only version 1's whole-file sha256 can stand in for the CRCs
-                    f"{td / L.MANIFEST}: records no CRC-32 for {unchecked[0]!r:.80} of {L.rank_file(r)}",
+                    f"{td / L.MANIFEST}: records no CRC-32 for {unchecked[0]!r:.80} of {man.rank_file(r)}",
                     hint="the manifest was edited or damaged; restore it from a good copy",
                     path=str(td / L.MANIFEST),
                 )
@@ -153,7 +153,7 @@ class _Files:
         CRC-32 when the manifest records one, else (a manifest written before per-tensor CRCs) against the
         file's sha256 (reads inside ``zckpt.io.checks.session`` verify either). A block-digest file
         records a CRC-32 for every tensor (``_Files`` refuses one without)."""
-        name = L.rank_file(r)
+        name = self.man.rank_file(r)
         f = str(self.td / name)
         crc = self.man.crc32.get(name, {}).get(key)
         if crc is not None:
@@ -164,7 +164,7 @@ class _Files:
         return Piece(f, e.begin, dt, start, n, rank=r, padding=padding, check=check)
 
     def take(self, r: int, key: str, dtype: str, shape: tuple[int, ...]) -> HeaderEntry:
-        f = self.td / L.rank_file(r)
+        f = self.td / self.man.rank_file(r)
         e = self.headers[r].tensors.get(key)
         if e is None:
             raise ShardMismatch(f"{f}: has no tensor {key!r:.100} that the manifest lists", path=str(f))
@@ -207,7 +207,7 @@ class _Files:
         for r, h in enumerate(self.headers):
             extra = sorted(set(h.tensors) - self.used[r])
             if extra:
-                f = self.td / L.rank_file(r)
+                f = self.td / self.man.rank_file(r)
                 raise ShardMismatch(
                     f"{f}: holds {extra[0]!r:.100}, which the manifest does not list",
                     hint="the manifest and the rank files come from different saves",
@@ -252,9 +252,9 @@ def _client(o: Any, files: _Files) -> Any:
             e = files.optional(0, key) if isinstance(key, str) and key.startswith("client/") else None
             if e is None:
                 raise ShardMismatch(
-                    f"{files.td / L.rank_file(0)}: client_state names tensor {key!r:.80}, "
+                    f"{files.td / files.man.rank_file(0)}: client_state names tensor {key!r:.80}, "
                     "which the file does not hold",
-                    path=str(files.td / L.rank_file(0)),
+                    path=str(files.td / files.man.rank_file(0)),
                 )
             return e
         return {k: _client(v, files) for k, v in o.items()}
@@ -308,7 +308,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         )
     man = load_manifest(td)
     files = _Files(td, man)
-    record.check(man, files.headers[0].metadata, str(td / L.MANIFEST), str(td / L.rank_file(0)))
+    record.check(man, files.headers[0].metadata, str(td / L.MANIFEST), str(td / man.rank_file(0)))
     entries = _entries(files)
     state = _state(files)
     files.check_all_used()
@@ -320,7 +320,7 @@ def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> C
         save_dir=str(save_dir) if save_dir is not None else None,
         tied=dict(man.tied),
         tied_files=dict.fromkeys(man.tied, str(td / L.MANIFEST)),
-        files=tuple(str(td / L.rank_file(r)) for r in range(man.world_size)),
+        files=tuple(str(td / man.rank_file(r)) for r in range(man.world_size)),
         state=state,
         extra={"version": man.version, "partition_world": man.partition_world},
     )

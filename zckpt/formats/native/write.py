@@ -104,12 +104,13 @@ def write_rank(
     on_stats: Any = None,
     model: Mapping[str, str] | None = None,
 ) -> FileRecord:
-    """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest per
-    ``BLOCK_BYTES`` block, hashed on several cores. ``model``: rank 0's model record
-    (``zckpt.formats.native.record.encode``)."""
+    """One rank file: ``items`` streamed into ``path`` (which must not exist); its digest: a sha256 per
+    ``BLOCK_BYTES`` block (the manifest's ``sha256_blocks``), hashed on several cores. ``model``: rank 0's
+    model record (``zckpt.formats.native.record.encode``)."""
     meta = {**_METADATA, **(model or {})}
     return safetensors.write_file(path, items, metadata=meta, on_bytes=on_bytes, sidecar=False,
-                                  opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES)  # fmt: skip
+                                  opts=opts, on_stats=on_stats, crc=True, block=BLOCK_BYTES,
+                                  algorithm="sha256")  # fmt: skip
 
 
 def rank_plan(
@@ -131,7 +132,9 @@ def write_rank_views(
     """One rank file already laid out in memory by ``rank_plan`` (header at 0, each tensor at its
     offset): ``views`` in order, unchanged until this returns. Byte for byte (and record for record)
     what ``write_rank`` writes for the same tensors."""
-    return safetensors.write_views(path, views, opts, on_stats, plan=plan, block=BLOCK_BYTES)
+    return safetensors.write_views(
+        path, views, opts, on_stats, plan=plan, block=BLOCK_BYTES, algorithm="sha256"
+    )
 
 
 # ---- the manifest --------------------------------------------------------------------------------
@@ -163,10 +166,12 @@ def build_manifest(
     client_state: Any,
     rng: Sequence[Mapping[str, Any]],
     records: Sequence[FileRecord],
+    generation: str | None = None,
 ) -> L.Manifest:
-    """The manifest of a tag folder whose rank files ``records`` (every rank's) are written."""
+    """The manifest of a tag folder whose rank files ``records`` (every rank's) are written (named with
+    ``generation`` when given: ``layout.rank_file``)."""
     names = {r.name for r in records}
-    missing = [L.rank_file(r) for r in range(world) if L.rank_file(r) not in names]
+    missing = [L.rank_file(r, generation) for r in range(world) if L.rank_file(r, generation) not in names]
     if missing:
         raise ValueError(f"a manifest needs every rank file; missing {missing[:3]}")
     precision = precision_of(state)
@@ -195,6 +200,7 @@ def build_manifest(
         rng=tuple(rng),
         client_state=client_state,
         config=to_json(state.config),
+        generation=generation,
     )
 
 
@@ -260,6 +266,8 @@ def specs(ckpt: Checkpoint) -> tuple[list[L.TensorSpec], list[L.OptimSpec], list
 class NativeWriter(CheckpointWriter):
     """``zckpt reshard --to native``: ``<out>/<tag>/rank_*.safetensors`` + manifest, ``<out>/latest``."""
 
+    generations = True  # the manifest names the rank files' generation
+
     def plan(self, ckpt: Checkpoint, *, world: int, stage: int | None, tag: str) -> WritePlan:
         out_stage = ckpt.meta.state.stage if stage is None else stage
         out_stage = 3 if out_stage is None else out_stage
@@ -304,7 +312,7 @@ class NativeWriter(CheckpointWriter):
         tag_dir = out / plan.tag
         tag_dir.mkdir(parents=True, exist_ok=True)
         model = record.encode(plan.tensors, ckpt.meta.tied, precision_of(ckpt.meta.state)) if r == 0 else None
-        rec = write_rank(tag_dir / L.rank_file(r), items, model=model)
+        rec = write_rank(tag_dir / L.rank_file(r, plan.generation), items, model=model)
         on_file(f"{plan.tag}/{rec.name}", rec.bytes)
         return [rec]
 
@@ -324,6 +332,7 @@ class NativeWriter(CheckpointWriter):
             client_state=client_tree(state.client_state)[0],
             rng=[rng_json(rng_of_rank(state, r)) for r in range(plan.world)],
             records=records,
+            generation=plan.generation,
         )
         write_manifest(out / plan.tag, man)
         write_latest(out, plan.tag, staged=True)

@@ -8,8 +8,9 @@ pays the whole object on each). A reader that leaves early costs what the socket
 the stream stops reading, and the connection is dropped once idle.
 Its bytes are handed out in windows of at most ``UNIT`` bytes, registered before they are filled so a
 reader waits on the one it needs; the thread stays at most ``window_bytes`` ahead of the furthest byte read
-(the HTTP body waits in the socket meanwhile). A body cut off mid-way is resumed from the byte it stopped at.
-A stream idle for ``IDLE_S`` seconds, or whose object is written (``client._forget``), is closed.
+(the HTTP body waits in the socket meanwhile). A body cut off mid-way is resumed by the client (obstore)
+from the byte it stopped at.
+A stream idle for ``IDLE_S`` seconds, or whose object is written (``ObjectStore.forget``), is closed.
 
 Memory: the windows held, at most ``MAX_WINDOWS`` of ``UNIT`` bytes (those already read are dropped first,
 then the oldest), whatever the object size. A read whose window was dropped is fetched directly.
@@ -18,23 +19,13 @@ then the oldest), whatever the object size. A read whose window was dropped is f
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from zckpt.io.objstore import backend
-from zckpt.io.objstore.client import (
-    _TRANSIENT,
-    Url,
-    _count,
-    _lock,
-    _retry,
-    _streams,
-    _Window,
-    _windows,
-    error,
-)
+from zckpt.io.objstore.client import ObjectStore, Url, _retry, _Window, error
+from zckpt.io.objstore.failures import ShortBody
 
 UNIT = 4 << 20
 """The largest window a stream hands out (smaller ones when ``window_bytes`` is smaller)."""
@@ -46,14 +37,15 @@ GAP_WINDOWS = 4
 """A reader (or a queued read) this many read-aheads past a stream's position waits for it; further on, it
 starts a stream of its own."""
 MAX_WINDOWS = 32
-"""Windows held at once (whole process): ``MAX_WINDOWS * UNIT`` = 128 MiB at most."""
+"""Windows held at once (per ``ObjectStore``): ``MAX_WINDOWS * UNIT`` = 128 MiB at most."""
 _ids = iter(range(1 << 62))
 
 
 class Stream:
     """One reader's way through ``[start, end)`` of one object, fetched ahead on a thread."""
 
-    def __init__(self, u: Url, start: int, end: int, ahead: int) -> None:
+    def __init__(self, st: ObjectStore, u: Url, start: int, end: int, ahead: int) -> None:
+        self.st = st
         self.url = u
         self.key = str(u)
         self.start = start
@@ -114,7 +106,7 @@ class Stream:
                     body, pending = self._open(a, b_end), memoryview(b"")
                 w = self._register(a, min(b_end, a + self.unit))
                 try:
-                    body, pending = self._fill(w, body, pending, b_end)
+                    body, pending = self._fill(w, body, pending)
                 except BaseException as e:
                     w.data.set_exception(e)
                     raise
@@ -123,16 +115,16 @@ class Stream:
             pass
         finally:
             self.close()
-            with _lock:
-                if self in _streams:
-                    _streams.remove(self)
+            with self.st.lock:
+                if self in self.st.streams:
+                    self.st.streams.remove(self)
 
     def _register(self, a: int, b: int) -> _Window:
         w = _Window(self.key, a, b, Future(), bytearray(b - a), self)
-        with _lock:
-            _windows[next(_ids)] = w
-            while len(_windows) > MAX_WINDOWS:
-                _evict()
+        with self.st.lock:
+            self.st.windows[next(_ids)] = w
+            while len(self.st.windows) > MAX_WINDOWS:
+                _evict(self.st)
         with self.cond:
             self._mine = [x for x in self._mine if x.end > self.want - self.unit][-MAX_WINDOWS:] + [w]
             self.next = b
@@ -140,52 +132,41 @@ class Stream:
         return w
 
     def _open(self, a: int, b: int) -> Iterator[Any]:
-        u, be = self.url, backend.of(self.url)
+        u, be, st = self.url, backend.of(self.st, self.url), self.st
 
         def once() -> Iterator[Any]:
-            _count("requests")
+            st.count("requests")
             return be.stream(u, a, b)
 
-        return _retry(once, u)
+        return _retry(once, u, st=st)
 
-    def _fill(
-        self, w: _Window, body: Iterator[Any], pending: memoryview, b_end: int
-    ) -> tuple[Iterator[Any], memoryview]:
-        """Fill ``w`` from the body (``pending``: bytes already received past the previous window); a body
-        cut off is resumed with a new ranged GET from where it stopped."""
+    def _fill(self, w: _Window, body: Iterator[Any], pending: memoryview) -> tuple[Iterator[Any], memoryview]:
+        """Fill ``w`` from the body (``pending``: bytes already received past the previous window). A body
+        cut off mid-way has been resumed by the client already, within its retries (``policy``): what
+        comes out here is final."""
         buf = memoryview(w.buf)
         got, n = 0, len(buf)
-        delay, tries = 0.05, 0
         while got < n:
             if not len(pending):
                 chunk, cut = _next(body)
                 if cut is not None:
-                    body = self._resume(w.start + got, b_end, cut, delay, tries)
-                    delay, tries = delay * 2, tries + 1
-                    continue
+                    raise error(cut, self.url) from None
                 pending = memoryview(chunk)
-                _count("bytes", len(pending))
+                self.st.count("bytes", len(pending))
             k = min(n - got, len(pending))
             buf[got : got + k] = pending[:k]
             pending = pending[k:]
             got += k
         return body, pending
 
-    def _resume(self, at: int, b_end: int, e: BaseException, delay: float, tries: int) -> Iterator[Any]:
-        if tries >= 6 or not any(s in str(e).lower() for s in _TRANSIENT):
-            raise error(e, self.url) from None
-        _count("retries")
-        time.sleep(min(2.0, delay))
-        return self._open(at, b_end)
 
-
-def _evict() -> None:
-    """Drop one window (``_lock`` held): the oldest one its reader has gone past, else the oldest."""
-    k = next((k for k, w in _windows.items() if w.owner is None or w.end <= w.owner.want), None)
+def _evict(st: ObjectStore) -> None:
+    """Drop one window (``st.lock`` held): the oldest one its reader has gone past, else the oldest."""
+    k = next((k for k, w in st.windows.items() if w.owner is None or w.end <= w.owner.want), None)
     if k is None:
-        _windows.popitem(last=False)
+        st.windows.popitem(last=False)
     else:
-        del _windows[k]
+        del st.windows[k]
 
 
 def _next(body: Iterator[Any]) -> tuple[bytes, BaseException | None]:
@@ -193,39 +174,43 @@ def _next(body: Iterator[Any]) -> tuple[bytes, BaseException | None]:
     try:
         return next(body), None
     except StopIteration:
-        return b"", OSError("connection closed: the body ended early")
-    except Exception as e:  # noqa: BLE001 - transient ones are resumed by the caller, the rest raised
+        return b"", ShortBody("the body ended before the range did: the object is shorter than expected")
+    except Exception as e:  # noqa: BLE001 - raised by the caller as one line
         return b"", e
 
 
-def find(u: Url, at: int, limit: int | None = None, ahead: int = 0) -> tuple[_Window | None, Stream | None]:
+def find(
+    st: ObjectStore, u: Url, at: int, limit: int | None = None, ahead: int = 0
+) -> tuple[_Window | None, Stream | None]:
     """The window holding byte ``at`` of ``u``, if one is held, and the stream it came from; else a stream
     that will reach ``at`` soon, if one runs, or (given ``limit``) a new one from ``at`` to ``limit``. One
     lock for the look-up and the start: two readers of one record never start two streams."""
     key = str(u)
-    with _lock:
-        w = next((w for w in _windows.values() if w.url == key and w.start <= at < w.end), None)
-        mine = [s for s in _streams if s.key == key]
+    with st.lock:
+        w = next((w for w in st.windows.values() if w.url == key and w.start <= at < w.end), None)
+        mine = [s for s in st.streams if s.key == key]
         s = next((s for s in mine if (s.start <= at < s.next if w else s.will_reach(at))), None)
         passed = w is None and any(s.start <= at < s.next and not s.closed for s in mine)
         if w is None and s is None and limit is not None and not passed:  # (passed: its window was dropped)
-            s = Stream(u, at, limit, ahead)
-            _streams.append(s)
+            s = Stream(st, u, at, limit, ahead)
+            st.streams.append(s)
     return w, s
 
 
-def read(u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: Callable[..., None]) -> None:
+def read(
+    st: ObjectStore, u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: Callable[..., None]
+) -> None:
     """Fill ``out`` with bytes ``[offset, ...)`` of ``u`` from windows of a stream up to ``limit``: the one
     that holds or will reach them, else a new one from ``offset``. ``direct(u, at, view)``: a read whose
     window was dropped already."""
     done, n = 0, len(out)
     while done < n:
         at = offset + done
-        w, s = find(u, at, limit, ahead)
+        w, s = find(st, u, at, limit, ahead)
         if w is None and s is not None:
             w = s.window(at)
         if w is None:
-            direct(u, at, out[done:])
+            direct(st, u, at, out[done:])
             return
         data = w.data.result()
         k = min(n - done, w.end - at)
@@ -235,12 +220,12 @@ def read(u: Url, offset: int, out: memoryview, limit: int, ahead: int, direct: C
             s.reached(at + k)
 
 
-def expect(u: Url, at: int, limit: int, ahead: int) -> None:
+def expect(st: ObjectStore, u: Url, at: int, limit: int, ahead: int) -> None:
     """A reader will read on from byte ``at`` up to ``limit`` soon (``storage.expect``, from the write
     pipeline's queue): start its stream now, unless a window or a stream already covers ``at``."""
-    find(u, at, limit, ahead)
+    find(st, u, at, limit, ahead)
 
 
-def held(u: Url, at: int) -> bool:
+def held(st: ObjectStore, u: Url, at: int) -> bool:
     """A window holds byte ``at`` of ``u`` (a reader's last read of a record comes from it too)."""
-    return find(u, at)[0] is not None
+    return find(st, u, at)[0] is not None

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from zckpt.errors import StorageError
-from zckpt.io.objstore.client import Url, _fsspec_fs, _store, in_flight, part_bytes
+from zckpt.io.objstore.client import ObjectStore, Url
 
 
 class Writer(Protocol):
@@ -28,58 +28,63 @@ class Writer(Protocol):
 
 
 class S3:
-    """``s3://`` through obstore."""
+    """``s3://`` through obstore, with the clients of one ``ObjectStore``."""
+
+    def __init__(self, st: ObjectStore) -> None:
+        self.st = st
 
     def get_range(self, u: Url, a: int, b: int) -> Any:
         import obstore
 
-        return obstore.get_range(_store(u), u.key, start=a, end=b)
+        return obstore.get_range(self.st.client(u), u.key, start=a, end=b)
 
     def stream(self, u: Url, a: int, b: int) -> Iterator[bytes]:
         import obstore
 
-        res = obstore.get(_store(u), u.key, options={"range": (a, b)})
+        res = obstore.get(self.st.client(u), u.key, options={"range": (a, b)})
         return iter(res.stream(min_chunk_size=1 << 20))
 
     def list_dir(self, u: Url) -> tuple[list[str], dict[str, int]]:
         import obstore
 
-        res = obstore.list_with_delimiter(_store(u), u.key + "/" if u.key else None)
+        res = obstore.list_with_delimiter(self.st.client(u), u.key + "/" if u.key else None)
         dirs = [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
         return dirs, {m["path"].rsplit("/", 1)[-1]: int(m["size"]) for m in res["objects"]}
 
     def head(self, u: Url) -> int:
         import obstore
 
-        return int(obstore.head(_store(u), u.key)["size"])
+        return int(obstore.head(self.st.client(u), u.key)["size"])
 
     def list_all(self, u: Url) -> list[str]:
         import obstore
 
         keys = []
-        for batch in obstore.list(_store(u), u.key + "/" if u.key else None):
+        for batch in obstore.list(self.st.client(u), u.key + "/" if u.key else None):
             keys += [m["path"] for m in batch]
         return keys
 
     def delete(self, us: list[Url]) -> None:
         import obstore
 
-        obstore.delete(_store(us[0]), [u.key for u in us])
+        obstore.delete(self.st.client(us[0]), [u.key for u in us])
 
     def put(self, u: Url, data: bytes, create: bool) -> None:
         import obstore
 
-        obstore.put(_store(u), u.key, data, mode="create" if create else "overwrite")
+        obstore.put(self.st.client(u), u.key, data, mode="create" if create else "overwrite")
 
     def writer(self, u: Url) -> Writer:
-        return _S3Writer(u)
+        return _S3Writer(self.st, u)
 
 
 class _S3Writer:
-    def __init__(self, u: Url) -> None:
+    def __init__(self, st: ObjectStore, u: Url) -> None:
         import obstore
 
-        self._w = obstore.open_writer(_store(u), u.key, buffer_size=part_bytes(), max_concurrency=in_flight())
+        self._w = obstore.open_writer(
+            st.client(u), u.key, buffer_size=st.part_bytes(), max_concurrency=st.in_flight()
+        )
         self._w.__enter__()
 
     def write(self, b: bytes) -> None:
@@ -93,17 +98,20 @@ class _S3Writer:
 
 
 class Fsspec:
-    """Any other scheme, through the fsspec filesystem registered for it."""
+    """Any other scheme, through the fsspec filesystem registered for it (one per ``ObjectStore``)."""
+
+    def __init__(self, st: ObjectStore) -> None:
+        self.st = st
 
     @staticmethod
     def _p(u: Url) -> str:
         return f"{u.bucket}/{u.key}" if u.key else u.bucket
 
     def get_range(self, u: Url, a: int, b: int) -> Any:
-        return _fsspec_fs(u).cat_file(self._p(u), start=a, end=b)
+        return self.st.fsspec_fs(u).cat_file(self._p(u), start=a, end=b)
 
     def stream(self, u: Url, a: int, b: int) -> Iterator[bytes]:
-        fs, path, step = _fsspec_fs(u), self._p(u), max(1 << 20, part_bytes())
+        fs, path, step = self.st.fsspec_fs(u), self._p(u), max(1 << 20, self.st.part_bytes())
 
         def chunks() -> Iterator[bytes]:
             for at in range(a, b, step):
@@ -112,7 +120,7 @@ class Fsspec:
         return chunks()
 
     def list_dir(self, u: Url) -> tuple[list[str], dict[str, int]]:
-        fs = _fsspec_fs(u)
+        fs = self.st.fsspec_fs(u)
         try:
             entries = fs.ls(self._p(u), detail=True)
         except FileNotFoundError:
@@ -127,10 +135,10 @@ class Fsspec:
         return dirs, files
 
     def head(self, u: Url) -> int:
-        return int(_fsspec_fs(u).info(self._p(u))["size"])
+        return int(self.st.fsspec_fs(u).info(self._p(u))["size"])
 
     def list_all(self, u: Url) -> list[str]:
-        fs, root = _fsspec_fs(u), self._p(u)
+        fs, root = self.st.fsspec_fs(u), self._p(u)
         try:
             found = fs.find(root)
         except FileNotFoundError:
@@ -143,13 +151,13 @@ class Fsspec:
         return out
 
     def delete(self, us: list[Url]) -> None:
-        fs = _fsspec_fs(us[0])
+        fs = self.st.fsspec_fs(us[0])
         for u in us:
             if fs.exists(self._p(u)):
                 fs.rm_file(self._p(u))
 
     def put(self, u: Url, data: bytes, create: bool) -> None:
-        fs = _fsspec_fs(u)
+        fs = self.st.fsspec_fs(u)
         if create and fs.exists(self._p(u)):
             raise FileExistsError(f"{u}: already exists")
         fs.pipe_file(self._p(u), data)
@@ -162,21 +170,21 @@ class _SpooledWriter:
     """An object spooled here and written whole at ``close`` (``Fsspec``: nothing partial is ever seen)."""
 
     def __init__(self, be: Fsspec, u: Url) -> None:
-        self._be, self._u = be, u
-        self._f = tempfile.SpooledTemporaryFile(max_size=part_bytes(), prefix="zckpt-up-")  # noqa: SIM115
+        self._be, self._u, self._part = be, u, be.st.part_bytes()
+        self._f = tempfile.SpooledTemporaryFile(max_size=self._part, prefix="zckpt-up-")  # noqa: SIM115
 
     def write(self, b: bytes) -> None:
         self._f.write(b)
 
     def close(self) -> None:
-        fs, path = _fsspec_fs(self._u), self._be._p(self._u)
+        fs, path = self._be.st.fsspec_fs(self._u), self._be._p(self._u)
         try:
             self._f.seek(0)
             if not getattr(self._f, "_rolled", True):  # still in memory: one write of the whole object
                 fs.pipe_file(path, self._f.read())
                 return
             with fs.open(path, "wb") as out:
-                while chunk := self._f.read(part_bytes()):
+                while chunk := self._f.read(self._part):
                     out.write(chunk)
         finally:
             self._f.close()
@@ -185,14 +193,10 @@ class _SpooledWriter:
         self._f.close()
 
 
-_S3_BACKEND = S3()
-_FSSPEC_BACKEND = Fsspec()
-
-
-def of(u: Url) -> S3 | Fsspec:
-    """The client for ``u``'s scheme."""
+def of(st: ObjectStore, u: Url) -> S3 | Fsspec:
+    """The client for ``u``'s scheme, with ``st``'s options and credentials."""
     if u.scheme == "s3":
-        return _S3_BACKEND
+        return S3(st)
     if u.scheme:
-        return _FSSPEC_BACKEND
+        return Fsspec(st)
     raise StorageError(f"{u}: no client for this scheme", path=str(u))  # pragma: no cover - parse refuses

@@ -1,24 +1,26 @@
 """The store client and what every other part of ``zckpt.io.objstore`` shares: URL parsing (``Url``,
-``parse``, ``is_url``), configuration (``configure``, ``parse_options``, ``in_flight``, ``part_bytes``), the
-client per bucket and its credentials (``_store``), client errors as one ``StorageError`` line (``error``),
-retries of a cut-off GET (``_retry``), the process's figures (``stats``), and the process-wide caches
-(listings, sizes, blocks, read-ahead windows) with their invalidation after a write (``_forget``).
+``parse``, ``is_url``), ``parse_options``, client errors as one ``StorageError`` line (``error``), retries of
+a cut-off GET (``_retry``), and ``ObjectStore``: one operation's options, clients per bucket and their
+credentials, figures (``stats``) and caches (listings, sizes, blocks, read-ahead windows and streams), with
+their invalidation after a write (``forget``). Nothing here is process-wide: every ``ObjectStore`` is made
+by one ``zckpt.io.session.Storage`` and lives as long as it does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from zckpt.errors import ObjectMissing, StorageError
+from zckpt.errors import StorageError
+from zckpt.io.objstore import credentials, failures, policy
 
 SCHEMES = ("s3",)
 """Schemes served by obstore (S3 and S3-compatible stores; tested against one). Any other scheme that an
@@ -27,16 +29,9 @@ _LOCAL_SCHEMES = frozenset({"file", "local"})
 """fsspec's names for the local disk: such a URL is refused (give the path itself)."""
 
 
-_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "max_retries", "endpoint_url"})
+_OWN_KEYS = frozenset({"in_flight", "part_bytes", "window_bytes", "endpoint_url"}) | policy.OWN_KEYS
 """Storage options zckpt reads itself; every other key goes to the client."""
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*):/(/?)(.*)$")
-_lock = threading.Lock()
-_options: dict[str, str] = {}
-_stores: dict[str, Any] = {}
-_listings: dict[str, _Listing] = {}
-_cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-_sizes: dict[str, int] = {}
-_counts = {"requests": 0, "bytes": 0, "retries": 0, "uploads": 0, "bytes_up": 0}
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,11 @@ def parse(x: object) -> Url | None:
         return None
     bucket, _, key = m.group(3).partition("/")
     if not bucket:
-        return None
+        if m.group(2) != "/" and os.path.lexists(s):
+            return None  # a local file that looks like one (``pathlib`` keeps one slash of ``x://``)
+        scheme = m.group(1)
+        raise StorageError(f"{scheme}://: the URL names no bucket", hint=f"give {scheme}://BUCKET/PATH",
+                           path=f"{scheme}://")  # fmt: skip
     return Url(m.group(1), bucket, key.strip("/"))
 
 
@@ -96,46 +95,8 @@ def _fsspec_knows(scheme: str, s: str, explicit: bool) -> bool:
     )
 
 
-def _fsspec_fs(u: Url) -> Any:
-    """The fsspec filesystem for ``u``'s scheme, built with the storage options (one per scheme)."""
-    with _lock:
-        fs = _stores.get(u.scheme + "://")
-    if fs is not None:
-        return fs
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(u.scheme, **{k: v for k, v in _options.items() if k not in _OWN_KEYS})
-    except ImportError as e:
-        raise StorageError(f"{u}: reading or writing {u.scheme}:// needs {e.name or 'its fsspec package'}",
-                           hint="pip install 'zckpt[fsspec]' and the package for the scheme",
-                           path=str(u)) from None  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - a bad option: one line
-        raise StorageError(f"{u}: cannot configure the {u.scheme}:// client ({_first_line(e)})",
-                           hint="check --storage-option keys", path=str(u)) from None  # fmt: skip
-    with _lock:
-        _stores[u.scheme + "://"] = fs
-    return fs
-
-
 def is_url(x: object) -> bool:
     return parse(x) is not None
-
-
-def configure(options: Mapping[str, str] | None) -> None:
-    """Set the storage options for this process (``--storage-option``, the library's ``storage_options=``);
-    clients already built are rebuilt with them."""
-    with _lock:
-        _options.clear()
-        _options.update({k: str(v) for k, v in (options or {}).items()})
-        _stores.clear()
-        _listings.clear()
-        _cache.clear()
-        _sizes.clear()
-        _windows.clear()
-        gone = list(_streams)
-    for s in gone:
-        s.close()
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -152,266 +113,21 @@ def parse_options(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def in_flight() -> int:
-    return max(1, int(_options.get("in_flight", os.environ.get("ZCKPT_S3_IN_FLIGHT", "8"))))
-
-
-def part_bytes() -> int:
-    return max(5 << 20, int(_options.get("part_bytes", os.environ.get("ZCKPT_S3_PART_BYTES", str(8 << 20)))))
-
-
-def stats() -> dict[str, int]:
-    """Requests made, bytes fetched and uploaded, retries, by this process so far."""
-    with _lock:
-        return dict(_counts)
-
-
-def reset_stats() -> None:
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-
-
-def _count(key: str, n: int = 1) -> None:
-    with _lock:
-        _counts[key] += n
-
-
-def _endpoint() -> str | None:
-    return (
-        _options.get("endpoint")
-        or _options.get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
-
-
-def _store(u: Url) -> Any:
-    with _lock:
-        st = _stores.get(u.bucket)
-        if st is not None:
-            return st
-    try:
-        from obstore.store import S3Store  # imported here: local runs never load the client
-    except ImportError:
-        raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
-                           hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
-
-    config = {k: v for k, v in _options.items() if k not in _OWN_KEYS}
-    ep = _endpoint()
-    if ep:
-        config["endpoint"] = ep
-    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
-    if region and "region" not in config:
-        config["region"] = region
-    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
-    if ep and ep.startswith("http://"):
-        client["allow_http"] = True  # the endpoint's URL says http: that is the user's choice
-    retry = {
-        "max_retries": int(_options.get("max_retries", "10")),
-        "retry_timeout": timedelta(seconds=180),
-        "backoff": {
-            "init_backoff": timedelta(milliseconds=50),
-            "max_backoff": timedelta(seconds=5),
-            "base": 2,
-        },
-    }
-    provider = None
-    keyed = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
-    if not keyed and _has_profile():
-        provider = _profile_provider(u)
-    if not keyed and provider is None and not _other_chain(config):
-        raise StorageError(
-            f"{u}: no credentials for the store",
-            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
-            "--storage-option skip_signature=true for a public bucket",
-            path=str(u),
-        )
-    try:
-        st = S3Store(
-            u.bucket,
-            config=config,  # type: ignore[arg-type]
-            client_options=client,  # type: ignore[arg-type]
-            retry_config=retry,  # type: ignore[arg-type]
-            credential_provider=provider,
-        )
-    except Exception as e:  # noqa: BLE001 - a bad option: one line
-        raise StorageError(
-            f"{u}: cannot configure the S3 client ({_first_line(e)})",
-            hint="check --storage-option keys and the AWS_* variables",
-        ) from None
-    with _lock:
-        _stores[u.bucket] = st
-    return st
-
-
-def _other_chain(config: Mapping[str, str]) -> bool:
-    """Credentials the client finds by itself: anonymous access asked for, web identity, a container's
-    credentials endpoint, or the instance metadata service (unless ``AWS_EC2_METADATA_DISABLED``)."""
-    env = os.environ
-    return (
-        config.get("skip_signature", "").lower() == "true"
-        or bool(env.get("AWS_WEB_IDENTITY_TOKEN_FILE"))
-        or bool(
-            env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
-        )
-        or env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true"
-    )
-
-
-def _has_profile() -> bool:
-    home = os.path.expanduser("~")
-    return bool(os.environ.get("AWS_PROFILE")) or any(
-        os.path.exists(os.path.join(home, ".aws", n)) for n in ("credentials", "config")
-    )
-
-
-def _profile_provider(u: Url) -> Any:
-    """Credentials from an AWS profile (``AWS_PROFILE``, ``~/.aws``), through boto3 when it is installed. A
-    profile that is not there is refused in one line, before any request."""
-    try:
-        import boto3
-        from botocore.exceptions import ProfileNotFound
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:
-        return None
-    try:
-        session = boto3.Session()
-    except ProfileNotFound:
-        name = os.environ.get("AWS_PROFILE", "")
-        raise StorageError(
-            f"{u}: no AWS profile {name!r} in ~/.aws/config or ~/.aws/credentials",
-            hint="check AWS_PROFILE (aws configure list-profiles), or set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY",
-            path=str(u),
-        ) from None
-    return Boto3CredentialProvider(session)
-
-
-class _NoObstore:
-    """Stand-ins for obstore's exception classes when obstore is not installed (an fsspec store only)."""
-
-    class NotFoundError(Exception): ...
-
-    class PermissionDeniedError(Exception): ...
-
-    class UnauthenticatedError(Exception): ...
-
-    class AlreadyExistsError(Exception): ...
-
-    class PreconditionError(Exception): ...
-
-
-def _ox() -> Any:
-    try:
-        from obstore import exceptions
-    except ImportError:
-        return _NoObstore
-    return exceptions
-
-
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return s[0][:200] if s else type(e).__name__
 
 
 def error(e: BaseException, url: object) -> StorageError:
-    """One line for a client error: no credentials, no such bucket or key, access denied, or other."""
-    ox = _ox()
-    msg = str(e)
-    if isinstance(e, (FileNotFoundError, ox.NotFoundError)) or "NoSuchKey" in msg or "NoSuchBucket" in msg:
-        if "NoSuchBucket" in msg or "bucket does not exist" in msg:
-            return ObjectMissing(
-                f"{url}: no such bucket",
-                path=str(url),
-                hint="check the bucket name and the endpoint (AWS_ENDPOINT_URL)",
-            )
-        return ObjectMissing(
-            f"{url}: no such key",
-            hint="check the URL: list the prefix, e.g. `aws s3 ls` on its folder",
-            path=str(url),
-        )
-    if isinstance(e, ox.UnauthenticatedError) or any(
-        s in msg for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
-    ):
-        return StorageError(
-            f"{url}: the store rejected the credentials",
-            path=str(url),
-            hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
-        )
-    if isinstance(e, (PermissionError, ox.PermissionDeniedError)) or "AccessDenied" in msg:
-        return StorageError(
-            f"{url}: access denied",
-            path=str(url),
-            hint="the credentials lack permission for this bucket or key (s3:GetObject, "
-            "s3:ListBucket, s3:PutObject)",
-        )
-    low = msg.lower()
-    if "credential" in low or "missing access key" in low:
-        return StorageError(
-            f"{url}: no credentials for the store",
-            path=str(url),
-            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
-        )
-    if "http" in low and "allow_http" in low.replace(" ", "_"):
-        return StorageError(
-            f"{url}: plain http refused",
-            path=str(url),
-            hint="give the endpoint as http://... in AWS_ENDPOINT_URL",
-        )
-    return StorageError(
-        f"{url}: {_first_line(e)}",
-        path=str(url),
-        hint="check the endpoint (AWS_ENDPOINT_URL), the network and the credentials",
-    )
+    """One line for a client error (``failures.one_line``)."""
+    return failures.one_line(e, url)
 
 
-_TRANSIENT = (
-    "connection",
-    "reset",
-    "closed",
-    "timed out",
-    "timeout",
-    "body",
-    "incomplete",
-    "eof",
-    "broken pipe",
-    "500",
-    "502",
-    "503",
-    "504",
-    "slowdown",
-    "service unavailable",
-)
-
-
-def _retry(fn: Any, url: object, tries: int = 6) -> Any:
-    """``fn()`` retried with exponential backoff on what the client lets through as a transient failure (a
-    response body cut off after its headers); anything else, or the last failure, as ``error``."""
-    ox = _ox()
-    delay = 0.05
-    for k in range(tries):
-        try:
-            return fn()
-        except StorageError:
-            raise
-        except (
-            FileNotFoundError,
-            PermissionError,
-            ox.NotFoundError,
-            ox.PermissionDeniedError,
-            ox.UnauthenticatedError,
-            ox.AlreadyExistsError,
-            ox.PreconditionError,
-        ) as e:
-            raise error(e, url) from None
-        except Exception as e:  # noqa: BLE001 - classified below
-            if k == tries - 1 or not any(s in str(e).lower() for s in _TRANSIENT):
-                raise error(e, url) from None
-            _count("retries")
-            time.sleep(delay)
-            delay = min(2.0, delay * 2)
-    raise AssertionError("unreachable")
+def _retry(fn: Any, url: object, st: ObjectStore | None = None) -> Any:
+    """``fn()``, its error as one line; retried only as ``policy.call`` says (a listing's body cut off),
+    within ``st``'s options."""
+    pol = policy.Policy.from_options(st.options if st is not None else {})
+    return policy.call(fn, url, pol, on_retry=(lambda: st.count("retries")) if st is not None else None)
 
 
 @dataclass(frozen=True)
@@ -435,30 +151,196 @@ class _Window:
     """The ``ahead.Stream`` that fills it."""
 
 
-_windows: OrderedDict[int, _Window] = OrderedDict()
-_streams: list[Any] = []
-"""The read-ahead streams (``ahead.Stream``), closed when their object is written, and by ``configure``."""
-
-
-def _forget(u: Url) -> None:
-    """Drop what is cached about ``u`` and its folder (after a write or delete)."""
-    parent = Url(u.scheme, u.bucket, u.key.rpartition("/")[0])
-    with _lock:
-        _sizes.pop(str(u), None)
-        for k in [k for k in _listings if str(u).startswith(k) or k.startswith(str(u))]:
-            _listings.pop(k)
-        _listings.pop(str(parent), None)
-        for ck in [ck for ck in _cache if ck[0] == str(u)]:
-            _cache.pop(ck)
-        for wk in [wk for wk, w in _windows.items() if w.url == str(u)]:
-            _windows.pop(wk)
-        gone = [s for s in _streams if s.key == str(u)]
-    for s in gone:
-        s.close()
-
-
 def _url(x: object) -> Url:
     u = parse(x)
     if u is None:
         raise ValueError(f"{x!r} is not an object-store URL")
     return u
+
+
+class ObjectStore:
+    """One operation's object stores (made by ``zckpt.io.session.Storage``, never shared between
+    operations): its storage options, the client per bucket (and per fsspec scheme) with its credentials,
+    the figures of its requests (``stats``), and its caches: folder listings, object sizes, small aligned
+    blocks, read-ahead windows and their streams (``ahead``), a thread pool for parallel parts. A listing or
+    size is cached for this object's lifetime (an operation, or a ``Checkpoint``: a consistent snapshot), and
+    dropped when this object writes or deletes the key (``forget``). ``close()`` stops its streams and pool.
+
+    Options: ``in_flight`` (default 8), ``part_bytes`` (default 8 MiB), ``window_bytes`` (default 32 MiB),
+    ``max_retries`` (default 10), ``endpoint``/``endpoint_url``; every other key goes to the client."""
+
+    def __init__(self, options: Mapping[str, str] | None = None) -> None:
+        self.options: dict[str, str] = {k: str(v) for k, v in (options or {}).items()}
+        self.lock = threading.Lock()
+        self.clients: dict[str, Any] = {}
+        self.listings: dict[str, _Listing] = {}
+        self.sizes: dict[str, int] = {}
+        self.cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        """Aligned small-read blocks (``read.BLOCK`` bytes), LRU."""
+        self.room = 0
+        """Blocks that running ``read.cache_room`` blocks ask to add to the cache's capacity."""
+        self.windows: OrderedDict[int, _Window] = OrderedDict()
+        self.streams: list[Any] = []
+        """Read-ahead streams (``ahead.Stream``): closed when their object is written, and by ``close``."""
+        self.counts = {"requests": 0, "bytes": 0, "retries": 0, "uploads": 0, "bytes_up": 0}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- options -----------------------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        return max(1, int(self.options.get("in_flight", os.environ.get("ZCKPT_S3_IN_FLIGHT", "8"))))
+
+    def part_bytes(self) -> int:
+        dflt = os.environ.get("ZCKPT_S3_PART_BYTES", str(8 << 20))
+        return max(5 << 20, int(self.options.get("part_bytes", dflt)))
+
+    def window_bytes(self, floor: int) -> int:
+        """How far a sequential reader's stream fetches ahead of it (``ahead.Stream``), default 32 MiB."""
+        dflt = os.environ.get("ZCKPT_S3_WINDOW_BYTES", str(32 << 20))
+        return max(floor, int(self.options.get("window_bytes", dflt)))
+
+    # -- figures -----------------------------------------------------------------------------------------
+    def count(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
+
+    def stats(self) -> dict[str, int]:
+        """Requests made, bytes fetched and uploaded, retries, by this object so far."""
+        with self.lock:
+            return dict(self.counts)
+
+    # -- threads -----------------------------------------------------------------------------------------
+    def executor(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.in_flight(), thread_name_prefix="zckpt-s3")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the read-ahead streams and the thread pool; drop the caches (clients too)."""
+        with self.lock:
+            gone, self.streams = list(self.streams), []
+            pool, self._pool = self._pool, None
+            self.windows.clear()
+            self.cache.clear()
+            self.listings.clear()
+            self.sizes.clear()
+            self.clients.clear()
+        for st in gone:
+            st.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- cache invalidation ------------------------------------------------------------------------------
+    def forget(self, u: Url) -> None:
+        """Drop what is cached about ``u`` and its folder (after this object wrote or deleted it)."""
+        parent = Url(u.scheme, u.bucket, u.key.rpartition("/")[0])
+        with self.lock:
+            self.sizes.pop(str(u), None)
+            for k in [k for k in self.listings if str(u).startswith(k) or k.startswith(str(u))]:
+                self.listings.pop(k)
+            self.listings.pop(str(parent), None)
+            for ck in [ck for ck in self.cache if ck[0] == str(u)]:
+                self.cache.pop(ck)
+            for wk in [wk for wk, w in self.windows.items() if w.url == str(u)]:
+                self.windows.pop(wk)
+            gone = [s for s in self.streams if s.key == str(u)]
+        for s in gone:
+            s.close()
+
+    # -- clients -----------------------------------------------------------------------------------------
+    def _endpoint(self) -> str | None:
+        return (
+            self.options.get("endpoint")
+            or self.options.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+
+    def fsspec_fs(self, u: Url) -> Any:
+        """The fsspec filesystem for ``u``'s scheme, built with the storage options (one per scheme)."""
+        with self.lock:
+            fs = self.clients.get(u.scheme + "://")
+        if fs is not None:
+            return fs
+        try:
+            import fsspec
+
+            fs = fsspec.filesystem(u.scheme, **{k: v for k, v in self.options.items() if k not in _OWN_KEYS})
+        except ImportError as e:
+            need = e.name or "its fsspec package"
+            raise StorageError(f"{u}: reading or writing {u.scheme}:// needs {need}",
+                               hint="pip install 'zckpt[fsspec]' and the package for the scheme",
+                               path=str(u)) from None  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a bad option: one line
+            raise StorageError(f"{u}: cannot configure the {u.scheme}:// client ({_first_line(e)})",
+                               hint="check --storage-option keys", path=str(u)) from None  # fmt: skip
+        with self.lock:
+            self.clients[u.scheme + "://"] = fs
+        return fs
+
+    def client(self, u: Url) -> Any:
+        """The ``s3://`` client for ``u``'s bucket, made once (with its credentials) per bucket."""
+        with self.lock:
+            st = self.clients.get(u.bucket)
+            if st is not None:
+                return st
+        try:
+            from obstore.store import S3Store  # imported here: local runs never load the client
+        except ImportError:
+            raise StorageError(f"{u}: reading or writing s3:// needs the obstore client",
+                               hint="pip install 'zckpt[s3]'", path=str(u)) from None  # fmt: skip
+
+        config = {k: v for k, v in self.options.items() if k not in _OWN_KEYS}
+        ep = self._endpoint()
+        if ep:
+            config["endpoint"] = ep
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+        if region and "region" not in config:
+            config["region"] = region
+        pol = policy.Policy.from_options(self.options)
+        client, retry = pol.client_options(ep), pol.retry_config()
+        extra, provider = credentials.for_client(str(u), config, os.environ, endpoint=ep)
+        config.update(extra)
+
+        def make(client_options: dict[str, Any], retry_config: dict[str, Any]) -> Any:
+            return S3Store(
+                u.bucket,
+                config=config,  # type: ignore[arg-type]
+                client_options=client_options,  # type: ignore[arg-type]
+                retry_config=retry_config,  # type: ignore[arg-type]
+                credential_provider=provider,
+            )
+
+        try:
+            st = make(client, retry)
+        except Exception as e:  # noqa: BLE001 - a bad option: one line
+            raise StorageError(
+                f"{u}: cannot configure the S3 client ({_first_line(e)})",
+                hint="check --storage-option keys and the AWS_* variables",
+            ) from None
+        policy.reach(make, u, pol, ep)  # a store that cannot be reached: one line now, not after the retries
+        with self.lock:
+            self.clients[u.bucket] = st
+        return st
+
+
+_CURRENT: contextvars.ContextVar[ObjectStore | None] = contextvars.ContextVar("zckpt_objects", default=None)
+"""The ``ObjectStore`` of the operation running in this context (its thread, and the threads it starts
+through ``zckpt.io.threads``): set by ``bound``, never process-wide."""
+
+
+def current() -> ObjectStore:
+    """The running operation's ``ObjectStore``; outside any operation (an internal function called on its
+    own), a fresh one that keeps nothing beyond the call."""
+    st = _CURRENT.get()
+    return st if st is not None else ObjectStore()
+
+
+@contextlib.contextmanager
+def bound(st: ObjectStore) -> Iterator[ObjectStore]:
+    """Make ``st`` the current ``ObjectStore`` of this context while the block runs."""
+    token = _CURRENT.set(st)
+    try:
+        yield st
+    finally:
+        _CURRENT.reset(token)

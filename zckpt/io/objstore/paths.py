@@ -14,64 +14,62 @@ from typing import cast
 from zckpt.errors import ObjectMissing
 from zckpt.io.objstore import backend
 from zckpt.io.objstore.client import (
+    ObjectStore,
     Url,
-    _count,
     _Listing,
-    _listings,
-    _lock,
     _retry,
-    _sizes,
     _url,
+    current,
     is_url,
     parse,
 )
 
 
-def _list(u: Url) -> _Listing:
+def _list(st: ObjectStore, u: Url) -> _Listing:
     key = str(u)
-    with _lock:
-        hit = _listings.get(key)
+    with st.lock:
+        hit = st.listings.get(key)
     if hit is not None:
         return hit
-    _count("requests")
-    dirs, files = _retry(lambda: backend.of(u).list_dir(u), u)
+    st.count("requests")
+    dirs, files = _retry(lambda: backend.of(st, u).list_dir(u), u, st=st)
     out = _Listing(frozenset(dirs), files)
-    with _lock:
-        _listings[key] = out
+    with st.lock:
+        st.listings[key] = out
         for name, size in files.items():
-            _sizes[f"{key}/{name}"] = size
+            st.sizes[f"{key}/{name}"] = size
     return out
 
 
-def size(x: object) -> int:
+def size(st: ObjectStore, x: object) -> int:
     """The object's size in bytes (from a listing when one is cached, else one HEAD)."""
     u = _url(x)
-    with _lock:
-        hit = _sizes.get(str(u))
+    with st.lock:
+        hit = st.sizes.get(str(u))
     if hit is not None:
         return hit
     if u.key:  # the folder's listing answers (one request per folder, cached), else one HEAD
         name = u.key.rsplit("/", 1)[-1]
-        listing = _list(Url(u.scheme, u.bucket, u.key.rpartition("/")[0]))
+        listing = _list(st, Url(u.scheme, u.bucket, u.key.rpartition("/")[0]))
         if name in listing.files:
             return listing.files[name]
         if name not in listing.dirs:
             raise ObjectMissing(f"{u}: no such key", hint="check the URL: list its folder", path=str(u))
-    _count("requests")
-    n = int(_retry(lambda: backend.of(u).head(u), u))
-    with _lock:
-        _sizes[str(u)] = n
+    st.count("requests")
+    n = int(_retry(lambda: backend.of(st, u).head(u), u, st=st))
+    with st.lock:
+        st.sizes[str(u)] = n
     return n
 
 
-def kind(x: object) -> str | None:
+def kind(st: ObjectStore, x: object) -> str | None:
     """``"file"``, ``"dir"`` or None (nothing there)."""
     u = _url(x)
     if not u.key:
-        _list(u)  # the bucket itself: raises when it does not exist
+        _list(st, u)  # the bucket itself: raises when it does not exist
         return "dir"
     name = u.key.rsplit("/", 1)[-1]
-    listing = _list(Url(u.scheme, u.bucket, u.key.rpartition("/")[0]))
+    listing = _list(st, Url(u.scheme, u.bucket, u.key.rpartition("/")[0]))
     if name in listing.files:
         return "file"
     if name in listing.dirs:
@@ -81,8 +79,8 @@ def kind(x: object) -> str | None:
 
 class RemotePath(PurePosixPath):
     """A path in a bucket (``s3://bucket/key``): pure path arithmetic, plus the stat-like questions zckpt's
-    formats ask, answered from cached folder listings. It opens nothing itself: reads go through
-    ``zckpt.io.storage``."""
+    formats ask, answered from the folder listings of the running operation's ``ObjectStore``. It opens
+    nothing itself: reads go through ``zckpt.io.storage``."""
 
     def __str__(self) -> str:
         s = super().__str__()
@@ -100,13 +98,13 @@ class RemotePath(PurePosixPath):
         return _url(str(self))
 
     def exists(self) -> bool:
-        return kind(self) is not None
+        return kind(current(), self) is not None
 
     def is_file(self) -> bool:
-        return kind(self) == "file"
+        return kind(current(), self) == "file"
 
     def is_dir(self) -> bool:
-        return kind(self) == "dir"
+        return kind(current(), self) == "dir"
 
     def is_symlink(self) -> bool:
         return False
@@ -118,7 +116,7 @@ class RemotePath(PurePosixPath):
         return self
 
     def iterdir(self) -> Iterator[RemotePath]:
-        listing = _list(self.url)
+        listing = _list(current(), self.url)
         for name in sorted(listing.dirs | set(listing.files)):
             yield self / name
 
@@ -138,7 +136,7 @@ class RemotePath(PurePosixPath):
         yield from level
 
     def stat(self) -> os.stat_result:
-        return os.stat_result((0o100644, 0, 0, 1, 0, 0, size(self), 0, 0, 0))
+        return os.stat_result((0o100644, 0, 0, 1, 0, 0, size(current(), self), 0, 0, 0))
 
 
 def as_path(x: str | os.PathLike[str]) -> Path:

@@ -1,5 +1,5 @@
 """The diff figure as a ``Scene`` (pure Python and numpy, no matplotlib): layer x role heatmaps of
-``||B-A|| / ||A||`` and ``1 - cosine`` with the non-layer strip under each and a log colour bar beside them,
+``||A-B|| / ||B||`` and ``1 - cosine`` with the non-layer strip under each and a log colour bar beside them,
 then the top-N changed tensors as bars on a log axis. ``raster`` and ``svg`` write it.
 
 Colours: ``colours``' log scale per panel pair (heat and its strip share one), white = exactly unchanged,
@@ -107,7 +107,7 @@ class _Layout:
 
 
 def diff_scene(d: DiffPlot) -> Scene:
-    """Layer x role heatmaps of ||B-A||/||A|| and 1-cosine, the non-layer strip under each, top-N bars."""
+    """Layer x role heatmaps of ||A-B||/||B|| and 1-cosine, the non-layer strip under each, top-N bars."""
     lay = _Layout(d)
     s = Scene(lay.width * DPI, lay.height * DPI, title=d.title)
     for k, line in enumerate((d.title, d.summary)):
@@ -191,7 +191,7 @@ class _Heat:
         return p
 
     def _tips(self) -> tuple[tuple[str, ...], ...]:
-        name = "||B-A||/||A||" if self.what == "rel" else "1-cos"
+        name = "||A-B||/||B||" if self.what == "rel" else "1-cos"
         out = []
         for i, row in enumerate(self.h.cells):
             line = []

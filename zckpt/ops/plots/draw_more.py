@@ -96,7 +96,7 @@ def _dtype_bars(ax: Any, d: InspectPlot) -> None:
 
 
 def series_figure(d: SeriesPlot) -> Figure:
-    """Top: the whole model's ||B-A||/||A|| per pair; below: the layer x step heatmap of the same."""
+    """Top: the whole model's ||A-B||/||B|| per pair; below: the layer x step heatmap of the same."""
     nrows, ncols = len(d.rows), len(d.steps)
     heat_h = max(2.5, 0.22 * nrows + 1.0)
     fig = new_figure(max(6.5, 0.32 * ncols + 4), heat_h + 2.6, constrained=True)

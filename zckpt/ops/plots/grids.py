@@ -1,7 +1,7 @@
 """The data of the ``diff`` and ``inspect`` figures, built from the operations' results alone (pure: no
 matplotlib, no tensor read). The tests check these, and the drawing code only lays them out.
 
-``diff_plot``: a layer x role ``Heat`` of ``||B-A|| / ||A||`` and cosine per cell (the cell's tensors pooled:
+``diff_plot``: a layer x role ``Heat`` of ``||A-B|| / ||B||`` and cosine per cell (the cell's tensors pooled:
 ``sqrt(sum ||b-a||^2 / sum ||a||^2)``, so a weight and its bias make one cell), the non-layer tensors in a
 one-row strip of their own (one column per module), markers for tensors only in A or B, reshaped, retyped or
 holding NaN/Inf, and the top-N changed tensors. ``inspect_plot``: bytes by rank x kind and parameters per
@@ -38,11 +38,11 @@ MAX_STRIP = 40
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell: the tensors in it, their pooled change relative to A, cosine, and markers."""
+    """One cell: the tensors in it, their pooled change relative to B, cosine, and markers."""
 
     keys: tuple[str, ...]
     rel: float | None
-    """``||B-A|| / ||A||`` pooled over the cell's compared tensors; ``None`` when none was compared."""
+    """``||A-B|| / ||B||`` pooled over the cell's compared tensors; ``None`` when none was compared."""
     cosine: float | None
     marks: str = ""
     """Letters of ``MARKS``, in that order."""
@@ -123,13 +123,13 @@ class _Pool:
         if t.norm_a is not None and t.norm_b is not None:  # else bit-identical with no norm summed
             self.a2 += t.norm_a**2
             self.b2 += t.norm_b**2
-        self.size = max(self.size, t.rel_change or 0.0)
+        self.size = max(self.size, t.rel_l2 or 0.0)
 
     def cell(self) -> Cell:
         marks = "".join(m for m in MARKS if m in self.marks)
         if not self.compared:
             return Cell(tuple(self.keys), None, None, marks)
-        rel = 0.0 if self.d2 == 0 else (math.sqrt(self.d2 / self.a2) if self.a2 > 0 else math.inf)
+        rel = 0.0 if self.d2 == 0 else (math.sqrt(self.d2 / self.b2) if self.b2 > 0 else math.inf)
         cos = self.cosine
         if self.compared > 1:
             cos = _pooled_cosine(self.a2, self.b2, self.d2) if self.d2 else 1.0
@@ -219,9 +219,9 @@ def _strip(mods: dict[str, _Pool]) -> Heat:
 
 
 def _top_bars(tensors: Iterable[TensorDiff], n: int) -> tuple[Bar, ...]:
-    moved = [t for t in tensors if STATE_SEP not in t.key and (t.rel_change or 0.0) > 0]
-    moved.sort(key=lambda t: (-(t.rel_change or 0.0), t.key))
-    return tuple(Bar(t.key, t.rel_change or 0.0, t.cosine, _marks(t)) for t in moved[:n])
+    moved = [t for t in tensors if STATE_SEP not in t.key and (t.rel_l2 or 0.0) > 0]
+    moved.sort(key=lambda t: (-(t.rel_l2 or 0.0), t.key))
+    return tuple(Bar(t.key, t.rel_l2 or 0.0, t.cosine, _marks(t)) for t in moved[:n])
 
 
 def _marks(t: TensorDiff) -> str:

@@ -55,7 +55,7 @@ def series_plot(s: SeriesResult) -> SeriesPlot:
     for j, p in enumerate(s.pairs):
         for r in p.rows:
             col = sums.setdefault(_key(r), [None] * n)
-            col[j] = [r.d2, r.a2, r.marks]
+            col[j] = [r.d2, r.b2, r.marks]
     layers = sorted(k for k in sums if k[0] == 0)
     mods = sorted(k for k in sums if k[0] == 1)
     notes: list[str] = []
@@ -70,7 +70,7 @@ def series_plot(s: SeriesResult) -> SeriesPlot:
     rows = [row_label(k[1], k[2], stacks) for k in layers] + [k[3] for k in mods]
     order = layers + mods
     return SeriesPlot(
-        title=f"zckpt diff --series {shown(s.run)}   ({len(s.tags)} checkpoints; ||B-A||/||A|| per layer)",
+        title=f"zckpt diff --series {shown(s.run)}   ({len(s.tags)} checkpoints; ||A-B||/||B|| per layer)",
         steps=tuple(p.b.step for p in s.pairs),
         pairs=tuple(f"{p.a.name} -> {p.b.name}" for p in s.pairs),
         rows=tuple(rows),
@@ -85,8 +85,8 @@ def series_plot(s: SeriesResult) -> SeriesPlot:
 def _rel(c: list[float | str] | None) -> float | None:
     if c is None:
         return None
-    d2, a2 = float(c[0]), float(c[1])
-    return 0.0 if d2 == 0 else (math.sqrt(d2 / a2) if a2 > 0 else math.inf)
+    d2, b2 = float(c[0]), float(c[1])
+    return 0.0 if d2 == 0 else (math.sqrt(d2 / b2) if b2 > 0 else math.inf)
 
 
 def _peak(cells: list[list[float | str] | None]) -> float:

@@ -53,9 +53,9 @@ def diff_tables(r: DiffResult) -> list[Table]:
             else f"{list(t.shape_a)}!={list(t.shape_b)}"
         )
         dtype = t.dtype_a if t.dtype_a == t.dtype_b else f"{t.dtype_a}!={t.dtype_b}"
-        stats = (_g(t.rel_change), _g(t.cosine), _g(t.max_abs_diff), _g(t.fraction_changed, pct=True))
+        stats = (_g(t.rel_l2), _g(t.cosine), _g(t.max_abs_diff), _g(t.fraction_changed, pct=True))
         rows.append((t.key, where, p.column, shape or "scalar", dtype, *stats, ",".join(t.reasons) or "-"))
-    out = [_cut("tensors", ("key", "layer", "column", "shape", "dtype", "||B-A||/||A||", "cosine",
+    out = [_cut("tensors", ("key", "layer", "column", "shape", "dtype", "||A-B||/||B||", "cosine",
                             "max |a-b|", "changed", "why"), rows)]  # fmt: skip
     for label, keys in (("only in A", r.only_in_a), ("only in B", r.only_in_b)):
         if keys:
@@ -97,7 +97,7 @@ def series_tables(s: SeriesResult) -> list[Table]:
             rows.append((p.b.name, name, _g(r.rel), str(r.tensors), r.marks or "-"))
     return [
         Table(
-            "pairs", ("A", "B", "||B-A||/||A||", "differ", "only in A", "only in B", "reshaped"), tuple(pairs)
+            "pairs", ("A", "B", "||A-B||/||B||", "differ", "only in A", "only in B", "reshaped"), tuple(pairs)
         ),
-        _cut("per layer", ("B", "layer / module", "||B-A||/||A||", "tensors", "marks"), rows),
+        _cut("per layer", ("B", "layer / module", "||A-B||/||B||", "tensors", "marks"), rows),
     ]
