@@ -260,7 +260,8 @@ DIST = [("trainer_z2_w1", 2), ("trainer_z3off_w2", 3), ("trainer_z2_w2", 1)]
 def _dist_procs(rank: int, world: int, root: str) -> dict[str, Any]:
     seen = {}
     for case, w in DIST:
-        res = reshard(_src(case), Path(root) / "dist" / f"{case}-{w}", world=w, progress=False, distributed=True)
+        out = Path(root) / "dist" / f"{case}-{w}"
+        res = reshard(_src(case), out, world=w, progress=False, distributed=True)
         seen[f"{case}-{w}"] = {"files": res.files, "notes": res.notes}
     return seen
 
