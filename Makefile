@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
-	# `import deepspeed` in this venv is the engine (engine/alias/deepspeed); never in .venv-ds or a wheel.
-	$(VPY) -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_path("purelib"), "engine-deepspeed-alias.pth").write_text(str(pathlib.Path("engine/alias").resolve()) + "\n")'
+	# `import deepspeed` is the engine only under `python -m engine.run` (engine/run.py); remove the .pth
+	# that older setups wrote (it made every process of this venv see the engine as deepspeed).
+	$(VPY) -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_path("purelib"), "engine-deepspeed-alias.pth").unlink(missing_ok=True)'
 	touch $(STAMP)
 
 # Every test, and the layer contracts (pyproject [tool.importlinter]): what CI runs (.ci/run). Builds the

@@ -151,14 +151,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import obstore
 from zckpt.io import objstore
+from zckpt.io.objstore import write as objwrite
+st = objstore.ObjectStore()  # the same client zckpt's commands make (its options, credentials)
 to = Path({str(to)!r})
-urls = objstore.list_keys({url!r})
+urls = objwrite.list_keys(st, {url!r})
 def get(u):
     v = objstore.parse(u)
     dst = to / u[len({url!r}) + 1:]
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst, "wb") as f:
-        for chunk in obstore.get(objstore._store(v), v.key).stream(min_chunk_size=8 << 20):
+        for chunk in obstore.get(st.client(v), v.key).stream(min_chunk_size=8 << 20):
             f.write(chunk)
 with ThreadPoolExecutor(8) as pool:
     list(pool.map(get, urls))

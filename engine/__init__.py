@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import accelerator, checkpointing, comm, utils, zero
+from engine import accelerator, checkpointing, comm, utils, version, zero
 from engine.accelerator import get_accelerator
 from engine.config import ConfigError, EngineConfig, parse_config
 from engine.dist import init_distributed
@@ -46,7 +46,7 @@ from engine.utils import log_dist, logger
 from engine.zero.collectives import Comm
 
 DeepSpeedEngine = Engine
-__version__ = "0.1.0"
+__version__ = version.__version__
 __all__ = [
     "ConfigError",
     "DeepSpeedEngine",

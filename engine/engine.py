@@ -426,7 +426,23 @@ class Engine(DeepSpeedAccessors):
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             strict=load_module_strict,
             module_only=load_module_only,
+            client_flags=(load_optimizer_states, load_lr_scheduler_states),
         )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save`` (accelerate asks before ``get_state_dict``)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's ZeRO-3 full state dict on rank 0 (None elsewhere): collective, one param gathered at a
+        time (``engine.export.consolidated_state_dict``); what ``trainer.save_model()`` saves."""
+        from engine import export
+
+        if self.stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        return export.consolidated_state_dict(self, exclude_frozen=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         from engine import export

@@ -1,4 +1,5 @@
-"""``save_16bit_model``: the model's weights in the compute dtype, in one file on rank 0, as DeepSpeed.
+"""``save_16bit_model``: the model's params in the compute dtype and its persistent buffers in their own dtype
+(an fp32 buffer stays fp32), in one file on rank 0, as DeepSpeed 0.19.8.
 
 Stage 3 needs ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and False is
 returned, as DeepSpeed does. With it, params are gathered ONE at a time (all ranks take part) and streamed
@@ -23,6 +24,35 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+
+def consolidated_state_dict(eng: Engine, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """``module.state_dict()``'s tensors on rank 0's host (params in the compute dtype, persistent buffers in
+    their own), tied names sharing one tensor as in DeepSpeed; None on other ranks. Collective: sharded
+    params are gathered one at a time and released, so no rank holds more than one full param at once
+    beyond rank 0's growing host copy (DeepSpeed's ``_zero3_consolidated_16bit_state_dict``)."""
+    rank0 = eng.comm.rank == 0
+    state_of = {id(s.param): s for s in eng.states}
+    out: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for name, t in eng.module.state_dict(keep_vars=True).items():
+        st = state_of.get(id(t))
+        if st is not None and exclude_frozen and not st.trainable:
+            continue
+        if id(t) in first:
+            if rank0:
+                out[name] = out[first[id(t)]]
+            continue
+        first[id(t)] = name
+        was = st.gathered if st is not None else True
+        if st is not None and eng.fetcher is not None and not was:
+            eng.fetcher.gather([st])
+        if rank0:
+            out[name] = t.detach().cpu().clone()
+        if st is not None and not was:
+            st.release()
+    eng.comm.barrier()
+    return out if rank0 else None
 
 
 def save_16bit_model(eng: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> bool:

@@ -39,7 +39,7 @@ class Tiny(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         h = h + self.l2(torch.tanh(self.norm(self.l1(h))))
-        h = h + 0.5 * self.frozen(h) * self.scale
+        h = h + (0.5 * self.frozen(h) * self.scale).to(h.dtype)  # an fp32 buffer stays fp32 (DeepSpeed)
         logits = self.head(h).float()
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 

@@ -52,7 +52,9 @@ def test_help_snapshot() -> None:
         "--top", "--tag-a", "--tag-b", "--trust-pickle", "--progress", "--no-progress", "--verify-data",
         "--no-verify-data", "--plot", "--series", "--storage-option", "--help",
     }  # fmt: skip
-    assert _options(["verify"]) == {"--json", "--tag", "--trust-pickle", "--storage-option", "--help"}
+    assert _options(["verify"]) == {
+        "--json", "--tag", "--trust-pickle", "--sha256", "--progress", "--no-progress", "--storage-option", "--help",
+    }  # fmt: skip
     assert _options(["reshard"]) == {
         "--world", "--tag", "--to", "--stage", "--overwrite", "--json", "--trust-pickle", "--progress",
         "--no-progress", "--verify-data", "--no-verify-data", "--storage-option", "--help",

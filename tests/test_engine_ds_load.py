@@ -45,8 +45,10 @@ def run_script(python_bin: Path, work: Path) -> dict[str, Any]:
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
     )
     env.pop("PYTHONPATH", None)
-    entry = [str(SCRIPT)]
+    entry = ["-m", "engine.run", str(SCRIPT)]  # the engine, chosen on purpose (engine/run.py)
+    env["PYTHONPATH"] = str(ROOT)
     if python_bin.parent == DS_VENV:
+        del env["PYTHONPATH"]
         (work / "wrap.py").write_text(_DS_WRAPPER)
         entry = [str(work / "wrap.py"), str(SCRIPT)]
     cmd = [str(python_bin), *entry, "--ckpt", str(work / "ckpt"), "--out", str(work / "out.json")]

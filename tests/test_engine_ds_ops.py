@@ -232,7 +232,7 @@ def test_signatures_and_checkpoint_match_real_deepspeed() -> None:
     assert got["grads"] == mine
 
 
-def test_imports_resolve_in_the_project_venv() -> None:
+def test_imports_resolve_under_the_launcher(tmp_path: Path) -> None:
     code = (
         "import deepspeed, engine\n"
         "from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam\n"
@@ -248,9 +248,11 @@ def test_imports_resolve_in_the_project_venv() -> None:
         "assert deepspeed.ops.adam.FusedAdam is FusedAdam\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=tempfile.gettempdir(), env=env, timeout=120)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    (tmp_path / "imports.py").write_text(code)
+    cmd = [sys.executable, "-m", "engine.run", str(tmp_path / "imports.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env, timeout=99)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok"]
 
@@ -264,7 +266,7 @@ class _CkptTiny(Tiny):
 
         h = self.emb(x)
         h = h + ck.checkpoint(lambda t: self.l2(torch.tanh(self.norm(self.l1(t)))), h)
-        h = h + 0.5 * self.frozen(h) * self.scale
+        h = h + (0.5 * self.frozen(h) * self.scale).to(h.dtype)
         logits = self.head(h).float()
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -276,6 +278,9 @@ def _ckpt_model() -> Tiny:
 
 def _ds_train(rank: int, world: int, cfg: dict[str, Any], opt_cls: Any, *, script_sched: bool = False,
               make: Any = make_model) -> dict[str, Any]:  # fmt: skip
+    import engine.run
+
+    engine.run.activate()  # `import deepspeed` is the engine in this worker, as under `python -m engine.run`
     import deepspeed
     from _engine_ref import train
     from deepspeed.runtime.lr_schedules import WarmupLR
@@ -295,6 +300,9 @@ def _ds_train(rank: int, world: int, cfg: dict[str, Any], opt_cls: Any, *, scrip
 
 
 def _dist_checks(rank: int, world: int) -> dict[str, Any]:
+    import engine.run
+
+    engine.run.activate()
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     out = {f"fused-s{s}": _ds_train(rank, world, config(s), FusedAdam) for s in (1, 2, 3)}

@@ -56,6 +56,8 @@ def test_deepspeed_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
         "--nproc_per_node",
         "2",
         "--standalone",
+        "-m",
+        "engine.run",  # the engine as `deepspeed` (engine/run.py), chosen on purpose
         str(SCRIPT),
         "--stage",
         "3",

@@ -46,7 +46,7 @@ class _Base(nn.Module):
     def body(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         h = h + self.l2(torch.tanh(self.norm(self.l1(h))))
-        return h + 0.5 * self.frozen(h) * self.scale
+        return h + (0.5 * self.frozen(h) * self.scale).to(h.dtype)  # an fp32 buffer stays fp32 (DeepSpeed)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().reshape(-1, R.VOCAB), y.reshape(-1))

@@ -81,7 +81,8 @@ def test_wheel_declares_only_runtime_dependencies(wheel: Path) -> None:
     assert {"torch", "safetensors", "typer"} <= {_name(r) for r in always}
     plot = [_name(r) for r in requires if re.search(r"""extra == ["']plot["']""", r)]
     assert plot == ["matplotlib"] and "plot" in meta.get_all("Provides-Extra")
-    assert re.search(r"^\[console_scripts\]\nzckpt = zckpt\.cli:main$", entry_points, re.M), entry_points
+    scripts = r"^\[console_scripts\]\nengine-run = engine\.run:main\nzckpt = zckpt\.cli:main$"
+    assert re.search(scripts, entry_points, re.M), entry_points
 
 
 def test_wheel_holds_every_module_and_nothing_else(wheel: Path) -> None:
@@ -95,6 +96,8 @@ def test_wheel_holds_every_module_and_nothing_else(wheel: Path) -> None:
         if p.is_file() and "__pycache__" not in p.parts
     }
     assert {"zckpt/__main__.py", "zckpt/cli/__main__.py"} <= ours
+    # what engine.run puts on the path: the deepspeed alias and its distribution metadata
+    assert "engine/alias/deepspeed-0.19.8+engine.dist-info/METADATA" in names
     assert {s for s in source if s.endswith((".py", "py.typed"))} <= ours  # py.typed where there is one
     assert {n.split("/")[0] for n in ours} == {"zckpt", "engine"}, sorted(ours)  # no tests/, fixtures/
 

@@ -47,22 +47,24 @@ def test_child_parse_equals_the_in_process_parse_on_every_fixture() -> None:
     out = _run(f"""
         import os, sys
         from pathlib import Path
-        from zckpt.io import preopen
+        from zckpt.io import preopen, session
         folders = {folders!r}
         assert preopen.available()
+        op = session.Storage()
         for f in folders:
-            assert preopen.start("zckpt.formats.dcp.metadata:preload", os.path.realpath(f + "/.metadata"))
+            assert preopen.start(op.cache("preopen"), "zckpt.formats.dcp.metadata:preload",
+                                 os.path.realpath(f + "/.metadata"))
         import torch
         from zckpt.formats.dcp import metadata, standins
         taken = []
         real_take = preopen.take
-        preopen.take = lambda p: taken.append(real_take(p)) or taken[-1]
-        via_child = [metadata.load_metadata(Path(f)) for f in folders]
+        preopen.take = lambda c, p: taken.append(real_take(c, p)) or taken[-1]
+        with op.bound():
+            via_child = [metadata.load_metadata(Path(f)) for f in folders]
         assert len(taken) == len(folders) and all(t is not None for t in taken), taken
-        assert not preopen.started()
+        assert not op.cache("preopen")
         preopen.take = real_take
-        metadata._PARSED.clear()
-        alone = [metadata.load_metadata(Path(f)) for f in folders]
+        alone = [metadata.load_metadata(Path(f)) for f in folders]  # no operation bound: nothing kept
         for f, a, b in zip(folders, via_child, alone):
             assert a == b, f
             assert a.tensors and all(isinstance(t.dtype, torch.dtype) for t in a.tensors.values()), f
@@ -98,16 +100,18 @@ def test_a_file_changed_after_the_child_read_it_is_parsed_again(tmp_path: Path) 
     out = _run(f"""
         import os
         from pathlib import Path
-        from zckpt.io import preopen
+        from zckpt.io import preopen, session
         f = os.path.realpath({str(ck / ".metadata")!r})
-        assert preopen.start("zckpt.formats.dcp.metadata:preload", f)
-        os.waitid(os.P_PID, preopen._started[f].pid, os.WEXITED | os.WNOWAIT)  # done, not yet reaped
+        op = session.Storage()
+        assert preopen.start(op.cache("preopen"), "zckpt.formats.dcp.metadata:preload", f)
+        os.waitid(os.P_PID, op.cache("preopen")[f].pid, os.WEXITED | os.WNOWAIT)  # done, not yet reaped
         Path(f).write_bytes(Path({str(b / ".metadata")!r}).read_bytes())
         from zckpt.formats.dcp import metadata, standins
         taken = []
         real_take = preopen.take
-        preopen.take = lambda p: taken.append(real_take(p)) or taken[-1]
-        md = metadata.load_metadata(Path(f).parent)
+        preopen.take = lambda c, p: taken.append(real_take(c, p)) or taken[-1]
+        with op.bound():
+            md = metadata.load_metadata(Path(f).parent)
         assert taken and taken[0] is not None  # the child did finish: its result was refused
         other = metadata.build(f, metadata.parse_bytes(Path(f).read_bytes(), f))
         assert md == other
@@ -163,7 +167,6 @@ def _set_size_args(args: list[Any]) -> Any:
 def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, edit: Any, says: str) -> None:
     """The child fails on it and exits 1; the parent parses the file itself and prints the library's error."""
     ck = _edited(tmp_path, edit)
-    metadata._PARSED.clear()
     with pytest.raises(ZckptError) as e:
         zckpt.open(ck)
     assert says in str(e.value)
@@ -172,7 +175,7 @@ def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, e
         from zckpt.io import preopen
         started = []
         real_start = preopen.start
-        preopen.start = lambda t, p: started.append(real_start(t, p)) or started[-1]
+        preopen.start = lambda c, t, p: started.append(real_start(c, t, p)) or started[-1]
         sys.argv = ["zckpt", "inspect", {str(ck)!r}]
         from zckpt.cli import main
         try:

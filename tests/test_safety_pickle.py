@@ -372,14 +372,12 @@ def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc(
     import gc
 
     import zckpt
-    from zckpt.formats.dcp import metadata as dcp_metadata
     from zckpt.io import collector
 
     ck = ROOT / "fixtures" / "dcp" / "fsdp2_w2" / "checkpoint"
     assert (ck / ".metadata").is_file()
     monkeypatch.setattr(collector._State, "owned", False)  # a library caller (test_cli runs main() in here)
     gc.unfreeze()
-    dcp_metadata._PARSED.clear()
     zckpt.open(ck)
     assert gc.get_freeze_count() == 0  # not ours: nothing frozen
     code = (

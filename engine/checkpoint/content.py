@@ -1,13 +1,14 @@
 """What one save of an ``Engine`` holds, captured when ``save_checkpoint`` is called.
 
 ``capture`` collects this rank's rank-file items (fp32 master chunks, optimizer-state chunks, frozen chunks,
-its RNG; rank 0 also buffers and client-state tensors) as ``WriteItem``s over the live tensors (on whatever
-device they live: nothing is copied here), this rank's Python/NumPy RNG state, and on rank 0 everything
-the manifest needs besides the rank files' records (``ManifestArgs``: tensor and optimizer-state specs,
-tied names, the ``TrainingState`` with optimizer groups, scheduler, loss scaler, counters, client state and
-config, all converted to JSON values, i.e. copies). A synchronous save writes the items straight away; an
-asynchronous one snapshots their bytes first (``engine.checkpoint.host``), after which training may change
-every live tensor. ``predict_bytes`` estimates a rank file's size before the optimizer has any state.
+its RNG; rank 0 also the persistent buffers, in their own dtype, and client-state tensors) as ``WriteItem``s
+over the live tensors (on whatever device they live: nothing is copied here), this rank's Python/NumPy RNG
+state, and on rank 0 everything the manifest needs besides the rank files' records (``ManifestArgs``: tensor
+and optimizer-state specs, tied names, the ``TrainingState`` with optimizer groups, scheduler, loss scaler,
+counters, client state and config, all converted to JSON values, i.e. copies). A synchronous save writes the
+items straight away; an asynchronous one snapshots their bytes first (``engine.checkpoint.host``), after which
+training may change every live tensor. ``predict_bytes`` estimates a rank file's size before the optimizer has
+any state.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint_optim import state_layout
+from engine.zero.partition import persistent_buffers
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import record
 from zckpt.formats.native import write as W
@@ -162,7 +164,7 @@ def _rank_items(
             assert val is not None
             items.append(W.tensor_item(L.tensor_key(role, s.name), val))
     if r == 0:
-        for name, b in eng.module.named_buffers():
+        for name, b in persistent_buffers(eng.module):
             items.append(W.tensor_item(L.tensor_key(Role.BUFFER, name), b))
         items += W.client_tree(client)[1]
     return items, specs
@@ -182,7 +184,7 @@ def _tensor_specs(eng: Engine, left_out: frozenset[str] = frozenset()) -> list[L
     ]
     specs += [
         L.TensorSpec(n, tuple(b.shape), dtype_name(b.dtype), Role.BUFFER, False)
-        for n, b in eng.module.named_buffers()
+        for n, b in persistent_buffers(eng.module)
     ]
     return specs
 
@@ -250,5 +252,5 @@ def predict_bytes(eng: Engine) -> int:
         per_elem, fixed = per_group[id(g)]
         total += s.master.numel() * per_elem + fixed
     if r == 0:
-        total += sum(b.numel() * b.element_size() for b in eng.module.buffers())
+        total += sum(b.numel() * b.element_size() for _, b in persistent_buffers(eng.module))
     return total

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.checkpoint import ds_return
 from engine.checkpoint.reads import ReadPlan
 from engine.checkpoint_optim import CheckpointMismatch, load_optimizer
+from engine.zero.partition import persistent_buffers
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
@@ -89,18 +91,23 @@ def load(
     load_lr_scheduler_states: bool = True,
     strict: bool = True,
     module_only: bool = False,
+    client_flags: tuple[bool, bool] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore ``eng`` from a native or DeepSpeed ZeRO-1/2/3 checkpoint saved at any world size, stage and
-    precision; ``(tag folder, client_state)``, or ``(None, None)`` when there is none.
+    precision; ``(load_path, client_state)`` as DeepSpeed returns them (``engine.checkpoint.ds_return``), or
+    ``(None, None)`` when there is none.
 
     ``strict``: every model param and persistent buffer must be in the checkpoint with the same shape and
     vice versa (DeepSpeed's ``load_module_strict``); otherwise only the common tensors are loaded.
     ``module_only`` (DeepSpeed's ``load_module_only``; the caller also turns off the optimizer and scheduler
-    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed. The load runs with
-    a ``zckpt.io.session.Storage`` of its own (its reads, listings and client), closed when it returns."""
+    flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed. ``client_flags``:
+    the caller's own ``(load_optimizer_states, load_lr_scheduler_states)``, which decide, as in DeepSpeed,
+    whether ``client_state`` carries ``optimizer`` / ``lr_scheduler`` (default: the two flags above). The
+    load runs with a ``zckpt.io.session.Storage`` of its own (its reads, listings and client), closed when
+    it returns."""
     with session.operation(session.Storage()) as st:
         try:
-            flags = (load_optimizer_states, load_lr_scheduler_states, strict, module_only)
+            flags = (load_optimizer_states, load_lr_scheduler_states, strict, module_only, client_flags)
             return _load(eng, load_dir, tag, *flags)
         finally:
             st.close()
@@ -114,6 +121,7 @@ def _load(
     load_lr_scheduler_states: bool,
     strict: bool,
     module_only: bool,
+    client_flags: tuple[bool, bool] | None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     t0 = time.perf_counter()
     ckpt = _open(as_path(load_dir), tag)
@@ -136,10 +144,16 @@ def _load(
             _load_counters(eng, st.counters)
         if st.rng and not module_only:  # DeepSpeed saves no RNG state: then the process's is left alone
             _load_rng(st.rng[eng.comm.rank % len(st.rng)])
-        client = _client_join(st.client_state, ckpt)
+        client = ds_return.client_state(
+            eng,
+            ckpt,
+            _client_join(st.client_state, ckpt),
+            flags=client_flags or (load_optimizer_states, load_lr_scheduler_states),
+            module_only=module_only,
+        )
         took = time.perf_counter() - t0
         eng.load_stats = {"path": str(ckpt.meta.path), "total_s": took, "read": reads.stats}
-        return ckpt.meta.path, client
+        return ds_return.load_path(eng, ckpt), client
     finally:
         ckpt.close()
 
@@ -174,15 +188,14 @@ def _check_model(eng: Engine, ckpt: Checkpoint, strict: bool) -> None:
             missing.append(s.name)
         elif (e := ckpt.entry(s.name)).shape != s.shape:
             mismatch.append(f"{s.name} (checkpoint {list(e.shape)}, model {list(s.shape)})")
-    buffers = dict(eng.module.named_buffers())
-    persistent = set(eng.module.state_dict())
+    buffers = dict(persistent_buffers(eng.module))
     for name, b in buffers.items():
         if name not in ckpt:
-            if name in persistent:
-                missing.append(name)
+            missing.append(name)
         elif (e := ckpt.entry(name)).shape != tuple(b.shape):
             mismatch.append(f"{name} (checkpoint {list(e.shape)}, model {list(b.shape)})")
-    known = {s.name for s in eng.states} | set(eng.tied) | set(buffers)
+    # a non-persistent buffer is never loaded; the engine's checkpoints before 0.19.8 fidelity held them
+    known = {s.name for s in eng.states} | set(eng.tied) | {n for n, _ in eng.module.named_buffers()}
     unexpected = [e.name for e in ckpt.model_entries() if e.name not in known]
     unexpected += [a for a in ckpt.meta.tied if a not in known]
     if mismatch:  # never loadable, strict or not
@@ -225,7 +238,7 @@ def _finish_model(eng: Engine, ckpt: Checkpoint) -> None:
                     s.shard.copy_(s.master)
             elif not s.sharded:
                 s.param.data.copy_(ckpt.read(ckpt.entry(s.name), s.param.dtype).view(s.shape))
-        for name, b in eng.module.named_buffers():
+        for name, b in persistent_buffers(eng.module):
             if name in ckpt:
                 b.copy_(ckpt.read(name).view(b.shape))
         eng._publish()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
     reject_auto(raw, "")
     d = copy.deepcopy(raw)
+    if d.get("steps_per_print") == math.inf:  # accelerate's "never print" (DeepSpeed keeps the float)
+        d["steps_per_print"] = None
     take_foreign(d, "", B.TOP_FOREIGN)
     checkpoint = B.parse_checkpoint(d.pop("checkpoint", None))
     fp16 = B.parse_fp16(d.pop("fp16", None))

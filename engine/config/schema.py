@@ -248,6 +248,23 @@ class EngineConfig:
         """The original user config (a fresh deep copy; JSON-able when the input was)."""
         return copy.deepcopy(self.user_config)
 
+    # DeepSpeed's ``engine.config`` is the user's config dict: the HF Trainer reads it as one
+    # (``self.deepspeed.config.get("zero_optimization", {})``). Read-only lookups into ``user_config``.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.user_config.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.user_config[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.user_config
+
+    def keys(self) -> Any:
+        return self.user_config.keys()
+
+    def items(self) -> Any:
+        return self.user_config.items()
+
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
         if self.fp16.enabled:

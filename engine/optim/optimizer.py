@@ -302,7 +302,14 @@ def build_config_optimizer(cfg: Any, params: list[torch.Tensor]) -> torch.optim.
     if kind in ("adam", "adamw"):
         decoupled = kind == "adamw" or cfg.adam_w_mode
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        opt = cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        # DeepSpeed builds FusedAdam / DeepSpeedCPUAdam, whose groups carry ``bias_correction`` (True, the
+        # only value the engine runs): kept in the groups so that a checkpoint resharded to DeepSpeed's
+        # layout has the key DeepSpeed's Adam step reads (torch's Adam ignores it)
+        opt.defaults["bias_correction"] = True
+        for g in opt.param_groups:
+            g.setdefault("bias_correction", True)
+        return opt
     if kind == "sgd":
         return torch.optim.SGD(
             params,

@@ -1,7 +1,7 @@
 """DeepSpeed's learning-rate schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``LRRangeTest``
 and ``OneCycle`` (which also cycles ``betas``), each buildable from the config's ``scheduler`` block. This
-module is ``deepspeed.runtime.lr_schedules`` in the project venv (``engine/alias``), so a script may build a
-schedule itself and pass it as ``lr_scheduler=``.
+module is ``deepspeed.runtime.lr_schedules`` under ``python -m engine.run`` (``engine/alias``), so a script
+may build a schedule itself and pass it as ``lr_scheduler=``.
 
 Formulas and step semantics are those of ``deepspeed/runtime/lr_schedules.py`` (0.19.8), so a script moving
 from ``deepspeed`` to ``engine`` sees the same learning rate at every step:
@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+"""DeepSpeed's ``lr_schedules.VALID_LR_SCHEDULES`` (accelerate tests a scheduler's class name against it)."""
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 

@@ -1,8 +1,9 @@
 """Start-up partitioning: from the user's model to this rank's ``ParamState``s and the flat buffers behind
 them.
 
-``partition_model`` materialises meta parameters (module by module), casts params and floating buffers to the
-compute dtype on the device, broadcasts rank 0's values (DeepSpeed does the same at start) and builds one
+``partition_model`` materialises meta parameters (module by module), casts params to the compute dtype on the
+device (buffers only move there and keep their dtype, as DeepSpeed 0.19.8 keeps an fp32 buffer fp32 under
+bf16/fp16), broadcasts rank 0's values (DeepSpeed does the same at start) and builds one
 ``ParamState`` per unique parameter (tied aliases recorded). ``lay_out`` then puts every rank-local tensor
 into a few flat buffers, the per-param tensors being views of them (see ``Flat``), so that the optimizer-side
 work (norm, clip, overflow check, zeroing, the 16-bit publish) is a few ops over big tensors.
@@ -54,7 +55,7 @@ def partition_model(
     for m in model.modules():
         for key, buf in m._buffers.items():
             if buf is not None:
-                m._buffers[key] = buf.to(device, dtype if buf.is_floating_point() else buf.dtype)
+                m._buffers[key] = buf.to(device)
     owners: dict[int, ParamState] = {}
     tied: dict[str, str] = {}
     states: list[ParamState] = []
@@ -80,6 +81,20 @@ def partition_model(
         states.append(st)
     broadcast(comm, [s.param.data for s in states] + list(model.buffers()), bucket)
     return states, tied
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``model.state_dict()`` holds (not those registered with ``persistent=False``), each once,
+    in DeepSpeed's order (``DeepSpeedEngine._get_buffer_names``: a module's own, then its children's)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for prefix, m in model.named_modules():
+        for key, buf in m._buffers.items():
+            if buf is None or key in m._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{prefix}.{key}" if prefix else key, buf))
+    return out
 
 
 def attach(states: list[ParamState], engine: Any) -> None:

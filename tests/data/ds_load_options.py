@@ -1,6 +1,6 @@
 """A DeepSpeed script that resumes with ``load_checkpoint``'s options: ``load_module_only=True``,
 ``load_optimizer_states=False``, ``load_lr_scheduler_states=False`` (and both), beside a plain resume.
-Written for DeepSpeed; on the engine it runs unchanged (the project venv's ``import deepspeed``).
+Written for DeepSpeed; on the engine it runs unchanged under ``python -m engine.run``.
 
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=P \\
         python tests/data/ds_load_options.py --ckpt DIR --out out.json

@@ -3,7 +3,7 @@
 ``initialize(training_data=...)``, gradient accumulation, the optimizer and scheduler from the JSON config,
 ``deepspeed.comm`` / ``get_accelerator`` / ``deepspeed.utils.logger``, a checkpoint with a ``client_state``
 at the end of each epoch, and ``--resume`` from ``latest``. Written for DeepSpeed; on the engine it runs
-unchanged (the project venv's ``import deepspeed`` is the engine).
+unchanged under ``torchrun ... -m engine.run`` (``import deepspeed`` is then the engine).
 
     torchrun --nproc_per_node 2 --standalone tests/data/ds_train_resume.py --deepspeed \\
         --deepspeed_config cfg.json --ckpt DIR --epochs 2 --out out.json [--resume] [--stop-after-epoch 0]

@@ -83,9 +83,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         from zckpt.errors import ZckptError
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
-        _preopen(kwargs)
-        _leave_startup()
-        from zckpt.io import objstore, session  # after torch's import, which ``_leave_startup`` guards
+        from zckpt.io import objstore, session  # neither imports torch
 
         try:
             options = objstore.parse_options(kwargs.get("storage_option"))
@@ -93,6 +91,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             Output.error(str(e), e.hint)
             raise typer.Exit(EXIT_ERROR) from None
         st = session.Storage(options)  # the command's one Storage (its s3:// client, caches, open files)
+        _preopen(kwargs, st)
+        _leave_startup()
         try:
             with st.bound():
                 return _run(fn, args, kwargs, st, debug)
@@ -182,7 +182,7 @@ _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}
 _DCP_PRELOAD = "zckpt.formats.dcp.metadata:preload"
 
 
-def _preopen(kwargs: dict[str, Any]) -> None:
+def _preopen(kwargs: dict[str, Any], st: Any) -> None:
     """Start parsing each input DCP folder's ``.metadata`` in a child process, to overlap torch's import
     (``zckpt.io.preopen``: only in a process that has not imported torch and runs one thread, so never in an
     embedding program or typer's test runner). Only folders that hold one directly (or under ``--tag``)."""
@@ -199,7 +199,7 @@ def _preopen(kwargs: dict[str, Any]) -> None:
         f = Path(value) / (tag if isinstance(tag, str) else "") / ".metadata"
         with contextlib.suppress(OSError):
             if f.is_file():
-                preopen.start(_DCP_PRELOAD, os.path.realpath(f))
+                preopen.start(st.cache("preopen"), _DCP_PRELOAD, os.path.realpath(f))
 
 
 def _done() -> None:

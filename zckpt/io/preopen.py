@@ -32,9 +32,6 @@ class _Child:
     """The memory file the child writes its result into."""
 
 
-_started: dict[str, _Child] = {}
-
-
 def available() -> bool:
     """Forking is safe and worth it here: one thread, torch not imported, two cores or more, Linux."""
     return (
@@ -46,10 +43,15 @@ def available() -> bool:
     )
 
 
-def start(target: str, path: str) -> bool:
+Children = dict[str, _Child]
+"""The children one command started, by path: kept in its ``zckpt.io.session.Storage`` (``cache``)."""
+
+
+def start(started: Children, target: str, path: str) -> bool:
     """Run ``target`` (``"package.module:function"``, a function of a path returning bytes) on ``path`` in a
-    child process; True if one was started. ``path`` is the key ``take`` is called with (a real path)."""
-    if path in _started or not available():
+    child process, noted in ``started``; True if one was started. ``path`` is the key ``take`` is called with
+    (a real path)."""
+    if path in started or not available():
         return False
     fd = os.memfd_create("zckpt-preopen", os.MFD_CLOEXEC)
     stops = {signal.SIGINT, signal.SIGTERM}
@@ -60,18 +62,13 @@ def start(target: str, path: str) -> bool:
             _child(target, path, fd, held)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    _started[path] = _Child(pid, fd)
+    started[path] = _Child(pid, fd)
     return True
 
 
-def started() -> bool:
-    """Some child was started and not yet taken."""
-    return bool(_started)
-
-
-def take(path: str) -> bytes | None:
+def take(started: Children, path: str) -> bytes | None:
     """What the child started for ``path`` returned (waiting for it), or None (none started, or it failed)."""
-    child = _started.pop(path, None)
+    child = started.pop(path, None)
     if child is None:
         return None
     try:
@@ -120,4 +117,4 @@ def _import_bare(module: str) -> object:
     return importlib.import_module(module)
 
 
-__all__ = ["available", "start", "started", "take"]
+__all__ = ["Children", "available", "start", "take"]

@@ -91,13 +91,13 @@ def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
     of the new set), and for an HF Trainer output the files it copies in and the RNG files of any rank.
     Anything else in DST refuses the run before any work, naming the files (never delete a file zckpt did
     not write; ``zckpt.io.staging``)."""
-    copied = set(side.copies) | {trainer_files.TRAINER_STATE} if side is not None else set()
+    trainer = side is not None and side.trainer_state is not None
+    copied = set(side.copies) if side is not None else set()
+    copied |= {trainer_files.TRAINER_STATE} if trainer else set()
     rng = re.compile(r"^rng_state(?:_\d+)?\.pth$")
 
     def owns(rel: str) -> bool:
-        return bool(_CHECKPOINT_FILE.match(rel)) or (
-            side is not None and (rel in copied or bool(rng.match(rel)))
-        )
+        return bool(_CHECKPOINT_FILE.match(rel)) or rel in copied or (trainer and bool(rng.match(rel)))
 
     return owns
 
@@ -175,7 +175,7 @@ def _job(
         check_overlap(ckpt.meta, out)
         out_tag = _out_tag(ckpt)
         plan = target.writer.plan(ckpt, world=world, stage=stage, tag=out_tag)
-        side = trainer_files.plan(ckpt.meta, world)
+        side = trainer_files.plan(ckpt.meta, world) or trainer_files.helper_scripts(ckpt.meta, target.name)
     except BaseException:
         ckpt.close()
         raise

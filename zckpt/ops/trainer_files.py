@@ -16,6 +16,11 @@ generation config, ``model.safetensors``, ``zero_to_fp32.py``), so the output fo
   resume and restores it under ``auto_find_batch_size``). ``training_args.bin`` is never modified: the
   note says which per-device batch to pass when resuming.
 
+A plain DeepSpeed save folder (``latest`` and no ``trainer_state.json``) resharded to DeepSpeed gets the
+helper scripts DeepSpeed writes beside ``latest`` (``zero_to_fp32.py``, ``zero_to_torch.py``; ``HELPERS``)
+copied byte for byte (``helper_scripts``); they are never run. Another output format gets none: they read
+DeepSpeed's layout only.
+
 Every change is a note in ``ReshardResult.notes``. ``plan`` runs on every process of a distributed reshard
 (its ``digest`` is agreed on); only rank 0 calls ``write``, into the staging folder before ``latest``.
 """
@@ -42,6 +47,8 @@ from zckpt.state import CheckpointMeta
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
+HELPERS = ("zero_to_fp32.py", "zero_to_torch.py")
+"""The scripts DeepSpeed's ``save_checkpoint`` copies beside ``latest`` (``_copy_recovery_script``)."""
 MAX_STATE_BYTES = 256 << 20
 """Largest ``trainer_state.json`` read (its ``log_history`` grows with the run; a bound for hostile input)."""
 _RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
@@ -56,7 +63,8 @@ class TrainerFiles:
     ``trainer_state`` (the bytes of the output ``trainer_state.json``)."""
 
     copies: Mapping[str, Path]
-    trainer_state: bytes
+    trainer_state: bytes | None
+    """None: not a Trainer folder (a plain DeepSpeed folder's helper scripts only)."""
     notes: tuple[str, ...]
     batch_noted: bool = False
     """A note says how the batch changes and what to resume with (the writer's own batch note is then
@@ -66,12 +74,15 @@ class TrainerFiles:
     def digest(self) -> list[Any]:
         """What every process must agree on: the names, source sizes and the rewritten state's hash."""
         sizes = sorted((n, p.name, _size(p)) for n, p in self.copies.items())
-        return [sizes, hashlib.sha256(self.trainer_state).hexdigest()]
+        state = self.trainer_state
+        return [sizes, None if state is None else hashlib.sha256(state).hexdigest()]
 
     def write(self, out: Path, on_file: OnFile) -> None:
         """Copy the files into the (staging) folder ``out``; ``on_file(name, bytes)`` after each."""
         for name, src in sorted(self.copies.items()):
             on_file(name, _copy(src, out / name))
+        if self.trainer_state is None:
+            return
         with HashingSink(out / TRAINER_STATE) as sink:
             sink.write(self.trainer_state)
         on_file(TRAINER_STATE, len(self.trainer_state))
@@ -104,6 +115,19 @@ def plan(meta: CheckpointMeta, world: int) -> TrainerFiles | None:
     if skipped:
         notes.append(f"HF Trainer folder: not copied: {', '.join(skipped)}")
     return TrainerFiles(copies, state_bytes, tuple(notes), batch_noted)
+
+
+def helper_scripts(meta: CheckpointMeta, dst_format: str) -> TrainerFiles | None:
+    """A plain DeepSpeed save folder's helper scripts (``HELPERS``) for a DeepSpeed output, copied byte for
+    byte and never run; None where there are none, the output is another format, or there is no save
+    folder (a tag folder given alone)."""
+    if dst_format != "deepspeed" or meta.format != "deepspeed" or meta.save_dir is None:
+        return None
+    save_dir = as_path(meta.save_dir)
+    if not (save_dir / LATEST).is_file():
+        return None
+    copies = {n: save_dir / n for n in HELPERS if (save_dir / n).is_file()}
+    return TrainerFiles(copies, None, ()) if copies else None
 
 
 def _listing(save_dir: Path, tag: str | None) -> tuple[dict[str, Path], list[str]]:

@@ -199,7 +199,8 @@ def preload(path: str) -> bytes:
 
 def _preloaded(src: str, digest: bytes) -> Parsed | None:
     """What a pre-open child parsed from ``src``, if one was started for it and read these same bytes."""
-    blob = preopen.take(os.path.realpath(src)) if preopen.started() else None
+    children = session.current().cache("preopen")
+    blob = preopen.take(children, os.path.realpath(src)) if children else None
     if blob is None:
         return None
     try:

@@ -1,0 +1,153 @@
+"""An HF Trainer script run with ``--deepspeed CONFIG``: a tiny Llama-architecture model from a random
+``LlamaConfig`` (no download; ``--model t5``: a tiny T5 from a random ``T5Config``) trained on synthetic
+tokens. Written for DeepSpeed; on the engine it runs
+unchanged under ``torchrun ... -m engine.run tests/data/hf_trainer.py``.
+
+    torchrun --standalone --nproc-per-node 2 tests/data/hf_trainer.py --deepspeed CFG --output_dir OUT \\
+        --max_steps 6 --save_steps 3 [--resume_from_checkpoint OUT/checkpoint-3] --out losses.json
+
+Rank 0 writes ``--out``: the implementation (``deepspeed.__version__``), the loss logged at every step
+(``logging_steps=1``: the mean over ranks), each step's wall time, and, with ``--save-model DIR``,
+``trainer.save_model(DIR)``'s time (the weights are checked by the test with ``from_pretrained``).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+VOCAB, SEQ = 64, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Record(TrainerCallback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+        self.step_s: list[float] = []
+        self._t = 0.0
+
+    def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        self.step_s.append(time.perf_counter() - self._t)
+
+    def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+def t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5ForConditionalGeneration(cfg)
+
+
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--deepspeed", required=True)
+    ap.add_argument("--output_dir", required=True)
+    ap.add_argument("--max_steps", type=int, default=6)
+    ap.add_argument("--save_steps", type=int, default=3)
+    ap.add_argument("--grad_accum", type=int, default=1)
+    ap.add_argument("--resume_from_checkpoint", default=None)
+    ap.add_argument("--save-model", default=None)
+    ap.add_argument("--model", choices=["llama", "t5"], default="llama")
+    ap.add_argument(
+        "--init-from", default=None, help="from_pretrained(DIR) under the ZeRO-3 zero.Init context"
+    )
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    args = TrainingArguments(
+        output_dir=a.output_dir,
+        deepspeed=a.deepspeed,
+        bf16=True,
+        max_steps=a.max_steps,
+        save_steps=a.save_steps,
+        save_strategy="steps",
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=a.grad_accum,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=3e-7,
+        adam_beta1=0.8,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        seed=42,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        save_only_model=False,
+        disable_tqdm=True,
+    )
+    rec = Record()
+    if a.model == "t5":
+        net = t5()
+    else:
+        net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
+    trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), callbacks=[rec])
+    trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
+    out = {"losses": rec.losses, "step_s": rec.step_s}
+    if a.save_model:
+        t0 = time.perf_counter()
+        trainer.save_model(a.save_model)
+        out["save_model_s"] = time.perf_counter() - t0
+    import deepspeed
+
+    out["deepspeed"] = deepspeed.__version__
+    if trainer.is_world_process_zero():
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
