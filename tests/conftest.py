@@ -1,12 +1,24 @@
-"""Session fixtures shared by several test files: a real S3 server (moto, 127.0.0.1, a free port) started
-and stopped by the tests themselves, only when a test asks for it."""
+"""Session fixtures and rules shared by every test file: a real S3 server (moto, 127.0.0.1, a free port)
+started and stopped by the tests themselves, only when a test asks for it; and what may skip.
+
+Nothing skips but the CUDA tests (marker ``cuda``) on a machine without a GPU: the summary says how many did,
+and any other skip fails the session. Tests marked ``deepspeed`` run real DeepSpeed from ``.venv-ds`` (``make
+test`` builds it) and fail, naming the command that builds it, where it is missing. Tests marked
+``heldout("VAR")`` read held-out checkpoints that are generated, not committed (docs/architecture.md): they
+are deselected, and the summary says so, unless the environment variable ``VAR`` names their folder."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import _s3
 import pytest
+
+DS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"
+_skipped: dict[str, list[str]] = {"cuda": [], "other": []}
+_heldout: list[str] = []
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +27,56 @@ def s3_server() -> Iterator[_s3.Server]:
     srv.client().create_bucket(Bucket="ckpts")  # type: ignore[attr-defined]
     yield srv
     srv.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("heldout")
+        (drop if mark is not None and not os.environ.get(mark.args[0]) else keep).append(item)
+    if drop:
+        _heldout.extend(sorted({m.args[0] for i in drop if (m := i.get_closest_marker("heldout"))}))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("deepspeed") is not None and not DS_PYTHON.exists():
+        pytest.fail(
+            f"{DS_PYTHON} missing: this test runs real DeepSpeed; `make test` builds .venv-ds "
+            "(or `make .venv-ds/.installed`)",
+            pytrace=False,
+        )
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("no GPU")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        cuda = "cuda" in report.keywords
+        _skipped["cuda" if cuda else "other"].append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped["other"] and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tr = terminalreporter
+    if _skipped["cuda"]:
+        tr.write_line(f"{len(_skipped['cuda'])} CUDA tests skipped: no GPU")
+    if _heldout:
+        tr.write_line(
+            f"held-out tests deselected: set {' / '.join(_heldout)} to the generated folder to run them"
+        )
+    if _skipped["other"]:
+        tr.write_line(
+            f"FAILED: {len(_skipped['other'])} non-CUDA tests skipped (only CUDA tests may skip): "
+            + ", ".join(_skipped["other"][:10]),
+            red=True,
+        )

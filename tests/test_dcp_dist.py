@@ -257,9 +257,9 @@ def test_resharded_dcp_fixtures_resume_like_the_originals(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not HELDOUT, reason="set ZCKPT_DCP_HELDOUT to the folder fixtures/make_dcp_heldout.py wrote"
-)
+@pytest.mark.heldout(
+    "ZCKPT_DCP_HELDOUT"
+)  # the folder fixtures/make_dcp_heldout.py wrote; deselected without it
 def test_heldout_dcp_resharded_resume_like_the_originals(tmp_path: Path) -> None:
     """Every held-out case with a resume oracle (not model-only HF), resharded to world 1 or 2, resumed by the
     generator's recipe at its resume world; one spawn per resume world."""

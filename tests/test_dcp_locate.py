@@ -75,7 +75,6 @@ def _refused_while_writing(d: Path, tmp: Path, *phrases: str) -> str:
     return lines[0]
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
 def test_chunks_are_located_when_first_read_once_and_the_files_then_closed(tmp_path: Path) -> None:
     d = _copy(tmp_path)
     calls: list[str] = []

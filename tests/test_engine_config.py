@@ -484,7 +484,6 @@ print(json.dumps(dict(batches=batches, zeros=zeros, fp16=fp16, clip=get_gradient
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 def test_matches_real_deepspeed_config() -> None:
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     batches = []
@@ -596,7 +595,6 @@ print(json.dumps(out))
 
 
 @pytest.mark.deepspeed
-@pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 def test_checkpoint_writer_matches_real_deepspeed() -> None:
     """DeepSpeed 0.19.8's own parser on the same ``checkpoint.writer`` blocks: the same values and defaults
     (its upper-cased enums lower-cased here), and what it refuses the engine refuses."""

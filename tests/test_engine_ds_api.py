@@ -118,9 +118,6 @@ def test_deepspeed_script_matches_real_deepspeed(tmp_path: Path) -> None:
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (DS_VENV / "python").exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present"
-)
 def test_committed_expectation_is_what_deepspeed_prints(tmp_path: Path) -> None:
     got = run_script(DS_VENV / "python", tmp_path)
     _compare(got, json.loads(EXPECTED.read_text()))

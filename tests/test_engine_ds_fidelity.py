@@ -113,9 +113,6 @@ def test_buffers_and_load_returns_match_real_deepspeed(tmp_path: Path, stage: in
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (DS_VENV / "python").exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present"
-)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_committed_expectation_is_what_deepspeed_prints(tmp_path: Path, stage: int) -> None:
     want = json.loads(EXPECTED.read_text())[str(stage)]
@@ -124,9 +121,6 @@ def test_committed_expectation_is_what_deepspeed_prints(tmp_path: Path, stage: i
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (DS_VENV / "python").exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present"
-)
 def test_real_deepspeed_loads_the_engines_checkpoint_strictly(tmp_path: Path) -> None:
     """The issue's repro: the engine's checkpoint (non-persistent buffer in the model) resharded to
     DeepSpeed's layout; real DeepSpeed's strict ``load_checkpoint`` takes it, fp32 buffer and all."""

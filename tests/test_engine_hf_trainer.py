@@ -147,9 +147,6 @@ def _resume(python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: s
 @pytest.mark.deepspeed
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (DS_VENV / "python").exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present"
-)
 def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> None:
     """The engine resumes real DeepSpeed's ``checkpoint-3`` as it is; real DeepSpeed resumes the engine's
     after ``zckpt reshard --to deepspeed`` (a Trainer folder: its files kept); steps 4-6 log the other's

@@ -178,7 +178,6 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_matches_real_deepspeed(consecutive: bool) -> None:
     rng = random.Random(7)

@@ -388,7 +388,6 @@ def test_matches_committed_deepspeed_sequences() -> None:
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.skipif(not DS_PYTHON.exists(), reason="dev venv with real DeepSpeed (.venv-ds) not present")
 def test_matches_real_deepspeed_exactly() -> None:
     expected = _real_deepspeed(ALL_CASES)
     for case, got, want in zip(ALL_CASES, _engine_sequences(ALL_CASES), expected, strict=True):

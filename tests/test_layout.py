@@ -1,7 +1,9 @@
 """The code keeps its shape (issue #14): every module of ``zckpt`` and ``engine`` has a docstring, none is
 over 500 lines, no function over 80 lines, no module-level import cycle in either package, ``zckpt`` never
 imports ``engine``, and ``import zckpt.partition`` (the pure math the engine needs) loads at most 4 zckpt
-modules. The layer contracts themselves are ``lint-imports``' (pyproject ``[tool.importlinter]``).
+modules, and docs/architecture.md lists every module and folder of both (and the helpers, bench scripts, docs
+and fixture generators it says it lists) with only paths that exist. The layer contracts themselves are
+``lint-imports``' (pyproject ``[tool.importlinter]``).
 
 Static (``ast`` only, nothing is imported) except the import-cost check. Imports under ``if TYPE_CHECKING:``
 are not edges; imports inside functions are (a deferred import still ties the two modules together).
@@ -118,25 +120,59 @@ def test_zckpt_never_imports_engine() -> None:
             assert not any(n == "engine" or n.startswith("engine.") for n in names), path
 
 
-def _readme_tree() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("## Files\n\n```\n", 1)[1].split("```", 1)[0]
-    return [line.split()[0] for line in block.splitlines() if line.strip() and not line.startswith(" ")]
+ARCH = ROOT / "docs" / "architecture.md"
 
 
-def test_readme_file_tree_lists_every_source_file_and_nothing_else() -> None:
-    """README §Files, one line per file: every Python file of the repo is there, and every path it names
-    exists (``<case>/`` and ``*`` entries stand for a fixture folder or a set of files)."""
-    listed = _readme_tree()
-    plain = {p for p in listed if "<" not in p and "*" not in p}
-    missing = [p for p in sorted(plain) if not (ROOT / p).exists()]
-    assert not missing, f"README §Files names files that do not exist: {missing}"
-    fixture_cases = ("fixtures/ds/", "fixtures/dcp/", "fixtures/trainer/trainer_", "bench/data/")  # + ignored
-    sources = sorted(
-        str(p.relative_to(ROOT))
-        for top in ("zckpt", "engine", "tests", "bench", "fixtures", "docs")
-        for p in (ROOT / top).rglob("*.py")
-        if "__pycache__" not in p.parts and not str(p.relative_to(ROOT)).startswith(fixture_cases)
-    )
-    unlisted = [s for s in sources if s not in plain]
-    assert not unlisted, f"README §Files does not list: {unlisted}"
+def _arch_listed() -> list[str]:
+    """The paths docs/architecture.md lists: the first word of each line of its code blocks."""
+    blocks = ARCH.read_text().split("```")[1::2]
+    return [line.split()[0] for b in blocks for line in b.splitlines() if line.strip()]
+
+
+def _files(top: Path, *, pattern: str = "*", recursive: bool = True) -> list[Path]:
+    found = top.rglob(pattern) if recursive else top.glob(pattern)
+    return [p for p in found if "__pycache__" not in p.parts and p.suffix != ".pyc"]
+
+
+def _must_be_listed() -> set[str]:
+    """What docs/architecture.md says it lists: every folder and file of zckpt/ and engine/; tests' helpers
+    (``_*.py``, conftest.py) and every file of its sub-folders; every file of bench/ (its generated data and
+    node_modules aside), of docs/, and directly in fixtures/."""
+    paths: list[Path] = []
+    for pkg in PACKAGES:
+        paths += _files(pkg)
+    tests = ROOT / "tests"
+    paths += _files(tests, pattern="_*.py", recursive=False) + [tests / "conftest.py"]
+    for sub in ("data", "fuzz", "stress"):
+        paths += [p for p in _files(tests / sub) if p.is_file()]
+    generated = {"data", "node_modules"}
+    paths += [p for p in _files(ROOT / "bench") if p.is_file() and not generated & set(p.parts)]
+    paths += [p for p in _files(ROOT / "docs") if p.is_file()]
+    paths += [p for p in _files(ROOT / "fixtures", recursive=False) if p.is_file()]
+    return {str(p.relative_to(ROOT)) + ("/" if p.is_dir() else "") for p in paths}
+
+
+def test_architecture_doc_lists_every_module_and_names_only_real_paths() -> None:
+    """docs/architecture.md, one line per path: every path it names exists (``<case>/`` stands for the
+    fixture cases under its parent, ``*`` for a set of files, at least one), and it lists everything it says
+    it lists."""
+    listed = _arch_listed()
+    covered: set[str] = set()
+    missing = []
+    for entry in listed:
+        if "<" in entry:
+            parent = ROOT / entry.split("<", 1)[0]
+            ok = parent.is_dir() and any(p.is_dir() for p in parent.iterdir())
+        elif "*" in entry:
+            hits = sorted(ROOT.glob(entry))
+            covered.update(str(p.relative_to(ROOT)) for p in hits)
+            ok = bool(hits)
+        else:
+            covered.add(entry)
+            ok = (ROOT / entry).is_dir() if entry.endswith("/") else (ROOT / entry).is_file()
+        if not ok:
+            missing.append(entry)
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+    unlisted = sorted(_must_be_listed() - covered)
+    assert not unlisted, f"docs/architecture.md does not list (one line each, with its role): {unlisted}"
+    assert len(listed) == len(set(listed)), "docs/architecture.md lists a path twice"

@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec  # the dev extra installs it
 import pytest
 from _fixtures import fixture
 from typer.testing import CliRunner
 
 from zckpt.cli.app import app
 
-fsspec = pytest.importorskip("fsspec")
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 
 

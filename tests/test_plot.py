@@ -12,6 +12,7 @@ import re
 import sys
 from pathlib import Path
 
+import matplotlib  # noqa: F401  # the dev extra installs it; test_plot_cli covers its absence
 import numpy as np
 import pytest
 import torch
@@ -24,8 +25,6 @@ from zckpt.ops.diff import diff
 from zckpt.ops.inspect import inspect
 from zckpt.ops.plots.grids import diff_plot, inspect_plot
 from zckpt.ops.plots.names import OTHER, place
-
-pytest.importorskip("matplotlib")  # the dev extra installs it; test_plot_cli covers its absence
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 LAYERS = 4
@@ -201,7 +200,6 @@ def test_diff_figure_reads_back_from_the_grid(tmp_path: Path) -> None:
 def test_colours_are_matplotlibs() -> None:
     """The diff figure's colours (no matplotlib) equal matplotlib's for the same log scale: the colour map's
     colour inside, white for 0 (unchanged), black for inf, grey for no value."""
-    import matplotlib
     from matplotlib.colors import LogNorm
 
     from zckpt.ops.plots.colours import colours, log_range

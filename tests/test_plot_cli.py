@@ -30,7 +30,8 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_diff_and_inspect_plot(pair: tuple[Path, Path], tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  # the dev extra installs it
+
     a, b = pair
     png = tmp_path / "d.png"
     res = runner.invoke(app, ["diff", str(a), str(b), "--plot", str(png)])

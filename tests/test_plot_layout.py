@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import matplotlib  # noqa: F401  # the font is matplotlib's DejaVu Sans (the dev extra installs it)
 import pytest
 import torch
 from _fixtures import fixture
@@ -17,13 +18,10 @@ from safetensors.torch import load_file, save_file
 
 import zckpt
 from zckpt.ops.diff import diff
-from zckpt.ops.plots.grids import diff_plot
-from zckpt.ops.plots.scene import Scene, Text, end_labels, fitting_log_ticks, tick_label
-
-pytest.importorskip("matplotlib")  # the font is matplotlib's DejaVu Sans (the dev extra installs it)
-
 from zckpt.ops.plots.diff_scene import bar_note, diff_scene  # noqa: E402
 from zckpt.ops.plots.fonts import text_corners, text_width  # noqa: E402
+from zckpt.ops.plots.grids import diff_plot
+from zckpt.ops.plots.scene import Scene, Text, end_labels, fitting_log_ticks, tick_label
 
 Quad = tuple[tuple[float, float], ...]
 GPT2 = fixture("ds", "gpt2_s3_bf16_w2")

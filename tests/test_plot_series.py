@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib  # noqa: F401  # the dev extra installs it
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,8 +16,6 @@ from zckpt.cli.app import app
 from zckpt.errors import ZckptError
 from zckpt.ops.plots.series_grid import series_plot
 from zckpt.ops.series import diff_series, run_tags, step_of
-
-pytest.importorskip("matplotlib")
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 STEPS = (2, 10, 30, 100)  # "step-10" sorts before "step-2" by name: the order must be numeric

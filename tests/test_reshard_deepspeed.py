@@ -23,7 +23,6 @@ TORCHRUN = REPO / ".venv-ds" / "bin" / "torchrun"
 pytestmark = [
     pytest.mark.deepspeed,
     pytest.mark.slow,
-    pytest.mark.skipif(not TORCHRUN.exists(), reason="no dev venv with real DeepSpeed (.venv-ds)"),
 ]
 STEPS, SAVE_AT = 6, 3
 

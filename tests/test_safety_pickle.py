@@ -322,7 +322,7 @@ def test_plant_helper_keeps_file_readable(tmp_path: Path) -> None:
 HELDOUT = os.environ.get("ZCKPT_HELDOUT")
 
 
-@pytest.mark.skipif(not HELDOUT, reason="set ZCKPT_HELDOUT to the folder fixtures/make_heldout.py wrote")
+@pytest.mark.heldout("ZCKPT_HELDOUT")  # the folder fixtures/make_heldout.py wrote; deselected without it
 def test_heldout_checkpoints_with_planted_payload(tmp_path: Path, evil_path: Path) -> None:
     """Every held-out DeepSpeed checkpoint, a payload planted in its model-states file and (separately) in
     its last optimizer file: inspect and consolidate refuse, naming the global and the file; nothing runs."""

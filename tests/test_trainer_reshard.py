@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import fixture
 
 import zckpt
 from zckpt.errors import CorruptCheckpoint, WriteFailed
@@ -31,10 +32,9 @@ from zckpt.ops import trainer_files
 from zckpt.ops.reshard import reshard
 
 REPO = Path(__file__).resolve().parents[1]
-FIX = REPO / "fixtures" / "trainer"
+FIX = fixture("trainer")  # a missing fixture folder is an error at collection, never a skip
 DS_PYTHON = REPO / ".venv-ds" / "bin" / "python"
 TAG = "global_step3"
-needs_fixtures = pytest.mark.skipif(not (FIX / "trainer_z2_w2").is_dir(), reason="no fixtures/trainer")
 
 # (case, new world, per-device batch written to trainer_state.json)
 CASES = [
@@ -73,7 +73,6 @@ def _same_tensors(a: zckpt.Checkpoint, b: zckpt.Checkpoint) -> None:
     assert (sa.optimizer, sa.scheduler, sa.counters) == (sb.optimizer, sb.scheduler, sb.counters)
 
 
-@needs_fixtures
 @pytest.mark.parametrize(("case", "world", "per_device"), CASES, ids=[f"{c}-to{w}" for c, w, _ in CASES])
 def test_trainer_folder_resharded_complete(case: str, world: int, per_device: int, tmp_path: Path) -> None:
     src, out = _src(case), tmp_path / "checkpoint-3"
@@ -145,7 +144,6 @@ def _inner(obj: dict[str, Any]) -> dict[str, Any]:
     return inner
 
 
-@needs_fixtures
 @pytest.mark.parametrize(("case", "world"), [(c, w) for c, w, _ in CASES])
 def test_optimizer_values_keep_python_types(case: str, world: int, tmp_path: Path) -> None:
     """Every optimizer value keeps its Python type: the fixtures' tensor ``step`` and hyper-parameters, and
@@ -185,7 +183,6 @@ def test_optimizer_values_keep_python_types(case: str, world: int, tmp_path: Pat
             assert val.item() == 0.005
 
 
-@needs_fixtures
 def test_cli_prints_the_notes(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
@@ -202,7 +199,6 @@ def test_cli_prints_the_notes(tmp_path: Path) -> None:
     assert not any(ln.startswith("note: ds_config:") for ln in lines)
 
 
-@needs_fixtures
 def test_odd_trainer_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sub-folders and sidecars of rewritten files are left out with a note; a damaged trainer_state.json,
     a broken link and a failed copy are one error each and publish nothing."""
@@ -250,7 +246,6 @@ def test_odd_trainer_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "o", "o3"]  # no staging, no o2
 
 
-@needs_fixtures
 def test_plain_deepspeed_folder_gets_no_side_files(tmp_path: Path) -> None:
     src = REPO / "fixtures" / "ds" / "s2_fp32_w2_g2"
     res = reshard(src, tmp_path / "o", world=1, progress=False)
@@ -272,7 +267,6 @@ def _dist_procs(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@needs_fixtures
 def test_distributed_trainer_reshard_matches_single_process(tmp_path: Path) -> None:
     from _dist import run
 
@@ -326,7 +320,6 @@ def _ds_resume_losses(case: str, world: int, universal: bool, tmp: Path) -> dict
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-@pytest.mark.skipif(not DS_PYTHON.exists(), reason="no dev venv with real DeepSpeed (.venv-ds)")
 @pytest.mark.parametrize(("case", "world", "tol", "step4"), RESUME, ids=[f"{c}-to{w}" for c, w, *_ in RESUME])
 def test_trainer_resumes_resharded_checkpoint(
     case: str, world: int, tol: float, step4: bool, tmp_path: Path

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import fixture
 from test_diff import validate
 
 from zckpt.errors import PathNotFound
@@ -261,9 +262,7 @@ DS = ROOT / "fixtures" / "ds"
 
 
 def _ds_copy(tmp_path: Path, case: str) -> Path:
-    src = DS / case
-    if not (src / "latest").is_file():
-        pytest.skip(f"fixture {case} not generated")
+    src = fixture("ds", case, "latest").parent  # a missing fixture is an error, never a skip
     dst = tmp_path / case
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ref_*", "*.py"))
     return dst

@@ -172,8 +172,8 @@ class WriterConfig:
     Default: fast."""
     decoupled: bool = False
     """Asynchronous save: ``save_checkpoint`` returns once this rank's state is snapshotted into reusable
-    host buffers, and a background thread writes the same files while training goes on (see README,
-    "Asynchronous checkpoints"). DeepSpeed default: false."""
+    host buffers, and a background thread writes the same files while training goes on (see docs/engine.md,
+    "Checkpoints at disk speed"). DeepSpeed default: false."""
     io_buffer_size: int = _f(64 << 20, gt=0)
     """Bytes per device write (rounded up to 4 KiB for ``O_DIRECT``). DeepSpeed default: 64 MiB."""
     io_buffer_double: bool = True

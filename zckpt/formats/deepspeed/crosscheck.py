@@ -18,7 +18,7 @@ The fields (docs/deepspeed-format.md §2-3):
   and its ``step`` values.
 Values that legitimately differ per rank (the partitions, their paddings, ``param_slice_mappings``, frozen
 fragments) are not compared. Two files equal in every one of these fields -- same run settings, step and
-layout -- cannot be told apart here (README §Safety).
+layout -- cannot be told apart here (docs/safety.md, "Files of one save").
 """
 
 from __future__ import annotations
