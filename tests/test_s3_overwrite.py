@@ -155,7 +155,8 @@ def test_interrupted_reshard_to_the_bucket_says_what_it_left(
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # noqa: S603
     if not relay.held.wait(120):
         p.kill()
-        raise AssertionError(f"the upload never reached the held request: {p.communicate()[0].decode()[-2000:]}")
+        out = p.communicate()[0].decode()[-2000:]
+        raise AssertionError(f"the upload never reached the held request: {out}")
     p.send_signal(signal.SIGINT)
     relay.release.set()
     out, _ = p.communicate(timeout=120)

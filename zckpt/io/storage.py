@@ -267,8 +267,6 @@ def close_files(paths: object = None) -> None:
         s.files.close(paths)
 
 
-
-
 def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
     """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
     by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's

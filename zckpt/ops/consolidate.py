@@ -227,13 +227,10 @@ def consolidate(
         progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
             default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
-        distributed (`bool`, *optional*): ``False`` (default): this process alone, whatever process group
-            exists (a call on rank 0 only never waits for the others). ``True``: split the writing over
-            the ranks of the default ``torch.distributed`` group, started (gloo, ``env://``) under
-            ``torchrun`` when none is; then call it on every rank.
-        verify_data: compare the checksums the input records over the bytes read (zip CRCs: DeepSpeed,
-            ``.bin``), and refuse to publish damaged data (``zckpt.io.checks``).
-        storage_options: the object-store client's options for ``s3://`` paths (``zckpt.io.objstore``).
+        distributed: ``False`` (default): this process alone, whatever process group exists. ``True``:
+            split the writing over the ranks of the default process group (gloo, ``env://`` under torchrun).
+        verify_data: check the input's recorded checksums over the bytes read; publish no damaged data.
+        storage_options, storage: the ``s3://`` client's options, or a ``zckpt.Storage`` to use (yours).
 
     Raises:
         InvalidArgument (``ValueError``): a bad ``dtype``, ``max_shard_size`` or ``format``;
@@ -264,13 +261,7 @@ def consolidate(
                 st = open_staging(out, is_dir=is_dir, overwrite=overwrite, owns=_OWNS, order=PUBLISH_ORDER)
                 stack.enter_context(st)
                 names = planned_names(base, items, shard)
-                if isinstance(st, RemoteStaging) and _replaces_shards(st, names):
-                    raise Unsupported(
-                        f"{out}: replacing a sharded output in an object store in place would leave neither "
-                        "version whole while its shards upload (a shard's name is fixed by its index)",
-                        hint="write to a new prefix, then delete the old one",
-                        path=str(out),
-                    )
+                _refuse_replacing_shards(st, names, out)
                 st.expect(names)
             return p, st
 
@@ -282,11 +273,19 @@ def consolidate(
     return _result(out, p, files, kept)
 
 
-def _replaces_shards(st: RemoteStaging, names: list[str]) -> bool:
-    """A sharded output (an index among ``names``) that would replace an existing output in a store."""
-    if not st.overwrite or not any(n.endswith(".index.json") for n in names):
-        return False
-    return st.generation is not None or any(objstore.kind(f"{st.url.rsplit('/', 1)[0]}/{n}") for n in names)
+def _refuse_replacing_shards(st: Staging | RemoteStaging, names: list[str], out: Path) -> None:
+    """Refuse a sharded output (an index among ``names``) replacing an existing output in a store: its
+    shards' names are fixed by the index; neither version would be whole while they upload."""
+    sharded = any(n.endswith(".index.json") for n in names)
+    if not isinstance(st, RemoteStaging) or not st.overwrite or not sharded:
+        return
+    if st.generation is not None or any(objstore.kind(f"{st.url.rsplit('/', 1)[0]}/{n}") for n in names):
+        raise Unsupported(
+            f"{out}: replacing a sharded output in an object store in place would leave neither version "
+            "whole while its shards upload (a shard's name is fixed by its index)",
+            hint="write to a new prefix, then delete the old one",
+            path=str(out),
+        )
 
 
 def _warn_kept_config(st: Staging | RemoteStaging, written: str | None) -> None:

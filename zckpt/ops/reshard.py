@@ -195,6 +195,26 @@ def _job(
     return _Job(ckpt, target.writer, plan, out, res, side)
 
 
+def _refuse_fixed_names(st: Staging | RemoteStaging, job: _Job) -> None:
+    """An output replacing one in a store whose writer cannot name its files by generation (DeepSpeed's
+    fixed names) is refused: neither version would be whole while it uploads."""
+    if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
+        raise Unsupported(
+            f"{job.dst}: replacing a {job.result.dst_format} checkpoint in an object store in place would "
+            "leave neither version whole while it uploads (its files have fixed names)",
+            hint="write to a new prefix, then delete the old one",
+            path=str(job.dst),
+        )
+
+
+def _with_generation(job: _Job, staging: Ticket | str) -> _Job:
+    """``job`` writing its data files under the generation of an output that replaces another in a store
+    (``RemoteStaging.generation``, sent to every rank in the ticket)."""
+    if isinstance(staging, Ticket) and staging.generation is not None:
+        return replace(job, plan=replace(job.plan, generation=staging.generation))
+    return job
+
+
 def _check_masters_named(ckpt: Checkpoint) -> None:
     """A ZeRO-0 file whose fp32 masters the reader could not name by value (``meta.extra["zero0_unmapped"]``)
     is read as its 16-bit module weights with no optimizer: a reshard of it would write a run that resumes
@@ -256,21 +276,13 @@ def reshard(
                 job.dst, is_dir=True, overwrite=overwrite, owns=owns, foreign="refuse", order=PUBLISH_ORDER
             )
             stack.enter_context(st)
-            if isinstance(st, RemoteStaging) and st.generation is not None and not job.writer.generations:
-                fmt = job.result.dst_format
-                raise Unsupported(
-                    f"{job.dst}: replacing a {fmt} checkpoint in an object store in place would leave "
-                    "neither version whole while it uploads (its files have fixed names)",
-                    hint="write to a new prefix, then delete the old one",
-                    path=str(job.dst),
-                )
+            _refuse_fixed_names(st, job)
             return st
 
         st = g.step("reshard: staging the output", make_staging)
         staging, digest0 = g.broadcast((st.ticket(), job.digest) if st is not None else None)
         g.check_same("the reshard plan", job.digest, digest0)
-        if isinstance(staging, Ticket) and staging.generation is not None:  # replacing an output in a store
-            job = replace(job, plan=replace(job.plan, generation=staging.generation))
+        job = _with_generation(job, staging)
 
         def write() -> tuple[list[FileRecord], list[tuple[str, int]], list[str]]:
             with share(staging, is_dir=True) as (folder, done):

@@ -491,11 +491,6 @@ class DcpWriter(CheckpointWriter):
         stored = [s for r in records if isinstance(r, DcpRecord) for s in r.stored]
         digests = [f"{r.name} {r.digest.sha256 or ' '.join(r.digest.blocks)}" for r in records]
         data = dumps(plan.tensors, plan.byte_keys, plan.paths, stored, digests=digests)
-        sink = HashingSink(out / METADATA)
-        try:
+        with HashingSink(out / METADATA) as sink:  # an error: nothing of it appears (``HashingSink.abort``)
             sink.write(data)
-        except BaseException:
-            sink.abort()  # nothing of it appears (an object upload is aborted)
-            raise
-        sink.close()
         on_file(METADATA, len(data))
