@@ -27,7 +27,7 @@ import torch
 
 import zckpt
 from zckpt.formats.hf import write_safetensors
-from zckpt.io.items import items_from_state_dict
+from zckpt.stream.items import items_from_state_dict
 
 
 def build(folder: Path, gib: float) -> tuple[Path, Path]:

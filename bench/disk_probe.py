@@ -73,7 +73,7 @@ def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
     out["sha256_1_gbs"] = round(8 * len(b) / (time.perf_counter() - t) / 1e9, 3)
     print(f"PROBE sha256 one core: {out['sha256_1_gbs']:.3f} GB/s", flush=True)
     t = time.perf_counter()
-    with ThreadPoolExecutor(4) as pool:  # zckpt.io.digest's lanes: 4 threads, one sha256 per block each
+    with ThreadPoolExecutor(4) as pool:  # zckpt.storage.digest's lanes: 4 threads, one sha256 per block each
         list(pool.map(lambda i: hashlib.sha256(b).digest(), range(8)))
     out["sha256_4_gbs"] = round(8 * len(b) / (time.perf_counter() - t) / 1e9, 3)
     print(f"PROBE sha256 4 threads: {out['sha256_4_gbs']:.3f} GB/s", flush=True)

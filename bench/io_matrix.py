@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Which write shape the disk wants, and what the page cache gives a reader thread: the measurements behind
-``zckpt.io``'s piece size and writes in flight (issue 22). Prints one ``IOM {json}`` line per figure.
+``zckpt.stream``'s piece size and writes in flight (issue 22). Prints one ``IOM {json}`` line per figure.
 
     python bench/io_matrix.py DIR [--gib 4] [--sizes 4,16,64] [--depths 1,2,4,8]
 

@@ -56,7 +56,7 @@ def _specs() -> list[tuple[str, tuple[int, ...], float]]:
 def build() -> None:
     import torch
 
-    from zckpt.io.safetensors import StreamWriter
+    from zckpt.codecs.safetensors import StreamWriter
 
     DATA.mkdir(parents=True, exist_ok=True)
     specs = _specs()

@@ -150,8 +150,8 @@ sys.path.insert(0, {str(REPO)!r})
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import obstore
-from zckpt.io import objstore
-from zckpt.io.objstore import write as objwrite
+from zckpt.storage import objstore
+from zckpt.storage.objstore import write as objwrite
 st = objstore.ObjectStore()  # the same client zckpt's commands make (its options, credentials)
 to = Path({str(to)!r})
 urls = objwrite.list_keys(st, {url!r})

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Where one ``zckpt`` command's wall time goes, as a timeline of marks (seconds from this script's start):
-torch's import (start, end), a DCP folder's ``.metadata`` load (with the pre-open's result taken, where the
-tree has ``zckpt.io.preopen``), its open after that (``load_folder``: locating the chunk archives), the output
-file's write, the end. Works on older trees too (``PYTHONPATH=TREE``), for before/after timelines.
+torch's import (start, end), a DCP folder's ``.metadata`` load (with the pre-open's result taken, where
+the tree has ``zckpt.storage.preopen``), its open after that (``load_folder``: locating the chunk
+archives), the output file's write, the end. Works on older trees too (``PYTHONPATH=TREE``), for
+before/after timelines.
 
     python bench/timeline.py consolidate CK OUT.safetensors --dtype fp32 --overwrite --no-progress
 
@@ -55,8 +56,8 @@ def timed(module: str, name: str, label: str) -> None:
 
 def main() -> None:
     sys.meta_path.insert(0, _Imports())
-    if importlib.util.find_spec("zckpt.io.preopen") is not None:
-        timed("zckpt.io.preopen", "take", "preopen-take")
+    if importlib.util.find_spec("zckpt.storage.preopen") is not None:
+        timed("zckpt.storage.preopen", "take", "preopen-take")
     from zckpt.cli import app
 
     leave = app._leave_startup
@@ -66,7 +67,7 @@ def main() -> None:
         mark("torch-imported")
         timed("zckpt.formats.dcp.read", "load_metadata", "dcp-metadata")
         timed("zckpt.formats.dcp.read", "load_folder", "dcp-locate")
-        timed("zckpt.io.safetensors", "write_file", "write")
+        timed("zckpt.codecs.safetensors", "write_file", "write")
 
     app._leave_startup = after_torch
     os.environ["ZCKPT_FAST_EXIT"] = "0"

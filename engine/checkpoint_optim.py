@@ -2,7 +2,7 @@
 
 States are matched by name to the states the engine's optimizer keeps (its current state, or one
 zero-gradient step of the same class and group settings on a 2-element probe): per-element states are cut to
-this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.io.spans.read_range``), scalar states
+this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.stream.spans.read_range``), scalar states
 (Adam's ``step``) are read whole and given the probe's type (a FusedAdam-style ``step`` kept in a DeepSpeed
 param group counts too).
 Param groups must hold the same params; their hyper-parameters are restored, implementation switches
@@ -19,8 +19,8 @@ import torch
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
-from zckpt.io import spans
 from zckpt.model import STATE_SEP, Role, TensorEntry
+from zckpt.stream import spans
 
 if TYPE_CHECKING:
     from engine.engine import Engine

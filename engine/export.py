@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zckpt.io.safetensors import StreamWriter
+from zckpt.codecs.safetensors import StreamWriter
 
 if TYPE_CHECKING:
     from engine.engine import Engine

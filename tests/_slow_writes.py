@@ -1,6 +1,6 @@
 """Slow writes for the kill tests, injected from the test side (zckpt has no test hook of its own).
 
-``install()`` wraps ``zckpt.io.sink.HashingSink``: each file reads ``ZCKPT_TEST_WRITE_DELAY`` (seconds, a test
+``install()`` wraps ``zckpt.storage.sink.HashingSink``: each file reads ``ZCKPT_TEST_WRITE_DELAY`` (seconds, a test
 switch read only here) when it is opened, and each ``write`` / ``write_owned`` / ``commit`` of it sleeps that
 long first, which spreads a save over enough time for a kill to land inside a write. Tests set and unset the
 variable between saves, as before. Installed in this process by the modules that use it (``_kill``,
@@ -22,7 +22,7 @@ SITE = str(Path(__file__).resolve().parent / "_site")
 
 def install() -> None:
     """Wrap ``HashingSink`` (once per process)."""
-    from zckpt.io.sink import HashingSink
+    from zckpt.storage.sink import HashingSink
 
     if getattr(HashingSink, "_test_slowed", False):
         return

@@ -39,7 +39,7 @@ from _kill import (
 )
 from _safety import DS3, Run, cli, copy_case
 
-from zckpt.io import staging
+from zckpt.storage import staging
 
 DELAY = {DELAY_ENV: "0.01"}
 RESHARD_DELAY = {DELAY_ENV: "0.002"}
@@ -586,7 +586,7 @@ def test_every_output_file_is_fsynced_before_its_rename(src: Path, tmp_path: Pat
     """Staged files are made durable at commit, all of them (index, sidecars, ``latest`` included),
     before the first rename; a sink outside any staging folder is fsynced when it closes."""
     from zckpt import consolidate, reshard
-    from zckpt.io.sink import HashingSink
+    from zckpt.storage.sink import HashingSink
 
     events: list[tuple[str, str]] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace

@@ -1,4 +1,4 @@
-"""Checksums verified while reading (zckpt.io.checks): a bit flipped in a tensor's bytes of a real DeepSpeed
+"""Checksums verified while reading (zckpt.storage.checks): a bit flipped in a tensor's bytes of a real DeepSpeed
 rank file or a torch .bin is refused by consolidate, reshard and diff (nothing written), and passes with
 --no-verify-data (the flipped value then shows); the CRC bookkeeping is exact for any read order."""
 
@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 
 import zckpt
 from zckpt.cli.app import app
+from zckpt.codecs.torchzip import load_refs, record_offsets
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import checks
-from zckpt.io.torchzip import load_refs, record_offsets
 from zckpt.model import Checked
+from zckpt.storage import checks
 
 runner = CliRunner()
 
@@ -142,7 +142,7 @@ def test_digest_any_read_order_and_holds(tmp_path: Path, monkeypatch: pytest.Mon
 
 def _flip_safetensors(path: Path, name: str | None) -> None:
     """Flip a byte in the middle of tensor ``name``'s data, or (None) one in a tensor name of the header."""
-    from zckpt.io.safetensors import read_header
+    from zckpt.codecs.safetensors import read_header
 
     h = read_header(path)
     if name is None:
@@ -170,7 +170,7 @@ def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> Non
     nat = tmp_path / "nat"
     zckpt.reshard(src, nat, world=2, to="native", progress=False)
     rank1 = next(nat.glob("*/rank_00001.safetensors"))
-    from zckpt.io.safetensors import read_header
+    from zckpt.codecs.safetensors import read_header
 
     manifest = json.loads(next(nat.glob("*/manifest.json")).read_text())
     for f in nat.glob("*/rank_*.safetensors"):  # the recorded CRC-32s are zlib's over each tensor's bytes
@@ -273,7 +273,7 @@ def test_big_mapped_reads_are_crc_checked(tmp_path: Path) -> None:
     ``.crc32.json`` sidecars (3 blocks each, 16 MiB): equal copies diff clean; a flipped byte deep in block
     1 of one side (inside one big tensor) is refused naming that block; unchecked, it is a difference."""
     from zckpt.formats.hf import write_safetensors
-    from zckpt.io.items import items_from_state_dict
+    from zckpt.stream.items import items_from_state_dict
 
     g = torch.Generator().manual_seed(3)
     sd = {"w": torch.randn(10 << 20, generator=g), "b": torch.randn(7, generator=g)}

@@ -196,7 +196,7 @@ def test_interrupt_outside_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch
     def parse_interrupted() -> None:
         raise SystemExit(130)
 
-    from zckpt.io import collector
+    from zckpt.storage import collector
 
     monkeypatch.setenv("ZCKPT_FAST_EXIT", "0")
     monkeypatch.setattr(cli_app, "app", parse_interrupted)
@@ -386,8 +386,9 @@ def test_every_environment_switch_is_documented_and_none_is_a_test_hook() -> Non
 def test_workers_one_parser_that_follows_cpu_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ZCKPT_WORKERS`` was read three ways (``isdigit``, a bare ``int()`` that crashed on ``four``, and not
     at all by the block digest, which counted ``os.cpu_count()`` rather than the CPU affinity)."""
-    from zckpt.io import digest, pipeline, scan
     from zckpt.ops.diff_values import compare_threads
+    from zckpt.storage import digest, scan
+    from zckpt.stream import pipeline
 
     monkeypatch.delenv("ZCKPT_WORKERS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})  # a 6-core share

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 import zckpt
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import CorruptCheckpoint, OutputExists
-from zckpt.io import fill, pipeline
-from zckpt.io import items as outputs
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, TrainingState
+from zckpt.stream import fill, pipeline
+from zckpt.stream import items as outputs
 
 torch.manual_seed(0)
 MASTERS = {  # fp32 masters of trainable params

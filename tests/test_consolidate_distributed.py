@@ -46,8 +46,8 @@ def _cases(root: Path) -> dict[str, tuple[str, dict[str, Any]]]:
 def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     import warnings
 
+    from zckpt.codecs import safetensors as hf  # every safetensors file goes through its write_file
     from zckpt.errors import KeyMappingError, WriteFailed
-    from zckpt.io import safetensors as hf  # every safetensors file goes through its write_file
 
     out_root = Path(root) / "dist"
     seen: dict[str, Any] = {}

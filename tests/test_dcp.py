@@ -228,7 +228,7 @@ def test_verify_truncated_missing_flipped_stray(
     """``small=0``: every record's CRC-32 is computed on the scan threads while later archives are parsed
     (``start_archive_check``), as the big records of a real-size checkpoint are."""
     if small is not None:
-        from zckpt.io import torchzip
+        from zckpt.codecs import torchzip
 
         monkeypatch.setattr(torchzip, "_SMALL_RECORD", small)
     d = _copy(tmp_path)
@@ -437,7 +437,7 @@ def test_random_damage_is_always_one_zckpt_error(tmp_path: Path) -> None:
     import random
 
     from zckpt.errors import ZckptError
-    from zckpt.io import storage
+    from zckpt.storage import fileio
 
     rng = random.Random(20261203)
     cases = [
@@ -466,7 +466,7 @@ def test_random_damage_is_always_one_zckpt_error(tmp_path: Path) -> None:
         except ZckptError as e:
             assert "\n" not in str(e)
         zckpt.verify(d)  # never raises on a damaged checkpoint: it reports
-        storage.close_files()
+        fileio.close_files()
 
 
 def test_one_file_of_a_dcp_folder_is_refused_naming_the_folder() -> None:

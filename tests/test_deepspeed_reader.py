@@ -23,8 +23,8 @@ from _fixtures import ds_cases
 
 from zckpt.errors import ShardMismatch, UnknownFormat, ZckptError
 from zckpt.formats import deepspeed as ds
-from zckpt.io import storage
 from zckpt.model import Role
+from zckpt.storage import fileio
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ds"
 
@@ -254,12 +254,12 @@ def test_read_touches_no_tensor_bytes(tmp_path, fake_deepspeed, monkeypatch):
     """Opening reads pickles and headers only; the one exception is each optimizer file's 0-d ``step``
     (a few bytes per rank file), compared across ranks to catch a rank file of another save."""
     build_zero12(tmp_path, 2, 3)
-    storage.close_files()
+    fileio.close_files()
 
     def boom(*a, **k):
         raise AssertionError("tensor bytes touched while reading metadata")
 
-    real_read = storage.read_into
+    real_read = fileio.read_into
 
     def scalars_only(path, offset, out):
         if out.numel() != 1:
@@ -282,7 +282,7 @@ def _weights_skip_optimizer_bytes(ck, monkeypatch) -> None:
     optim = [(p.file, p.byte_offset, p.byte_offset + p.nbytes) for k in ck.optim_keys()
              for p in ck.entries[k].pieces if p.file and p.numel]  # fmt: skip
     seen = []  # every byte range read: (file, first byte, end)
-    real, real_view = storage.read_into, storage.view
+    real, real_view = fileio.read_into, fileio.view
 
     def spy(path, offset, out, *rest):
         seen.append((path, offset, offset + out.numel() * out.element_size()))

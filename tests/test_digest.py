@@ -1,4 +1,4 @@
-"""zckpt.io.digest: block digests and region CRC-32s computed on several threads equal hashlib's sha256 of
+"""zckpt.storage.digest: block digests and region CRC-32s computed on several threads equal hashlib's sha256 of
 each block and zlib's CRC-32 of each region (oracles independent of zckpt), for stable (in-place) and
 copied writes of awkward sizes, with ``O_DIRECT`` on and off; ``block_digests`` (verify's recomputation)
 agrees; a native checkpoint written with small blocks verifies, and a flipped byte is reported with the
@@ -18,9 +18,9 @@ import torch
 from _fixtures import fixture
 
 import zckpt
-from zckpt.io import direct_io, scan
-from zckpt.io.digest import block_digests, lanes
-from zckpt.io.sink import HashingSink
+from zckpt.storage import direct_io, scan
+from zckpt.storage.digest import block_digests, lanes
+from zckpt.storage.sink import HashingSink
 
 DATA = os.urandom(5 * direct_io.BUF_BYTES + 12345)
 

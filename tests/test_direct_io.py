@@ -1,4 +1,4 @@
-"""zckpt.io.direct_io through ``HashingSink``: the file's bytes and sha256 equal what was written (oracle: the
+"""zckpt.storage.direct_io through ``HashingSink``: the file's bytes and sha256 equal what was written (oracle: the
 concatenated input and hashlib) for awkward write sizes around the block and buffer sizes, with O_DIRECT,
 with its fallbacks (refused at open; EINVAL on the first write) and with it turned off."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zckpt.io import direct_io
-from zckpt.io.sink import HashingSink
+from zckpt.storage import direct_io
+from zckpt.storage.sink import HashingSink
 
 B = direct_io.BUF_BYTES
 SIZES = [

@@ -248,8 +248,8 @@ def _reads_only_own_chunks(eng: Any, case: str, rank: int, world: int) -> list[s
     chunk ``[start, start + valid)``; whole tensors only for what every rank needs (scalars, buffers, and
     frozen params when the engine does not shard them)."""
     from engine.checkpoint.reads import ReadPlan
-    from zckpt.io import spans
     from zckpt.partition import chunk_range
+    from zckpt.stream import spans
 
     ranged: list[tuple[str, int, int, int]] = []
     whole: list[tuple[str, str, int]] = []

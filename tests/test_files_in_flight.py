@@ -1,4 +1,4 @@
-"""Several output files written at once (``zckpt.io.pipeline.each_file``, on by default from 8 cores): the
+"""Several output files written at once (``zckpt.stream.pipeline.each_file``, on by default from 8 cores): the
 bytes are those of one file after another, and a failure in one file publishes nothing. This machine has 2
 cores, where the default is one file at a time, so the tests set ``ZCKPT_FILES``."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import zckpt
 from tests._fixtures import fixture
-from zckpt.io import pipeline, shards
+from zckpt.stream import pipeline, shards
 
 SRC = "gpt2_s3_bf16_w2"
 

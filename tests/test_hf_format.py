@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 import zckpt
 from zckpt.errors import CorruptCheckpoint, OutputExists, ShardMismatch, Unsupported
 from zckpt.formats import hf, torch_file
-from zckpt.io.items import WriteItem, entry_from_tensor, items_from_state_dict
 from zckpt.model import Role
+from zckpt.stream.items import WriteItem, entry_from_tensor, items_from_state_dict
 
 torch.manual_seed(0)
 EMB = torch.randn(13, 7)

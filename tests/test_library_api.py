@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 import zckpt
 from zckpt.cli.app import app
 from zckpt.errors import InvalidArgument, MissingKey, PathNotFound, PermissionDenied, ZckptError
-from zckpt.io.shards import parse_size
 from zckpt.model import parse_output_dtype
+from zckpt.stream.shards import parse_size
 
 DS = "s1_bf16_w2"
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
@@ -123,7 +123,7 @@ def test_missing_path_is_file_not_found(tmp_path: Path) -> None:
 
 
 def test_unreadable_file_is_permission_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from zckpt.io import storage
+    from zckpt.storage import fileio
 
     real = os.open
 
@@ -134,7 +134,7 @@ def test_unreadable_file_is_permission_error(tmp_path: Path, monkeypatch: pytest
 
     f = tmp_path / "m.safetensors"
     zckpt.consolidate(fixture("ds", DS), f, progress=False)
-    monkeypatch.setattr(storage.os, "open", deny)
+    monkeypatch.setattr(fileio.os, "open", deny)
     with pytest.raises(PermissionError) as ei:
         zckpt.open(f)
     assert isinstance(ei.value, PermissionDenied) and str(ei.value) == f"{f}: cannot open (Permission denied)"

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import zckpt
 from zckpt.cli.app import app
-from zckpt.io import objstore
-from zckpt.io.session import Storage
+from zckpt.storage import objstore
+from zckpt.storage.session import Storage
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 
@@ -323,7 +323,7 @@ def test_read_ahead_stream_tiles_the_record_and_stops_at_its_end(
     Oracle: the uploaded bytes, and the request sizes ``ahead.Stream`` documents."""
     import random
 
-    from zckpt.io.objstore import ahead
+    from zckpt.storage.objstore import ahead
 
     data = random.Random(5).randbytes(20 << 20)
     s3_server.client().put_object(Bucket="ckpts", Key="win/obj", Body=data)  # type: ignore[attr-defined]
@@ -464,7 +464,7 @@ def test_dcp_consolidate_fetches_each_needed_block_once(
     is the local run's, byte for byte."""
     import torch.distributed.checkpoint as dcp
 
-    from zckpt.io.objstore import read as objread
+    from zckpt.storage.objstore import read as objread
 
     lp = tmp_path / "ck"
     _dcp_save(lp)
@@ -495,7 +495,7 @@ def test_cache_room_keeps_blocks_while_a_fill_runs(
     fill runs, ``cache_room`` keeps that many bytes more of blocks, so the reads find them (a 48-layer DCP
     world-8 consolidate fetched 1.8x its bytes with blocks evicted before use). Afterwards the cache shrinks
     back to ``CACHE_BLOCKS``."""
-    from zckpt.io.objstore import read as objread
+    from zckpt.storage.objstore import read as objread
 
     c = s3_server.client()
     blob = bytes(range(256)) * (6 * objread.BLOCK // 256)

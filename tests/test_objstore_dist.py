@@ -24,7 +24,7 @@ SRC = fixture("ds", "s3_fp32_w3_offall_sub_g2")
 
 
 def _procs(rank: int, world: int, url: str) -> dict[str, Any]:
-    from zckpt.io.session import Storage
+    from zckpt.storage.session import Storage
 
     st = Storage()  # this process's share of the three jobs: its uploads are counted here
     zckpt.consolidate(url, "s3://ckpts/dist/hf", max_shard_size="1KB", progress=False, distributed=True,
@@ -62,8 +62,8 @@ def _two_nodes(rank: int, world: int, url: str) -> dict[str, Any]:
     writes through a stand-in of its own (``remote_staging.Follower``); then a failure of its upload."""
     from _dist import outcome
 
-    from zckpt.io import objstore, remote_staging
-    from zckpt.io.session import Storage
+    from zckpt.storage import objstore, remote_staging
+    from zckpt.storage.session import Storage
 
     made: list[str] = []
     init = remote_staging.Follower.__init__

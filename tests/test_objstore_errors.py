@@ -366,7 +366,7 @@ Generic {
 def test_unknown_host_is_named_from_the_error_chain() -> None:
     from obstore.exceptions import GenericError
 
-    from zckpt.io.objstore import failures
+    from zckpt.storage.objstore import failures
 
     e = GenericError(_DNS_FAILURE)  # "500" in the key, "timeout" in the retry fields: neither is read
     f = failures.classify(e)

@@ -1,4 +1,4 @@
-"""Schemes other than ``s3://`` go through fsspec (``zckpt.io.objstore.backend.Fsspec``), tested with fsspec's
+"""Schemes other than ``s3://`` go through fsspec (``zckpt.storage.objstore.backend.Fsspec``), tested with fsspec's
 in-process ``memory://`` filesystem: consolidate and reshard read from it and write to it, byte-identical to
 the local run (the oracle); a scheme nobody serves is refused in one line, exit 2."""
 

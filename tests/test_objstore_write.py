@@ -20,7 +20,7 @@ from _fixtures import fixture
 from typer.testing import CliRunner
 
 from zckpt.cli.app import app
-from zckpt.io import objstore
+from zckpt.storage import objstore
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 SRC = "ds/s3_bf16_w3_sub_g2"

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import zckpt
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
 from zckpt.formats._names import HF_WEIGHT_BASES
-from zckpt.io.shards import family
+from zckpt.stream.shards import family
 
 DS = "s1_bf16_w2"
 
@@ -179,7 +179,7 @@ def test_cli_unwritable_output_one_line(tmp_path: Path) -> None:
 
 def test_overwrite_keeps_files_without_renameat2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rename-twice fallback (no ``RENAME_EXCHANGE``) keeps the same files."""
-    from zckpt.io import staging
+    from zckpt.storage import staging
 
     monkeypatch.setattr(staging, "_renameat2", lambda a, b, flags: False)
     out = tmp_path / "hf"

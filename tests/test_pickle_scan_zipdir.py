@@ -1,9 +1,9 @@
 """The two hand-written parsers under every DCP open, against the standard library as the oracle.
 
-``zckpt.io.pickle_scan.prescan`` (a table-driven opcode walk) must never pass a pickle that a walk through
+``zckpt.codecs.pickle_scan.prescan`` (a table-driven opcode walk) must never pass a pickle that a walk through
 ``pickletools.genops`` with the same rules finds hostile (lying length, out-of-sequence memo index, stack
 too deep), over thousands of damaged pickles of every protocol; it may leave argument parsing to the C
-unpickler. ``zckpt.io.zipdir`` must read the same entries (names, offsets, sizes, CRC-32s) as ``zipfile``
+unpickler. ``zckpt.codecs.zipdir`` must read the same entries (names, offsets, sizes, CRC-32s) as ``zipfile``
 from real ``torch.save`` archives, zip64 ones included, and refuse damaged directories with ``ZipError``.
 The graph check after unpickling (``pickle_safe._check_graph``) must bound exactly the tree a naive recursive
 walk would see, and refuse cycles, deep nesting and shared-reference bombs.
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from zckpt.codecs import zipdir
+from zckpt.codecs.pickle_safe import MAX_STACK, _check_graph, safe_loads
+from zckpt.codecs.pickle_scan import prescan
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
-from zckpt.io import zipdir
-from zckpt.io.pickle_safe import MAX_STACK, _check_graph, safe_loads
-from zckpt.io.pickle_scan import prescan
 
 
 def _reference(data: bytes) -> None:

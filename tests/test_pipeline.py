@@ -1,4 +1,4 @@
-"""zckpt.io.pipeline: ordered, bounded-memory streaming of tensors (pread + cast on workers, write in
+"""zckpt.stream.pipeline: ordered, bounded-memory streaming of tensors (pread + cast on workers, write in
 order)."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import pipeline, storage
-from zckpt.io.items import WriteItem
-from zckpt.io.sink import HashingSink
 from zckpt.model import Piece, Role, TensorEntry
+from zckpt.storage import fileio
+from zckpt.storage.sink import HashingSink
+from zckpt.stream import pipeline
+from zckpt.stream.items import WriteItem
 
 
 def _file_entry(tmp: Path, name: str, t: torch.Tensor, cuts: list[int], gap: int = 24) -> TensorEntry:
@@ -63,7 +64,7 @@ def test_write_items_matches_torch(tmp_path: Path, workers: int, out_dtype: torc
 def test_truncated_file_raises(tmp_path: Path) -> None:
     e = _file_entry(tmp_path, "t", torch.ones(100), [0, 100])
     Path(e.pieces[0].file).write_bytes(b"\0" * 16)
-    storage.close_files()
+    fileio.close_files()
     with pytest.raises(CorruptCheckpoint, match="truncated"):
         pipeline.write_items(io.BytesIO(), [WriteItem("t", e, torch.float32)], workers=2)
 
@@ -121,8 +122,8 @@ def test_fill_matches_torch_at_every_cut(
     file, its block CRC-32s and the records' CRC-32s equal torch's bytes and zlib's CRCs."""
     import zlib
 
-    from zckpt.io import direct_io
-    from zckpt.io.fill import Layout, Run
+    from zckpt.storage import direct_io
+    from zckpt.stream.fill import Layout, Run
 
     monkeypatch.setenv("ZCKPT_DIRECT_IO", direct)
     g = torch.Generator().manual_seed(1)

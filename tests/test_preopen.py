@@ -1,4 +1,4 @@
-"""The command line's pre-open (``zckpt.io.preopen``): each input DCP folder's ``.metadata`` parsed in a child
+"""The command line's pre-open (``zckpt.storage.preopen``): each input DCP folder's ``.metadata`` parsed in a child
 forked before torch is imported, taken by the parent only for the very bytes it read itself.
 
 Oracle: the same ``load_metadata`` in one process with no child (the library's path), on every real DCP
@@ -47,7 +47,7 @@ def test_child_parse_equals_the_in_process_parse_on_every_fixture() -> None:
     out = _run(f"""
         import os, sys
         from pathlib import Path
-        from zckpt.io import preopen, session
+        from zckpt.storage import preopen, session
         folders = {folders!r}
         assert preopen.available()
         op = session.Storage()
@@ -81,7 +81,7 @@ def test_child_imports_no_torch() -> None:
     out = _run(f"""
         import marshal, sys
         from zckpt.cli import app
-        from zckpt.io import preopen
+        from zckpt.storage import preopen
         module, _, name = app._DCP_PRELOAD.partition(":")
         blob = getattr(preopen._import_bare(module), name)({path!r})
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
@@ -100,7 +100,7 @@ def test_a_file_changed_after_the_child_read_it_is_parsed_again(tmp_path: Path) 
     out = _run(f"""
         import os
         from pathlib import Path
-        from zckpt.io import preopen, session
+        from zckpt.storage import preopen, session
         f = os.path.realpath({str(ck / ".metadata")!r})
         op = session.Storage()
         assert preopen.start(op.cache("preopen"), "zckpt.formats.dcp.metadata:preload", f)
@@ -172,7 +172,7 @@ def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, e
     assert says in str(e.value)
     code = f"""
         import sys
-        from zckpt.io import preopen
+        from zckpt.storage import preopen
         started = []
         real_start = preopen.start
         preopen.start = lambda c, t, p: started.append(real_start(c, t, p)) or started[-1]
@@ -196,6 +196,6 @@ def test_dtype_names_cover_this_torch() -> None:
     here first), and every listed name this torch has maps to its dtype."""
     have = {k for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
     assert have <= standins.DTYPE_NAMES, sorted(have - standins.DTYPE_NAMES)
-    from zckpt.io.pickle_safe import TORCH_DTYPES
+    from zckpt.codecs.pickle_safe import TORCH_DTYPES
 
     assert all(TORCH_DTYPES[n] is getattr(torch, n) for n in standins.DTYPE_NAMES & have)

@@ -19,14 +19,14 @@ from _fixtures import ds_cases
 from safetensors.torch import load_file
 
 import zckpt
+from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.codecs.torchzip import load_refs
 from zckpt.errors import OutputExists, Unsupported
 from zckpt.formats.deepspeed.layout import adjust_batch, zero3_sub_groups, zero12_layout
-from zckpt.io.flat import read_partition, read_range
-from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.torchzip import load_refs
 from zckpt.model import Role
 from zckpt.ops.reshard import default_dst, reshard
 from zckpt.state import RankRng
+from zckpt.stream.flat import read_partition, read_range
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "fixtures" / "ds"

@@ -32,7 +32,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _procs(rank: int, world: int, root: str) -> dict[str, Any]:
-    from zckpt.io import safetensors as hf  # every safetensors file goes through its write_file
+    from zckpt.codecs import safetensors as hf  # every safetensors file goes through its write_file
 
     out = Path(root) / "dist"
     seen: dict[str, Any] = {}

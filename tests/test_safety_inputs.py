@@ -38,9 +38,9 @@ from _safety import (
 from safetensors.torch import load_file, save_file
 
 from tests.fuzz import pickles
+from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint, ZckptError
 from zckpt.formats import open_checkpoint
-from zckpt.io.torchzip import load_archive
 
 TIME_LIMIT_S = 20.0  # generous: the test machine is shared; a hang or a huge allocation takes far longer
 

@@ -42,8 +42,8 @@ from _safety import (
     rewrite_pkl,
 )
 
+from zckpt.codecs.pickle_safe import SafeUnpickler
 from zckpt.errors import UnsafePickle
-from zckpt.io.pickle_safe import SafeUnpickler
 
 EVIL_MODULE = "zckpt_evil_on_import"
 
@@ -153,7 +153,7 @@ def test_torch_lazy_attributes_are_not_resolved(tmp_path: Path) -> None:
     (which imports ``torch._dynamo``/``torch.onnx`` or calls deprecated factories). In a fresh interpreter."""
     code = (
         "import io, sys\n"
-        "from zckpt.io.pickle_safe import SafeUnpickler\n"
+        "from zckpt.codecs.pickle_safe import SafeUnpickler\n"
         "from zckpt.errors import UnsafePickle\n"
         "for n in ('_dynamo', 'onnx', '_inductor', 'has_mps', 'load'):\n"
         "    try:\n"
@@ -352,7 +352,7 @@ def test_heldout_checkpoints_with_planted_payload(tmp_path: Path, evil_path: Pat
 def test_gc_paused_restores_the_state_it_found() -> None:
     import gc
 
-    from zckpt.io.collector import paused as gc_paused
+    from zckpt.storage.collector import paused as gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -372,7 +372,7 @@ def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc(
     import gc
 
     import zckpt
-    from zckpt.io import collector
+    from zckpt.storage import collector
 
     ck = ROOT / "fixtures" / "dcp" / "fsdp2_w2" / "checkpoint"
     assert (ck / ".metadata").is_file()
@@ -386,7 +386,7 @@ def test_long_lived_parse_is_frozen_only_in_a_process_that_owns_its_gc(
         "assert 'torch' not in sys.modules\n"
         "app._leave_startup()\n"  # in-process: not the program's process
         "assert gc.get_freeze_count() == 0, 'not owned'\n"
-        "from zckpt.io import collector\n"
+        "from zckpt.storage import collector\n"
         "collector.own()\n"  # what main() does first
         "app._leave_startup()\n"
         "n_torch = gc.get_freeze_count()\n"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _handmade import make_ckpt
 
-from zckpt.io import spans
 from zckpt.ops.stats import checkpoint_stats, iter_chunks, tensor_stats
+from zckpt.stream import spans
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""torch .bin/.pt reader and streaming writer (zckpt.formats.torch_file, zckpt.io.torchzip_write),
+"""torch .bin/.pt reader and streaming writer (zckpt.formats.torch_file, zckpt.codecs.torchzip_write),
 checked against torch.save / torch.load(weights_only=True)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import zckpt
+from zckpt.codecs import torchzip
+from zckpt.codecs.pickle_safe import LossScaler, ZeroStageEnum, safe_loads
+from zckpt.codecs.torchzip_write import dumps
 from zckpt.errors import Unsupported
 from zckpt.formats import torch_file
-from zckpt.io import torchzip
-from zckpt.io.items import WriteItem, entry_from_tensor, items_from_state_dict
-from zckpt.io.pickle_safe import LossScaler, ZeroStageEnum, safe_loads
-from zckpt.io.torchzip_write import dumps
 from zckpt.model import Role
+from zckpt.stream.items import WriteItem, entry_from_tensor, items_from_state_dict
 
 torch.manual_seed(0)
 EMB = torch.randn(13, 7)

@@ -23,13 +23,13 @@ import torch
 from _fixtures import fixture
 
 import zckpt
+from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint, WriteFailed
 from zckpt.formats.deepspeed.archive import Archive
-from zckpt.io import storage
-from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.torchzip import load_archive
 from zckpt.ops import trainer_files
 from zckpt.ops.reshard import reshard
+from zckpt.storage import fileio
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = fixture("trainer")  # a missing fixture folder is an error at collection, never a skip
@@ -179,7 +179,7 @@ def test_optimizer_values_keep_python_types(case: str, world: int, tmp_path: Pat
             lr = g["lr"]
             assert isinstance(lr, TensorRef) and lr.shape == () and lr.dtype == torch.float64
             val = torch.empty(1, dtype=torch.float64)
-            storage.read_into(lr.file, lr.byte_offset, val)
+            fileio.read_into(lr.file, lr.byte_offset, val)
             assert val.item() == 0.005
 
 

@@ -18,8 +18,8 @@ from test_diff import validate
 
 from zckpt.errors import PathNotFound
 from zckpt.formats.hf import write_safetensors
-from zckpt.io.items import items_from_state_dict
 from zckpt.ops.verify import VerifyReport, verify
+from zckpt.stream.items import items_from_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "verify-json-schema.json").read_text())

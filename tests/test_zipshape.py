@@ -1,6 +1,6 @@
-"""``zckpt.io.zipshape``: an archive recognised by its learned shape must parse as the full path parses it.
+"""``zckpt.codecs.zipshape``: an archive recognised by its learned shape must parse as the full path parses it.
 
-The oracle is ``zckpt.io.zipdir`` itself (checked against ``zipfile`` in ``test_pickle_scan_zipdir.py``):
+The oracle is ``zckpt.codecs.zipdir`` itself (checked against ``zipfile`` in ``test_pickle_scan_zipdir.py``):
 whenever ``known`` accepts an archive, ``zipdir.read``, ``data_start``, ``entry_problem`` and ``end_problem``
 on the same bytes give the same records, CRC-32s included, and no finding, and every small record's bytes
 match their CRC-32. Checked on real ``torch.save`` archives (big and small tensors) and on zckpt's own DCP
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from zckpt.codecs import zipdir, zipshape
 from zckpt.formats.dcp.metadata import load_metadata
-from zckpt.io import zipdir, zipshape
-from zckpt.io.session import Storage
+from zckpt.storage.session import Storage
 
 
 @pytest.fixture(autouse=True)

@@ -60,7 +60,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "inspect": ("zckpt.ops.inspect", "inspect"),
     "reshard": ("zckpt.ops.reshard", "reshard"),
     "verify": ("zckpt.ops.verify", "verify"),
-    "Storage": ("zckpt.io.session", "Storage"),
+    "Storage": ("zckpt.storage.session", "Storage"),
 }
 __all__ = [
     "Checkpoint", "CheckpointMeta", "Role", "Storage", "TensorEntry", "TrainingState", "ZckptError",
@@ -72,7 +72,6 @@ if _typing.TYPE_CHECKING:
     from zckpt.checkpoint import Checkpoint
     from zckpt.errors import ZckptError
     from zckpt.formats import open_checkpoint as open  # noqa: A004
-    from zckpt.io.session import Storage
     from zckpt.model import Role, TensorEntry
     from zckpt.ops.consolidate import consolidate
     from zckpt.ops.diff import diff
@@ -81,6 +80,7 @@ if _typing.TYPE_CHECKING:
     from zckpt.ops.series import diff_series
     from zckpt.ops.verify import verify
     from zckpt.state import CheckpointMeta, TrainingState
+    from zckpt.storage.session import Storage
 
 
 def __getattr__(name: str) -> object:

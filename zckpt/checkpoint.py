@@ -1,8 +1,8 @@
 """The lazy ``Checkpoint``: a checkpoint's entries and manifest (``zckpt.model``) plus on-demand reads.
 
 Every format reader returns one; every operation works on one. Tensor bytes are read only when asked
-for, one tensor at a time, through ``zckpt.io.storage`` (``pread`` of exactly that tensor's pieces), with
-the ``zckpt.io.session.Storage`` it was opened with (``attach``): its open files, its object-store client
+for, one tensor at a time, through ``zckpt.storage.fileio`` (``pread`` of exactly that tensor's pieces), with
+the ``zckpt.storage.session.Storage`` it was opened with (``attach``): its open files, its object-store client
 and the listings it saw, one consistent view for the checkpoint's lifetime.
 """
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from zckpt.errors import CorruptCheckpoint, MissingKey
-from zckpt.io import session, spans, storage
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
+from zckpt.storage import fileio, session
+from zckpt.stream import spans
 
 
 def _file_of(e: TensorEntry, default: str) -> str:
@@ -128,7 +129,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Release the open files and maps (also on leaving a ``with`` block), and the storage it made."""
         st = self.storage
         if st is None:
-            storage.close_files(self.meta.files)
+            fileio.close_files(self.meta.files)
         elif self._owns_storage:
             st.close()
         else:

@@ -45,12 +45,12 @@ import torch.distributed as dist
 from engine.checkpoint.content import RankSave, predict_bytes
 from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
+from zckpt.codecs.safetensors import FilePlan, FileRecord
 from zckpt.formats.native import write as W
-from zckpt.io import objstore
-from zckpt.io.items import WriteItem
-from zckpt.io.safetensors import FilePlan, FileRecord
-from zckpt.io.session import Storage
-from zckpt.io.threads import start
+from zckpt.storage import objstore
+from zckpt.storage.session import Storage
+from zckpt.storage.threads import start
+from zckpt.stream.items import WriteItem
 
 if TYPE_CHECKING:
     from engine.engine import Engine

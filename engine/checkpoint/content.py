@@ -28,9 +28,9 @@ from engine.zero.partition import persistent_buffers
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import record
 from zckpt.formats.native import write as W
-from zckpt.io.items import WriteItem, entry_from_tensor
 from zckpt.model import Role, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
+from zckpt.stream.items import WriteItem, entry_from_tensor
 
 if TYPE_CHECKING:
     from engine.engine import Engine

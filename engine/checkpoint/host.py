@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from zckpt.io.direct_io import aligned_buffer
+from zckpt.storage.direct_io import aligned_buffer
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import UnknownFormat, Unsupported
 from zckpt.formats.native import layout as L
-from zckpt.io import session
-from zckpt.io.objstore import as_path
-from zckpt.io.spans import read_entry
 from zckpt.model import Role, TensorEntry
 from zckpt.state import Counters, RankRng
+from zckpt.storage import session
+from zckpt.storage.objstore import as_path
+from zckpt.stream.spans import read_entry
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -102,9 +102,9 @@ def load(
     ``module_only`` (DeepSpeed's ``load_module_only``; the caller also turns off the optimizer and scheduler
     flags): the weights alone; step counters and RNG stay as they were, as in DeepSpeed. ``client_flags``:
     the caller's own ``(load_optimizer_states, load_lr_scheduler_states)``, which decide, as in DeepSpeed,
-    whether ``client_state`` carries ``optimizer`` / ``lr_scheduler`` (default: the two flags above). The
-    load runs with a ``zckpt.io.session.Storage`` of its own (its reads, listings and client), closed when
-    it returns."""
+    whether ``client_state`` carries ``optimizer`` / ``lr_scheduler`` (default: the two flags above).
+    The load runs with a ``zckpt.storage.session.Storage`` of its own (its reads, listings and client),
+    closed when it returns."""
     with session.operation(session.Storage()) as st:
         try:
             flags = (load_optimizer_states, load_lr_scheduler_states, strict, module_only, client_flags)

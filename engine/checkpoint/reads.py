@@ -3,9 +3,9 @@
 A load asks for many ranges of many tensors (this rank's chunk of every master, frozen param and optimizer
 state). Read one by one, each is a separate buffered ``pread`` whose readahead stops at the range's end.
 Here they are only recorded (``add``: the ranges become byte extents of the pieces that hold them, through
-``zckpt.io.spans.spans``, the same resolution every zckpt reader uses) and ``run()`` reads them file by
+``zckpt.stream.spans.spans``, the same resolution every zckpt reader uses) and ``run()`` reads them file by
 file in byte order: extents closer than ``GAP`` are merged (a same-size resume reads each rank file once,
-front to back), cut into ``CHUNK``-byte reads with ``O_DIRECT`` (``zckpt.io.direct_io.read_direct``),
+front to back), cut into ``CHUNK``-byte reads with ``O_DIRECT`` (``zckpt.storage.direct_io.read_direct``),
 ``DEPTH`` of them in flight on reader threads, into page-aligned buffers (pinned when the destinations are
 on a GPU). Each finished chunk is scattered into its destinations: bytes go straight into the destination
 when its dtype is the stored one (an asynchronous host-to-device copy for GPU tensors, waited for before
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import direct_io, storage
-from zckpt.io.direct_io import ALIGN
-from zckpt.io.spans import spans
-from zckpt.io.threads import Pool
 from zckpt.model import TensorEntry
+from zckpt.storage import direct_io, fileio
+from zckpt.storage.direct_io import ALIGN
+from zckpt.storage.threads import Pool
+from zckpt.stream.spans import spans
 
 CHUNK = 64 << 20
 """Bytes per read."""
@@ -173,8 +173,8 @@ def _read_file(
     waits: _Waits,
 ) -> None:
     """Read ``chunks`` of ``path`` (``DEPTH`` in flight, into ``bufs`` in turn), scatter into ``segs``."""
-    fd = storage.open_fd(path)
-    local = fd.fd  # None: an object (s3://), ranged GETs through zckpt.io.storage, no O_DIRECT
+    fd = fileio.open_fd(path)
+    local = fd.fd  # None: an object (s3://), ranged GETs through zckpt.storage.fileio, no O_DIRECT
     remote = local is None
     dfd = None if remote else direct_io.open_direct(path)
     waits.direct &= dfd is not None
@@ -198,7 +198,7 @@ def _read_file(
             events.wait(i, waits)
             view = memoryview(bufs[i].numpy()).cast("B")[: b - a]  # type: ignore[arg-type]
             if local is None:
-                fut = pool.submit(storage.pread_into, fd, view, a)
+                fut = pool.submit(fileio.pread_into, fd, view, a)
             else:
                 fut = pool.submit(direct_io.read_direct, dfd, local, a, view)
             pending.append((a, b, i, fut))
@@ -207,7 +207,7 @@ def _read_file(
     finally:
         for f in pending:
             f[3].cancel()
-        storage.close_fd(fd)
+        fileio.close_fd(fd)
         if dfd is not None:
             os.close(dfd)
 

@@ -4,7 +4,7 @@ Protocol (both modes; every rank calls ``save``):
 
 1. rank 0 empties the staging folder ``.<tag>.staging`` (a killed save's leftovers) and a barrier on the
    training group follows, so no rank writes into it before. An ``s3://`` save dir: rank 0 makes a fresh
-   local stand-in (``zckpt.io.remote_staging.stand_in``) whose rank files stream to the bucket under a fresh
+   local stand-in (``zckpt.storage.remote_staging.stand_in``) whose rank files stream to the bucket under a fresh
    generation (``rank_00000.g<16 hex>.safetensors``: keys no earlier save used, so the previous save of the
    tag stays whole while they upload) and broadcasts it; a rank on another node makes its node's own
    stand-in, reports the object it uploaded with its result, and removes that stand-in once the save is over;
@@ -22,7 +22,7 @@ Protocol (both modes; every rank calls ``save``):
    objects) is removed and ``latest`` still names the previous checkpoint, whole. A failure after the new
    manifest landed (moving ``latest``) leaves the new tag whole and says so.
 
-Every save runs with a ``zckpt.io.session.Storage`` of its own (a background save keeps it until it ends).
+Every save runs with a ``zckpt.storage.session.Storage`` of its own (a background save keeps it until it ends).
 
 Synchronous saves run step 3 on the training group. Asynchronous ones run steps 2 (the write) and 3 on a
 background thread, over a separate gloo group (``SideGroup``): collectives issued from a second thread on
@@ -42,17 +42,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.checkpoint.content import RankSave, capture, staging_dir
 from engine.config import WriterConfig
+from zckpt.codecs.safetensors import FileRecord
 from zckpt.errors import WriteFailed
 from zckpt.formats._latest import write_latest
 from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import write as W
-from zckpt.io import objstore, remote_staging, session
-from zckpt.io.digest import SIDECARS
-from zckpt.io.direct_io import ALIGN, WriteOptions
-from zckpt.io.objstore import as_path
-from zckpt.io.safetensors import FileRecord
-from zckpt.io.staging import fsync_path, publish_folder
+from zckpt.storage import objstore, remote_staging, session
+from zckpt.storage.digest import SIDECARS
+from zckpt.storage.direct_io import ALIGN, WriteOptions
+from zckpt.storage.objstore import as_path
+from zckpt.storage.staging import fsync_path, publish_folder
 
 if TYPE_CHECKING:
     from collections.abc import Callable

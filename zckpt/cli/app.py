@@ -83,7 +83,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         from zckpt.errors import ZckptError
 
         debug = os.environ.get("ZCKPT_DEBUG") == "1"
-        from zckpt.io import objstore, session  # neither imports torch
+        from zckpt.storage import objstore, session  # neither imports torch
 
         try:
             options = objstore.parse_options(kwargs.get("storage_option"))
@@ -106,12 +106,12 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
     """The command ``fn`` with its errors as one line and its interrupts reported truthfully (``st``: the
     command's ``Storage``, bound)."""
     from zckpt.errors import ZckptError
-    from zckpt.io import interrupts
+    from zckpt.storage import interrupts
 
     start = interrupts.mark()
     try:
         _refuse_bare_schemes(kwargs)
-        from zckpt.io import env
+        from zckpt.storage import env
 
         env.check()  # a bad ZCKPT_WORKERS is one line before any work, not an error mid-write
         with warnings.catch_warnings():
@@ -184,11 +184,11 @@ _DCP_PRELOAD = "zckpt.formats.dcp.metadata:preload"
 
 def _preopen(kwargs: dict[str, Any], st: Any) -> None:
     """Start parsing each input DCP folder's ``.metadata`` in a child process, to overlap torch's import
-    (``zckpt.io.preopen``: only in a process that has not imported torch and runs one thread, so never in an
+    (``zckpt.storage.preopen``: only in a process that has not imported torch and runs one thread, so never in an
     embedding program or typer's test runner). Only folders that hold one directly (or under ``--tag``)."""
     from pathlib import Path
 
-    from zckpt.io import preopen
+    from zckpt.storage import preopen
 
     if not preopen.available():
         return
@@ -221,7 +221,7 @@ def _leave_startup() -> None:
     and every full collection during the command would walk them again (0.1 s of a 2.3 s consolidate on the
     2-core machine). Commands run in-process (typer's test runner, an embedding program) leave it alone."""
     importlib.import_module("torch")
-    from zckpt.io import collector
+    from zckpt.storage import collector
 
     collector.settle()
     if signal.getsignal(signal.SIGINT) is _startup_interrupt:
@@ -243,7 +243,7 @@ def main() -> None:
     interpreter exit (for embedding or debugging). The objects that importing typer and the commands made
     are frozen first (``gc.freeze``; torch's once it is imported, ``_leave_startup``): they live as long as
     the process, and each full collection during the command would walk them all again."""
-    from zckpt.io import collector
+    from zckpt.storage import collector
 
     collector.own()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -15,8 +15,8 @@ from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, Unknow
 from zckpt.formats._latest import LATEST, refuse_dangling, valid_tag
 from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
-from zckpt.io import objstore, session, storage
-from zckpt.io.objstore import as_path
+from zckpt.storage import fileio, objstore, session
+from zckpt.storage.objstore import as_path
 
 _MODULES = (
     "zckpt.formats.native",
@@ -55,10 +55,10 @@ def check_access(path: Path, tag: str | None = None) -> None:
     (list, enter), the files that name it a checkpoint (``_TELLTALES``: ``latest``, a manifest, an index,
     ``.metadata``), and the tag folder ``tag`` or ``latest`` names, with its own telltales. The formats'
     probes would take them for missing ("no tag", "not a checkpoint"). Objects in a store are not checked
-    here: the store's own errors name them (``zckpt.io.objstore``)."""
+    here: the store's own errors name them (``zckpt.storage.objstore``)."""
     if objstore.is_url(path):
         return
-    storage.check_access(path)
+    fileio.check_access(path)
     if not path.is_dir():
         return
     _telltales(path)
@@ -69,7 +69,7 @@ def check_access(path: Path, tag: str | None = None) -> None:
         with latest.open("rb") as f:  # readable: ``_telltales`` checked it
             tag = f.read(MAX_LATEST + 1).decode("utf-8", "replace").strip()
     if valid_tag(tag):
-        storage.check_access(path / tag)
+        fileio.check_access(path / tag)
         if (path / tag).is_dir():
             _telltales(path / tag)
 
@@ -77,7 +77,7 @@ def check_access(path: Path, tag: str | None = None) -> None:
 def _telltales(folder: Path) -> None:
     for name in _TELLTALES:
         if (folder / name).is_file():
-            storage.check_readable(folder / name)
+            fileio.check_readable(folder / name)
 
 
 def detect(path: str | Path) -> Format:
@@ -164,7 +164,7 @@ def open_checkpoint(
         model_only: the model tensors are all the caller needs: a format may then leave out optimizer
             and training state (DCP does: it opens only the model chunks' archives, each when its tensor
             is first read, so a damaged archive is reported then), and ``optim_keys()`` may be empty.
-        storage_options: the object-store client's options for an ``s3://`` path (``zckpt.io.objstore``).
+        storage_options: the object-store client's options for an ``s3://`` path (``zckpt.storage.objstore``).
         storage: a ``zckpt.Storage`` to read through (yours to close); by default the checkpoint makes its
             own, from ``storage_options``, and closes it with itself. The checkpoint sees the files as they
             were listed while it is open: open it again to see a newer save.

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import objstore, storage
-from zckpt.io.staging import fsync_path
+from zckpt.storage import fileio, objstore
+from zckpt.storage.staging import fsync_path
 
 LATEST = "latest"
 MAX_BYTES = 4096
@@ -54,7 +54,7 @@ def read_latest(save_dir: Path) -> str | None:
     if not path.exists() and not path.is_symlink():
         return None
     refuse_dangling(save_dir)
-    with storage.open_regular(path) as f:
+    with fileio.open_regular(path) as f:
         raw = f.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
         raise CorruptCheckpoint(f"{path}: {len(raw)}+ bytes; a `latest` file names one tag", path=str(path))

@@ -1,6 +1,6 @@
 """File names of the formats that code below formats/ is told about (it knows none itself):
 ``PUBLISH_ORDER``, which files of a checkpoint zckpt writes make it complete, for publishing into an object
-store (``zckpt.io.remote_staging.PublishOrder``: the HF index, the native ``manifest.json``, DCP's
+store (``zckpt.storage.remote_staging.PublishOrder``: the HF index, the native ``manifest.json``, DCP's
 ``.metadata``, written after every data file; ``latest``, written last of all), and ``HF_WEIGHT_BASES``,
 the weight files zckpt writes into an HF folder.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from zckpt.io.remote_staging import PublishOrder
+from zckpt.storage.remote_staging import PublishOrder
 
 PUBLISH_ORDER = PublishOrder(
     completing=re.compile(r"(^|/)(manifest\.json|\.metadata|[^/]*\.index\.json)$"),

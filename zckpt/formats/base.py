@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.io.integrity import Problem, VerifyContext
-from zckpt.io.items import WriteItem
-from zckpt.io.safetensors import FileRecord
+from zckpt.codecs.safetensors import FileRecord
+from zckpt.stream.integrity import Problem, VerifyContext
+from zckpt.stream.items import WriteItem
 
 OnFile = Callable[[str, int], None]
 """Called with (file name relative to the output, bytes) after each file a writer finishes."""
@@ -45,7 +45,7 @@ class WritePlan:
     digest: tuple[object, ...] = field(default=(), compare=False)
     """Anything else every process must agree on (checked before writing)."""
     generation: str | None = None
-    """A name part for the data files (``zckpt.io.remote_staging.RemoteStaging.generation``: an output that
+    """A name part for the data files (``zckpt.storage.remote_staging.RemoteStaging.generation``: an output that
     replaces another in an object store), for writers whose completing file names them (``generations``)."""
 
 

@@ -3,7 +3,7 @@
 Reads a single ``.safetensors`` file, or an HF folder holding ``model.safetensors``, sharded
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, or ``pytorch_model.bin``
 (sharded with ``pytorch_model.bin.index.json``; the ``.bin`` files are read by ``torch_file``). Headers
-are parsed strictly by ``zckpt.io.safetensors``; each tensor becomes one ``Piece`` pointing into its file.
+are parsed strictly by ``zckpt.codecs.safetensors``; each tensor becomes one ``Piece`` pointing into its file.
 
 zckpt's own metadata (``zckpt.formats._flat``), written here and read back:
 
@@ -25,17 +25,19 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import safetensors
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
-from zckpt.io import integrity, safetensors, storage
-from zckpt.io.integrity import SIDECARS, Problem, VerifyContext
-from zckpt.io.items import WriteItem
-from zckpt.io.shards import family, planned_names, write_sharded
-from zckpt.io.staging import open_staging
 from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
+from zckpt.storage import fileio
+from zckpt.storage.staging import open_staging
+from zckpt.stream import integrity
+from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext
+from zckpt.stream.items import WriteItem
+from zckpt.stream.shards import family, planned_names, write_sharded
 
 NAME = "hf"
 SAFETENSORS = "model.safetensors"
@@ -72,7 +74,7 @@ def _sidecar_check(path: Path) -> Checked | None:
             str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
         )
     if digest is not None:
-        return Checked(str(path), 0, storage.size(path), None, "checksum sidecar", sha256=digest)
+        return Checked(str(path), 0, fileio.size(path), None, "checksum sidecar", sha256=digest)
     found = integrity.block_sidecars(path)
     if not found:
         return None
@@ -82,9 +84,9 @@ def _sidecar_check(path: Path) -> Checked | None:
             str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
         )
     d, size = blocks
-    if size != storage.size(path):
+    if size != fileio.size(path):
         raise CorruptCheckpoint(
-            f"{path}: {storage.size(path)} bytes, but its sidecar {path.name + suffix} records {size}",
+            f"{path}: {fileio.size(path)} bytes, but its sidecar {path.name + suffix} records {size}",
             hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
             path=str(path),
         )
@@ -118,7 +120,7 @@ MAX_INDEX = 64 << 20
 
 def _read_json(path: Path) -> Any:
     try:
-        raw = storage.read_capped(path, MAX_INDEX, "a shard index", "the file is damaged or not an index")
+        raw = fileio.read_capped(path, MAX_INDEX, "a shard index", "the file is damaged or not an index")
         return json.loads(raw)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpoint(f"{path}: unreadable JSON ({type(e).__name__})", path=str(path)) from None
@@ -265,7 +267,7 @@ def write_safetensors(
     Args:
         out: a file name ending in ``.safetensors``, or a folder (gets ``model.safetensors``, sharded
             with an index when ``max_shard_size`` splits it).
-        items: what to write (see ``zckpt.io.items.items_from_state_dict``).
+        items: what to write (see ``zckpt.stream.items.items_from_state_dict``).
         tied: ``{alias: owner}``; owners are stored once and aliases recorded in the metadata.
 
     Returns:

@@ -1,4 +1,4 @@
-"""torch ``.bin`` / ``.pt`` state dicts: lazy reading through ``zckpt.io.torchzip``; streaming writing.
+"""torch ``.bin`` / ``.pt`` state dicts: lazy reading through ``zckpt.codecs.torchzip``; streaming writing.
 
 Reading never runs ``torch.load``: the pickle goes through the allowlisted ``SafeUnpickler`` and each
 tensor becomes pieces pointing into its storage record. Accepted layouts: a plain state dict, or a
@@ -24,20 +24,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import torchzip
+from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.codecs.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
-from zckpt.io import storage, torchzip
-from zckpt.io.digest import BLOCK_BYTES, FileDigest
-from zckpt.io.items import WriteItem
-from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.shards import family, planned_names, write_sharded
-from zckpt.io.sink import HashingSink
-from zckpt.io.staging import open_staging
-from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, TrainingState
+from zckpt.storage import fileio
+from zckpt.storage.digest import BLOCK_BYTES, FileDigest
+from zckpt.storage.sink import HashingSink
+from zckpt.storage.staging import open_staging
+from zckpt.stream.items import WriteItem
+from zckpt.stream.shards import family, planned_names, write_sharded
 
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -116,7 +117,7 @@ def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
 
 def _zckpt_record(path: Path) -> dict[str, Any]:
     try:
-        with storage.open_regular(path) as f, zipfile.ZipFile(f) as zf:
+        with fileio.open_regular(path) as f, zipfile.ZipFile(f) as zf:
             names = [n for n in zf.namelist() if n.rpartition("/")[2] == RECORD_NAME]
             if not names:
                 return {}

@@ -54,13 +54,6 @@ from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import ModelWriteOptions, ModelWriter
-from zckpt.io import checks, objstore, pipeline
-from zckpt.io.items import WriteItem
-from zckpt.io.objstore import as_path
-from zckpt.io.remote_staging import RemoteStaging
-from zckpt.io.session import Storage
-from zckpt.io.shards import family, oversized, parse_size, plan_shards, planned_names
-from zckpt.io.staging import Staging, Ticket, open_staging, share
 from zckpt.model import PRECISIONS, Role, dtype_name, parse_output_dtype, parse_precision
 from zckpt.ops import group as zgroup
 from zckpt.ops import hf_files
@@ -68,6 +61,14 @@ from zckpt.ops.paths import check_overlap
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 from zckpt.ops.select import require_globs
+from zckpt.storage import checks, objstore
+from zckpt.storage.objstore import as_path
+from zckpt.storage.remote_staging import RemoteStaging
+from zckpt.storage.session import Storage
+from zckpt.storage.staging import Staging, Ticket, open_staging, share
+from zckpt.stream import pipeline
+from zckpt.stream.items import WriteItem
+from zckpt.stream.shards import family, oversized, parse_size, plan_shards, planned_names
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class ConsolidateResult:
 _OWNS = family(HF_WEIGHT_BASES)
 """What ``overwrite`` of an HF folder replaces: the weight files zckpt writes there (either format's shard
 set, index and sidecars; a stale set of the other format would shadow the new one in ``from_pretrained``);
-the HF files copied in replace their namesakes; every other file is kept (``zckpt.io.staging``)."""
+the HF files copied in replace their namesakes; every other file is kept (``zckpt.storage.staging``)."""
 
 
 def _writers() -> list[ModelWriter]:
@@ -220,13 +221,13 @@ def consolidate(
             for every floating tensor; also ``bfloat16``, ``torch.float16``, a ``torch.dtype`` (module doc).
         keep_fp32: fnmatch globs of tensor names kept in fp32.
         max_shard_size: shards of at most this size + an index: ``int`` bytes or ``"5GB"`` (a unit is
-            required; ``zckpt.io.shards.parse_size``); a larger tensor gets its own shard, with a warning.
+            required; ``zckpt.stream.shards.parse_size``); a larger tensor gets its own shard, with a warning.
         tag: checkpoint tag to read instead of ``latest``; exclude_frozen: leave out frozen params.
         format (`str`, *optional*): ``safetensors`` or ``bin``; default from ``out``'s suffix.
         overwrite: replace an existing ``out`` (an HF folder keeps the files zckpt does not write).
         progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
-            default ``zckpt.io.pipeline.default_workers()``, divided among the ranks of one host).
+            default ``zckpt.stream.pipeline.default_workers()``, divided among the ranks of one host).
         distributed: ``False`` (default): this process alone, whatever process group exists. ``True``:
             split the writing over the ranks of the default process group (gloo, ``env://`` under torchrun).
         verify_data: check the input's recorded checksums over the bytes read; publish no damaged data.

@@ -76,14 +76,14 @@ import torch
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError, ZckptError
 from zckpt.formats import open_checkpoint, registry
-from zckpt.io import checks
-from zckpt.io.session import Storage
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
 from zckpt.ops.diff_values import TensorDiff, compare_all, parse_compare_dtype
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 from zckpt.ops.stats import CHUNK
+from zckpt.storage import checks
+from zckpt.storage.session import Storage
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"

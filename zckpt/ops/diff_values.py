@@ -1,6 +1,6 @@
 """The values half of ``zckpt diff``: one tensor pair compared in float64, streamed chunk by chunk.
 
-``compare`` folds aligned chunk pairs (``zckpt.io.spans.aligned_views``: zero-copy views of both files'
+``compare`` folds aligned chunk pairs (``zckpt.stream.spans.aligned_views``: zero-copy views of both files'
 page cache) into float64 accumulators and returns a ``TensorDiff``. Both sides are upcast exactly to float64,
 which represents every value of every float dtype up to 32 bits (and every integer up to 2**53), so a tensor
 stored in bf16 on one side and in fp32 on the other compares equal when the values are. Integer/bool tensors
@@ -45,11 +45,11 @@ import torch
 from tqdm import tqdm
 
 from zckpt.errors import InvalidArgument
-from zckpt.io import scan
-from zckpt.io.spans import aligned_views
-from zckpt.io.threads import Pool
 from zckpt.model import PRECISIONS, TensorEntry, dtype_name, parse_precision
 from zckpt.ops.stats import is_exact, iter_chunks
+from zckpt.storage import scan
+from zckpt.storage.threads import Pool
+from zckpt.stream.spans import aligned_views
 
 
 @dataclass(frozen=True)

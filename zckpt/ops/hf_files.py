@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io import storage
-from zckpt.io.objstore import as_path
 from zckpt.model import dtype_name
+from zckpt.storage import fileio
+from zckpt.storage.objstore import as_path
 
 HF_FILES = (
     "config.json",
@@ -64,7 +64,7 @@ def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> No
         if f.name == "config.json" and dtype is not None:
             _write_config(f, dest / f.name, dtype)
         else:
-            storage.copy_file(f, dest / f.name)
+            fileio.copy_file(f, dest / f.name)
 
 
 def write_config(config: Mapping[str, object], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
@@ -89,7 +89,7 @@ def kept_config_dtype(path: Path) -> str | None:
 
 
 def _read_config(src: Path) -> dict[str, object]:
-    with storage.open_regular(src) as fh:
+    with fileio.open_regular(src) as fh:
         raw = fh.read(MAX_CONFIG + 1)
     try:
         cfg = json.loads(raw)

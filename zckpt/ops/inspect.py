@@ -18,10 +18,10 @@ from typing import Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
-from zckpt.io.session import Storage
 from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.ops.scope import storage_scoped
 from zckpt.ops.stats import TensorStats, checkpoint_stats
+from zckpt.storage.session import Storage
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from zckpt.errors import OutputExists
-from zckpt.io.objstore import as_path
 from zckpt.state import CheckpointMeta
+from zckpt.storage.objstore import as_path
 
 
 def input_kind(format: str | None, path: str | Path) -> str:

@@ -7,7 +7,7 @@ loads at the new world size with nothing else to do, through the target format's
 optimizer state whatever its name, frozen params, buffers, tied aliases, and the ``TrainingState``
 (scheduler, loss scaler, step counters, client state, per-rank RNG where the target keeps it: see the
 writers for the RNG rule). Tensors are streamed: each destination file is written one storage at a time,
-each storage read in bounded chunks from only the source bytes it needs (``zckpt.io.flat``).
+each storage read in bounded chunks from only the source bytes it needs (``zckpt.stream.flat``).
 
 An HF Trainer ``checkpoint-N`` folder (``trainer_state.json`` beside ``latest``) comes out as a complete
 ``checkpoint-N`` for the new world: ``zckpt.ops.trainer_files`` plans its other files (copied byte for byte,
@@ -34,25 +34,25 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs.safetensors import FileRecord
 from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import detect, get
 from zckpt.formats._names import PUBLISH_ORDER
 from zckpt.formats.base import CheckpointWriter, WritePlan
 from zckpt.formats.deepspeed.layout import is_batch_note
-from zckpt.io import checks
-from zckpt.io.digest import SIDECAR_PATTERN
-from zckpt.io.objstore import as_path
-from zckpt.io.pipeline import each_file
-from zckpt.io.remote_staging import RemoteStaging, Ticket
-from zckpt.io.safetensors import FileRecord
-from zckpt.io.session import Storage
-from zckpt.io.staging import Staging, open_staging, share
 from zckpt.ops import group as zgroup
 from zckpt.ops import trainer_files
 from zckpt.ops.paths import check_overlap, input_kind, input_root
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.progress import sized
 from zckpt.ops.scope import storage_scoped
+from zckpt.storage import checks
+from zckpt.storage.digest import SIDECAR_PATTERN
+from zckpt.storage.objstore import as_path
+from zckpt.storage.remote_staging import RemoteStaging, Ticket
+from zckpt.storage.session import Storage
+from zckpt.storage.staging import Staging, open_staging, share
+from zckpt.stream.pipeline import each_file
 
 __all__ = ["ReshardResult", "default_dst", "reshard"]
 
@@ -90,7 +90,7 @@ def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
     (``_CHECKPOINT_FILE``: rank files of any world size, so no stale rank file survives to pass for part
     of the new set), and for an HF Trainer output the files it copies in and the RNG files of any rank.
     Anything else in DST refuses the run before any work, naming the files (never delete a file zckpt did
-    not write; ``zckpt.io.staging``)."""
+    not write; ``zckpt.storage.staging``)."""
     trainer = side is not None and side.trainer_state is not None
     copied = set(side.copies) if side is not None else set()
     copied |= {trainer_files.TRAINER_STATE} if trainer else set()

@@ -1,4 +1,4 @@
-"""``storage_scoped``: every library operation runs with one ``zckpt.io.session.Storage`` of its own.
+"""``storage_scoped``: every library operation runs with one ``zckpt.storage.session.Storage`` of its own.
 
 The decorated function takes ``storage_options=`` (the object-store client's options) and ``storage=`` (a
 ``zckpt.Storage`` the caller made and keeps). The operation runs bound to, in order: ``storage`` when
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.io import session
+from zckpt.storage import session
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -25,10 +25,10 @@ from typing import Any
 
 from zckpt.errors import ZckptError
 from zckpt.formats import open_checkpoint, registry
-from zckpt.io.objstore import as_path
 from zckpt.model import STATE_SEP
 from zckpt.ops.diff import DiffResult, diff
 from zckpt.ops.plots.names import module_of, place
+from zckpt.storage.objstore import as_path
 
 STEP_PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"^global_step(\d+)$"),  # DeepSpeed, the engine's native tags

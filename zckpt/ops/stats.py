@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.io.spans import read_range, windows
 from zckpt.model import TensorEntry, dtype_name
+from zckpt.stream.spans import read_range, windows
 
 CHUNK = 1 << 20
 """Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for

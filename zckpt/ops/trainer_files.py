@@ -40,10 +40,10 @@ from typing import Any
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.base import OnFile
 from zckpt.formats.deepspeed.layout import adjust_batch
-from zckpt.io import storage
-from zckpt.io.objstore import as_path
-from zckpt.io.sink import HashingSink
 from zckpt.state import CheckpointMeta
+from zckpt.storage import fileio
+from zckpt.storage.objstore import as_path
+from zckpt.storage.sink import HashingSink
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -188,7 +188,7 @@ def _map_rng(rng: Mapping[str, Path], old: int, new: int) -> tuple[dict[str, Pat
 
 def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
     hint = "restore the trainer_state.json the Trainer wrote"
-    raw = storage.read_capped(path, MAX_STATE_BYTES, "a trainer state", hint)
+    raw = fileio.read_capped(path, MAX_STATE_BYTES, "a trainer state", hint)
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -301,7 +301,7 @@ def _size(p: Path) -> int:
 def _copy(src: Path, dst: Path) -> int:
     """Copy the regular file ``src`` to the new file ``dst`` byte for byte (mode bits kept); its size."""
     n = 0
-    with storage.open_regular(src) as fin, HashingSink(dst) as sink:
+    with fileio.open_regular(src) as fin, HashingSink(dst) as sink:
         st = os.fstat(fin.fileno())
         while chunk := fin.read(_CHUNK):
             n += sink.write(chunk)

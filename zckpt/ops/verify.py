@@ -7,12 +7,12 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    covered by its pieces, index and shards agreeing. Their typed error becomes a problem.
 2. Every file: present, non-empty, readable. safetensors: header strictly parsed and, as the spec
    requires, the data section exactly covered — no holes and no trailing bytes
-   (``zckpt.io.safetensors.check_file``). torch zip (``.pt/.bin/.pth/.ckpt``): every record's CRC-32
+   (``zckpt.codecs.safetensors.check_file``). torch zip (``.pt/.bin/.pth/.ckpt``): every record's CRC-32
    recomputed and the pickle parsed through the safe unpickler, every storage record present and long
-   enough (``zckpt.io.torchzip.check_file``).
+   enough (``zckpt.codecs.torchzip.check_file``).
 3. Every piece's bytes lie inside its file.
 4. Checksums, wherever recorded: ``<file>.crc32.json`` block sidecars (written through
-   ``zckpt.io.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
+   ``zckpt.storage.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
    (``sha256sum`` format). A sidecar whose file is gone is a problem too. With ``sha256=True`` each file's
    whole sha256 is computed as well and reported (to compare with a digest published elsewhere).
 5. The format's own checks (``Format.verify``): e.g. the native manifest's digests and sizes, HF shards
@@ -32,17 +32,18 @@ from typing import Any
 
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import safetensors, torchzip
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
-from zckpt.io import safetensors, scan, storage, torchzip
-from zckpt.io.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
-from zckpt.io.objstore import as_path
-from zckpt.io.scan import Scanner
-from zckpt.io.session import Storage
-from zckpt.io.threads import Pool
 from zckpt.ops.paths import input_kind
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
+from zckpt.storage import fileio, scan
+from zckpt.storage.objstore import as_path
+from zckpt.storage.scan import Scanner
+from zckpt.storage.session import Storage
+from zckpt.storage.threads import Pool
+from zckpt.stream.integrity import Problem, VerifyContext, check_sidecar, orphan_sidecars, problem_from
 
 SCHEMA_VERSION = 1
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -262,7 +263,7 @@ def _files_on_disk(p: Path) -> list[Path]:
 def _size(f: Path) -> int:
     """``f``'s size for the progress bar (0 where it cannot be had: the checks say why)."""
     try:
-        return storage.size(str(f))
+        return fileio.size(str(f))
     except (OSError, ZckptError):
         return 0
 
@@ -279,8 +280,8 @@ def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
     if not f.exists():
         return [Problem(str(f), "missing", "missing", "restore the file from the original save")]
     try:
-        with storage.open_regular(f) as fh:
-            size = storage.file_size(fh)
+        with fileio.open_regular(f) as fh:
+            size = fileio.file_size(fh)
     except ZckptError as e:
         return [problem_from(e, f)]
     if size == 0:
@@ -305,7 +306,7 @@ def _check_pieces(ckpt: Checkpoint) -> list[Problem]:
                 continue
             if pc.file not in sizes:
                 try:
-                    sizes[pc.file] = storage.size(pc.file)
+                    sizes[pc.file] = fileio.size(pc.file)
                 except OSError:
                     sizes[pc.file] = -1
             size = sizes[pc.file]

@@ -23,7 +23,7 @@ from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.dcp import layout, read
 from zckpt.formats.dcp.verify import verify
 from zckpt.formats.dcp.write import DcpWriter
-from zckpt.io.integrity import Problem, VerifyContext
+from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class DcpFormat(Format):

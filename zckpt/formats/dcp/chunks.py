@@ -3,7 +3,7 @@ without loading anything.
 
 Each item of a ``.distcp`` file is one complete ``torch.save`` zip archive (DCP's default serialization):
 its zip directory, local headers and ``data.pkl`` are parsed through a window of the file
-(``zckpt.io.torchzip.archive_at``, the pickle through the safe unpickler), giving the absolute offset of the
+(``zckpt.codecs.torchzip.archive_at``, the pickle through the safe unpickler), giving the absolute offset of the
 storage record ``data/0``, its dtype and shape, and its zip CRC-32. With
 ``FileSystemWriter(serialization_format=SAFETENSORS)`` a file holds the bytes items as archives and then one
 safetensors blob to EOF with every tensor chunk of the rank under its flattened key; every tensor item's
@@ -19,14 +19,15 @@ from types import TracebackType
 
 import torch
 
+from zckpt.codecs import safetensors
+from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.codecs.safetensors import Header
+from zckpt.codecs.torchzip import archive_at
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats.dcp.metadata import METADATA, Chunk, StorageInfo
-from zckpt.io import safetensors, storage
-from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.safetensors import Header
-from zckpt.io.torchzip import archive_at
-from zckpt.io.window import Window
 from zckpt.model import Checked
+from zckpt.storage import fileio
+from zckpt.stream.window import Window
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -63,7 +64,7 @@ class Files:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._fds: dict[str, tuple[storage.Handle, int]] = {}
+        self._fds: dict[str, tuple[fileio.Handle, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
         self._paths: dict[str, Path] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
@@ -79,7 +80,7 @@ class Files:
     def close(self) -> None:
         for fd, _ in self._fds.values():
             with contextlib.suppress(OSError):
-                storage.close_fd(fd)
+                fileio.close_fd(fd)
         self._fds.clear()
 
     def path(self, info: StorageInfo) -> Path:
@@ -99,17 +100,17 @@ class Files:
             )
         return self.folder / rel
 
-    def open(self, info: StorageInfo) -> tuple[str, storage.Handle]:
+    def open(self, info: StorageInfo) -> tuple[str, fileio.Handle]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""
         f = str(self.path(info))
         if f not in self._fds:
-            if not storage.exists(f):
+            if not fileio.exists(f):
                 raise ShardMismatch(
                     f"{f}: missing (the metadata stores items in it)",
                     hint="restore the file from the original save",
                     path=f,
                 )
-            h = storage.open_fd(f)
+            h = fileio.open_fd(f)
             self._fds[f] = (h, h.size)
         fd, size = self._fds[f]
         if info.offset + info.length > size:

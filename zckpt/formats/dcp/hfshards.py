@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from zckpt.codecs import safetensors
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.dcp.chunks import ChunkData
 from zckpt.formats.dcp.layout import SHARD_RE, SHARDING_INFO
 from zckpt.formats.dcp.metadata import Chunk, TensorMeta
-from zckpt.io import safetensors
 
 
 def shard_files(folder: Path) -> list[Path]:

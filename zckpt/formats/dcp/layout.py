@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, PermissionDenied, UnknownFormat
 from zckpt.formats.dcp.metadata import METADATA
-from zckpt.io import storage
+from zckpt.storage import fileio
 
 OPTIM = ("optim", "optimizer")
 SCHEDULER = ("lr_scheduler", "scheduler")
@@ -38,7 +38,7 @@ SHARDING_INFO = "DCP_SHARDING_INFO"
 def is_dcp_folder(p: Path) -> bool:
     """A folder holding a ``.metadata`` pickle."""
     try:
-        with storage.open_regular(p / METADATA) as f:
+        with fileio.open_regular(p / METADATA) as f:
             return f.read(1) == b"\x80"
     except (OSError, CorruptCheckpoint):
         return False
@@ -53,7 +53,7 @@ def is_hf_shards(p: Path) -> bool:
     if not shards:
         return False
     try:
-        with storage.open_regular(shards[0]) as f:
+        with fileio.open_regular(shards[0]) as f:
             head = f.read(1 << 16)
     except (OSError, CorruptCheckpoint):
         return False
@@ -96,7 +96,7 @@ def _unreadable(md: Path) -> str:
     if not os.path.lexists(md):
         return "missing"
     try:
-        with storage.open_regular(md):
+        with fileio.open_regular(md):
             pass
     except CorruptCheckpoint as e:  # a FIFO, a device, a folder, a dangling link...
         return str(e).removeprefix(f"{md}: ")

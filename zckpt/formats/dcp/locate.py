@@ -25,7 +25,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.dcp.boxes import check_tiling, distinct
 from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, ChunkData, Files
 from zckpt.formats.dcp.metadata import DcpMetadata
-from zckpt.io import storage
+from zckpt.storage import fileio
 
 Located = dict[tuple[int, ...], ChunkData]
 """A tensor's distinct non-empty chunks by their offsets."""
@@ -41,7 +41,7 @@ def blob_files(files: Files, md: DcpMetadata) -> frozenset[str]:
         if offsets is None or key not in md.tensors or not info.length or info.file in seen:
             continue
         seen.add(info.file)
-        if not info.transforms and _starts_a_blob(storage.pread(files.open(info)[1], 9, info.offset)):
+        if not info.transforms and _starts_a_blob(fileio.pread(files.open(info)[1], 9, info.offset)):
             out.add(info.file)
     return frozenset(out)
 

@@ -1,14 +1,14 @@
-"""DCP's ``.metadata`` file: unpickled through zckpt's bounded unpickle (``zckpt.io.pickle_core``) into the
+"""DCP's ``.metadata`` file: unpickled through zckpt's bounded unpickle (``zckpt.codecs.pickle_core``) into the
 inert stand-ins of ``standins``, then checked into typed, frozen records.
 
 ``DcpMetadata`` is what readers use: every flattened key in state-dict order with its path (``planner_data``:
 never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes), bytes items, and
 ``storage`` from ``(key, chunk offsets)`` (``None`` for bytes items) to ``StorageInfo``.
 
-The load runs without torch (``zckpt.io.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as
+The load runs without torch (``zckpt.codecs.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as
 an int64 array) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to torch's.
 So the command line can parse a large ``.metadata`` in a child process while it imports torch (``preload``,
-``zckpt.io.preopen``); the parent takes the child's ``Parsed`` only for the very bytes it read itself.
+``zckpt.storage.preopen``); the parent takes the child's ``Parsed`` only for the very bytes it read itself.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
+from zckpt.codecs.pickle_core import bounded_loads
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
 from zckpt.formats.dcp.standins import (
@@ -38,9 +39,8 @@ from zckpt.formats.dcp.standins import (
     TensorStorageMetadata,
     Unpickler,
 )
-from zckpt.io import collector, preopen, session, storage
-from zckpt.io.objstore import as_path
-from zckpt.io.pickle_core import bounded_loads
+from zckpt.storage import collector, fileio, preopen, session
+from zckpt.storage.objstore import as_path
 
 if TYPE_CHECKING:  # torch is imported by ``build`` only: the rest runs in the command line's pre-open child
     import torch
@@ -125,7 +125,7 @@ class Parsed(NamedTuple):
 
 def build(source: str, p: Parsed) -> DcpMetadata:
     """The typed records of ``p``, dtypes mapped to torch's (a name this torch lacks is refused)."""
-    from zckpt.io.pickle_safe import TORCH_DTYPES
+    from zckpt.codecs.pickle_safe import TORCH_DTYPES
 
     tensors: dict[str, TensorMeta] = {}
     for key, (name, shape, boxes) in p.tensors.items():
@@ -161,7 +161,7 @@ def load_metadata(folder: Path) -> DcpMetadata:
 
 
 def _read(f: Path) -> bytes:
-    with storage.open_regular(f) as fh:
+    with fileio.open_regular(f) as fh:
         data = fh.read(MAX_METADATA + 1)
     src = str(f)
     if not data:
@@ -188,7 +188,7 @@ def parse_bytes(data: bytes, source: str) -> Parsed:
 
 # ---- parsed in a child process while the command line imports torch ---------------------------------
 def preload(path: str) -> bytes:
-    """The command line's pre-open (``zckpt.io.preopen``, in a child that has not imported torch): the
+    """The command line's pre-open (``zckpt.storage.preopen``, in a child that has not imported torch): the
     ``.metadata`` at ``path`` read, parsed and checked, as marshal'd ``(digest of its bytes, Parsed)``. Any
     refusal raises: the parent then parses the file itself and reports it through its own path."""
     data = _read(Path(path))

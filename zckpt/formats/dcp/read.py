@@ -40,10 +40,11 @@ from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.locate import Locator, blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
 from zckpt.formats.dcp.values import Value, decode
-from zckpt.io import collector, session, spans
-from zckpt.io.objstore import as_path
 from zckpt.model import DeferredEntry, Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
+from zckpt.storage import collector, session
+from zckpt.storage.objstore import as_path
+from zckpt.stream import spans
 
 NAME = "dcp"
 FROZEN_NAMES = ("weight", "bias")

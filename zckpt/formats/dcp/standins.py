@@ -22,8 +22,8 @@ import array
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from zckpt.codecs.pickle_core import LEAVES, RestrictedUnpickler, _Record
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io.pickle_core import LEAVES, RestrictedUnpickler, _Record
 
 
 class Metadata(_Record):

@@ -20,9 +20,9 @@ from typing import Any
 
 from zckpt.formats.dcp.layout import Slot
 from zckpt.formats.dcp.values import Value
-from zckpt.io import spans
 from zckpt.model import TensorEntry
 from zckpt.state import Counters, OptimizerState, ParamGroup, to_json
+from zckpt.stream import spans
 
 
 def set_path(root: dict[Any, Any], path: tuple[str | int, ...], value: Any) -> None:

@@ -16,11 +16,11 @@ import zipfile
 from dataclasses import dataclass, replace
 from typing import Any
 
+from zckpt.codecs.pickle_safe import BytesIOValue, TensorRef, safe_loads
+from zckpt.codecs.torchzip import archive_at
 from zckpt.errors import CorruptCheckpoint, UnsafePickle, Unsupported
 from zckpt.formats.dcp.chunks import ZIP_MAGIC, Files, unsupported_transform
 from zckpt.formats.dcp.metadata import StorageInfo
-from zckpt.io.pickle_safe import BytesIOValue, TensorRef, safe_loads
-from zckpt.io.torchzip import archive_at
 from zckpt.model import Piece, Role, TensorEntry
 
 MAX_DECODED = 16 << 20

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import safetensors
+from zckpt.codecs.torchzip import start_archive_check
 from zckpt.errors import ZckptError
 from zckpt.formats.dcp import layout
 from zckpt.formats.dcp.boxes import distinct, tiling_problem
@@ -26,11 +28,11 @@ from zckpt.formats.dcp.chunks import ZIP_MAGIC, ZSTD_MAGIC, Files
 from zckpt.formats.dcp.layout import classify
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, StorageKey, load_metadata
 from zckpt.formats.dcp.read import model_of, pieces
-from zckpt.io import safetensors, spans, storage
-from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
-from zckpt.io.objstore import as_path
-from zckpt.io.torchzip import start_archive_check
 from zckpt.model import Role, TensorEntry
+from zckpt.storage import fileio
+from zckpt.storage.objstore import as_path
+from zckpt.stream import spans
+from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 
 
 def _item(key: StorageKey, info: StorageInfo) -> str:
@@ -53,7 +55,7 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
                 out.append(problem_from(e, as_path(md.source)))
                 continue
             if f not in sizes:
-                sizes[f] = storage.size(f) if storage.is_file(f) else -1
+                sizes[f] = fileio.size(f) if fileio.is_file(f) else -1
                 if sizes[f] < 0:
                     out.append(Problem(f, "missing (the metadata stores items in it)", "missing",
                                        "restore the file from the original save"))  # fmt: skip
@@ -121,7 +123,7 @@ def _start_item(
 ) -> Callable[[], str | None]:
     """The item's check started (``start_archive_check``); the call returned gives its verdict."""
     f, fd = files.open(info)
-    head = storage.pread(fd, 4, info.offset)
+    head = fileio.pread(fd, 4, info.offset)
     if info.transforms or head == ZSTD_MAGIC:
         return _none  # compressed items: the reader reports them as unsupported
     if head == ZIP_MAGIC:
@@ -212,7 +214,7 @@ def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Prob
         out += _items(md, ctx) + _tiling(md) + _strays(md)
         if ckpt is None:  # the generic checks did not see these files: their sidecars are checked here
             for f in sorted({str(folder / i.file) for i in md.storage.values()}):
-                if storage.is_file(f) and f not in ctx.broken:
+                if fileio.is_file(f) and f not in ctx.broken:
                     out += check_sidecar(as_path(f), ctx)
     if ckpt is not None and not out:
         out += _ties(ckpt, mds)

@@ -14,7 +14,7 @@ What is written (keys as torchtitan's ``CheckpointManager`` and ``flatten_optimi
   ``client_state.*``), a DCP source's opaque values copied byte for byte;
 - ``.metadata`` last (``finish``), pickled under DCP's class names (``pickler``).
 
-Every item is one ``torch.save``-compatible zip archive (``zckpt.io.torchzip_write``) streamed into a
+Every item is one ``torch.save``-compatible zip archive (``zckpt.codecs.torchzip_write``) streamed into a
 ``HashingSink`` (a ``.sha256.json`` block-digest sidecar per file, hashed on several cores); the folder is
 staged and published whole by ``ops/reshard``.
 """
@@ -35,20 +35,22 @@ import torch
 
 from zckpt import partition
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import zipdir
+from zckpt.codecs.safetensors import FileRecord
+from zckpt.codecs.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter
+from zckpt.codecs.torchzip_write import dumps as pickle_obj
 from zckpt.errors import InvalidArgument, KeyMappingError
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.formats.dcp.pickler import Stored, TensorSpec, dumps
 from zckpt.formats.dcp.read import NAME
-from zckpt.io import pipeline, storage, zipdir
-from zckpt.io.digest import BLOCK_BYTES
-from zckpt.io.fill import layout_of_items
-from zckpt.io.items import WriteItem, tensor_bytes
-from zckpt.io.safetensors import FileRecord
-from zckpt.io.sink import FillRing, HashingSink
-from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter
-from zckpt.io.torchzip_write import dumps as pickle_obj
 from zckpt.model import Role, TensorEntry
+from zckpt.storage import fileio
+from zckpt.storage.digest import BLOCK_BYTES
+from zckpt.storage.sink import FillRing, HashingSink
+from zckpt.stream import pipeline
+from zckpt.stream.fill import layout_of_items
+from zckpt.stream.items import WriteItem, tensor_bytes
 
 Path_ = tuple[str | int, ...]
 COPY_BYTES = 8 << 20
@@ -417,7 +419,7 @@ def _write_item(sink: HashingSink, it: Item, ckpt: Checkpoint) -> None:
         f, offset, length = it.raw
         for lo in range(0, length, COPY_BYTES):
             buf = torch.empty(min(COPY_BYTES, length - lo), dtype=torch.uint8)
-            storage.read_into(f, offset + lo, buf)
+            fileio.read_into(f, offset + lo, buf)
             sink.write(tensor_bytes(buf))
         return
     if it.entry is None:

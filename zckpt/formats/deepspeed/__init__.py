@@ -16,7 +16,7 @@ from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.deepspeed.files import detect
 from zckpt.formats.deepspeed.read import read
 from zckpt.formats.deepspeed.write import DeepSpeedWriter
-from zckpt.io.integrity import Problem, VerifyContext
+from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class DeepSpeedFormat(Format):

@@ -1,5 +1,5 @@
 """One ``torch.save`` archive built from lazy tensors: ``Archive.tensor`` registers a storage whose bytes
-are read (``zckpt.io.flat``) only while ``save`` streams it into the file, one storage at a time; ``convert``
+are read (``zckpt.stream.flat``) only while ``save`` streams it into the file, one storage at a time; ``convert``
 copies a pickled source object with every tensor reference turned into such a storage."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
+from zckpt.codecs.pickle_safe import TensorRef, _Record
+from zckpt.codecs.safetensors import FileRecord
+from zckpt.codecs.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.errors import Unsupported
-from zckpt.io.digest import BLOCK_BYTES
-from zckpt.io.flat import FlatSource, whole
-from zckpt.io.items import entry_from_tensor
-from zckpt.io.pickle_safe import TensorRef, _Record
-from zckpt.io.safetensors import FileRecord
-from zckpt.io.sink import HashingSink
-from zckpt.io.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.model import Piece, Role, TensorEntry
+from zckpt.storage.digest import BLOCK_BYTES
+from zckpt.storage.sink import HashingSink
+from zckpt.stream.flat import FlatSource, whole
+from zckpt.stream.items import entry_from_tensor
 
 
 class Archive:

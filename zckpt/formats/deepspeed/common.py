@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
-from zckpt.io import storage
-from zckpt.io.pickle_safe import TensorRef
-from zckpt.io.threads import Pool
-from zckpt.io.torchzip import load_archive
 from zckpt.model import Piece, Role, TensorEntry
+from zckpt.storage import fileio
+from zckpt.storage.threads import Pool
 
 MAX_WORLD = 1 << 20
 """Largest partition count a file may claim (a bound for hostile input)."""
@@ -75,9 +75,9 @@ def load_all(paths: list[Path], trust: bool) -> list[Callable[[], Node]]:
     order: the caller asks only for the files it needs. Local files load on that call; files in an object
     store start loading side by side now (their zip directories, pickles and record headers are round trips
     to the store)."""
-    if not paths or not storage.is_remote(str(paths[0])):
+    if not paths or not fileio.is_remote(str(paths[0])):
         return [functools.partial(load, p, trust) for p in paths]
-    storage.will_open([str(p) for p in paths])
+    fileio.will_open([str(p) for p in paths])
     pool = Pool(min(len(paths), 8), thread_name_prefix="zckpt-open")
     futures = [pool.submit(load, p, trust) for p in paths]
     pool.shutdown(wait=False)

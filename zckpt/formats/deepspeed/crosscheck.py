@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.errors import ShardMismatch
 from zckpt.formats._schema import Node
-from zckpt.io import storage
-from zckpt.io.pickle_safe import TensorRef
 from zckpt.state import to_json
+from zckpt.storage import fileio
 
 _MODEL_FIELDS = (
     "global_steps",
@@ -89,7 +89,7 @@ def _steps(o: Node) -> list[float]:
         v = per.get("step") if isinstance(per, dict) else None
         if isinstance(v, TensorRef) and v.numel == 1:
             one = torch.empty(1, dtype=v.dtype)
-            storage.read_into(v.file, v.byte_offset, one)
+            fileio.read_into(v.file, v.byte_offset, one)
             steps.add(float(one.item()))
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             steps.add(float(v))

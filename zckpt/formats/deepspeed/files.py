@@ -12,7 +12,7 @@ from typing import Any
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, UnknownFormat, Unsupported
 from zckpt.formats._latest import read_latest, valid_tag
-from zckpt.io.objstore import absolute, as_path
+from zckpt.storage.objstore import absolute, as_path
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed import zero0, zero3, zero12
@@ -33,10 +34,9 @@ from zckpt.formats.deepspeed.common import (
 )
 from zckpt.formats.deepspeed.crosscheck import cross_check
 from zckpt.formats.deepspeed.files import check_ranks, resolve, scan
-from zckpt.io.objstore import as_path
-from zckpt.io.pickle_safe import TensorRef
 from zckpt.model import Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState, to_json
+from zckpt.storage.objstore import as_path
 
 _REQUIRED_SINCE = (0, 10)
 """DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``

@@ -28,17 +28,17 @@ import torch
 
 from zckpt import partition
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs.pickle_safe import DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address
+from zckpt.codecs.safetensors import FileRecord
 from zckpt.errors import Unsupported
 from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.deepspeed.archive import Archive
 from zckpt.formats.deepspeed.layout import Zero12Rank, adjust_batch, zero3_sub_groups, zero12_layout
-from zckpt.io.flat import Segment, chunk_of, source, whole
-from zckpt.io.pickle_safe import DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address
-from zckpt.io.safetensors import FileRecord
-from zckpt.io.spans import read_range
 from zckpt.model import PRECISIONS, Role, TensorEntry, parse_dtype
 from zckpt.state import TrainingState
+from zckpt.stream.flat import Segment, chunk_of, source, whole
+from zckpt.stream.spans import read_range
 
 DS_VERSION = "0.19.8"
 

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
+from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
-from zckpt.io import checks, storage
-from zckpt.io.pickle_safe import TensorRef
 from zckpt.model import Piece, Role, TensorEntry, dtype_name, precision_of
 from zckpt.state import to_json
+from zckpt.storage import checks, fileio
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _load(ref: TensorRef) -> torch.Tensor:
     before it trusts the matching it did with them)."""
     out = torch.empty(ref.numel, dtype=ref.dtype)
     if ref.numel:
-        storage.read_into(ref.file, ref.byte_offset, out)
+        fileio.read_into(ref.file, ref.byte_offset, out)
         checks.consumed(ref.check, ref.byte_offset, out)
     return out.view(tuple(ref.shape))
 

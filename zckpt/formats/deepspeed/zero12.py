@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from zckpt import partition
+from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.errors import ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import Layout, Run, fp32_flats
-from zckpt.io.pickle_safe import TensorRef
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from zckpt.errors import ZckptError
 from zckpt.formats.base import Format
 from zckpt.formats.megatron import hf, layout, read
 from zckpt.formats.megatron.verify import verify
-from zckpt.io.integrity import Problem, VerifyContext
+from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class MegatronFormat(Format):

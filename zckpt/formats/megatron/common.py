@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zckpt.codecs.pickle_safe import Namespace, TensorRef
+from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.megatron.standins import ALLOWED
-from zckpt.io.pickle_safe import Namespace, TensorRef
-from zckpt.io.torchzip import load_archive
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint, InvalidArgument, PathNotFound
-from zckpt.io import storage
+from zckpt.storage import fileio
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -43,7 +43,7 @@ def is_iteration(path: Path) -> bool:
 
 def _backend(marker: Path) -> str | None:
     try:
-        with storage.open_regular(marker) as f:
+        with fileio.open_regular(marker) as f:
             doc = json.loads(f.read(MAX_MARKER))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
@@ -72,7 +72,7 @@ def tag_folder(tag: str) -> str:
 def read_latest(save_dir: Path) -> str:
     """The iteration folder ``latest_checkpointed_iteration.txt`` names (a number or ``release``)."""
     f = save_dir / LATEST
-    with storage.open_regular(f) as fh:
+    with fileio.open_regular(f) as fh:
         raw = fh.read(MAX_LATEST + 1)
     text = raw.decode("ascii", "replace").strip()
     if len(raw) > MAX_LATEST or not (text == RELEASE or (text.isdigit() and len(text) <= 18)):

@@ -45,9 +45,9 @@ from zckpt.formats.megatron import carve, flat
 from zckpt.formats.megatron.common import Common, load_common
 from zckpt.formats.megatron.config import ModelConfig, Parallel, check_shapes, model_config, parallel
 from zckpt.formats.megatron.layout import Source, resolve
-from zckpt.io import collector
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState
+from zckpt.storage import collector
 
 NAME = "megatron"
 LAYERS = "decoder.layers."

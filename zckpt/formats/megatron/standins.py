@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zckpt.codecs.pickle_core import _Record
 from zckpt.errors import CorruptCheckpoint
-from zckpt.io.pickle_core import _Record
 
 
 class EnumValue(_Record):

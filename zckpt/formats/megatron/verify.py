@@ -16,7 +16,7 @@ from zckpt.formats.dcp.metadata import METADATA, load_metadata
 from zckpt.formats.dcp.verify import _items, _tiling
 from zckpt.formats.megatron.common import load_common
 from zckpt.formats.megatron.layout import COMMON, MARKER
-from zckpt.io.integrity import SIDECARS, Problem, VerifyContext, problem_from
+from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext, problem_from
 
 
 def verify(folder: Path, ctx: VerifyContext) -> list[Problem]:

@@ -16,7 +16,7 @@ from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.native import layout
 from zckpt.formats.native.read import detect, load_manifest, read, resolve
 from zckpt.formats.native.write import NativeWriter
-from zckpt.io.integrity import Problem, VerifyContext, compare_digest
+from zckpt.stream.integrity import Problem, VerifyContext, compare_digest
 
 
 class NativeFormat(Format):

@@ -15,8 +15,8 @@ from typing import Any
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._flat import tied_map
 from zckpt.formats._schema import Node
-from zckpt.io.digest import FileDigest
 from zckpt.model import DTYPES, Role
+from zckpt.storage.digest import FileDigest
 
 FORMAT_ID = "zckpt-native"
 VERSION = 3
@@ -45,8 +45,8 @@ RANK_FILE = re.compile(r"rank_\d{5}(\.g[0-9a-f]{16})?\.safetensors")
 
 
 def new_generation() -> str:
-    """A fresh generation name (``zckpt.io.remote_staging.new_generation``: 64 random bits)."""
-    from zckpt.io.remote_staging import new_generation as fresh
+    """A fresh generation name (``zckpt.storage.remote_staging.new_generation``: 64 random bits)."""
+    from zckpt.storage.remote_staging import new_generation as fresh
 
     return fresh()
 

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import safetensors
+from zckpt.codecs.safetensors import Header, HeaderEntry
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._latest import read_latest, valid_tag
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import record
-from zckpt.io import safetensors, storage
-from zckpt.io.objstore import absolute, as_path
-from zckpt.io.safetensors import Header, HeaderEntry
 from zckpt.model import Checked, Piece, Role, TensorEntry, parse_dtype
 from zckpt.partition import chunk_range, chunk_size
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, RankRng, TrainingState
+from zckpt.storage import fileio
+from zckpt.storage.objstore import absolute, as_path
 
 MAX_MANIFEST = 256 << 20
 
@@ -40,7 +41,7 @@ def is_tag_dir(p: Path) -> bool:
     if (m.is_symlink() or m.exists()) and (p / L.rank_file(0)).is_file():
         return True
     try:
-        with storage.open_regular(m) as f:
+        with fileio.open_regular(m) as f:
             head = f.read(4096)
     except (OSError, CorruptCheckpoint):
         return False
@@ -81,7 +82,7 @@ def resolve(path: Path, tag: str | None = None) -> tuple[Path | None, Path]:
 
 def load_manifest(tag_dir: Path) -> L.Manifest:
     f = tag_dir / L.MANIFEST
-    with storage.open_regular(f) as fh:
+    with fileio.open_regular(f) as fh:
         raw = fh.read(MAX_MANIFEST + 1)
     if len(raw) > MAX_MANIFEST:
         raise CorruptCheckpoint(f"{f}: larger than {MAX_MANIFEST >> 20} MiB; not a manifest", path=str(f))
@@ -151,7 +152,7 @@ class _Files:
     ) -> Piece:
         """Elements ``[start, start + n)`` stored at ``e`` of rank ``r``'s file; checked against the tensor's
         CRC-32 when the manifest records one, else (a manifest written before per-tensor CRCs) against the
-        file's sha256 (reads inside ``zckpt.io.checks.session`` verify either). A block-digest file
+        file's sha256 (reads inside ``zckpt.storage.checks.session`` verify either). A block-digest file
         records a CRC-32 for every tensor (``_Files`` refuses one without)."""
         name = self.man.rank_file(r)
         f = str(self.td / name)

@@ -2,12 +2,12 @@
 ``zckpt reshard --to native`` (any ``Checkpoint``, at any world size).
 
 What both share lives here: the rank-file content rules (``chunk_item``/``whole_item``/``rng_items``/
-``client_tree``), ``write_rank`` (one rank file, streamed through ``zckpt.io.safetensors``; its layout is
+``client_tree``), ``write_rank`` (one rank file, streamed through ``zckpt.codecs.safetensors``; its layout is
 ``rank_plan``, so a caller may instead lay the file out in memory -- the engine's snapshot for an
 asynchronous save -- and hand it to ``write_rank_views``: the same bytes), and ``build_manifest`` /
 ``write_manifest`` (the manifest, built once from typed specs, the ``TrainingState`` and the rank files'
 records). Publishing the finished tag folder and moving ``latest``
-are ``zckpt.io.staging`` / ``zckpt.formats._latest``.
+are ``zckpt.storage.staging`` / ``zckpt.formats._latest``.
 
 ``NativeWriter`` is the ``CheckpointWriter`` for reshard. RNG: new rank ``r`` takes old rank ``r``'s state
 when it exists, else old rank ``r % old_world``'s (the engine's own load-time rule); sources without RNG
@@ -29,19 +29,19 @@ import numpy as np
 import torch
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.codecs import safetensors
+from zckpt.codecs.safetensors import FilePlan, FileRecord
 from zckpt.errors import Unsupported
 from zckpt.formats._latest import write_latest
 from zckpt.formats.base import CheckpointWriter, OnFile, WritePlan
 from zckpt.formats.native import layout as L
 from zckpt.formats.native import record
-from zckpt.io import safetensors
-from zckpt.io.digest import BLOCK_BYTES
-from zckpt.io.direct_io import WriteOptions
-from zckpt.io.items import WriteItem, entry_from_tensor
-from zckpt.io.safetensors import FilePlan, FileRecord
 from zckpt.model import PRECISIONS, Piece, Role, TensorEntry, dtype_name
 from zckpt.partition import chunk_range, chunk_size
 from zckpt.state import RankRng, TrainingState, tensor_leaves, to_json
+from zckpt.storage.digest import BLOCK_BYTES
+from zckpt.storage.direct_io import WriteOptions
+from zckpt.stream.items import WriteItem, entry_from_tensor
 
 _METADATA = {"format": "pt"}
 

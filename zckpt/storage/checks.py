@@ -1,0 +1,359 @@
+"""Checksums verified while tensor bytes stream through: a flipped bit in a checkpoint becomes an error, not a
+wrong weight in the output.
+
+Formats that record a checksum over stored bytes attach it to their pieces (``Piece.check``): a zip record's
+CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives), each block's CRC-32 (a
+``<file>.crc32.json`` sidecar: a record per block) or sha256 (a ``.sha256.json`` sidecar, a native manifest's
+block digests), or a whole file's sha256 (a ``<file>.sha256`` sidecar, an older native manifest). Inside a
+``session`` every read of such bytes (``zckpt.stream.spans``, ``zckpt.stream.pipeline``) reports them here. A record's
+CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
+out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that arrive
+ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so a file
+read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads what the
+operation did not need of each touched record or file (padding, headers, the tail), then compares. Records no
+read touched are not checked (``verify`` checks every byte of every file). Operations call ``finish`` before
+they publish anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from zlib import crc32 as _zlib_crc32
+
+import torch
+
+from zckpt.errors import CorruptCheckpoint
+from zckpt.model import Checked, Piece
+from zckpt.storage import fileio
+from zckpt.storage.threads import Pool
+
+_BUF = 8 << 20
+HOLD_BYTES = 64 << 20
+"""Bytes of one file held while they wait for the sha256 to reach them; beyond, the gap is read."""
+ASYNC_BYTES = 64 << 20
+"""Bytes of stable memory queued for a file's sha256 thread before the reader waits for it."""
+_ASYNC_MIN = 1 << 20
+GAP_READ = 4 << 20
+"""A gap this small (a safetensors header, padding) is read from disk at once rather than waited for."""
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def py_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm, in Python:
+    ~2 ms a call, the fallback where ISA-L's C one is missing)."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]
+    even = _gf2_square(odd)
+    odd = _gf2_square(even)
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+crc32: Callable[..., int]
+crc32_combine: Callable[[int, int, int], int]
+try:  # ISA-L's CRC-32 (same polynomial as zlib's) and its combine, in C: several times faster than zlib's
+    from isal.isal_zlib import crc32, crc32_combine
+except ImportError:  # pragma: no cover - platforms without an isal wheel
+    crc32, crc32_combine = _zlib_crc32, py_crc32_combine
+
+
+@dataclass
+class _Record:
+    """What has been read of one checked record: disjoint segments ``start -> (end, crc)``."""
+
+    segments: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, lo: int, hi: int, crc: int) -> None:
+        for start, (end, _) in self.segments.items():
+            if lo < end and start < hi:  # read twice (diff re-reads equal chunks): already counted
+                return
+        nxt = self.segments.pop(hi, None)
+        if nxt is not None:  # [lo, hi) + [hi, end)
+            crc, hi = crc32_combine(crc, nxt[1], nxt[0] - hi), nxt[0]
+        prev = next((s for s, (e, _) in self.segments.items() if e == lo), None)
+        if prev is not None:  # [prev, lo) + [lo, hi)
+            _, pcrc = self.segments.pop(prev)
+            crc, lo = crc32_combine(pcrc, crc, hi - lo), prev
+        self.segments[lo] = (hi, crc)
+
+
+class _Digest:
+    """A whole file's sha256, fed in order (see the module doc). Views of the file's mapping (``stable``) are
+    hashed on a thread of the digest's own, in order, while the caller goes on (at most ``ASYNC_BYTES``
+    queued; their pages dropped again once hashed); other bytes are hashed before ``add`` returns."""
+
+    def __init__(self, check: Checked) -> None:
+        self.check = check
+        self.sha = hashlib.sha256()
+        self.at = 0
+        self.held: dict[int, bytes] = {}
+        self.held_bytes = 0
+        self.lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: deque[tuple[Future[None], int]] = deque()
+        self._queued_bytes = 0
+
+    def _update(self, data: Any, stable: bool = False) -> None:
+        """``sha.update(data)`` after every update queued before it; ``stable``: ``data`` is the mapping's
+        bytes at ``self.at``."""
+        n = memoryview(data).nbytes
+        if not stable or n < _ASYNC_MIN:
+            self._drain(0)
+            self.sha.update(data)
+            return
+        if self._pool is None:
+            self._pool = Pool(1, thread_name_prefix="zckpt-digest")
+        self._queued.append((self._pool.submit(self._hash_mapped, data, self.at), n))
+        self._queued_bytes += n
+        self._drain(ASYNC_BYTES)
+
+    def _hash_mapped(self, data: Any, at: int) -> None:
+        """Hash bytes of the file's mapping at ``at``, then drop its pages again (the reader released them
+        already; hashing faulted them back in)."""
+        self.sha.update(data)
+        fileio.release(self.check.file, self.check.start + at, memoryview(data).nbytes)
+
+    def _drain(self, keep: int) -> None:
+        while self._queued and self._queued_bytes > keep:
+            done, n = self._queued.popleft()
+            done.result()
+            self._queued_bytes -= n
+
+    def close(self) -> None:
+        with self.lock:
+            self._drain(0)
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def add(self, lo: int, data: memoryview, stable: bool = False) -> None:
+        with self.lock:
+            hi = lo + len(data)
+            if hi <= self.at:
+                return  # read twice: already hashed
+            if lo > self.at:
+                gap = lo - self.at
+                if gap > GAP_READ and self.held_bytes + len(data) <= HOLD_BYTES:
+                    if lo not in self.held or len(self.held[lo]) < len(data):
+                        self.held_bytes += len(data) - len(self.held.get(lo, b""))
+                        self.held[lo] = bytes(data)
+                    return
+                self._advance(lo)
+            self._update(data[self.at - lo :], stable)
+            self.at = hi
+            self._advance(None)
+            if self.at >= self.check.size and self._pool is not None:  # complete (a block): its thread goes
+                self._drain(0)
+                self._pool.shutdown()
+                self._pool = None
+
+    def _advance(self, to: int | None) -> None:
+        """Hash held bytes that now continue the hash, then (``to`` given) read from disk up to ``to``."""
+        while True:
+            for start in sorted(self.held):
+                if start > self.at:
+                    break
+                blob = self.held.pop(start)
+                self.held_bytes -= len(blob)
+                if start + len(blob) > self.at:
+                    self._update(memoryview(blob)[self.at - start :])
+                    self.at = start + len(blob)
+            if to is None or self.at >= to:
+                return
+            nxt = min([s for s in self.held if s > self.at] + [to])
+            step = min(_BUF, nxt - self.at)
+            buf = torch.empty(step, dtype=torch.uint8)
+            fileio.read_into(self.check.file, self.check.start + self.at, buf)
+            self._update(buf.numpy())
+            self.at += step
+
+    def finish(self) -> None:
+        with self.lock:
+            self._advance(self.check.size)
+            self._drain(0)
+            got = self.sha.hexdigest()
+        if got != self.check.sha256:
+            raise CorruptCheckpoint(
+                f"{self.check.file}: does not match the sha256 in its {self.check.what} (recorded "
+                f"{str(self.check.sha256)[:12]}..., read {got[:12]}...); the file changed after the save",
+                hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
+                path=self.check.file,
+            )
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(check: Checked, i: int) -> Checked:
+    """Block ``i`` of a file checked by block digests, as a range checked by its own CRC-32 (a record, its
+    reads combined in any order) or sha256 (a stream, fed in order)."""
+    lo = i * check.block
+    n = min(check.block, check.size - lo)
+    what = f"{check.what} (bytes [{lo}, {lo + n}), block {i})"
+    if check.algorithm == "crc32":
+        return Checked(check.file, check.start + lo, n, int(check.blocks[i], 16), what)
+    return Checked(check.file, check.start + lo, n, None, what, sha256=check.blocks[i])
+
+
+class Session:
+    """The checksums of one operation's reads (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[Checked, _Record] = {}
+        self._digests: dict[Checked, _Digest] = {}
+
+    def consumed(self, check: Checked, byte_offset: int, data: memoryview, stable: bool = False) -> None:
+        """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record); ``stable``: it is a
+        view of the file's mapping (``fileio.view``), valid after the call: a sha256 may hash it later."""
+        lo = byte_offset - check.start
+        if lo < 0 or lo + len(data) > check.size or not len(data):
+            return
+        if check.blocks:  # each block checked on its own: reads of different blocks hash side by side
+            pos, end, b = lo, lo + len(data), check.block
+            while pos < end:
+                i = pos // b
+                stop = min(end, (i + 1) * b)
+                self._add(_block(check, i), pos - i * b, data[pos - lo : stop - lo], stable)
+                pos = stop
+            return
+        self._add(check, lo, data, stable)
+
+    def _add(self, check: Checked, lo: int, data: memoryview, stable: bool) -> None:
+        """``data`` at ``lo`` inside ``check``'s range: fed to its sha256 stream, or CRC'd as a segment."""
+        if check.sha256 is not None:
+            self._digest(check).add(lo, data, stable)
+            return
+        crc = crc32(data)
+        with self._lock:
+            self._records.setdefault(check, _Record()).add(lo, lo + len(data), crc)
+
+    def _digest(self, check: Checked) -> _Digest:
+        with self._lock:
+            return self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
+
+    def close(self) -> None:
+        """Stop the digests' hash threads (``session`` does, however the block ends)."""
+        with self._lock:
+            digests = list(self._digests.values())
+        for d in digests:
+            d.close()
+
+    def finish(self) -> None:
+        """Read what no read covered of each touched record, then compare every record's CRC-32."""
+        with self._lock:
+            todo = list(self._records.items())
+            digests = list(self._digests.values())
+        for d in digests:
+            d.finish()
+        for check, rec in todo:
+            for lo, hi in _gaps(rec, check.size):
+                for a in range(lo, hi, _BUF):
+                    buf = torch.empty(min(_BUF, hi - a), dtype=torch.uint8)
+                    fileio.read_into(check.file, check.start + a, buf)
+                    rec.add(a, a + buf.numel(), crc32(buf.numpy().tobytes()))
+            got = rec.segments.get(0, (0, 0))[1]
+            if got != check.crc32:
+                raise CorruptCheckpoint(
+                    f"{check.file}: {check.what} fails its CRC-32 check (stored {check.crc32:08x}, read "
+                    f"{got:08x}); the bytes were damaged after the save",
+                    hint="restore the file from a good copy; `zckpt verify` lists every damaged file",
+                    path=check.file,
+                )
+
+
+def _gaps(rec: _Record, size: int) -> Iterator[tuple[int, int]]:
+    at = 0
+    for start, (end, _) in sorted(rec.segments.items()):
+        if start > at:
+            yield at, start
+        at = max(at, end)
+    if at < size:
+        yield at, size
+
+
+_active: Session | None = None
+_active_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def session(enabled: bool = True) -> Iterator[Session | None]:
+    """Verify the checksums of every checked byte read inside the block (``finish`` is the caller's, before
+    it publishes). Disabled: a no-op."""
+    global _active
+    if not enabled:
+        yield None
+        return
+    s = Session()
+    with _active_lock:
+        outer, _active = _active, s
+    try:
+        yield s
+    finally:
+        with _active_lock:
+            _active = outer
+        s.close()
+
+
+def consumed(
+    check: Checked | None, byte_offset: int, data: torch.Tensor | memoryview, stable: bool = False
+) -> None:
+    """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
+    of the file's mapping (``fileio.view``), valid after the call, so hashing it may finish later."""
+    s = _active
+    if s is None or check is None:
+        return
+    mv = data if isinstance(data, memoryview) else memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+    s.consumed(check, byte_offset, mv.cast("B"), stable)
+
+
+@contextlib.contextmanager
+def verifying(enabled: bool = True) -> Iterator[None]:
+    """A ``session`` whose checksums are compared (``finish``) when the block ends without an error: wrap
+    the reads of a step that must not publish damaged bytes."""
+    with session(enabled) as s:
+        yield
+        if s is not None:
+            s.finish()
+
+
+def record_end(piece: Piece) -> int | None:
+    """The end of the checksummed record (a zip record, a file with a recorded sha256) that ``piece`` lies
+    in: how far a reader of the piece goes on reading, so an object store may fetch ahead up to it (never
+    past it: the bytes after a record are often ones the job does not need, such as Adam moments)."""
+    c = piece.check
+    if c is None or c.file != piece.file:
+        return None
+    return c.start + c.size

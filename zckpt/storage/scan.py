@@ -1,0 +1,175 @@
+"""Whole-file integrity scans for ``verify``, many in flight: the CRC-32 of byte ranges (zip records) and
+the sha256 of whole files.
+
+A zip record's CRC-32 is cut into ``CHUNK_BYTES`` pieces read with ``pread`` and checksummed (ISA-L's
+``crc32`` where installed) on a pool of threads, then joined with ``crc32_combine``: one 18 GB record is
+checked at the speed of the disk, not of one core (``zipfile.testzip`` is one zlib stream on one thread).
+A whole-file sha256 is one sequential stream by nature, so files are hashed side by side instead
+(``Scanner.sha256``). Both release the GIL while they read and checksum. Threads: ``threads()`` (the usable
+cores, at most 16, ``ZCKPT_WORKERS`` overrides); memory: one ``CHUNK_BYTES`` buffer per busy thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from zckpt.storage import env, fileio
+from zckpt.storage.checks import crc32, crc32_combine
+from zckpt.storage.threads import Pool
+
+CHUNK_BYTES = 32 << 20
+_READ = 8 << 20
+_local = threading.local()
+
+
+def cores() -> int:
+    """The cores this process may run on (``zckpt.storage.env.cores``: its CPU affinity)."""
+    return env.cores()
+
+
+_sharing = 1
+"""Output files being written at once (``zckpt.stream.pipeline.each_file``): they share the cores and the I/O
+buffers."""
+
+
+def sharing() -> int:
+    """How many output files are being written side by side now (1 outside ``each_file``)."""
+    return _sharing
+
+
+@contextlib.contextmanager
+def shared(k: int) -> Iterator[None]:
+    """``k`` output files are written side by side inside the block (the count before is restored after)."""
+    global _sharing
+    outer, _sharing = _sharing, k
+    try:
+        yield
+    finally:
+        _sharing = outer
+
+
+def threads(cap: int = 16, per: int = 1) -> int:
+    """Threads for work that scales with cores: one per ``per`` usable cores, at most ``cap`` (scans: every
+    core, at most 16); ``ZCKPT_WORKERS`` overrides (``zckpt.storage.env``)."""
+    return env.workers(min(cap, cores() // per))
+
+
+def _buf() -> memoryview:
+    b = getattr(_local, "buf", None)
+    if b is None:
+        b = _local.buf = memoryview(bytearray(_READ))
+    return b
+
+
+def _crc_piece(fd: fileio.Handle, lo: int, n: int) -> int:
+    """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``)."""
+    buf, crc, pos, end = _buf(), 0, lo, lo + n
+    while pos < end:
+        view = buf[: min(_READ, end - pos)]
+        k = fileio.pread_into(fd, view, pos)
+        if k <= 0:
+            raise EOFError(f"file ends at byte {pos}")
+        crc = crc32(view[:k], crc)
+        pos += k
+    return crc
+
+
+def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> list[int]:
+    """The CRC-32 of each ``(start, size)`` byte range of the file, computed in ``CHUNK_BYTES`` pieces on
+    ``pool`` (a short file: ``EOFError``)."""
+    fd = fileio.open_fd(str(path))
+    try:
+        return PendingCrcs(fd, ranges, pool).result()
+    finally:  # the pending pieces are all done or cancelled by now (``result``)
+        fileio.close_fd(fd)
+
+
+class PendingCrcs:
+    """The CRC-32s of byte ranges of an open descriptor, being computed in pieces on a pool: ``result``
+    waits for them; the caller keeps the descriptor open until it has returned."""
+
+    def __init__(
+        self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
+    ) -> None:
+        self._jobs: list[list[tuple[Future[int], int]]] = []
+        for start, size in ranges:
+            cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
+            self._jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
+
+    def result(self) -> list[int]:
+        try:
+            out = []
+            for job in self._jobs:
+                crc = 0
+                for fut, n in job:
+                    crc = crc32_combine(crc, fut.result(), n)
+                out.append(crc)
+            return out
+        finally:  # no piece may still read the descriptor once the caller closes it
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel what has not started and wait for what has (a piece never outlives its descriptor)."""
+        futs = [fut for job in self._jobs for fut, _ in job]
+        for fut in futs:
+            fut.cancel()
+        for fut in futs:
+            if not fut.cancelled():
+                with contextlib.suppress(BaseException):
+                    fut.result()
+
+
+def sha256_file(f: str | Path) -> str:
+    """The whole file's sha256, read in order on this thread (hashlib releases the GIL)."""
+    h = hashlib.sha256()
+    fd = fileio.open_fd(str(f))
+    try:
+        buf, pos = _buf(), 0
+        while k := fileio.pread_into(fd, buf, pos):
+            h.update(buf[:k])
+            pos += k
+    finally:
+        fileio.close_fd(fd)
+    return h.hexdigest()
+
+
+class Scanner:
+    """The thread pool of one verify run: ``crc_ranges`` pieces and whole-file sha256s share it."""
+
+    def __init__(self, n: int | None = None) -> None:
+        self.width = n or threads()
+        """Threads computing CRC pieces (and, on the other pool, sha256s)."""
+        self.pool = Pool(self.width, thread_name_prefix="zckpt-scan")
+        self._crc_pool = Pool(self.width, thread_name_prefix="zckpt-crc")
+        self._sha: dict[str, Future[str]] = {}
+        self._lock = threading.Lock()
+
+    def sha256(self, f: str | Path) -> Future[str]:
+        """The file's sha256, computed once on the pool however often it is asked for."""
+        key = str(f)
+        with self._lock:
+            if key not in self._sha:
+                self._sha[key] = self.pool.submit(sha256_file, key)
+            return self._sha[key]
+
+    def crc_ranges(self, path: str | Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        return crc_ranges(path, ranges, self._crc_pool)
+
+    def crc_pending(self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:
+        """The CRC-32s of ``ranges`` of the open ``fd``, started now (see ``PendingCrcs``)."""
+        return PendingCrcs(fd, ranges, self._crc_pool)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._crc_pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Scanner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
