@@ -2,9 +2,9 @@
 
 States are matched by name to the states the engine's optimizer keeps (its current state, or one
 zero-gradient step of the same class and group settings on a 2-element probe): per-element states are cut to
-this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.stream.spans.read_range``), scalar states
-(Adam's ``step``) are read whole and given the probe's type (a FusedAdam-style ``step`` kept in a DeepSpeed
-param group counts too).
+this rank's chunk (only those bytes are read: ``read_into`` over ``zckpt.stream.spans.read_range``), scalar
+states (Adam's ``step``) are read whole and given the probe's type (a FusedAdam-style ``step`` kept in a
+DeepSpeed param group counts too).
 Param groups must hold the same params; their hyper-parameters are restored, implementation switches
 (``foreach``, ``fused``, ``capturable``, ``differentiable``) stay the engine's.
 """

@@ -1,10 +1,10 @@
 """Slow writes for the kill tests, injected from the test side (zckpt has no test hook of its own).
 
-``install()`` wraps ``zckpt.storage.sink.HashingSink``: each file reads ``ZCKPT_TEST_WRITE_DELAY`` (seconds, a test
-switch read only here) when it is opened, and each ``write`` / ``write_owned`` / ``commit`` of it sleeps that
-long first, which spreads a save over enough time for a kill to land inside a write. Tests set and unset the
-variable between saves, as before. Installed in this process by the modules that use it (``_kill``,
-``_ft_worker``, ``test_engine_async_save``); a fork inherits it; a new interpreter gets it from
+``install()`` wraps ``zckpt.storage.sink.HashingSink``: each file reads ``ZCKPT_TEST_WRITE_DELAY`` (seconds,
+a test switch read only here) when it is opened, and each ``write`` / ``write_owned`` / ``commit`` of it
+sleeps that long first, which spreads a save over enough time for a kill to land inside a write. Tests set
+and unset the variable between saves, as before. Installed in this process by the modules that use it
+(``_kill``, ``_ft_worker``, ``test_engine_async_save``); a fork inherits it; a new interpreter gets it from
 ``tests/_site/sitecustomize.py`` when ``PYTHONPATH`` names that folder (``SITE``)."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Checksums verified while reading (zckpt.storage.checks): a bit flipped in a tensor's bytes of a real DeepSpeed
-rank file or a torch .bin is refused by consolidate, reshard and diff (nothing written), and passes with
+"""Checksums verified while reading (zckpt.storage.checks): a bit flipped in a tensor's bytes of a real
+DeepSpeed rank file or a torch .bin is refused by consolidate, reshard and diff (nothing written), and passes
+with
 --no-verify-data (the flipped value then shows); the CRC bookkeeping is exact for any read order."""
 
 from __future__ import annotations

@@ -267,9 +267,9 @@ def test_read_touches_no_tensor_bytes(tmp_path, fake_deepspeed, monkeypatch):
         return real_read(path, offset, out)
 
     with monkeypatch.context() as mp:
-        mp.setattr(storage, "view", boom)
-        mp.setattr(storage, "_map", boom)
-        mp.setattr(storage, "read_into", scalars_only)
+        mp.setattr(fileio, "view", boom)
+        mp.setattr(fileio, "_map", boom)
+        mp.setattr(fileio, "read_into", scalars_only)
         ck = ds.read(tmp_path)
     sizes = {f: Path(f).stat().st_size for f in ck.meta.files}
     for e in ck.entries.values():
@@ -292,8 +292,8 @@ def _weights_skip_optimizer_bytes(ck, monkeypatch) -> None:
         seen.append((path, offset, offset + count * dtype.itemsize))
         return real_view(path, offset, count, dtype)
 
-    monkeypatch.setattr(storage, "read_into", spy)
-    monkeypatch.setattr(storage, "view", spy_view)
+    monkeypatch.setattr(fileio, "read_into", spy)
+    monkeypatch.setattr(fileio, "view", spy_view)
     for k in ck:
         ck[k]
     assert seen

@@ -1,5 +1,5 @@
-"""zckpt.storage.digest: block digests and region CRC-32s computed on several threads equal hashlib's sha256 of
-each block and zlib's CRC-32 of each region (oracles independent of zckpt), for stable (in-place) and
+"""zckpt.storage.digest: block digests and region CRC-32s computed on several threads equal hashlib's sha256
+of each block and zlib's CRC-32 of each region (oracles independent of zckpt), for stable (in-place) and
 copied writes of awkward sizes, with ``O_DIRECT`` on and off; ``block_digests`` (verify's recomputation)
 agrees; a native checkpoint written with small blocks verifies, and a flipped byte is reported with the
 byte range of its block."""

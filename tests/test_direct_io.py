@@ -1,6 +1,6 @@
-"""zckpt.storage.direct_io through ``HashingSink``: the file's bytes and sha256 equal what was written (oracle: the
-concatenated input and hashlib) for awkward write sizes around the block and buffer sizes, with O_DIRECT,
-with its fallbacks (refused at open; EINVAL on the first write) and with it turned off."""
+"""zckpt.storage.direct_io through ``HashingSink``: the file's bytes and sha256 equal what was written
+(oracle: the concatenated input and hashlib) for awkward write sizes around the block and buffer sizes, with
+O_DIRECT, with its fallbacks (refused at open; EINVAL on the first write) and with it turned off."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Schemes other than ``s3://`` go through fsspec (``zckpt.storage.objstore.backend.Fsspec``), tested with fsspec's
-in-process ``memory://`` filesystem: consolidate and reshard read from it and write to it, byte-identical to
-the local run (the oracle); a scheme nobody serves is refused in one line, exit 2."""
+"""Schemes other than ``s3://`` go through fsspec (``zckpt.storage.objstore.backend.Fsspec``), tested with
+fsspec's in-process ``memory://`` filesystem: consolidate and reshard read from it and write to it,
+byte-identical to the local run (the oracle); a scheme nobody serves is refused in one line, exit 2."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The command line's pre-open (``zckpt.storage.preopen``): each input DCP folder's ``.metadata`` parsed in a child
-forked before torch is imported, taken by the parent only for the very bytes it read itself.
+"""The command line's pre-open (``zckpt.storage.preopen``): each input DCP folder's ``.metadata`` parsed in a
+child forked before torch is imported, taken by the parent only for the very bytes it read itself.
 
 Oracle: the same ``load_metadata`` in one process with no child (the library's path), on every real DCP
 fixture; a damaged or hostile ``.metadata`` gives the command line the same one-line error either way.

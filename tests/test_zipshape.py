@@ -1,4 +1,5 @@
-"""``zckpt.codecs.zipshape``: an archive recognised by its learned shape must parse as the full path parses it.
+"""``zckpt.codecs.zipshape``: an archive recognised by its learned shape must parse as the full path parses
+it.
 
 The oracle is ``zckpt.codecs.zipdir`` itself (checked against ``zipfile`` in ``test_pickle_scan_zipdir.py``):
 whenever ``known`` accepts an archive, ``zipdir.read``, ``data_start``, ``entry_problem`` and ``end_problem``

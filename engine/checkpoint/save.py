@@ -4,9 +4,9 @@ Protocol (both modes; every rank calls ``save``):
 
 1. rank 0 empties the staging folder ``.<tag>.staging`` (a killed save's leftovers) and a barrier on the
    training group follows, so no rank writes into it before. An ``s3://`` save dir: rank 0 makes a fresh
-   local stand-in (``zckpt.storage.remote_staging.stand_in``) whose rank files stream to the bucket under a fresh
-   generation (``rank_00000.g<16 hex>.safetensors``: keys no earlier save used, so the previous save of the
-   tag stays whole while they upload) and broadcasts it; a rank on another node makes its node's own
+   local stand-in (``zckpt.storage.remote_staging.stand_in``) whose rank files stream to the bucket under a
+   fresh generation (``rank_00000.g<16 hex>.safetensors``: keys no earlier save used, so the previous save of
+   the tag stays whole while they upload) and broadcasts it; a rank on another node makes its node's own
    stand-in, reports the object it uploaded with its result, and removes that stand-in once the save is over;
 2. each rank captures its part (``engine.checkpoint.content``) and writes its rank file into the staging
    folder through the native format's one writer (``zckpt.formats.native.write``): ``write_rank`` straight
@@ -22,7 +22,8 @@ Protocol (both modes; every rank calls ``save``):
    objects) is removed and ``latest`` still names the previous checkpoint, whole. A failure after the new
    manifest landed (moving ``latest``) leaves the new tag whole and says so.
 
-Every save runs with a ``zckpt.storage.session.Storage`` of its own (a background save keeps it until it ends).
+Every save runs with a ``zckpt.storage.session.Storage`` of its own (a background save keeps it until it
+ends).
 
 Synchronous saves run step 3 on the training group. Asynchronous ones run steps 2 (the write) and 3 on a
 background thread, over a separate gloo group (``SideGroup``): collectives issued from a second thread on

@@ -184,8 +184,9 @@ _DCP_PRELOAD = "zckpt.formats.dcp.metadata:preload"
 
 def _preopen(kwargs: dict[str, Any], st: Any) -> None:
     """Start parsing each input DCP folder's ``.metadata`` in a child process, to overlap torch's import
-    (``zckpt.storage.preopen``: only in a process that has not imported torch and runs one thread, so never in an
-    embedding program or typer's test runner). Only folders that hold one directly (or under ``--tag``)."""
+    (``zckpt.storage.preopen``: only in a process that has not imported torch and runs one thread, so never
+    in an embedding program or typer's test runner). Only folders that hold one directly (or under
+    ``--tag``)."""
     from pathlib import Path
 
     from zckpt.storage import preopen

@@ -1,12 +1,12 @@
 """The bounded, allowlisted unpickle, without torch: what every zckpt unpickle shares.
 
-``bounded_loads`` runs ``zckpt.codecs.pickle_scan.prescan`` (lengths, memo indices and the stack bounded before
-the C unpickler allocates anything), then a ``RestrictedUnpickler`` that resolves globals through an allowlist
-only (plain containers, the few builtins protocol-2 pickles spell bytes with, and a caller's inert stand-ins),
-then ``check_graph`` (no cycles, bounded depth and expansion). Any failure is one ``CorruptCheckpoint`` or
-``UnsafePickle`` naming the file. ``zckpt.codecs.pickle_safe`` adds torch's tensors, dtypes and storages on top;
-DCP's ``.metadata`` loads through this module alone, so that the command line can parse it in a process that
-has not imported torch (``zckpt.storage.preopen``).
+``bounded_loads`` runs ``zckpt.codecs.pickle_scan.prescan`` (lengths, memo indices and the stack bounded
+before the C unpickler allocates anything), then a ``RestrictedUnpickler`` that resolves globals through an
+allowlist only (plain containers, the few builtins protocol-2 pickles spell bytes with, and a caller's inert
+stand-ins), then ``check_graph`` (no cycles, bounded depth and expansion). Any failure is one
+``CorruptCheckpoint`` or ``UnsafePickle`` naming the file. ``zckpt.codecs.pickle_safe`` adds torch's tensors,
+dtypes and storages on top; DCP's ``.metadata`` loads through this module alone, so that the command line can
+parse it in a process that has not imported torch (``zckpt.storage.preopen``).
 """
 
 from __future__ import annotations

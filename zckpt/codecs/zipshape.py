@@ -3,7 +3,8 @@
 A DCP file holds one ``torch.save`` archive per tensor chunk, and every chunk of one size is written by the
 same code: its end record, central directory, local headers, names and data descriptors are the same bytes,
 but for each record's CRC-32 and the small records' contents (the pickle, the serialization id). Parsing
-each through ``zckpt.codecs.zipdir`` costs ~70 µs of Python, and a world-64 checkpoint holds over 100k of them.
+each through ``zckpt.codecs.zipdir`` costs ~70 µs of Python, and a world-64 checkpoint holds over 100k of
+them.
 
 ``learn`` takes an archive that ``zipdir.read`` parsed and that passes every check of ``zipdir.data_start``,
 ``entry_problem`` and ``end_problem``, and records its *shape*: the archive's bytes as fields of one

@@ -45,8 +45,9 @@ class WritePlan:
     digest: tuple[object, ...] = field(default=(), compare=False)
     """Anything else every process must agree on (checked before writing)."""
     generation: str | None = None
-    """A name part for the data files (``zckpt.storage.remote_staging.RemoteStaging.generation``: an output that
-    replaces another in an object store), for writers whose completing file names them (``generations``)."""
+    """A name part for the data files (``zckpt.storage.remote_staging.RemoteStaging.generation``: an output
+    that replaces another in an object store), for writers whose completing file names them
+    (``generations``)."""
 
 
 class CheckpointWriter(abc.ABC):

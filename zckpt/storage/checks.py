@@ -5,14 +5,14 @@ Formats that record a checksum over stored bytes attach it to their pieces (``Pi
 CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives), each block's CRC-32 (a
 ``<file>.crc32.json`` sidecar: a record per block) or sha256 (a ``.sha256.json`` sidecar, a native manifest's
 block digests), or a whole file's sha256 (a ``<file>.sha256`` sidecar, an older native manifest). Inside a
-``session`` every read of such bytes (``zckpt.stream.spans``, ``zckpt.stream.pipeline``) reports them here. A record's
-CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else zlib's),
-out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that arrive
-ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so a file
-read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads what the
-operation did not need of each touched record or file (padding, headers, the tail), then compares. Records no
-read touched are not checked (``verify`` checks every byte of every file). Operations call ``finish`` before
-they publish anything.
+``session`` every read of such bytes (``zckpt.stream.spans``, ``zckpt.stream.pipeline``) reports them here. A
+record's CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else
+zlib's), out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that
+arrive ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk,
+so a file read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads what
+the operation did not need of each touched record or file (padding, headers, the tail), then compares.
+Records no read touched are not checked (``verify`` checks every byte of every file). Operations call
+``finish`` before they publish anything.
 """
 
 from __future__ import annotations

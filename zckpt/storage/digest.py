@@ -47,7 +47,8 @@ CRC_SIDECAR_VERSION = 1
 BLOCK_SIDECAR = ".sha256.json"
 """The block sidecar of zckpt before ``.crc32.json``: the sha256 of each block; still read and checked."""
 WHOLE_SIDECAR = ".sha256"
-"""A ``sha256sum`` line (``<hex>  <name>``): written for small files (``zckpt.storage.sink``), and by others."""
+"""A ``sha256sum`` line (``<hex>  <name>``): written for small files (``zckpt.storage.sink``), and by
+others."""
 SIDECARS = (WHOLE_SIDECAR, BLOCK_SIDECAR, CRC_SIDECAR)
 """Every sidecar suffix zckpt reads (and removes with the file it describes)."""
 SIDECAR_PATTERN = r"(?:\.sha256|\.sha256\.json|\.crc32\.json)"

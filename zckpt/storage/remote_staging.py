@@ -1,8 +1,8 @@
 """Publishing an output into an object store (``s3://``), where nothing can be renamed.
 
-``zckpt.storage.staging.Staging`` hands a URL destination to ``RemoteStaging``, which keeps ``Staging``'s contract
-(writers put files under ``.dir`` by their final names; ``commit()`` publishes; leaving the ``with`` block
-without it leaves nothing) with a store's means:
+``zckpt.storage.staging.Staging`` hands a URL destination to ``RemoteStaging``, which keeps ``Staging``'s
+contract (writers put files under ``.dir`` by their final names; ``commit()`` publishes; leaving the ``with``
+block without it leaves nothing) with a store's means:
 
 - ``.dir`` is a small local folder registered, in the running operation's ``zckpt.storage.session.Storage``
   (``stand_ins``), as the stand-in of the destination. A tensor file written there through ``HashingSink``

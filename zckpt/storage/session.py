@@ -12,8 +12,8 @@ binding). It holds:
   ``close_files`` / ``close`` of this ``Storage`` only;
 - ``memo``: parsed metadata kept for the operation (a DCP ``.metadata``, a zip archive's shape);
 - ``stand_ins``: the local folders of this operation that stand for an ``s3://`` output folder (a data file
-  written there streams to its object; ``zckpt.storage.remote_staging``), registered by the code that made them,
-  never found on disk;
+  written there streams to its object; ``zckpt.storage.remote_staging``), registered by the code that made
+  them, never found on disk;
 - ``deferred``: staging folders whose files are fsynced at their publish, not at each close;
 - ``staged``, ``published``, ``left``: its outputs being staged and published so far, and objects a given-up
   output could not delete (``zckpt.storage.interrupts``: what an interrupted command reports).

@@ -1,12 +1,12 @@
 """``HashingSink``: the one way an output file is written.
 
 A write-only, non-seekable file wrapper that computes the digest of every byte written
-(``zckpt.storage.digest``: the whole file's sha256, or with ``block`` one per block, on several threads) and makes
-the file durable: at ``close()`` (fsync), or, inside an active ``zckpt.storage.staging.Staging`` folder of this
-process, at that folder's ``commit()``, which fsyncs every staged file at once before anything is renamed.
-A whole-file digest can become a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``). The
-bytes go to the device with ``O_DIRECT`` where the filesystem allows (``zckpt.storage.direct_io``, tuned by
-``WriteOptions``), not through the page cache. A data file of an ``s3://`` output's staging folder
+(``zckpt.storage.digest``: the whole file's sha256, or with ``block`` one per block, on several threads) and
+makes the file durable: at ``close()`` (fsync), or, inside an active ``zckpt.storage.staging.Staging`` folder
+of this process, at that folder's ``commit()``, which fsyncs every staged file at once before anything is
+renamed. A whole-file digest can become a sidecar ``F.sha256`` in ``sha256sum`` format (``<hex>  <name>``).
+The bytes go to the device with ``O_DIRECT`` where the filesystem allows (``zckpt.storage.direct_io``, tuned
+by ``WriteOptions``), not through the page cache. A data file of an ``s3://`` output's staging folder
 (``zckpt.storage.remote_staging.streamed``) is not written locally: its bytes stream to the object as a
 multipart upload that completes at ``close()``.
 
@@ -14,7 +14,8 @@ multipart upload that completes at ``close()``.
 hash is queued on the hash threads without waiting and aligned memory goes to the device without a copy,
 so hashing and device writes run side by side over the whole file, not chunk by chunk. ``reserve()`` /
 ``commit(n)`` let a filler read the file's next bytes straight into the device buffer, and ``fill_ring()``
-keeps ``zckpt.stream.pipeline.fill``'s buffers (``FillRing``) across records. ``stats()``: where the time went.
+keeps ``zckpt.stream.pipeline.fill``'s buffers (``FillRing``) across records. ``stats()``: where the time
+went.
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ class HashingSink(io.RawIOBase):
         return len(mv)
 
     def write_owned(self, mv: memoryview) -> list[Future[None]]:
-        """Append ``mv`` (memory of the caller's that it reuses later, such as ``zckpt.stream.pipeline.fill``'s
-        buffers): page-aligned memory at an aligned offset goes to the device from where it lies, hashed
-        meanwhile; returns what must finish before ``mv`` may change (empty: its bytes were copied)."""
+        """Append ``mv`` (memory of the caller's that it reuses later, such as
+        ``zckpt.stream.pipeline.fill``'s buffers): page-aligned memory at an aligned offset goes to the
+        device from where it lies, hashed meanwhile; returns what must finish before ``mv`` may change
+        (empty: its bytes were copied)."""
         if self._direct is None:
             self.write(mv)
             return []
@@ -318,8 +320,8 @@ class HashingSink(io.RawIOBase):
 
     def write_sidecar(self) -> Path:
         """Write the sidecar next to the file (call after ``close()``): ``<file>.crc32.json`` for a sink
-        made with ``block`` (``zckpt.storage.digest.write_block_sidecar``), else ``<file>.sha256`` (``sha256sum``
-        format)."""
+        made with ``block`` (``zckpt.storage.digest.write_block_sidecar``), else ``<file>.sha256``
+        (``sha256sum`` format)."""
         d = self._hasher.digest()
         if d.sha256 is None:
             return write_block_sidecar(self.path, d, self._pos, durable=self._durable_now)

@@ -2,8 +2,8 @@
 
 A ``FlatSource`` is a 1-D tensor to be written, defined as a concatenation of ``Segment``s — a range
 ``[lo, hi)`` of one ``TensorEntry``'s flattened elements, or a run of zeros (padding). Its bytes come
-out in bounded chunks (``chunks``), each read only from the pieces that overlap it (``zckpt.stream.spans``), so
-a writer never holds more than one chunk of one tensor. ``read_partition`` is rank ``r``'s ZeRO-3 chunk of
+out in bounded chunks (``chunks``), each read only from the pieces that overlap it (``zckpt.stream.spans``),
+so a writer never holds more than one chunk of one tensor. ``read_partition`` is rank ``r``'s ZeRO-3 chunk of
 any tensor at any world size (load-time reshard reads only that rank's bytes).
 """
 

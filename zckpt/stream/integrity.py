@@ -81,7 +81,8 @@ class VerifyContext:
     broken: set[str] = field(default_factory=set)
     """Files already reported as structurally broken: their checksums are not compared too."""
     scanner: Scanner | None = None
-    """The run's scan threads (``zckpt.storage.scan``): files are checked side by side, big records in pieces."""
+    """The run's scan threads (``zckpt.storage.scan``): files are checked side by side, big records in
+    pieces."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def sha256(self, f: Path) -> str:
@@ -184,9 +185,9 @@ _HEX = {"crc32": re.compile(r"[0-9a-f]{8}"), "sha256": re.compile(r"[0-9a-f]{64}
 
 def block_sidecar_digest(f: Path, suffix: str = CRC_SIDECAR) -> tuple[FileDigest, int] | Problem | None:
     """The block digests and size that ``<f><suffix>`` records for ``f``: ``.crc32.json`` (what
-    ``zckpt.storage.digest.write_block_sidecar`` writes: format ``zckpt-block-crc32``, version 1) or the earlier
-    ``.sha256.json``; None when there is none; a ``Problem`` naming the sidecar when it is not one for ``f``
-    (or a later version of the format)."""
+    ``zckpt.storage.digest.write_block_sidecar`` writes: format ``zckpt-block-crc32``, version 1) or the
+    earlier ``.sha256.json``; None when there is none; a ``Problem`` naming the sidecar when it is not one
+    for ``f`` (or a later version of the format)."""
     side = f.with_name(f.name + suffix)
     if not side.is_file():
         return _not_regular(side)

@@ -137,7 +137,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class BlockSink(Sink, Protocol):
-    """A sink that takes pieces of reusable memory (``zckpt.storage.sink.HashingSink``): ``fill`` writes to it."""
+    """A sink that takes pieces of reusable memory (``zckpt.storage.sink.HashingSink``): ``fill`` writes to
+    it."""
 
     piece_bytes: int
     head_room: int

@@ -3,8 +3,8 @@ without loading anything.
 
 Each item of a ``.distcp`` file is one complete ``torch.save`` zip archive (DCP's default serialization):
 its zip directory, local headers and ``data.pkl`` are parsed through a window of the file
-(``zckpt.codecs.torchzip.archive_at``, the pickle through the safe unpickler), giving the absolute offset of the
-storage record ``data/0``, its dtype and shape, and its zip CRC-32. With
+(``zckpt.codecs.torchzip.archive_at``, the pickle through the safe unpickler), giving the absolute offset of
+the storage record ``data/0``, its dtype and shape, and its zip CRC-32. With
 ``FileSystemWriter(serialization_format=SAFETENSORS)`` a file holds the bytes items as archives and then one
 safetensors blob to EOF with every tensor chunk of the rank under its flattened key; every tensor item's
 offset is the blob's start. zstd-compressed items (``transform_descriptors``) are refused with a hint.

@@ -1,5 +1,5 @@
-"""DCP's ``.metadata`` file: unpickled through zckpt's bounded unpickle (``zckpt.codecs.pickle_core``) into the
-inert stand-ins of ``standins``, then checked into typed, frozen records.
+"""DCP's ``.metadata`` file: unpickled through zckpt's bounded unpickle (``zckpt.codecs.pickle_core``) into
+the inert stand-ins of ``standins``, then checked into typed, frozen records.
 
 ``DcpMetadata`` is what readers use: every flattened key in state-dict order with its path (``planner_data``:
 never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes), bytes items, and

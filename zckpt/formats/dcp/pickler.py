@@ -1,8 +1,8 @@
 """Writing DCP's ``.metadata`` without importing ``torch.distributed``: the reader's stand-ins
 (``zckpt.formats.dcp.standins``) pickled under DCP's own class names, so real torch unpickles real objects.
 
-Built on ``zckpt.codecs.torchzip_write.TorchPickler`` (protocol 2, globals by name): dataclasses as NEWOBJ + BUILD
-with their field dict (as ``pickle`` writes them), ``TensorProperties`` with its 5-tuple state (what its
+Built on ``zckpt.codecs.torchzip_write.TorchPickler`` (protocol 2, globals by name): dataclasses as NEWOBJ +
+BUILD with their field dict (as ``pickle`` writes them), ``TensorProperties`` with its 5-tuple state (what its
 ``__setstate__`` takes), ``torch.Size`` / the memory-format enum / ``_get_layout`` as REDUCE calls, dtypes as
 ``torch.<name>`` globals. The same bytes come from the C pickler (``_CPickler``, 20x faster on a 14k-chunk
 file), the stand-ins' GLOBALs renamed to DCP's names afterwards; the pure-Python ``MetadataPickler`` writes

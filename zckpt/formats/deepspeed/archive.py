@@ -1,6 +1,6 @@
 """One ``torch.save`` archive built from lazy tensors: ``Archive.tensor`` registers a storage whose bytes
-are read (``zckpt.stream.flat``) only while ``save`` streams it into the file, one storage at a time; ``convert``
-copies a pickled source object with every tensor reference turned into such a storage."""
+are read (``zckpt.stream.flat``) only while ``save`` streams it into the file, one storage at a time;
+``convert`` copies a pickled source object with every tensor reference turned into such a storage."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Object storage (``s3://bucket/key``): the one package that talks to a store, through ``obstore`` (or an
 fsspec filesystem for other schemes).
 
-``zckpt.storage.fileio`` and ``zckpt.storage.staging`` route here on a URL's scheme (``is_url``); local paths never
-reach it. Its modules, each importing only those above it:
+``zckpt.storage.fileio`` and ``zckpt.storage.staging`` route here on a URL's scheme (``is_url``); local paths
+never reach it. Its modules, each importing only those above it:
 
 - ``failures``, ``policy``, ``credentials``: error lines, retries and timeouts, the credential chain.
 - ``client``: URLs, ``ObjectStore`` (one operation's options, clients per bucket with their credentials,
