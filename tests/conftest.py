@@ -29,6 +29,18 @@ def s3_server() -> Iterator[_s3.Server]:
     srv.stop()
 
 
+@pytest.fixture
+def relay(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[_s3.FaultProxy]:
+    """A relay in front of the S3 server that refuses or holds chosen requests (``_s3.FaultProxy``), the
+    client pointed at it by the user's environment only."""
+    proxy = _s3.FaultProxy(s3_server.url, p503=0, pdrop=0, ptrunc=0)
+    for k, v in _s3.env_for(proxy.url):
+        monkeypatch.setenv(k, v)
+    yield proxy
+    proxy.release.set()
+    proxy.stop()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     keep, drop = [], []
     for item in items:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,6 @@ from zckpt.cli.app import app
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
 SRC = fixture("ds", "s3_fp32_w2")
-
-
-@pytest.fixture
-def relay(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[_s3.FaultProxy]:
-    proxy = _s3.FaultProxy(s3_server.url, p503=0, pdrop=0, ptrunc=0)
-    for k, v in _s3.env_for(proxy.url):
-        monkeypatch.setenv(k, v)
-    yield proxy
-    proxy.release.set()
-    proxy.stop()
 
 
 def _cli(*args: object) -> tuple[int, str]:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,6 @@ from zckpt.cli.app import app
 from zckpt.errors import ZckptError
 
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1", "ZCKPT_DEBUG": ""})
-
-
-@pytest.fixture
-def relay(s3_server: _s3.Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[_s3.FaultProxy]:
-    proxy = _s3.FaultProxy(s3_server.url, p503=0, pdrop=0, ptrunc=0)
-    for k, v in _s3.env_for(proxy.url):
-        monkeypatch.setenv(k, v)
-    yield proxy
-    proxy.release.set()
-    proxy.stop()
 
 
 def _keys(c: Any, prefix: str) -> list[str]:
