@@ -23,6 +23,7 @@ from zckpt.formats.megatron.read import open_megatron
 
 CASES = [
     "tp1_fp32_llama", "tp2_bf16_llama", "pp2_fp32_llama", "tp2pp2_bf16_llama", "tp2dp2_bf16_distopt",
+    "dp2_bf16_distopt_buckets",
     "dp2_bf16_distopt_full", "tp1_bf16_modelonly", "tp2_fp32_untied", "tp2_fp32_gpt2",
 ]  # fmt: skip
 WITH_OPTIM = [c for c in CASES if "modelonly" not in c]
