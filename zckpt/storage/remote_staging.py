@@ -257,6 +257,7 @@ class RemoteStaging:
                 theirs = [u for u in self._old if not owns(u[len(self.url) + 1 :])]
                 if theirs and foreign == "refuse":
                     self._release()
+                    interrupts.closed(self, published=False)
                     shown = ", ".join(u.rsplit("/", 1)[1] for u in theirs[:5])
                     raise OutputExists(f"{self.url} holds objects zckpt did not write ({shown})",
                                        hint="give another DST, or move them away", path=self.url)  # fmt: skip
