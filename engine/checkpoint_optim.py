@@ -144,7 +144,9 @@ def _state_value(
             raise CheckpointMismatch(
                 f"{where}: optimizer state {k!r} of {s.name} is {list(e.shape)}, its param {list(s.shape)}"
             )
-        out = torch.zeros(s.chunk, dtype=like.dtype if like is not None else e.dtype, device=s.master.device)
+        out = torch.zeros(
+            s.chunk, dtype=like.dtype if like is not None else e.dtype.torch, device=s.master.device
+        )
         if s.valid:
             read(e, s.start, s.start + s.valid, out[: s.valid])
         return out

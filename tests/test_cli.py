@@ -249,7 +249,7 @@ def test_interrupt_while_torch_imports_is_the_startup_guards(model: Path, tmp_pa
 
     flag = tmp_path / "flag"
     env = {**os.environ, "SLOW_TORCH_FLAG": str(flag), "ZCKPT_DEBUG": ""}
-    argv = [sys.executable, "-c", _SLOW_TORCH, "inspect", str(model)]
+    argv = [sys.executable, "-c", _SLOW_TORCH, "inspect", "--stats", str(model)]  # --stats: it reads tensors
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default
     )

@@ -55,6 +55,7 @@ def test_child_parse_equals_the_in_process_parse_on_every_fixture() -> None:
             assert preopen.start(op.cache("preopen"), "zckpt.formats.dcp.metadata:preload",
                                  os.path.realpath(f + "/.metadata"))
         import torch
+        from zckpt.dtypes import DType
         from zckpt.formats.dcp import metadata, standins
         taken = []
         real_take = preopen.take
@@ -67,7 +68,7 @@ def test_child_parse_equals_the_in_process_parse_on_every_fixture() -> None:
         alone = [metadata.load_metadata(Path(f)) for f in folders]  # no operation bound: nothing kept
         for f, a, b in zip(folders, via_child, alone):
             assert a == b, f
-            assert a.tensors and all(isinstance(t.dtype, torch.dtype) for t in a.tensors.values()), f
+            assert a.tensors and all(isinstance(t.dtype, DType) for t in a.tensors.values()), f
         print(len(folders), sum(len(a.storage) for a in via_child))
     """)
     n, stored = map(int, out.split())
@@ -165,7 +166,8 @@ def _set_size_args(args: list[Any]) -> Any:
     ids=["float-size", "bytes-size", "torch.load", "size-as-dtype", "int-as-dtype", "no-storage-data"],
 )
 def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, edit: Any, says: str) -> None:
-    """The child fails on it and exits 1; the parent parses the file itself and prints the library's error."""
+    """The child fails on it and exits 1; the parent parses the file itself and prints the library's error.
+    (``consolidate``: a command that imports torch, which the child runs beside; ``inspect`` imports none.)"""
     ck = _edited(tmp_path, edit)
     with pytest.raises(ZckptError) as e:
         zckpt.open(ck)
@@ -176,7 +178,7 @@ def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, e
         started = []
         real_start = preopen.start
         preopen.start = lambda c, t, p: started.append(real_start(c, t, p)) or started[-1]
-        sys.argv = ["zckpt", "inspect", {str(ck)!r}]
+        sys.argv = ["zckpt", "consolidate", {str(ck)!r}, {str(tmp_path / "out.safetensors")!r}]
         from zckpt.cli import main
         try:
             main()
@@ -196,6 +198,8 @@ def test_dtype_names_cover_this_torch() -> None:
     here first), and every listed name this torch has maps to its dtype."""
     have = {k for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
     assert have <= standins.DTYPE_NAMES, sorted(have - standins.DTYPE_NAMES)
-    from zckpt.codecs.pickle_safe import TORCH_DTYPES
+    from zckpt import dtypes
 
-    assert all(TORCH_DTYPES[n] is getattr(torch, n) for n in standins.DTYPE_NAMES & have)
+    known = {n: dtypes.lookup(n) for n in standins.DTYPE_NAMES & have}
+    assert all(d is None or d.torch is getattr(torch, n) for n, d in known.items())
+    assert {n for n, d in known.items() if d is not None} >= set(dtypes.BY_NAME)

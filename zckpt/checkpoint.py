@@ -10,21 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from zckpt.errors import CorruptCheckpoint, MissingKey
 from zckpt.model import Role, TensorEntry
 from zckpt.state import CheckpointMeta
 from zckpt.storage import fileio, session
-from zckpt.stream import spans
+
+if TYPE_CHECKING:  # torch is imported by the first tensor read (``zckpt.stream.spans``): metadata needs none
+    import torch
 
 
 def _file_of(e: TensorEntry, default: str) -> str:
     return e.pieces[0].file if e.pieces else default
 
 
-class Checkpoint(Mapping[str, torch.Tensor]):
+class Checkpoint(Mapping[str, "torch.Tensor"]):
     """A lazily read checkpoint. A ``Mapping`` of model tensors (params, frozen params, buffers and
     tied aliases) keyed by state-dict name; ``ckpt[name]`` reads that one tensor.
 
@@ -119,6 +120,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def read(self, key: str | TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one logical tensor (and nothing else) into memory, optionally cast: any key of ``entries``
         (model tensors and optimizer states ``"<param>:<state>"``), a tied alias or an entry."""
+        from zckpt.stream import spans
+
         e = key if isinstance(key, TensorEntry) else self.entry(key)
         if self.storage is None or session.bound_storage() is self.storage:
             return spans.read_entry(e, dtype)

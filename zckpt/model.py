@@ -17,31 +17,26 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
+from zckpt import dtypes
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, InvalidArgument, KeyMappingError
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_SEP = ":"
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+DTYPES: dict[str, DType] = {
+    n: dtypes.BY_NAME[n]
+    for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "float8_e4m3fn", "float8_e5m2")
+}  # fmt: skip
+"""The dtypes a checkpoint's tensors may have (``parse_dtype`` reads their names)."""
 
 
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS: dict[str, DType] = {"fp32": dtypes.float32, "bf16": dtypes.bfloat16, "fp16": dtypes.float16}
 """Training precisions (DeepSpeed's names) and their compute dtypes."""
 _PRECISION_ALIASES = {
     "float32": "fp32",
@@ -54,7 +49,7 @@ OUTPUT_DTYPES = ("auto", *PRECISIONS)
 """``consolidate(dtype=...)``'s choices (``parse_output_dtype`` reads every spelling of them)."""
 
 
-def precision_of(dtype: torch.dtype) -> str:
+def precision_of(dtype: DType | torch.dtype) -> str:
     """The training precision whose compute dtype is ``dtype`` (fp32 for anything else)."""
     return next((k for k, v in PRECISIONS.items() if v == dtype), "fp32")
 
@@ -66,7 +61,7 @@ def parse_precision(name: str) -> str | None:
     return key if key in PRECISIONS else None
 
 
-def parse_output_dtype(dtype: str | torch.dtype) -> str:
+def parse_output_dtype(dtype: str | DType | torch.dtype) -> str:
     """``auto``, ``fp32``, ``bf16`` or ``fp16`` for an output dtype in any spelling people type.
 
     Accepts DeepSpeed's names (``fp32``, ``bf16``, ``fp16``), torch's (``float32``, ``bfloat16``,
@@ -77,7 +72,7 @@ def parse_output_dtype(dtype: str | torch.dtype) -> str:
     Raises:
         InvalidArgument: (a ``ValueError``) for any other name or dtype.
     """
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, DType) or dtypes.is_torch_dtype(dtype):
         got = next((k for k, v in PRECISIONS.items() if v == dtype), None)
     elif isinstance(dtype, str):
         got = "auto" if dtype.strip().lower() == "auto" else parse_precision(dtype.strip())
@@ -91,11 +86,11 @@ def parse_output_dtype(dtype: str | torch.dtype) -> str:
     return got
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: DType | torch.dtype) -> str:
+    return dtype.name if isinstance(dtype, DType) else str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> DType:
     try:
         return DTYPES[name.removeprefix("torch.")]
     except KeyError:
@@ -148,8 +143,8 @@ class Piece:
     A plain piece is one run: elements ``[start, start + numel)`` of the flattened logical tensor.
     ``file``/``byte_offset``/``dtype`` say where its bytes are (``dtype`` is the stored dtype, which the
     reader casts to the logical one when they differ). ``padding`` counts stored elements after the run that
-    belong to no tensor; they are never read. ``value`` holds a tensor that lives in no file (a Python number
-    in a pickle); then ``file`` is empty.
+    belong to no tensor; they are never read. ``value`` holds a tensor that lives in no file, or a Python
+    number of a pickle (``inline()`` gives either as a tensor); then ``file`` is empty.
 
     A box piece (a chunk of a tensor cut along inner dimensions, as tensor parallelism does) has a
     ``grid``: outer loops ``(count, stride)``, outermost first. It holds ``prod(counts)`` runs of
@@ -159,19 +154,35 @@ class Piece:
 
     file: str
     byte_offset: int
-    dtype: torch.dtype
+    dtype: DType
     start: int
     numel: int
     rank: int | None = None
     padding: int = 0
-    value: torch.Tensor | None = None
+    value: torch.Tensor | int | float | bool | None = None
     grid: tuple[tuple[int, int], ...] = ()
     check: Checked | None = None
     """The checksummed record holding the piece's bytes, when the format records one."""
 
+    def __post_init__(self) -> None:
+        if type(self.dtype) is not DType:  # a torch.dtype or a name from a caller: zckpt's own value
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
+
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def inline(self) -> torch.Tensor:
+        """``value`` as a tensor of ``dtype`` (a Python number, as readers keep one, becomes one element):
+        what reads of an in-memory piece copy from. Imports torch."""
+        import torch
+
+        v = self.value
+        if isinstance(v, torch.Tensor):
+            return v
+        if v is None:
+            raise ValueError(f"a piece of {self.file or '<inline>'} holds no in-memory value")
+        return torch.tensor([v], dtype=self.dtype.torch)
 
     @property
     def nruns(self) -> int:
@@ -226,7 +237,7 @@ class TensorEntry:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     role: Role
     pieces: tuple[Piece, ...]
     state: str | None = None
@@ -235,6 +246,8 @@ class TensorEntry:
     ``step``): writers give it back that type."""
 
     def __post_init__(self) -> None:
+        if type(self.dtype) is not DType:
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
         _check_state(self.name, self.role, self.state)
         _check_pieces(self.key, self.shape, self.pieces)
 
@@ -327,14 +340,14 @@ class DeferredEntry(TensorEntry):
         self,
         name: str,
         shape: tuple[int, ...],
-        dtype: torch.dtype,
+        dtype: DType | torch.dtype,
         role: Role,
         resolve: Callable[[], tuple[Piece, ...]],
         state: str | None = None,
         pytype: str | None = None,
     ) -> None:
         _check_state(name, role, state)
-        fields = {"name": name, "shape": shape, "dtype": dtype, "role": role, "state": state}
+        fields = {"name": name, "shape": shape, "dtype": dtypes.of(dtype), "role": role, "state": state}
         for k, v in (*fields.items(), ("pytype", pytype), ("_resolve", resolve)):
             object.__setattr__(self, k, v)
 

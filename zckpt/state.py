@@ -16,13 +16,12 @@ records) into JSON values.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
-import torch
-
+from zckpt.dtypes import DType, is_torch_dtype
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import TensorEntry, dtype_name
 
@@ -190,16 +189,15 @@ def to_json(o: Any) -> Any:
     records (anything with ``to_dict``) as dicts, tuples and sets as lists; ``TensorEntry`` leaves stay."""
     if o is None or isinstance(o, (bool, int, float, str, TensorEntry)):
         return o
-    if isinstance(o, torch.Tensor):
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # no tensor or array exists without them
+    if torch is not None and isinstance(o, torch.Tensor):
         return o.item() if o.numel() == 1 else o.tolist()
-    if isinstance(o, torch.dtype):
+    if isinstance(o, DType) or is_torch_dtype(o):
         return dtype_name(o)
     if isinstance(o, enum.Enum):
         return to_json(o.value)
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
+    if np is not None and isinstance(o, (np.generic, np.ndarray)):
+        return o.item() if isinstance(o, np.generic) else o.tolist()
     if isinstance(o, Mapping):
         return {str(k): to_json(v) for k, v in o.items()}
     if isinstance(o, (list, tuple, set, frozenset)):

@@ -228,8 +228,8 @@ def _place(x: str | os.PathLike[str]) -> str:
 def _flat(it: WriteItem) -> torch.Tensor:
     """The in-memory tensor behind a content item (see ``zckpt.formats.native.write.tensor_item``)."""
     (piece,) = it.entry.pieces
-    v = piece.value
-    assert v is not None and v.dtype == it.dtype and v.numel() == it.numel, it.name
+    v = piece.inline()
+    assert v.dtype == it.dtype and v.numel() == it.numel, it.name
     return v.reshape(-1)
 
 

@@ -69,10 +69,10 @@ class ReadPlan:
             dst = out[s.lo - lo : s.lo - lo + s.n]
             p = s.piece
             if p.value is not None:
-                dst.copy_(p.value.reshape(-1)[s.offset : s.offset + s.n])
+                dst.copy_(p.inline().reshape(-1)[s.offset : s.offset + s.n])
                 continue
             if dst.dtype != p.dtype or not dst.is_contiguous():
-                tmp = torch.empty(s.n, dtype=p.dtype)
+                tmp = torch.empty(s.n, dtype=p.dtype.torch)
                 self._casts.append((dst, tmp))
                 dst = tmp
             self._segs.setdefault(p.file, []).append(_Seg(s.byte_offset, s.n * p.dtype.itemsize, dst))

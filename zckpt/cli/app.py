@@ -1,8 +1,10 @@
 """Composition root of the ``zckpt`` command line.
 
 Each command lives in its own module exposing ``NAME``, ``command`` (a plain function whose
-parameters are typer ``Annotated`` aliases from ``_options``; its docstring is the help's description)
-and ``EPILOG`` (the details printed after the options); adding a command is one line in ``COMMANDS``.
+parameters are typer ``Annotated`` aliases from ``_options``; its docstring is the help's description),
+``EPILOG`` (the details printed after the options) and ``needs_torch(options)`` (whether that run builds
+tensors: ``inspect`` and ``verify`` read metadata only and never import torch); adding a command is one line
+in ``COMMANDS``.
 Help is plain text that fits 80 columns (``_help``); ``zckpt --version`` prints ``zckpt X.Y.Z``.
 
 Every command runs under ``_guarded``: a ``ZckptError`` (or an OS error) prints
@@ -77,7 +79,7 @@ def _one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
     Output.warning(str(message))
 
 
-def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _guarded(fn: Callable[..., Any], needs_torch: Callable[[dict[str, Any]], bool]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         from zckpt.errors import ZckptError
@@ -91,8 +93,10 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             Output.error(str(e), e.hint)
             raise typer.Exit(EXIT_ERROR) from None
         st = session.Storage(options)  # the command's one Storage (its s3:// client, caches, open files)
-        _preopen(kwargs, st)
-        _leave_startup()
+        torch = needs_torch(kwargs)
+        if torch:
+            _preopen(kwargs, st)
+        _leave_startup(torch)
         try:
             with st.bound():
                 return _run(fn, args, kwargs, st, debug)
@@ -210,8 +214,9 @@ def _done() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def _leave_startup() -> None:
-    """Import torch while Ctrl-C still means ``_startup_interrupt`` (exit 130, nothing written), then let it
+def _leave_startup(torch: bool = True) -> None:
+    """Import torch (for a command that ``needs_torch``) while Ctrl-C still means ``_startup_interrupt``
+    (exit 130, nothing written), then let it
     raise ``KeyboardInterrupt`` for ``_guarded``: an interrupt inside torch's C++ start-up, where a Python
     exception cannot unwind, aborts the process (``terminate called after throwing ... error_already_set``,
     SIGABRT) or leaves torch half-imported. Commands import torch lazily, so ``--help`` stays fast. SIGTERM
@@ -221,10 +226,11 @@ def _leave_startup() -> None:
     torch made are then frozen (``gc.freeze``, as ``main`` froze typer's): they live as long as the process,
     and every full collection during the command would walk them again (0.1 s of a 2.3 s consolidate on the
     2-core machine). Commands run in-process (typer's test runner, an embedding program) leave it alone."""
-    importlib.import_module("torch")
-    from zckpt.storage import collector
+    if torch:
+        importlib.import_module("torch")
+        from zckpt.storage import collector
 
-    collector.settle()
+        collector.settle()
     if signal.getsignal(signal.SIGINT) is _startup_interrupt:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)  # cleaned up like Ctrl-C: staging folders removed
@@ -232,7 +238,7 @@ def _leave_startup() -> None:
 
 for _module in COMMANDS:
     _mod = importlib.import_module(_module)
-    app.command(name=_mod.NAME, cls=Command, epilog=_mod.EPILOG)(_guarded(_mod.command))
+    app.command(name=_mod.NAME, cls=Command, epilog=_mod.EPILOG)(_guarded(_mod.command, _mod.needs_torch))
 
 
 def main() -> None:

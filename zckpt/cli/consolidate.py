@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -139,3 +139,8 @@ def command(
         o.text("tied: " + ", ".join(f"{a} -> {w}" for a, w in res.tied.items()))
     if res.kept:
         o.text("kept (not written by zckpt): " + ", ".join(res.kept))
+
+
+def needs_torch(options: dict[str, Any]) -> bool:
+    """Always: it builds tensors."""
+    return True

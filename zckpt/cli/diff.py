@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -204,3 +204,8 @@ def _series(
     out.text(s.to_text())
     if plot is not None:
         out.text(f"plot: {plot}")
+
+
+def needs_torch(options: dict[str, Any]) -> bool:
+    """Always: it builds tensors."""
+    return True

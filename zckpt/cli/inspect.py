@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -109,3 +109,8 @@ def command(
 
 def _g(v: float | int | None) -> str:
     return "-" if v is None else (str(v) if isinstance(v, int) else f"{v:.4g}")
+
+
+def needs_torch(options: dict[str, Any]) -> bool:
+    """Only for ``--stats``, which reads every tensor; what a checkpoint holds is in its metadata."""
+    return bool(options.get("stats"))

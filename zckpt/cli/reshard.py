@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -135,3 +135,8 @@ def command(
     )
     for n in res.notes:
         o.text(f"note: {n}")
+
+
+def needs_torch(options: dict[str, Any]) -> bool:
+    """Always: it builds tensors."""
+    return True

@@ -1,8 +1,10 @@
-"""Unpickling without running code from the file: ``zckpt.codecs.pickle_core``'s bounded unpickle, with torch.
+"""Unpickling without running code from the file: ``zckpt.codecs.pickle_core``'s bounded unpickle, with
+torch's tensors as placeholders (torch itself is never imported here).
 
 ``SafeUnpickler`` resolves globals through an allowlist only: plain containers, torch's tensor
-rebuild functions (which here build ``TensorRef`` placeholders instead of tensors), torch dtypes
-and sizes, and inert stand-ins for the few foreign classes real checkpoints hold (DeepSpeed's
+rebuild functions (which here build ``TensorRef`` placeholders instead of tensors), torch's dtypes (as
+``zckpt.dtypes.DType``), sizes (``Size``, a tuple) and devices (``Device``), and inert stand-ins for the
+few foreign classes real checkpoints hold (DeepSpeed's
 ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``, ``fragment_address``, ``SubparamShape``,
 ``argparse.Namespace``, ``io.BytesIO`` (its bytes kept unparsed), numpy arrays); a caller may allow a few
 more inert stand-ins for one pickle (``extra``). Anything else raises ``UnsafePickle`` naming the global
@@ -17,17 +19,20 @@ import pickle
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
-
+from zckpt import dtypes
 from zckpt.codecs.pickle_core import LEAVES, RestrictedUnpickler, bounded_loads, check_graph, children
 from zckpt.codecs.pickle_core import MAX_DEPTH as MAX_DEPTH  # re-exported: the limits of every zckpt unpickle
 from zckpt.codecs.pickle_core import MAX_NODES_PER_BYTE as MAX_NODES_PER_BYTE
 from zckpt.codecs.pickle_core import MAX_STACK as MAX_STACK
 from zckpt.codecs.pickle_core import _Record as _Record  # the formats' stand-ins derive from it
-from zckpt.errors import UnsafePickle
+from zckpt.dtypes import DType
+from zckpt.errors import CorruptCheckpoint, UnsafePickle
 from zckpt.model import Checked
+
+if TYPE_CHECKING:
+    import torch
 
 
 # ---- stand-ins for foreign classes -------------------------------------------------------------
@@ -83,6 +88,29 @@ class SubparamShape:
     partition_dim: Any = None
 
 
+class Size(tuple[int, ...]):
+    """Stand-in for ``torch.Size``: a tuple of ints (pickles call ``torch.Size(dims)``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Size, (tuple(self),))
+
+
+@dataclass(frozen=True)
+class Device:
+    """Stand-in for ``torch.device`` (``torch.device("cuda", 0)`` in a pickle): its type and index."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
 Allowed = Mapping[tuple[str, str], Any]
 """Globals a caller allows for one pickle: ``(module, name)`` -> the inert object they resolve to."""
 
@@ -104,7 +132,7 @@ class StorageRef:
     """A storage of a torch zip archive: record ``key`` holding ``numel`` elements of ``dtype``."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
 
 
@@ -128,7 +156,7 @@ class TensorRef:
     """The zip record holding the storage, with its CRC-32 (``zckpt.storage.checks``)."""
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> DType:
         return self.storage.dtype
 
     @property
@@ -147,35 +175,37 @@ class TensorRef:
             expect *= size
         return True
 
+    def scalar(self) -> int | float | bool:
+        """The value of a one-element tensor (an optimizer's ``step``), read without torch.
+
+        Raises:
+            CorruptCheckpoint: when its bytes lie past the end of the file.
+        """
+        from zckpt.storage import fileio
+
+        fd = fileio.open_fd(self.file)
+        try:
+            raw = fileio.pread(fd, self.dtype.itemsize, self.byte_offset)
+        finally:
+            fileio.close_fd(fd)
+        if self.numel != 1 or len(raw) != self.dtype.itemsize:
+            raise CorruptCheckpoint(f"{self.file}: a {list(self.shape)} value lies past the end or is no "
+                                    "scalar (truncated?)", path=self.file)  # fmt: skip
+        return self.dtype.unpack(raw)
+
     def load(self) -> torch.Tensor:
         """Read this tensor's bytes (a copy). Meant for small metadata tensors."""
+        import torch
+
         from zckpt.storage import fileio
 
         base = self.byte_offset - self.offset * self.dtype.itemsize
-        whole = fileio.view(self.file, base, self.storage.numel, self.dtype)
+        whole = fileio.view(self.file, base, self.storage.numel, self.dtype.torch)
         return torch.as_strided(whole, self.shape, self.stride, self.offset).clone()
 
 
-def _storage_dtype(name: str) -> torch.dtype | None:
-    probe = {
-        "FloatStorage": torch.float32,
-        "HalfStorage": torch.float16,
-        "BFloat16Storage": torch.bfloat16,
-        "DoubleStorage": torch.float64,
-        "LongStorage": torch.int64,
-        "IntStorage": torch.int32,
-        "ShortStorage": torch.int16,
-        "CharStorage": torch.int8,
-        "ByteStorage": torch.uint8,
-        "BoolStorage": torch.bool,
-        "ComplexFloatStorage": torch.complex64,
-        "ComplexDoubleStorage": torch.complex128,
-    }
-    return probe.get(name)
-
-
 class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
 
 
@@ -232,22 +262,18 @@ def _numpy_global(name: str) -> Any:
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {  # on top of ``pickle_core.PLAIN``
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): Size,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch", "Tensor"): _Marker("torch.Tensor"),
     ("torch.nn.parameter", "Parameter"): _Marker("torch.nn.Parameter"),
-    ("torch", "device"): torch.device,
+    ("torch", "device"): Device,
     **FOREIGN_CLASSES,
 }
 
 
-# torch dtypes by attribute name (``torch.float16``), looked up in a fixed table: ``getattr(torch, name)``
-# would run torch's module ``__getattr__``, which imports submodules (``torch._dynamo``) and calls
-# deprecated-attribute factories for names chosen by the file.
-TORCH_DTYPES: dict[str, torch.dtype] = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy")
 
 
@@ -267,12 +293,10 @@ class SafeUnpickler(RestrictedUnpickler):
         self.refs: list[TensorRef] = []
 
     def resolve(self, module: str, name: str) -> Any:
-        if module == "torch" and name.endswith("Storage"):
-            dt = _storage_dtype(name)
+        if module == "torch":  # dtypes and storage classes by name, from fixed tables (never getattr(torch))
+            dt = dtypes.BY_STORAGE.get(name) if name.endswith("Storage") else dtypes.lookup(name)
             if dt is not None:
-                return _StorageType(dt)
-        if module == "torch" and name in TORCH_DTYPES:
-            return TORCH_DTYPES[name]
+                return _StorageType(dt) if name.endswith("Storage") else dt
         if module in _NUMPY_MODULES:
             g = _numpy_global(name)
             if g is not None:
@@ -290,15 +314,15 @@ class SafeUnpickler(RestrictedUnpickler):
             raise UnsafePickle(f"{self.source}: malformed storage id {pid!r:.80}", path=self.source)
         if isinstance(stype, _StorageType):
             dtype = stype.dtype
-        elif isinstance(stype, torch.dtype):
+        elif isinstance(stype, DType):
             dtype = stype
         else:
             raise UnsafePickle(f"{self.source}: storage of unknown type {stype!r:.80}", path=self.source)
         return StorageRef(str(key), dtype, int(numel))
 
 
-_LEAVES: frozenset[type] = LEAVES | {torch.dtype, torch.Size, StorageRef}
-"""Types whose objects hold nothing to walk (``torch.Size`` holds ints only)."""
+_LEAVES: frozenset[type] = LEAVES | {DType, Size, Device, StorageRef}
+"""Types whose objects hold nothing to walk (``Size`` holds ints only)."""
 
 
 def _children(o: Any) -> list[Any]:

@@ -21,34 +21,32 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from zckpt import dtypes
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
 from zckpt.storage.direct_io import WriteOptions
 from zckpt.storage.sink import HashingSink
-from zckpt.stream import pipeline
 from zckpt.stream.integrity import Problem, problem_from
-from zckpt.stream.items import WriteItem, tensor_bytes
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+if (
+    TYPE_CHECKING
+):  # torch and the write pipeline are imported by the writers only: reading a header needs neither
+    import torch
+
+    from zckpt.stream.items import WriteItem
+
+DTYPES: dict[str, DType] = {
+    code: dtypes.BY_SAFETENSORS[code]
+    for code in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2")
 }
-NAMES = {v: k for k, v in DTYPES.items()}
+"""The header's dtype codes zckpt reads and writes."""
+NAMES: dict[DType, str] = {v: k for k, v in DTYPES.items()}
+Spec = tuple[str, "DType | torch.dtype", tuple[int, ...]]
+"""A tensor to lay out: name, dtype (zckpt's or torch's), shape."""
 MAX_HEADER = 100 << 20
 """The header size limit safetensors itself enforces."""
 
@@ -57,7 +55,7 @@ MAX_HEADER = 100 << 20
 class HeaderEntry:
     """One tensor of a safetensors header; ``begin``/``end`` are absolute file offsets."""
 
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     begin: int
     end: int
@@ -190,7 +188,8 @@ def _entry(p: str, name: str, info: Any, start: int, size: int) -> HeaderEntry:
 
 
 def encode_header(
-    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+    specs: Sequence[Spec],
+    metadata: Mapping[str, str] | None = None,
 ) -> bytes:
     """The length prefix and JSON header for tensors ``(name, dtype, shape)`` laid out in order, padded so
     the data section starts 8-aligned (as safetensors does)."""
@@ -198,15 +197,17 @@ def encode_header(
 
 
 def plan_file(
-    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+    specs: Sequence[Spec],
+    metadata: Mapping[str, str] | None = None,
 ) -> FilePlan:
     """The header of a file holding tensors ``(name, dtype, shape)`` in order, and where their bytes go."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     starts = []
-    for name, dtype, shape in specs:
-        if dtype not in NAMES:
-            raise Unsupported(f"{name}: safetensors cannot store {dtype}")
+    for name, given, shape in specs:
+        dtype = dtypes.lookup(str(given))
+        if dtype is None or dtype not in NAMES:
+            raise Unsupported(f"{name}: safetensors cannot store {given}")
         if name in header:
             raise ValueError(f"tensor {name!r} would be written twice")
         nbytes = math.prod(shape) * dtype.itemsize
@@ -244,6 +245,8 @@ def write_file(
     says otherwise); with ``crc`` each tensor's CRC-32 in the record; with
     ``block`` the record's digest is the ``algorithm`` digest of each ``block`` bytes
     (``zckpt.storage.digest``)."""
+    from zckpt.stream import pipeline
+
     plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
     if sidecar and block is None:  # a block-digest sidecar: hashed on several cores as it is written
         block = BLOCK_BYTES
@@ -288,7 +291,13 @@ def _host_bytes(it: WriteItem) -> memoryview | None:
     ps = it.entry.pieces
     if it.span is not None or it.pad or len(ps) != 1 or ps[0].value is None or ps[0].grid:
         return None
+    import torch
+
+    from zckpt.stream.items import tensor_bytes
+
     v = ps[0].value
+    if not isinstance(v, torch.Tensor):  # a Python number: no tensor memory to write from
+        return None
     if v.device.type != "cpu" or v.dtype != it.dtype or not v.is_contiguous() or v.numel() != it.numel:
         return None
     return tensor_bytes(v.reshape(-1))
@@ -327,7 +336,7 @@ class StreamWriter:
     def __init__(
         self,
         path: Path,
-        specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+        specs: Sequence[Spec],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
@@ -347,6 +356,8 @@ class StreamWriter:
             raise ValueError(
                 f"{self.path}: expected {want} {dtype} {list(shape)}, got {name} {t.dtype} {list(t.shape)}"
             )
+        from zckpt.stream.items import tensor_bytes
+
         self._sink.write(tensor_bytes(t.detach().to("cpu").reshape(-1)))
         self._next += 1
 
@@ -374,7 +385,9 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor | None:
     e = read_header(path).tensors.get(key)
     if e is None:
         return None
-    out = torch.empty(e.numel, dtype=e.dtype)
+    import torch
+
+    out = torch.empty(e.numel, dtype=e.dtype.torch)
     fileio.read_into(str(path), e.begin, out)
     return out.view(e.shape)
 

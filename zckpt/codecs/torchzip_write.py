@@ -30,7 +30,9 @@ from typing import Any, cast
 
 import torch
 
-from zckpt.codecs.pickle_safe import FOREIGN_CLASSES
+from zckpt import dtypes
+from zckpt.codecs.pickle_safe import FOREIGN_CLASSES, Device, Size
+from zckpt.dtypes import DType
 from zckpt.errors import Unsupported
 from zckpt.storage.checks import crc32
 from zckpt.storage.sink import HashingSink
@@ -45,13 +47,6 @@ _OVERLAP_BYTES = 1 << 20
 (zlib releases the GIL): the bytes go straight to the sink and the running CRC and size are handed to
 zipfile's record writer (its ``_crc`` / ``_file_size``, which its ``close`` puts in the data descriptor;
 CPython 3.8+). Where those attributes are missing, zipfile's own ``write`` is used."""
-STORAGE_TYPES: dict[torch.dtype, str] = {
-    torch.float32: "FloatStorage", torch.float16: "HalfStorage", torch.bfloat16: "BFloat16Storage",
-    torch.float64: "DoubleStorage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage",
-    torch.complex128: "ComplexDoubleStorage",
-}  # fmt: skip
 _FOREIGN_NAMES: dict[Any, tuple[str, str]] = {cls: name for name, cls in FOREIGN_CLASSES.items()}
 
 
@@ -71,7 +66,7 @@ class StorageSlot:
     """One storage record: ``key`` names ``data/<key>``; ``numel`` elements of ``dtype``."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType | torch.dtype
     numel: int
 
 
@@ -95,6 +90,8 @@ class TensorSlot:
 
 _REBUILD = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _ODICT = GlobalRef("collections", "OrderedDict")
+_SIZE = GlobalRef("torch", "Size")
+_DEVICE = GlobalRef("torch", "device")
 
 
 class TorchPickler(pickle._Pickler):
@@ -111,11 +108,12 @@ class TorchPickler(pickle._Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageSlot):
-            if obj.dtype not in STORAGE_TYPES:
+            dt = dtypes.lookup(str(obj.dtype))
+            if dt is None or dt.storage is None:
                 raise Unsupported(
                     f"torch zip writer: no storage type for {obj.dtype}; write safetensors instead"
                 )
-            return ("storage", GlobalRef("torch", STORAGE_TYPES[obj.dtype]), obj.key, "cpu", obj.numel)
+            return ("storage", GlobalRef("torch", dt.storage), obj.key, "cpu", obj.numel)
         return None
 
     def reducer_override(self, obj: Any) -> Any:
@@ -124,6 +122,10 @@ class TorchPickler(pickle._Pickler):
             return (_REBUILD, args)
         if isinstance(obj, _EmptyOrderedDict):
             return (_ODICT, ())
+        if isinstance(obj, Size):  # the reader's stand-ins, written back as torch's own
+            return (_SIZE, (tuple(obj),))
+        if isinstance(obj, Device):
+            return (_DEVICE, (obj.type,) if obj.index is None else (obj.type, obj.index))
         return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
@@ -141,7 +143,12 @@ class TorchPickler(pickle._Pickler):
         self._emit_global(obj.module, obj.name)
         self.memoize(obj)  # type: ignore[attr-defined]
 
+    def _save_zdtype(self, obj: DType) -> None:  # ``torch.float32`` pickles as the global itself
+        self._emit_global("torch", obj.name)
+        self.memoize(obj)  # type: ignore[attr-defined]
+
     dispatch[GlobalRef] = _save_globalref  # type: ignore[assignment]
+    dispatch[DType] = _save_zdtype  # type: ignore[assignment]
 
 
 class _EmptyOrderedDict:

@@ -7,8 +7,7 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import torch
-
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import STATE_SEP, Piece, Role, TensorEntry
 
@@ -45,7 +44,7 @@ def tied_map(val: object, key: str, path: Path | str) -> dict[str, str]:
     return dict(val)
 
 
-def role_of(name: str, dtype: torch.dtype, roles: Mapping[str, str], path: Path) -> Role:
+def role_of(name: str, dtype: DType, roles: Mapping[str, str], path: Path) -> Role:
     """The role recorded for ``name``, else by dtype: floating tensors are params, the others buffers."""
     default = Role.PARAM if (dtype.is_floating_point or dtype.is_complex) else Role.BUFFER
     value = roles.get(name, default.value)
@@ -58,7 +57,7 @@ def role_of(name: str, dtype: torch.dtype, roles: Mapping[str, str], path: Path)
 
 
 def entry_of(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, role: Role, pieces: tuple[Piece, ...], path: Path
+    name: str, shape: tuple[int, ...], dtype: DType, role: Role, pieces: tuple[Piece, ...], path: Path
 ) -> TensorEntry:
     """One tensor of a flat state dict; an optimizer state's ``<param>:<state>`` name is split."""
     base, state = name, None

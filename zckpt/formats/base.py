@@ -19,12 +19,14 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs.safetensors import FileRecord
 from zckpt.stream.integrity import Problem, VerifyContext
-from zckpt.stream.items import WriteItem
+
+if TYPE_CHECKING:
+    from zckpt.stream.items import WriteItem
 
 OnFile = Callable[[str, int], None]
 """Called with (file name relative to the output, bytes) after each file a writer finishes."""
@@ -107,8 +109,17 @@ class Format(abc.ABC):
     name: ClassVar[str]
     training: ClassVar[bool] = False
     """Its checkpoints are sharded training checkpoints (per-rank partitions, optimizer state)."""
-    writer: ClassVar[CheckpointWriter | None] = None
-    model_writer: ClassVar[ModelWriter | None] = None
+
+    @property
+    def writer(self) -> CheckpointWriter | None:
+        """Writes this format's training checkpoints, or None. A format imports its writer here, on first
+        use: reading a checkpoint (``inspect``, ``verify``) never imports torch or a writer."""
+        return None
+
+    @property
+    def model_writer(self) -> ModelWriter | None:
+        """Writes one loadable model in this format, or None (imported on first use, as ``writer``)."""
+        return None
 
     @abc.abstractmethod
     def detect(self, path: Path) -> bool: ...

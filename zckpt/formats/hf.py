@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import safetensors
@@ -36,8 +36,10 @@ from zckpt.storage import fileio
 from zckpt.storage.staging import open_staging
 from zckpt.stream import integrity
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext
-from zckpt.stream.items import WriteItem
 from zckpt.stream.shards import family, planned_names, write_sharded
+
+if TYPE_CHECKING:  # writers stream tensors (torch); reading needs none
+    from zckpt.stream.items import WriteItem
 
 NAME = "hf"
 SAFETENSORS = "model.safetensors"
@@ -327,7 +329,10 @@ class HfFormat(Format):
     """A ``.safetensors`` file or an HF model folder."""
 
     name = NAME
-    model_writer: ClassVar[ModelWriter] = SafetensorsWriter()
+
+    @property
+    def model_writer(self) -> ModelWriter:
+        return SafetensorsWriter()
 
     def detect(self, path: Path) -> bool:
         if path.is_file():

@@ -21,12 +21,11 @@ import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import torchzip
 from zckpt.codecs.pickle_safe import TensorRef
-from zckpt.codecs.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, Unsupported
 from zckpt.formats import _flat
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
@@ -37,8 +36,10 @@ from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
 from zckpt.storage.sink import HashingSink
 from zckpt.storage.staging import open_staging
-from zckpt.stream.items import WriteItem
 from zckpt.stream.shards import family, planned_names, write_sharded
+
+if TYPE_CHECKING:  # writers stream tensors (torch); reading needs none
+    from zckpt.stream.items import WriteItem
 
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -205,6 +206,8 @@ def write_file(
 ) -> FileDigest:
     """Stream ``items`` into a new torch zip file (plus its ``.sha256.json`` block-digest sidecar); returns
     its digest."""
+    from zckpt.codecs.torchzip_write import StorageSlot, TensorSlot, TorchZipWriter, dumps
+
     slots = {
         it.name: TensorSlot(StorageSlot(str(i), it.dtype, it.numel), it.shape) for i, it in enumerate(items)
     }
@@ -284,7 +287,10 @@ class TorchFileFormat(Format):
     """A torch ``.bin``/``.pt`` state dict (one file; HF folders of them are ``hf``'s)."""
 
     name = NAME
-    model_writer: ClassVar[ModelWriter] = BinWriter()
+
+    @property
+    def model_writer(self) -> ModelWriter:
+        return BinWriter()
 
     def detect(self, path: Path) -> bool:
         return path.is_file() and (path.suffix in SUFFIXES or torchzip.is_torch_zip(str(path)))

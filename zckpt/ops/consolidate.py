@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 
+from zckpt import dtypes
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.errors import InvalidArgument, Unsupported
 from zckpt.formats import open_checkpoint, registry
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
@@ -132,7 +134,7 @@ def _layout(out: Path, format: str | None) -> tuple[ModelWriter, bool]:
     return by_suffix, False
 
 
-def _target_dtype(dtype: str | torch.dtype, ckpt: Checkpoint) -> tuple[torch.dtype | None, bool]:
+def _target_dtype(dtype: str | DType | torch.dtype, ckpt: Checkpoint) -> tuple[DType | None, bool]:
     """(the cast for floating params, or None to keep each tensor's dtype; whether buffers are cast too:
     only when the dtype was asked for explicitly)."""
     name = parse_output_dtype(dtype)
@@ -145,7 +147,7 @@ def _target_dtype(dtype: str | torch.dtype, ckpt: Checkpoint) -> tuple[torch.dty
 def plan(
     ckpt: Checkpoint,
     *,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | DType | torch.dtype = "auto",
     keep_fp32: Sequence[str] = (),
     exclude_frozen: bool = False,
 ) -> tuple[list[WriteItem], dict[str, str]]:
@@ -158,10 +160,10 @@ def plan(
         out = e.dtype
         if e.dtype.is_floating_point:
             if any(fnmatch.fnmatchcase(e.name, pat) for pat in keep_fp32):
-                out = torch.float32
+                out = dtypes.float32
             elif target is not None and (cast_buffers or e.role is not Role.BUFFER):
                 out = target
-        items.append(WriteItem(e.name, e, out))
+        items.append(WriteItem(e.name, e, out.torch))
     floating = [it.name for it in items if it.entry.dtype.is_floating_point]
     require_globs("--keep-fp32", keep_fp32, floating, f"{ckpt.meta.path} (floating tensors)")
     kept = {it.name for it in items}
@@ -196,7 +198,7 @@ def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Path,
     *,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | DType | torch.dtype = "auto",
     keep_fp32: Sequence[str] = (),
     max_shard_size: int | str | None = None,
     tag: str | None = None,

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from zckpt.dtypes import DType
 from zckpt.errors import InvalidArgument
 from zckpt.model import PRECISIONS, TensorEntry, dtype_name, parse_precision
 from zckpt.ops.stats import is_exact, iter_chunks
@@ -261,12 +262,12 @@ COMPARE_DTYPES = ("auto", "full", "fp32", "bf16", "fp16")
 reads."""
 
 
-def parse_compare_dtype(name: str | torch.dtype) -> str:
+def parse_compare_dtype(name: str | DType | torch.dtype) -> str:
     """``auto``, ``full``, ``fp32``, ``bf16`` or ``fp16`` for a ``compare_dtype`` in any spelling."""
     if isinstance(name, str) and name.strip().lower() in ("auto", "full"):
         return name.strip().lower()
     got = parse_precision(name.strip()) if isinstance(name, str) else None
-    if isinstance(name, torch.dtype):
+    if isinstance(name, (DType, torch.dtype)):
         got = next((k for k, v in PRECISIONS.items() if v == name), None)
     if got is None:
         raise InvalidArgument(
@@ -276,7 +277,7 @@ def parse_compare_dtype(name: str | torch.dtype) -> str:
     return got
 
 
-def comparison_dtype(mode: str, da: torch.dtype, db: torch.dtype) -> torch.dtype | None:
+def comparison_dtype(mode: str, da: DType, db: DType) -> DType | None:
     """The dtype a pair stored as ``da``/``db`` is cast to before comparing under ``mode`` (a
     ``parse_compare_dtype`` result), or None to compare it as stored (the module doc)."""
     if mode == "full" or not (da.is_floating_point and db.is_floating_point):
@@ -289,9 +290,9 @@ def comparison_dtype(mode: str, da: torch.dtype, db: torch.dtype) -> torch.dtype
     return da if _holds(db, da) and not _holds(da, db) else db  # the narrower; else B's, the reference
 
 
-def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+def _holds(wide: DType, narrow: DType) -> bool:
     """Every value of ``narrow`` is a value of ``wide`` (finer or equal spacing, wider or equal range)."""
-    w, n = torch.finfo(wide), torch.finfo(narrow)
+    w, n = torch.finfo(wide.torch), torch.finfo(narrow.torch)
     return w.eps <= n.eps and w.max >= n.max and w.smallest_normal <= n.smallest_normal
 
 
@@ -313,7 +314,8 @@ def compare_all(
         if not hasattr(local, "work"):
             local.work = Work()
         chunks = iter(aligned_views(ea, eb, chunk)) if ea.shape == eb.shape else iter(())
-        cast = comparison_dtype(compare_dtype, ea.dtype, eb.dtype)
+        to = comparison_dtype(compare_dtype, ea.dtype, eb.dtype)
+        cast = None if to is None else to.torch
         return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunks, chunk, local.work, bar, cast)
 
     n = min(compare_threads(), len(pairs))

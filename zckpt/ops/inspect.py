@@ -14,14 +14,16 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats import open_checkpoint
 from zckpt.model import Role, TensorEntry, dtype_name
 from zckpt.ops.scope import storage_scoped
-from zckpt.ops.stats import TensorStats, checkpoint_stats
 from zckpt.storage.session import Storage
+
+if TYPE_CHECKING:  # ``--stats`` reads tensors (torch); the rest is metadata
+    from zckpt.ops.stats import TensorStats
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def report(ckpt: Checkpoint, *, stats: bool = False) -> InspectReport:
         param_groups=len(opt.groups) if opt else 0,
         dtypes=dtypes,
         rank_bytes=_rank_bytes(ckpt.entries.values()),
-        stats=checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty()) if stats else None,
+        stats=_stats(ckpt) if stats else None,
         values={str(k): str(v) for k, v in (m.extra.get("values") or {}).items()},
     )  # fmt: skip
 
@@ -185,3 +187,9 @@ def inspect(
         return report(path, stats=stats)
     with open_checkpoint(path, tag=tag, trust_pickle=trust_pickle) as ckpt:
         return report(ckpt, stats=stats)
+
+
+def _stats(ckpt: Checkpoint) -> list[TensorStats]:
+    from zckpt.ops.stats import checkpoint_stats
+
+    return checkpoint_stats(ckpt, include_optimizer=True, progress=sys.stderr.isatty())

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.model import TensorEntry, dtype_name
 from zckpt.stream.spans import read_range, windows
 
@@ -53,7 +54,7 @@ def iter_chunks(
         yield lo, read_range(entry, lo, hi, dtype)
 
 
-def is_exact(dtype: torch.dtype) -> bool:
+def is_exact(dtype: DType | torch.dtype) -> bool:
     """Integer and bool dtypes: compared and summarised exactly, never with tolerances."""
     return not (dtype.is_floating_point or dtype.is_complex)
 

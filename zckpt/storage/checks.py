@@ -25,15 +25,16 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zlib import crc32 as _zlib_crc32
-
-import torch
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import Checked, Piece
 from zckpt.storage import fileio
 from zckpt.storage.threads import Pool
+
+if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a checkpoint needs none
+    import torch
 
 _BUF = 8 << 20
 HOLD_BYTES = 64 << 20
@@ -196,6 +197,8 @@ class _Digest:
                 return
             nxt = min([s for s in self.held if s > self.at] + [to])
             step = min(_BUF, nxt - self.at)
+            import torch  # reads of checked pieces build tensors anyway
+
             buf = torch.empty(step, dtype=torch.uint8)
             fileio.read_into(self.check.file, self.check.start + self.at, buf)
             self._update(buf.numpy())
@@ -278,6 +281,8 @@ class Session:
             digests = list(self._digests.values())
         for d in digests:
             d.finish()
+        import torch
+
         for check, rec in todo:
             for lo, hi in _gaps(rec, check.size):
                 for a in range(lo, hi, _BUF):
@@ -335,7 +340,12 @@ def consumed(
     s = _active
     if s is None or check is None:
         return
-    mv = data if isinstance(data, memoryview) else memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+    if isinstance(data, memoryview):
+        mv = data
+    else:
+        import torch
+
+        mv = memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
     s.consumed(check, byte_offset, mv.cast("B"), stable)
 
 

@@ -152,7 +152,7 @@ def _fill_span(s: Span, run_lo: int, dtype: torch.dtype, dst: torch.Tensor, x: i
     skip = x - (s.lo - run_lo) * isz  # bytes of the span's output before ``x``
     if p.dtype == dtype:  # no cast: the bytes themselves, whatever the cut
         if p.value is not None:
-            src = p.value.reshape(-1)[s.offset : s.offset + s.n].contiguous().view(torch.uint8)
+            src = p.inline().reshape(-1)[s.offset : s.offset + s.n].contiguous().view(torch.uint8)
             dst.copy_(src[skip : skip + dst.numel()])
             return
         at = s.byte_offset + skip
@@ -162,9 +162,9 @@ def _fill_span(s: Span, run_lo: int, dtype: torch.dtype, dst: torch.Tensor, x: i
     k0, k1 = skip // isz, -(-(skip + dst.numel()) // isz)  # the span's elements the bytes lie in
     n = k1 - k0
     if p.value is not None:
-        src = p.value.reshape(-1)[s.offset + k0 : s.offset + k1]
+        src = p.inline().reshape(-1)[s.offset + k0 : s.offset + k1]
     else:
-        src = _scratch_bytes("raw", n * p.dtype.itemsize).view(p.dtype)
+        src = _scratch_bytes("raw", n * p.dtype.itemsize).view(p.dtype.torch)
         at = s.byte_offset + k0 * p.dtype.itemsize
         fileio.read_into(p.file, at, src, checks.record_end(p))
         checks.consumed(p.check, at, src)

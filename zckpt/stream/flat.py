@@ -27,7 +27,7 @@ def read_partition(
     trailing padding zeroed. Works whatever the world size (or layout) the entry was saved with."""
     start, valid = partition.chunk_range(entry.numel, world, rank)
     c = partition.chunk_size(entry.numel, world)
-    out = torch.zeros(c, dtype=entry.dtype if dtype is None else dtype)
+    out = torch.zeros(c, dtype=entry.dtype.torch if dtype is None else dtype)
     if valid:
         read_range(entry, start, start + valid, out=out[:valid])
     return out
@@ -89,7 +89,7 @@ def source(dtype: torch.dtype, segments: Sequence[Segment]) -> FlatSource:
 
 
 def whole(entry: TensorEntry, dtype: torch.dtype | None = None) -> FlatSource:
-    return source(entry.dtype if dtype is None else dtype, [Segment(entry, 0, entry.numel)])
+    return source(entry.dtype.torch if dtype is None else dtype, [Segment(entry, 0, entry.numel)])
 
 
 def chunk_of(entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | None = None) -> FlatSource:
@@ -97,6 +97,6 @@ def chunk_of(entry: TensorEntry, world: int, rank: int, dtype: torch.dtype | Non
     start, valid = partition.chunk_range(entry.numel, world, rank)
     c = partition.chunk_size(entry.numel, world)
     return source(
-        entry.dtype if dtype is None else dtype,
+        entry.dtype.torch if dtype is None else dtype,
         [Segment(entry, start, start + valid), Segment(None, 0, c - valid)],
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from zckpt import dtypes
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.stream.spans import CHUNK_BYTES, iter_chunks, windows
 
@@ -57,8 +58,9 @@ class WriteItem:
 def entry_from_tensor(name: str, t: torch.Tensor, role: Role = Role.PARAM) -> TensorEntry:
     """A ``TensorEntry`` over an in-memory tensor (for writing state dicts built in Python)."""
     flat = t.detach().reshape(-1).contiguous().cpu()
-    piece = Piece("", 0, flat.dtype, 0, flat.numel(), value=flat)
-    return TensorEntry(name, tuple(t.shape), flat.dtype, role, (piece,))
+    dtype = dtypes.of(flat.dtype)
+    piece = Piece("", 0, dtype, 0, flat.numel(), value=flat)
+    return TensorEntry(name, tuple(t.shape), dtype, role, (piece,))
 
 
 def items_from_state_dict(

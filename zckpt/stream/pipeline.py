@@ -116,12 +116,12 @@ class _Slot:
         if s is None:
             src = torch.zeros(t.n, dtype=t.dtype)
         elif s.piece.value is not None:
-            src = s.piece.value.reshape(-1)[s.offset : s.offset + s.n]
+            src = s.piece.inline().reshape(-1)[s.offset : s.offset + s.n]
         else:
             raw = self.raw[: t.n * s.piece.dtype.itemsize]
             fileio.read_into(s.piece.file, s.byte_offset, raw, checks.record_end(s.piece))
             checks.consumed(s.piece.check, s.byte_offset, raw)
-            src = raw.view(s.piece.dtype)
+            src = raw.view(s.piece.dtype.torch)
             if src.dtype == t.dtype:
                 return _bytes(src)
         out_bytes = t.n * t.dtype.itemsize

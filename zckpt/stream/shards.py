@@ -7,12 +7,13 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zckpt.errors import InvalidArgument
 from zckpt.storage.digest import SIDECAR_PATTERN
-from zckpt.stream.items import WriteItem
-from zckpt.stream.pipeline import each_file
+
+if TYPE_CHECKING:  # only annotations: sharding plans by sizes, torch is not needed
+    from zckpt.stream.items import WriteItem
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -116,6 +117,8 @@ def write_sharded(
     mine = [
         (name, shard) for k, (name, shard) in enumerate(zip(names, shards, strict=True)) if k % world == rank
     ]
+    from zckpt.stream.pipeline import each_file  # the writing pipeline (torch): not needed to plan shards
+
     each_file(lambda job: write_one(folder / job[0], job[1]), mine)  # several shards at once on many cores
     written = [name for name, _ in mine]
     if len(shards) > 1 and rank == 0:

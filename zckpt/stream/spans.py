@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
 
@@ -74,36 +75,40 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
     """The span's elements into ``out`` (1-D, ``s.n`` elements, any dtype: cast on the way)."""
     p = s.piece
     if p.value is not None:
-        out.copy_(p.value.reshape(-1)[s.offset : s.offset + s.n])
+        out.copy_(p.inline().reshape(-1)[s.offset : s.offset + s.n])
     elif out.dtype == p.dtype and out.is_contiguous():
         fileio.read_into(p.file, s.byte_offset, out, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, out)
     else:
-        tmp = torch.empty(s.n, dtype=p.dtype)
+        tmp = torch.empty(s.n, dtype=p.dtype.torch)
         fileio.read_into(p.file, s.byte_offset, tmp, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, tmp)
         out.copy_(tmp)
 
 
 def _read(
-    entry: TensorEntry, lo: int, hi: int, dtype: torch.dtype | None, out: torch.Tensor | None
+    entry: TensorEntry, lo: int, hi: int, dtype: DType | torch.dtype | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     if out is None:
-        out = torch.empty(hi - lo, dtype=entry.dtype if dtype is None else dtype)
+        out = torch.empty(hi - lo, dtype=torch_of(entry.dtype if dtype is None else dtype))
     for s in spans(entry, lo, hi):
         copy_span(s, out[s.lo - lo : s.lo - lo + s.n])
     return out
 
 
 def read_range(
-    entry: TensorEntry, lo: int, hi: int, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    entry: TensorEntry,
+    lo: int,
+    hi: int,
+    dtype: DType | torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flattened elements ``[lo, hi)`` of ``entry`` (an owned copy, cast to ``dtype``), reading only the
     overlapping bytes of the overlapping pieces."""
     return _read(entry, lo, hi, dtype, out)
 
 
-def read_entry(entry: TensorEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
+def read_entry(entry: TensorEntry, dtype: DType | torch.dtype | None = None) -> torch.Tensor:
     """The whole logical tensor, in its shape, cast to ``dtype`` (default: the entry's)."""
     return _read(entry, 0, entry.numel, dtype, None).view(entry.shape)
 
@@ -115,7 +120,7 @@ def windows(lo: int, hi: int, max_elems: int) -> Iterator[tuple[int, int]]:
 
 
 def iter_chunks(
-    entry: TensorEntry, dtype: torch.dtype | None = None, max_bytes: int = CHUNK_BYTES, lo: int = 0,
+    entry: TensorEntry, dtype: DType | torch.dtype | None = None, max_bytes: int = CHUNK_BYTES, lo: int = 0,
     hi: int | None = None,
 ) -> Iterator[torch.Tensor]:  # fmt: skip
     """Elements ``[lo, hi)`` of ``entry`` in order as owned 1-D tensors of at most ``max_bytes``, cast to
@@ -154,12 +159,12 @@ def aligned_views(
             y = next(sb, None)
 
 
-def _view(s: Span, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+def _view(s: Span, lo: int, hi: int, dtype: DType | torch.dtype) -> torch.Tensor:
     p, skip = s.piece, s.offset + lo - s.lo
     if p.value is not None:
-        v = p.value.reshape(-1)[skip : skip + hi - lo]
+        v = p.inline().reshape(-1)[skip : skip + hi - lo]
     else:
         at = p.byte_offset + skip * p.dtype.itemsize
-        v = fileio.view(p.file, at, hi - lo, p.dtype)
+        v = fileio.view(p.file, at, hi - lo, p.dtype.torch)
         checks.consumed(p.check, at, v, stable=True)  # a view of the file's mapping
-    return v if v.dtype == dtype else v.to(dtype)
+    return v if v.dtype == dtype else v.to(torch_of(dtype))

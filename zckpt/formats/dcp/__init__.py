@@ -15,21 +15,25 @@ Spec of the files: docs/dcp-format.md. One module per concern:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import ClassVar
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.dcp import layout, read
 from zckpt.formats.dcp.verify import verify
-from zckpt.formats.dcp.write import DcpWriter
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class DcpFormat(Format):
     name = read.NAME
     training = True
-    writer: ClassVar[CheckpointWriter] = DcpWriter()
+
+    @functools.cached_property
+    def writer(self) -> CheckpointWriter:
+        from zckpt.formats.dcp.write import DcpWriter
+
+        return DcpWriter()
 
     def detect(self, path: Path) -> bool:
         return layout.detect(path)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.dcp.metadata import Chunk
 from zckpt.model import Checked, Piece
@@ -34,7 +33,7 @@ def box_piece(
     box: Chunk,
     file: str,
     byte_offset: int,
-    dtype: torch.dtype,
+    dtype: DType,
     rank: int | None,
     check: Checked | None = None,
 ) -> Piece | None:

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import torch
-
 from zckpt.codecs import safetensors
 from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.codecs.safetensors import Header
 from zckpt.codecs.torchzip import archive_at
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats.dcp.metadata import METADATA, Chunk, StorageInfo
 from zckpt.model import Checked
@@ -39,7 +38,7 @@ class ChunkData:
 
     file: str
     byte_offset: int
-    dtype: torch.dtype
+    dtype: DType
     numel: int
     check: Checked | None = None
     """The storage record and its CRC-32 (torch archives; None for safetensors blobs): reads verify it."""
@@ -127,7 +126,7 @@ class Files:
         _, fd = self.open(info)
         return Window(fd, info.offset, info.length)
 
-    def tensor(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
+    def tensor(self, key: str, box: Chunk, info: StorageInfo, dtype: DType) -> ChunkData:
         """The chunk ``box`` of tensor ``key`` (stored dtype ``dtype``), located and checked."""
         if info.transforms:
             raise unsupported_transform(self.path(info), info)
@@ -139,9 +138,7 @@ class Files:
             raise unsupported_transform(self.path(info), info)
         return self._from_blob(key, box, info, dtype)
 
-    def _from_archive(
-        self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype, win: Window
-    ) -> ChunkData:
+    def _from_archive(self, key: str, box: Chunk, info: StorageInfo, dtype: DType, win: Window) -> ChunkData:
         f, fd = self.open(info)
         what = f"(chunk of {key if len(key) <= 60 else '...' + key[-57:]!r})"  # the tail names the tensor
         arc = archive_at(f, fd, info.offset, info.length, what=what, memo=self.memo, win=win)
@@ -159,7 +156,7 @@ class Files:
             raise Unsupported(f"{where} is stored as a strided view", path=f)
         return ChunkData(f, ref.byte_offset, dtype, box.numel, ref.check)
 
-    def _from_blob(self, key: str, box: Chunk, info: StorageInfo, dtype: torch.dtype) -> ChunkData:
+    def _from_blob(self, key: str, box: Chunk, info: StorageInfo, dtype: DType) -> ChunkData:
         f, _ = self.open(info)
         hkey = (f, info.offset)
         if hkey not in self._headers:

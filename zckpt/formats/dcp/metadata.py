@@ -6,7 +6,8 @@ never split keys on dots), tensors as ``TensorMeta`` (dtype, shape, chunk boxes)
 ``storage`` from ``(key, chunk offsets)`` (``None`` for bytes items) to ``StorageInfo``.
 
 The load runs without torch (``zckpt.codecs.pickle_core``: dtypes are kept as ``DtypeName``, ``torch.Size`` as
-an int64 array) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to torch's.
+an int64 array) into ``Parsed``, plain tuples and dicts, and only ``build`` maps the dtype names to
+``zckpt.dtypes.DType``s (still without torch).
 So the command line can parse a large ``.metadata`` in a child process while it imports torch (``preload``,
 ``zckpt.storage.preopen``); the parent takes the child's ``Parsed`` only for the very bytes it read itself.
 """
@@ -20,9 +21,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
+from zckpt import dtypes
 from zckpt.codecs.pickle_core import bounded_loads
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
 from zckpt.formats.dcp.standins import (
@@ -41,9 +44,6 @@ from zckpt.formats.dcp.standins import (
 )
 from zckpt.storage import collector, fileio, preopen, session
 from zckpt.storage.objstore import as_path
-
-if TYPE_CHECKING:  # torch is imported by ``build`` only: the rest runs in the command line's pre-open child
-    import torch
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -65,7 +65,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
 
@@ -124,16 +124,14 @@ class Parsed(NamedTuple):
 
 
 def build(source: str, p: Parsed) -> DcpMetadata:
-    """The typed records of ``p``, dtypes mapped to torch's (a name this torch lacks is refused)."""
-    from zckpt.codecs.pickle_safe import TORCH_DTYPES
-
+    """The typed records of ``p``, dtypes mapped to ``DType``s (a name zckpt does not know is refused)."""
     tensors: dict[str, TensorMeta] = {}
     for key, (name, shape, boxes) in p.tensors.items():
-        dtype = TORCH_DTYPES.get(name)
+        dtype = dtypes.lookup(name)
         if dtype is None:
             raise CorruptCheckpoint(
-                f"{source}: tensor {key!r:.80} has dtype torch.{name:.40}, which this torch "
-                "does not have", hint="read it with the torch version that saved it", path=source
+                f"{source}: tensor {key!r:.80} has dtype torch.{name:.40}, which zckpt does not read",
+                hint=f"zckpt reads {', '.join(dtypes.BY_NAME)}", path=source
             )  # fmt: skip
         tensors[key] = TensorMeta(dtype, shape, tuple([Chunk(o, z) for o, z in boxes]))
     storage = {k: StorageInfo(*v) for k, v in p.storage.items()}

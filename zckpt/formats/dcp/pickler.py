@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zckpt.codecs.torchzip_write import GlobalRef, TorchPickler
+from zckpt.dtypes import DType, torch_of
 from zckpt.formats.dcp import standins as M
 from zckpt.storage import collector
 
@@ -103,7 +104,7 @@ class TensorSpec:
     """A tensor of the checkpoint: flattened key, stored dtype, shape and chunk boxes (offsets, sizes)."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType | torch.dtype
     shape: tuple[int, ...]
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
@@ -155,7 +156,7 @@ def dumps(
     referenced. So one process and several write the same bytes."""
     sdm: dict[str, Any] = {}
     for t in tensors:
-        props = _record(M.TensorProperties, dtype=t.dtype)
+        props = _record(M.TensorProperties, dtype=torch_of(t.dtype))
         chunks = [_record(M.ChunkStorageMetadata, offsets=Size(o), sizes=Size(s)) for o, s in t.boxes]
         sdm[sys.intern(t.key)] = _record(
             M.TensorStorageMetadata, properties=props, size=Size(t.shape), chunks=chunks

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from zckpt import dtypes
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.dcp import hfshards, state
 from zckpt.formats.dcp.boxes import box_piece, distinct
@@ -44,7 +44,6 @@ from zckpt.model import DeferredEntry, Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 from zckpt.storage import collector, session
 from zckpt.storage.objstore import as_path
-from zckpt.stream import spans
 
 NAME = "dcp"
 FROZEN_NAMES = ("weight", "bias")
@@ -236,6 +235,10 @@ def _same_bytes(ld: Loaded, a: str, b: str) -> bool:
     db = [ld.chunk(b, c.offsets) for c in ba]
     if all(x.crc is not None and y.crc is not None for x, y in zip(da, db, strict=True)):
         return all(x.crc == y.crc and x.numel == y.numel for x, y in zip(da, db, strict=True))
+    import torch  # chunks without recorded CRC-32s: compared by their bytes
+
+    from zckpt.stream import spans
+
     ea = TensorEntry(a, ta.shape, ta.dtype, Role.PARAM, pieces(ld, a))
     eb = TensorEntry(b, tb.shape, tb.dtype, Role.PARAM, pieces(ld, b))
     return all(
@@ -260,7 +263,7 @@ def ties(ld: Loaded, model: list[str], slots: Mapping[str, Slot], trainable: set
     return out
 
 
-def role_of(name: str, dtype: torch.dtype, trainable: set[str]) -> Role:
+def role_of(name: str, dtype: DType, trainable: set[str]) -> Role:
     if name in trainable:
         return Role.PARAM
     if not (dtype.is_floating_point or dtype.is_complex):
@@ -275,10 +278,10 @@ def _optim_value(key: str, slot: Slot, v: Value) -> TensorEntry | None:
     x = v.value
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    t = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64)
-    piece = Piece("", 0, t.dtype, 0, 1, value=t.reshape(1))
+    dtype = dtypes.int64 if isinstance(x, int) else dtypes.float64
+    piece = Piece("", 0, dtype, 0, 1, value=x)  # a tensor when read (``Piece.inline``)
     pytype = "int" if isinstance(x, int) else "float"
-    return TensorEntry(slot.name, (), t.dtype, Role.OPTIM, (piece,), state=slot.state, pytype=pytype)
+    return TensorEntry(slot.name, (), dtype, Role.OPTIM, (piece,), state=slot.state, pytype=pytype)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from zckpt.formats.dcp.layout import Slot
 from zckpt.formats.dcp.values import Value
 from zckpt.model import TensorEntry
 from zckpt.state import Counters, OptimizerState, ParamGroup, to_json
-from zckpt.stream import spans
+from zckpt.storage import fileio
 
 
 def set_path(root: dict[Any, Any], path: tuple[str | int, ...], value: Any) -> None:
@@ -93,11 +93,27 @@ def optimizer(
     return OptimizerState(kind_of(states, pg), pg, states)
 
 
+def _scalar(e: TensorEntry) -> Any:
+    """The one value of a one-element entry: a Python number kept inline, or its stored bytes (no torch)."""
+    (p,) = e.pieces
+    if p.file:
+        fd = fileio.open_fd(p.file)
+        try:
+            raw = fileio.pread(fd, p.dtype.itemsize, p.byte_offset)
+        finally:
+            fileio.close_fd(fd)
+        try:
+            return p.dtype.unpack(raw)
+        except ValueError:  # cut short, or a dtype with no Python number (no counter either)
+            return None
+    return p.value if isinstance(p.value, (int, float)) else p.inline().reshape(-1)[0].item()
+
+
 def _int_of(v: Any) -> int | None:
     if isinstance(v, TensorEntry):
         if v.numel != 1:
             return None
-        v = spans.read_entry(v).reshape(-1)[0].item()
+        v = _scalar(v)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None

@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import safetensors
 from zckpt.codecs.torchzip import start_archive_check
@@ -31,7 +29,6 @@ from zckpt.formats.dcp.read import model_of, pieces
 from zckpt.model import Role, TensorEntry
 from zckpt.storage import fileio
 from zckpt.storage.objstore import as_path
-from zckpt.stream import spans
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 
 
@@ -168,6 +165,37 @@ def _strays(md: DcpMetadata) -> list[Problem]:
     return out
 
 
+def _same_crcs(a: TensorEntry, b: TensorEntry) -> bool | None:
+    """Whether ``a`` and ``b`` hold the same bytes, told by their chunks' recorded CRC-32s (torch archives
+    record one per storage) when both are cut alike and every record is exactly its chunk; None otherwise."""
+    pa, pb = sorted(a.pieces, key=lambda p: p.start), sorted(b.pieces, key=lambda p: p.start)
+    if len(pa) != len(pb):
+        return None
+    for x, y in zip(pa, pb, strict=True):
+        if (x.start, x.numel, x.grid, x.dtype) != (y.start, y.numel, y.grid, y.dtype):
+            return None
+        for c, p in ((x.check, x), (y.check, y)):
+            if c is None or c.crc32 is None or c.size != p.nbytes:
+                return None
+    return all(x.check.crc32 == y.check.crc32 for x, y in zip(pa, pb, strict=True))  # type: ignore[union-attr]
+
+
+def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
+    """``a`` and ``b`` hold the same bytes: by their CRC-32s where they tell (no tensor read, no torch),
+    else read and compared."""
+    by_crc = _same_crcs(a, b)
+    if by_crc is not None:
+        return by_crc
+    import torch
+
+    from zckpt.stream import spans
+
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(spans.iter_chunks(a), spans.iter_chunks(b), strict=True)
+    )
+
+
 def _ties(ckpt: Checkpoint, mds: dict[str, DcpMetadata]) -> list[Problem]:
     """Each tied alias's own stored chunks hold its owner's bytes (``mds``: the folders' metadata, parsed)."""
     out: list[Problem] = []
@@ -184,14 +212,7 @@ def _ties(ckpt: Checkpoint, mds: dict[str, DcpMetadata]) -> list[Problem]:
                 by_name[s.name] = TensorEntry(s.name, t.shape, t.dtype, Role.PARAM, pieces(ld, k))
     for alias, owner in ckpt.meta.tied.items():
         a, o = by_name.get(alias), ckpt.entries[owner]
-        same = (
-            a is not None
-            and a.shape == o.shape
-            and all(
-                torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                for x, y in zip(spans.iter_chunks(a), spans.iter_chunks(o), strict=True)
-            )
-        )
+        same = a is not None and a.shape == o.shape and _same_bytes(a, o)
         if not same:
             out.append(Problem(ckpt.meta.path, f"tied {alias!r:.80} does not hold the bytes of {owner!r:.80}",
                                "inconsistent", "the checkpoint's tie was broken after saving"))  # fmt: skip

@@ -147,7 +147,7 @@ class _Planner:
 
     def tensor(self, path: Path_, e: TensorEntry, *, shard: bool, dtype: torch.dtype | None = None) -> None:
         k = self.key(path)
-        dt = dtype or e.dtype
+        dt = dtype or e.dtype.torch
         shape = () if dtype is not None and e.numel == 1 else e.shape
         if shard and shape and shape[0] and e.numel:
             boxes = []

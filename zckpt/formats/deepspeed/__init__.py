@@ -8,21 +8,25 @@ for any world size (``layout``: the math, ``archive``: torch.save archives of la
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import ClassVar
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.deepspeed.files import detect
 from zckpt.formats.deepspeed.read import read
-from zckpt.formats.deepspeed.write import DeepSpeedWriter
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class DeepSpeedFormat(Format):
     name = "deepspeed"
     training = True
-    writer: ClassVar[CheckpointWriter] = DeepSpeedWriter()
+
+    @functools.cached_property
+    def writer(self) -> CheckpointWriter:
+        from zckpt.formats.deepspeed.write import DeepSpeedWriter
+
+        return DeepSpeedWriter()
 
     def detect(self, path: Path) -> bool:
         return detect(path)

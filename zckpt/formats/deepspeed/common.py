@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from zckpt import dtypes
 from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
@@ -122,9 +121,9 @@ def scalar_entry(name: str, state: str, v: Any, rank: int) -> TensorEntry:
     if isinstance(v, TensorRef):
         p = Piece(v.file, v.byte_offset, v.dtype, 0, 1, rank, check=v.check)
         return TensorEntry(name, (), v.dtype, Role.OPTIM, (p,), state)
-    t = torch.tensor(v)
-    p = Piece("", 0, t.dtype, 0, 1, rank, value=t)
-    return TensorEntry(name, (), t.dtype, Role.OPTIM, (p,), state, pytype=type(v).__name__)
+    dtype = dtypes.bool_ if isinstance(v, bool) else dtypes.int64 if isinstance(v, int) else dtypes.float32
+    p = Piece("", 0, dtype, 0, 1, rank, value=v)  # torch.tensor(v)'s dtype, built when read
+    return TensorEntry(name, (), dtype, Role.OPTIM, (p,), state, pytype=type(v).__name__)
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,7 @@ class Layout:
         out = []
         for name in self.shapes if names is None else names:
             pieces = []
-            dtype = torch.float32
+            dtype = dtypes.float32
             for run in self.runs[name]:
                 r = flats[run.rank][run.slot]
                 dtype = r.dtype
@@ -193,7 +192,7 @@ def fp32_flats(osds: list[Node], key: str, param_shapes: list[Node], what: str) 
             )
         flats.append([ref(t) for t in parts])
         for g, t in enumerate(flats[-1]):
-            if t.dtype != torch.float32 or len(t.shape) != 1:
+            if t.dtype != dtypes.float32 or len(t.shape) != 1:
                 raise ShardMismatch(
                     f"{osd.file}: {what} {g} is {list(t.shape)} {t.dtype}, expected flat fp32", path=osd.file
                 )

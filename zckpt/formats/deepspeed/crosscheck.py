@@ -28,13 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zckpt.codecs.pickle_safe import TensorRef
+from zckpt.dtypes import DType
 from zckpt.errors import ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.state import to_json
-from zckpt.storage import fileio
 
 _MODEL_FIELDS = (
     "global_steps",
@@ -75,7 +73,7 @@ def plain(v: Any, depth: int = 0) -> Any:
         return {str(k): plain(x, depth + 1) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [plain(x, depth + 1) for x in v]
-    if v is not None and not isinstance(v, (bool, int, float, str, torch.dtype)) and hasattr(v, "__dict__"):
+    if v is not None and not isinstance(v, (bool, int, float, str, DType)) and hasattr(v, "__dict__"):
         return {type(v).__name__: plain(vars(v), depth + 1)}
     return to_json(v)
 
@@ -88,9 +86,7 @@ def _steps(o: Node) -> list[float]:
     for per in state.values() if isinstance(state, dict) else ():
         v = per.get("step") if isinstance(per, dict) else None
         if isinstance(v, TensorRef) and v.numel == 1:
-            one = torch.empty(1, dtype=v.dtype)
-            fileio.read_into(v.file, v.byte_offset, one)
-            steps.add(float(one.item()))
+            steps.add(float(v.scalar()))
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             steps.add(float(v))
     return sorted(steps)

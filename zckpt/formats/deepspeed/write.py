@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zckpt import partition
+from zckpt import dtypes, partition
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs.pickle_safe import DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address
 from zckpt.codecs.safetensors import FileRecord
@@ -353,7 +353,7 @@ class _RankWriter:
     def model_file(self, tag_dir: Path) -> FileRecord:
         p, t, ents, r = self.plan, self.tmpl, self.ents, self.rank
         tied = dict(self.ckpt.meta.tied)
-        lp = PRECISIONS.get(t.precision, torch.float32)
+        lp = PRECISIONS.get(t.precision, dtypes.float32).torch
         order = [n for n in t.module_order if n in ents or n in tied]
         order += [
             n for n in list(ents) + list(tied) if n not in order and (n in tied or ents[n].role.is_model)
@@ -364,7 +364,7 @@ class _RankWriter:
         slots: dict[str, Any] = {}
         for n in order:
             e = ents[tied.get(n, n)]
-            dt = lp if e.role is Role.PARAM else e.dtype
+            dt = lp if e.role is Role.PARAM else e.dtype.torch
             if e.role is Role.BUFFER:
                 module[n] = f.tensor(whole(e), e.shape)
             elif p.stage == 3:

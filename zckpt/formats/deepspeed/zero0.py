@@ -28,10 +28,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from zckpt import dtypes
 from zckpt.codecs.pickle_safe import TensorRef
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._schema import Node
@@ -39,6 +38,9 @@ from zckpt.formats.deepspeed.common import is_scalar, ref, scalar_entry, whole
 from zckpt.model import Piece, Role, TensorEntry, dtype_name, precision_of
 from zckpt.state import to_json
 from zckpt.storage import checks, fileio
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -55,7 +57,9 @@ class Zero0:
 def _load(ref: TensorRef) -> torch.Tensor:
     """The tensor's values, reported to the checksum session (``read_zero0`` compares the records' CRC-32s
     before it trusts the matching it did with them)."""
-    out = torch.empty(ref.numel, dtype=ref.dtype)
+    import torch  # ZeRO-0 names its fp32 masters by matching their values
+
+    out = torch.empty(ref.numel, dtype=ref.dtype.torch)
     if ref.numel:
         fileio.read_into(ref.file, ref.byte_offset, out)
         checks.consumed(ref.check, ref.byte_offset, out)
@@ -63,6 +67,8 @@ def _load(ref: TensorRef) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
     return (
         a.shape == b.shape
         and a.dtype == b.dtype
@@ -71,6 +77,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _digest(t: torch.Tensor) -> str:
+    import torch
+
     return hashlib.blake2b(
         t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), digest_size=16
     ).hexdigest()
@@ -85,7 +93,7 @@ def _masters(opt: dict[str, Any]) -> list[list[TensorRef]] | str:
         return "no fp32_groups in the optimizer state"
     for g, grp in enumerate(groups):  # lists of tensors (``_check_structure``)
         for i, t in enumerate(grp):
-            if t.dtype != torch.float32 or not t.is_contiguous:
+            if t.dtype != dtypes.float32 or not t.is_contiguous:
                 return f"fp32_groups[{g}][{i}] is not a contiguous fp32 tensor"
     return groups
 

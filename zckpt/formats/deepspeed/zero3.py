@@ -9,9 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from zckpt import partition
+from zckpt import dtypes, partition
 from zckpt.errors import ShardMismatch
 from zckpt.formats._schema import Node
 from zckpt.formats.deepspeed.common import Layout, Run, fp32_flats, ref
@@ -81,6 +79,6 @@ def frozen3(models: list[Node], ws: int) -> list[TensorEntry]:
                         frag.file, frag.byte_offset, frag.dtype, start, valid, r, c - valid, check=frag.check
                     )
                 )
-        dtype = pieces[0].dtype if pieces else torch.float16
+        dtype = pieces[0].dtype if pieces else dtypes.float16
         out.append(TensorEntry(name, shape, dtype, Role.FROZEN, tuple(pieces)))
     return out

@@ -32,7 +32,7 @@ def select(pieces: Iterable[Piece], spans: Sequence[Span]) -> tuple[Piece, ...]:
         lo, hi = s.src, s.src + s.length
         for p in ps:
             if p.value is not None:  # an in-memory value: cut it
-                flat = p.value.reshape(-1)
+                flat = p.inline().reshape(-1)
                 a, b = max(lo, p.start), min(hi, p.start + p.numel)
                 if b > a:
                     v = flat[a - p.start : b - p.start]

@@ -84,7 +84,7 @@ def load_common(folder: Path, *, trust_pickle: bool = False) -> Common:
             st = opt["optimizer"].get("state")
         cs = st.get("common_step") if isinstance(st, dict) else None
         if isinstance(cs, TensorRef) and cs.numel == 1:
-            step = int(cs.load().item())
+            step = int(cs.scalar())
         elif isinstance(cs, int) and not isinstance(cs, bool):
             step = cs
         s = opt.get("param_state_sharding_type")

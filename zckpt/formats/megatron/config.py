@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from zckpt import dtypes
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 
 
@@ -44,7 +44,7 @@ class ModelConfig:
     multi_latent_attention: bool
     zero_centered_gamma: bool
     post_layernorm_residual: bool
-    params_dtype: torch.dtype
+    params_dtype: DType
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ def model_config(args: Mapping[str, Any], src: str) -> ModelConfig:
     padded = _pos(args, src, "padded_vocab_size")
     vocab = _get(args, src, "vocab_size", int, None)
     dt = args.get("params_dtype")
-    if not isinstance(dt, torch.dtype):
-        dt = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else torch.float32
+    if not isinstance(dt, DType):
+        dt = dtypes.bfloat16 if args.get("bf16") else dtypes.float16 if args.get("fp16") else dtypes.float32
     if heads % groups:
         raise CorruptCheckpoint(f"{src}: args.num_attention_heads {heads} is not a multiple of "
                                 f"num_query_groups {groups}", path=src)  # fmt: skip

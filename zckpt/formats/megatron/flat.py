@@ -21,8 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, Unsupported
 from zckpt.formats.megatron.config import ModelConfig, Parallel
 from zckpt.model import Piece
@@ -179,7 +178,7 @@ def decode(
     buckets: Sequence[Bucket],
     flat_pieces: Mapping[str, Sequence[Piece]],
     shapes: Mapping[str, tuple[int, ...]],
-    dtypes: Mapping[str, torch.dtype],
+    dtypes: Mapping[str, DType],
     cfg: ModelConfig,
     par: Parallel,
     args: Mapping[str, object],

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from zckpt import dtypes
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, Unsupported
 from zckpt.formats.dcp.boxes import box_piece, check_tiling, distinct
 from zckpt.formats.dcp.chunks import ChunkData, Files
@@ -145,7 +145,7 @@ def open_megatron(
         return _open(path, tag, trust_pickle, model_only, trim_vocab)
 
 
-Model = dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Piece, ...]]]
+Model = dict[str, tuple[tuple[int, ...], DType, tuple[Piece, ...]]]
 """Model name -> (shape, stored dtype, pieces of the stored model tensor)."""
 
 
@@ -205,7 +205,7 @@ def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
     for name, (shape, dtype, ps) in model.items():
         role = Role.PARAM if dtype.is_floating_point else Role.BUFFER
         if name in masters:
-            entries.append(TensorEntry(name, shape, torch.float32, role, masters[name]))
+            entries.append(TensorEntry(name, shape, dtypes.float32, role, masters[name]))
         else:
             entries.append(TensorEntry(name, shape, dtype, role, ps))
     if trim_vocab:
@@ -276,7 +276,7 @@ def _flat_states(
         if kind == "param":
             masters[name] = ps
         else:
-            moments.append(TensorEntry(name, model[name][0], torch.float32, Role.OPTIM, ps, state=kind))
+            moments.append(TensorEntry(name, model[name][0], dtypes.float32, Role.OPTIM, ps, state=kind))
 
 
 def _meta(

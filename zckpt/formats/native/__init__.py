@@ -7,22 +7,26 @@ manifest against every rank file); ``write`` is the one writer, shared by the en
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import ClassVar
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import ZckptError
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.native import layout
 from zckpt.formats.native.read import detect, load_manifest, read, resolve
-from zckpt.formats.native.write import NativeWriter
 from zckpt.stream.integrity import Problem, VerifyContext, compare_digest
 
 
 class NativeFormat(Format):
     name = "native"
     training = True
-    writer: ClassVar[CheckpointWriter] = NativeWriter()
+
+    @functools.cached_property
+    def writer(self) -> CheckpointWriter:
+        from zckpt.formats.native.write import NativeWriter
+
+        return NativeWriter()
 
     def detect(self, path: Path) -> bool:
         return detect(path)

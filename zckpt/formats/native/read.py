@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import safetensors
 from zckpt.codecs.safetensors import Header, HeaderEntry
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats._latest import read_latest, valid_tag
 from zckpt.formats.native import layout as L
@@ -148,7 +147,7 @@ class _Files:
                 )
 
     def piece(
-        self, r: int, key: str, e: HeaderEntry, dt: torch.dtype, start: int, n: int, padding: int = 0
+        self, r: int, key: str, e: HeaderEntry, dt: DType, start: int, n: int, padding: int = 0
     ) -> Piece:
         """Elements ``[start, start + n)`` stored at ``e`` of rank ``r``'s file; checked against the tensor's
         CRC-32 when the manifest records one, else (a manifest written before per-tensor CRCs) against the

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zckpt import dtypes
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import safetensors
 from zckpt.codecs.safetensors import FilePlan, FileRecord
@@ -56,7 +57,7 @@ def chunk_item(key: str, entry: TensorEntry, pw: int, rank: int, dtype: torch.dt
 
 def whole_item(key: str, entry: TensorEntry, dtype: torch.dtype | None = None) -> WriteItem:
     """All of ``entry`` under ``key``, in its shape."""
-    return WriteItem(key, entry, entry.dtype if dtype is None else dtype)
+    return WriteItem(key, entry, entry.dtype.torch if dtype is None else dtype)
 
 
 def tensor_item(key: str, t: torch.Tensor) -> WriteItem:
@@ -65,8 +66,9 @@ def tensor_item(key: str, t: torch.Tensor) -> WriteItem:
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    piece = Piece("", 0, flat.dtype, 0, flat.numel(), value=flat)
-    return WriteItem(key, TensorEntry(key, tuple(t.shape), flat.dtype, Role.BUFFER, (piece,)), t.dtype)
+    dt = dtypes.of(flat.dtype)
+    piece = Piece("", 0, dt, 0, flat.numel(), value=flat)
+    return WriteItem(key, TensorEntry(key, tuple(t.shape), dt, Role.BUFFER, (piece,)), t.dtype)
 
 
 def rng_items(rng: RankRng) -> list[WriteItem]:
@@ -295,12 +297,14 @@ class NativeWriter(CheckpointWriter):
         if r < pw:
             for t in plan.tensors:
                 if t.partitioned:
-                    dt = torch.float32 if t.role is Role.PARAM else ckpt.entries[t.name].dtype
+                    dt = torch.float32 if t.role is Role.PARAM else ckpt.entries[t.name].dtype.torch
                     items.append(chunk_item(L.tensor_key(t.role, t.name), ckpt.entries[t.name], pw, r, dt))
             for o in plan.optim_states:
                 e = ckpt.entries[f"{o.param}:{o.state}"]
                 key = L.optim_key(o.state, o.param)
-                items.append(chunk_item(key, e, pw, r, e.dtype) if o.partitioned else whole_item(key, e))
+                items.append(
+                    chunk_item(key, e, pw, r, e.dtype.torch) if o.partitioned else whole_item(key, e)
+                )
         items += rng_items(rng_of_rank(ckpt.meta.state, r))
         if r == 0:
             items += [
