@@ -9,6 +9,7 @@ for an archive inside a bigger file (through a ``Window`` of it, as DCP writes t
 from __future__ import annotations
 
 import copy
+import os
 import re
 import struct
 import zipfile
@@ -22,7 +23,7 @@ from zckpt.codecs import zipdir, zipshape
 from zckpt.codecs.pickle_safe import Allowed, TensorRef, _Record, safe_loads
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.model import Checked
-from zckpt.storage import fileio
+from zckpt.storage import fileio, session
 from zckpt.stream.integrity import Problem, VerifyContext, problem_from
 from zckpt.stream.window import Window
 
@@ -156,9 +157,28 @@ def _damaged(path: str, e: BaseException, file: str | None = None) -> CorruptChe
     )
 
 
+PARSES = "torchzip.parses"
+"""The ``Storage.cache`` of archives parsed so far, for an operation that opts in (``verify``: the reader
+parses each rank file, and its file checks then take that parse, not a second one). Others do not keep
+them: a large world's pickles would stay in memory for the whole operation."""
+
+
 def load_archive(path: str, *, trust_pickle: bool = False, extra: Allowed | None = None) -> tuple[str, Any]:
     """(archive name: the stem of the file ``torch.save`` wrote, object) of a torch zip archive, tensors as
-    ``TensorRef`` (no tensor bytes read); ``extra``: a format's own inert stand-ins (``safe_loads``)."""
+    ``TensorRef`` (no tensor bytes read); ``extra``: a format's own inert stand-ins (``safe_loads``). Within
+    an operation that keeps ``PARSES``, a file is parsed once (the same objects again, never modified)."""
+    st = session.bound_storage()
+    kept = st.cached(PARSES) if st is not None and extra is None else None
+    if kept is not None:
+        key = (path if "://" in path else os.path.realpath(path), trust_pickle)
+        got: tuple[str, Any] | None = kept.get(key)
+        if got is None:
+            got = kept[key] = _load_archive(path, trust_pickle, extra)
+        return got
+    return _load_archive(path, trust_pickle, extra)
+
+
+def _load_archive(path: str, trust_pickle: bool, extra: Allowed | None) -> tuple[str, Any]:
     with fileio.open_regular(path) as f:
         size = fileio.file_size(f)
         if size == 0:

@@ -38,7 +38,7 @@ from zckpt.formats.base import Format
 from zckpt.ops.paths import input_kind
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
-from zckpt.storage import fileio, scan
+from zckpt.storage import fileio, scan, session
 from zckpt.storage.objstore import as_path
 from zckpt.storage.scan import Scanner
 from zckpt.storage.session import Storage
@@ -140,6 +140,17 @@ def verify(
     p = as_path(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
+    st = session.current()
+    st.cache(torchzip.PARSES)  # the reader's parse of each torch archive is the file check's too
+    try:
+        return _read_and_verify(p, tag, trust_pickle, sha256, progress)
+    finally:
+        st.forget(torchzip.PARSES)
+
+
+def _read_and_verify(
+    p: Path, tag: str | None, trust_pickle: bool, sha256: bool, progress: bool
+) -> VerifyReport:
     problems: list[Problem] = []
     try:
         fmt: Format | None = formats.detect(p)

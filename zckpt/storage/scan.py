@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from zckpt.storage import env, fileio
 from zckpt.storage.checks import crc32, crc32_combine
@@ -89,24 +90,74 @@ def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: Thread
         fileio.close_fd(fd)
 
 
+SMALL_BYTES = 1 << 20
+"""Ranges smaller than this that lie close together (a torch archive's many small records: a large world's
+rank files hold hundreds) are read with one ``pread`` and checksummed by one task, so their cost follows
+their bytes, not their count."""
+_GAP = 64 << 10
+
+
+def _small_runs(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Indices of ``ranges`` in groups: consecutive small ranges at most ``_GAP`` apart and ``_READ`` long in
+    all share a group; every other range is a group of its own."""
+    groups: list[list[int]] = []
+    lo = end = -1
+    for i, (start, size) in enumerate(ranges):
+        small = size < SMALL_BYTES
+        if small and groups and lo >= 0 and 0 <= start - end <= _GAP and start + size - lo <= _READ:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            lo = start if small else -1
+        end = start + size
+    return groups
+
+
+def _crc_run(fd: fileio.Handle, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each of ``ranges`` (close together, ascending), read with one ``pread`` (a short file:
+    ``EOFError``)."""
+    lo = ranges[0][0]
+    hi = ranges[-1][0] + ranges[-1][1]
+    view, got = _buf()[: hi - lo], 0
+    while got < hi - lo:
+        k = fileio.pread_into(fd, view[got:], lo + got)
+        if k <= 0:
+            raise EOFError(f"file ends at byte {lo + got}")
+        got += k
+    return [crc32(view[s - lo : s - lo + n]) for s, n in ranges]
+
+
 class PendingCrcs:
-    """The CRC-32s of byte ranges of an open descriptor, being computed in pieces on a pool: ``result``
-    waits for them; the caller keeps the descriptor open until it has returned."""
+    """The CRC-32s of byte ranges of an open descriptor, being computed in pieces on a pool (small ranges
+    close together in one task: ``SMALL_BYTES``): ``result`` waits for them; the caller keeps the descriptor
+    open until it has returned."""
 
     def __init__(
         self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
     ) -> None:
         self._jobs: list[list[tuple[Future[int], int]]] = []
-        for start, size in ranges:
+        self._runs: list[tuple[Future[list[int]], int]] = []
+        self._order: list[tuple[bool, int, int]] = []  # (in a run, job or run index, position in the run)
+        for group in _small_runs(ranges):
+            if len(group) > 1:
+                part = [ranges[i] for i in group]
+                self._runs.append((pool.submit(_crc_run, fd, part), len(part)))
+                self._order += [(True, len(self._runs) - 1, k) for k in range(len(group))]
+                continue
+            start, size = ranges[group[0]]
             cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
             self._jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
+            self._order.append((False, len(self._jobs) - 1, 0))
 
     def result(self) -> list[int]:
         try:
             out = []
-            for job in self._jobs:
+            for in_run, j, k in self._order:
+                if in_run:
+                    out.append(self._runs[j][0].result()[k])
+                    continue
                 crc = 0
-                for fut, n in job:
+                for fut, n in self._jobs[j]:
                     crc = crc32_combine(crc, fut.result(), n)
                 out.append(crc)
             return out
@@ -115,7 +166,8 @@ class PendingCrcs:
 
     def cancel(self) -> None:
         """Cancel what has not started and wait for what has (a piece never outlives its descriptor)."""
-        futs = [fut for job in self._jobs for fut, _ in job]
+        futs: list[Future[Any]] = [fut for job in self._jobs for fut, _ in job]
+        futs += [fut for fut, _ in self._runs]
         for fut in futs:
             fut.cancel()
         for fut in futs:

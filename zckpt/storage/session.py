@@ -113,6 +113,16 @@ class Storage:
         with self.lock:
             return self.memo.setdefault(name, {})
 
+    def cached(self, name: str) -> dict[Any, Any] | None:
+        """The dict ``cache(name)`` made, or None when no one asked for it: what an operation opts into."""
+        with self.lock:
+            return self.memo.get(name)
+
+    def forget(self, name: str) -> None:
+        """Drop ``cache(name)`` (an operation done with what it kept)."""
+        with self.lock:
+            self.memo.pop(name, None)
+
     def stats(self) -> dict[str, int]:
         """Object-store requests made, bytes fetched and uploaded, retries, through this storage so far."""
         return self.objects.stats()
