@@ -63,7 +63,7 @@ def test_fp32_masters_and_moments_bit_exact(case: str) -> None:
 def test_model_only_has_model_dtype_and_no_state() -> None:
     ck = zckpt.open(fixture("megatron", "tp1_bf16_modelonly", "ckpt"))
     assert ck.optim_keys() == []
-    assert {e.dtype for e in ck.model_entries()} == {torch.bfloat16}
+    assert {e.dtype.torch for e in ck.model_entries()} == {torch.bfloat16}
     assert ck.meta.precision == "bf16"
 
 

@@ -28,15 +28,13 @@ from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
-from zckpt.storage.direct_io import WriteOptions
-from zckpt.storage.sink import HashingSink
 from zckpt.stream.integrity import Problem, problem_from
 
-if (
-    TYPE_CHECKING
-):  # torch and the write pipeline are imported by the writers only: reading a header needs neither
+if TYPE_CHECKING:  # torch and the write path: imported by the writers only (a header needs neither)
     import torch
 
+    from zckpt.storage.direct_io import WriteOptions
+    from zckpt.storage.sink import HashingSink
     from zckpt.stream.items import WriteItem
 
 DTYPES: dict[str, DType] = {
@@ -250,6 +248,8 @@ def write_file(
     plan = plan_file([(it.name, it.dtype, it.shape) for it in items], metadata)
     if sidecar and block is None:  # a block-digest sidecar: hashed on several cores as it is written
         block = BLOCK_BYTES
+    from zckpt.storage.sink import HashingSink  # the write path (O_DIRECT, numpy): not needed to read
+
     sink = HashingSink(path, opts, plan.regions() if crc else (), block, algorithm)
     try:
         sink.write(plan.header)
@@ -316,6 +316,8 @@ def write_views(
     the views must stay unchanged until this returns, which lets aligned memory go to the device without
     a copy while it is hashed. Given the ``plan`` of that layout, each tensor's CRC-32 is in the record;
     ``block``, ``algorithm``: as for ``write_file``."""
+    from zckpt.storage.sink import HashingSink
+
     sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block, algorithm)
     try:
         for v in views:
@@ -342,6 +344,8 @@ class StreamWriter:
         self.path = Path(path)
         self._order = [(n, d, tuple(s)) for n, d, s in specs]
         raw = encode_header(self._order, metadata)
+        from zckpt.storage.sink import HashingSink
+
         self._sink = HashingSink(self.path)
         self._next = 0
         try:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.storage import fileio, objstore
-from zckpt.storage.staging import fsync_path
 
 LATEST = "latest"
 MAX_BYTES = 4096
@@ -92,4 +91,6 @@ def write_latest(save_dir: Path, tag: str, *, staged: bool = False) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, save_dir / LATEST)
+    from zckpt.storage.staging import fsync_path  # the write path: reading ``latest`` needs none
+
     fsync_path(save_dir)

@@ -33,7 +33,6 @@ from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 from zckpt.storage import fileio
-from zckpt.storage.staging import open_staging
 from zckpt.stream import integrity
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext
 from zckpt.stream.shards import family, planned_names, write_sharded
@@ -278,6 +277,8 @@ def write_safetensors(
     out = Path(out)
     is_dir = out.suffix != ".safetensors"
     base = SAFETENSORS if is_dir else out.name
+    from zckpt.storage.staging import open_staging  # the write path: reading needs none
+
     with open_staging(
         out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES), order=PUBLISH_ORDER
     ) as st:

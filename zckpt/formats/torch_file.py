@@ -34,8 +34,6 @@ from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, TrainingState
 from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
-from zckpt.storage.sink import HashingSink
-from zckpt.storage.staging import open_staging
 from zckpt.stream.shards import family, planned_names, write_sharded
 
 if TYPE_CHECKING:  # writers stream tensors (torch); reading needs none
@@ -216,6 +214,8 @@ def write_file(
     for alias, owner in aliases.items():
         sd[alias] = slots[owner]
     roles = {it.name: it.role.value for it in items if it.role is not Role.PARAM}
+    from zckpt.storage.sink import HashingSink  # the write path: reading needs none
+
     sink = HashingSink(path, block=BLOCK_BYTES)  # its sidecar: block digests, hashed on several cores
     try:
         zw = TorchZipWriter(sink)
@@ -273,6 +273,8 @@ def write_torch(
     out = Path(out)
     is_dir = out.suffix not in SUFFIXES
     base = BIN if is_dir else out.name
+    from zckpt.storage.staging import open_staging
+
     with open_staging(
         out, is_dir=is_dir, overwrite=overwrite, owns=family(HF_WEIGHT_BASES), order=PUBLISH_ORDER
     ) as st:

@@ -9,7 +9,7 @@ Checks, in order (each failure becomes one ``Problem`` naming its file; checking
    requires, the data section exactly covered — no holes and no trailing bytes
    (``zckpt.codecs.safetensors.check_file``). torch zip (``.pt/.bin/.pth/.ckpt``): every record's CRC-32
    recomputed and the pickle parsed through the safe unpickler, every storage record present and long
-   enough (``zckpt.codecs.torchzip.check_file``).
+   enough (``zckpt.codecs.torchzip_verify.check_file``).
 3. Every piece's bytes lie inside its file.
 4. Checksums, wherever recorded: ``<file>.crc32.json`` block sidecars (written through
    ``zckpt.storage.sink.HashingSink``), the ``<file>.sha256.json`` of earlier versions and ``<file>.sha256``
@@ -32,7 +32,7 @@ from typing import Any
 
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
-from zckpt.codecs import safetensors, torchzip
+from zckpt.codecs import safetensors, torchzip, torchzip_verify
 from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
 from zckpt.formats.base import Format
 from zckpt.ops.paths import input_kind
@@ -301,7 +301,7 @@ def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
     if f.suffix == ".safetensors":
         out += safetensors.check_file(f)
     elif f.suffix in TENSOR_SUFFIXES:
-        out += torchzip.check_file(f, ctx)
+        out += torchzip_verify.check_file(f, ctx)
     if out:
         ctx.broken.add(str(f))
         return out

@@ -20,13 +20,12 @@ from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
-from zckpt.formats.dcp import layout, read
-from zckpt.formats.dcp.verify import verify
+from zckpt.formats.dcp import layout
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class DcpFormat(Format):
-    name = read.NAME
+    name = layout.NAME  # the reader, writer and checks are imported when used: detecting needs none
     training = True
 
     @functools.cached_property
@@ -39,12 +38,18 @@ class DcpFormat(Format):
         return layout.detect(path)
 
     def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        from zckpt.formats.dcp import read
+
         return read.read(path, tag=tag, trust_pickle=trust_pickle)
 
     def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        from zckpt.formats.dcp import read
+
         return read.read(path, tag=tag, trust_pickle=trust_pickle, model_only=True)
 
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+        from zckpt.formats.dcp.verify import verify
+
         return verify(path, ckpt, ctx)
 
 

@@ -26,6 +26,8 @@ from zckpt.errors import CorruptCheckpoint, KeyMappingError, PermissionDenied, U
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.storage import fileio
 
+NAME = "dcp"
+
 OPTIM = ("optim", "optimizer")
 SCHEDULER = ("lr_scheduler", "scheduler")
 _STEP_RE = re.compile(r"^step-(\d+)$")

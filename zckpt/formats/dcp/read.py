@@ -36,6 +36,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch
 from zckpt.formats.dcp import hfshards, state
 from zckpt.formats.dcp.boxes import box_piece, distinct
 from zckpt.formats.dcp.chunks import ChunkData, Files
+from zckpt.formats.dcp.layout import NAME as layout_NAME
 from zckpt.formats.dcp.layout import Slot, Source, classify, rank_of, resolve
 from zckpt.formats.dcp.locate import Locator, blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageKey, TensorMeta, load_metadata
@@ -45,7 +46,7 @@ from zckpt.state import CheckpointMeta, TrainingState
 from zckpt.storage import collector, session
 from zckpt.storage.objstore import as_path
 
-NAME = "dcp"
+NAME = layout_NAME  # the format's name (``layout``: what detecting it imports)
 FROZEN_NAMES = ("weight", "bias")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.deepspeed.files import detect
-from zckpt.formats.deepspeed.read import read
+from zckpt.formats.deepspeed.read import read  # the package's ``read`` (callers use it): not lazy
 from zckpt.stream.integrity import Problem, VerifyContext
 
 

@@ -22,22 +22,25 @@ from pathlib import Path
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import ZckptError
 from zckpt.formats.base import Format
-from zckpt.formats.megatron import hf, layout, read
-from zckpt.formats.megatron.verify import verify
+from zckpt.formats.megatron import layout
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
 class MegatronFormat(Format):
-    name = read.NAME
+    name = layout.NAME  # the reader, checks and HF export are imported when used: detecting needs none
     training = True
 
     def detect(self, path: Path) -> bool:
         return layout.detect(path)
 
     def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        from zckpt.formats.megatron import read
+
         return read.open_megatron(path, tag=tag, trust_pickle=trust_pickle)[0]
 
     def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+        from zckpt.formats.megatron import read
+
         return read.open_megatron(path, tag=tag, trust_pickle=trust_pickle, model_only=True)[0]
 
     def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
@@ -45,9 +48,13 @@ class MegatronFormat(Format):
             folder = layout.resolve(path, ctx.tag).folder if ckpt is None else Path(ckpt.meta.path)
         except ZckptError:
             return []  # the reader's own error is already reported
+        from zckpt.formats.megatron.verify import verify
+
         return verify(folder, ctx)
 
     def hf_model(self, ckpt: Checkpoint) -> tuple[Checkpoint, Mapping[str, object]] | None:
+        from zckpt.formats.megatron import hf
+
         out = hf.export(ckpt)
         return out.checkpoint, out.config
 

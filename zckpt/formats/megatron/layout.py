@@ -16,6 +16,8 @@ from pathlib import Path
 from zckpt.errors import CorruptCheckpoint, InvalidArgument, PathNotFound
 from zckpt.storage import fileio
 
+NAME = "megatron"
+
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 MARKER = "metadata.json"

@@ -44,12 +44,13 @@ from zckpt.formats.dcp.metadata import METADATA, Chunk, DcpMetadata, TensorMeta,
 from zckpt.formats.megatron import carve, flat
 from zckpt.formats.megatron.common import Common, load_common
 from zckpt.formats.megatron.config import ModelConfig, Parallel, check_shapes, model_config, parallel
+from zckpt.formats.megatron.layout import NAME as layout_NAME
 from zckpt.formats.megatron.layout import Source, resolve
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState
 from zckpt.storage import collector
 
-NAME = "megatron"
+NAME = layout_NAME  # the format's name (``layout``: what detecting it imports)
 LAYERS = "decoder.layers."
 RENAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
