@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from zckpt.codecs import zipdir
-from zckpt.codecs.pickle_safe import MAX_STACK, _check_graph, safe_loads
+from zckpt.codecs.pickle_safe import MAX_STACK, Size, _check_graph, safe_loads
 from zckpt.codecs.pickle_scan import prescan
 from zckpt.errors import CorruptCheckpoint, UnsafePickle
 
@@ -131,13 +131,13 @@ def test_prescan_hostile_pickles(data: bytes, kind: str, why: str) -> None:
 
 def _tree_size(o: object) -> int:
     """The oracle: the object as a tree, shared sub-objects counted at every use (leaves and empty ones 1; a
-    ``torch.Size`` is a leaf: it holds ints only)."""
+    ``Size`` (the unpickler's ``torch.Size``) is a leaf: it holds ints only)."""
     kids = [*o.keys(), *o.values()] if type(o) is dict else list(o) if type(o) in (list, tuple) else []
     return 1 + sum(_tree_size(c) for c in kids)
 
 
 def _random_dag(rng: random.Random) -> object:
-    made: list[object] = [rng.choice([0, 1.5, "s", b"b", None, True, torch.Size([2, 3])])]
+    made: list[object] = [rng.choice([0, 1.5, "s", b"b", None, True, Size([2, 3])])]
     for _ in range(rng.randrange(1, 40)):
         kids = [rng.choice(made) for _ in range(rng.randrange(0, 5))]  # earlier objects, shared or leaves
         kind = rng.randrange(3)
