@@ -20,7 +20,9 @@ Each job runs ``--repeat`` times on a warm page cache (its inputs read once firs
 figure), then once after ``drop_caches`` with ``--cold``. ``--cores N`` pins every command to cores
 ``0..N-1`` (``taskset``); ``--cores-scan 1,4`` repeats the consolidate and verify jobs at those counts.
 Floor: the bytes the job must read at the probe's read speed and the bytes it must write at its write
-speed, overlapped (the larger of the two); ``of_floor`` = floor / wall. Peak RSS: the process tree's
+speed, overlapped (the larger of the two); cold, a job that reads and writes is also held to its read plus
+written bytes at the concurrent probe's speed (``rw_gbs``), where that is larger (``job_floor``);
+``of_floor`` = floor / wall. Peak RSS: the process tree's
 (``bench/run.py``'s ``measure``). ``--profile`` runs the named jobs once more under ``py-spy record``
 (raw folded stacks, idle threads included) into ``--out``.
 
@@ -103,6 +105,18 @@ def pinned(cmd: list[str], cores: int) -> list[str]:
     return ["taskset", "-c", f"0-{cores - 1}", *cmd] if cores < (os.cpu_count() or 1) else cmd
 
 
+def job_floor(probe: dict[str, float], cache: str, in_b: int, out_b: int) -> float:
+    """The larger of the floors that apply: the reads at the read speed, the writes at the write speed
+    (overlapped); cold, also the reads and writes together at the concurrent probe's speed (``rw_gbs``: on a
+    disk whose reads and writes share its bandwidth, the larger one). Warm reads come from the page cache,
+    and a job that only reads or only writes shares the disk with nothing: the concurrent floor is for a
+    cold job that does both."""
+    floor = max(in_b / (probe["read_gbs"] * 1e9), out_b / (probe["write_gbs"] * 1e9))
+    if cache == "cold" and in_b and out_b and probe.get("rw_gbs"):
+        floor = max(floor, (in_b + out_b) / (probe["rw_gbs"] * 1e9))
+    return floor
+
+
 def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     a = ctx.args
     res = []
@@ -139,7 +153,7 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     wall = statistics.median(r.wall for r, _ in ok)
     out_b = job.out_bytes if job.out_bytes is not None else ok[-1][1]
     in_b = job.in_bytes or sum(size_of(p) for p in job.inputs)
-    floor = max(in_b / (ctx.probe["read_gbs"] * 1e9), out_b / (ctx.probe["write_gbs"] * 1e9))
+    floor = job_floor(ctx.probe, cache, in_b, out_b)
     row = {
         "job": job.name,
         "input": job.input,
