@@ -44,18 +44,24 @@ class Handle:
         self.read_object(offset, memoryview(buf))
         return bytes(buf)
 
-    def pread_into(self, buf: memoryview, offset: int) -> int:
+    def pread_into(self, buf: memoryview, offset: int, limit: int | None = None) -> int:
+        """``limit``: the caller reads on sequentially up to this byte (an object streams ahead up to it)."""
         if self.fd is not None:
             return os.preadv(self.fd, [buf], offset)
         n = max(0, min(len(buf), self.size - offset))
-        self.read_object(offset, buf[:n])
+        self.read_object(offset, buf[:n], limit)
         return n
 
-    def read_object(self, offset: int, out: memoryview) -> None:
+    @property
+    def remote(self) -> bool:
+        """An object, read through its store (not a local descriptor)."""
+        return self.fd is None
+
+    def read_object(self, offset: int, out: memoryview, limit: int | None = None) -> None:
         assert self._st is not None and self._url is not None
         from zckpt.storage.objstore import read
 
-        read.read_into(self._st, self._url, offset, out)
+        read.read_into(self._st, self._url, offset, out, limit)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -201,9 +207,10 @@ def pread(fd: Handle, n: int, offset: int) -> bytes:
     return fd.pread(n, offset)
 
 
-def pread_into(fd: Handle, buf: memoryview, offset: int) -> int:
-    """``os.preadv(fd, [buf], offset)`` of an ``open_fd`` handle (a file or an object)."""
-    return fd.pread_into(buf, offset)
+def pread_into(fd: Handle, buf: memoryview, offset: int, limit: int | None = None) -> int:
+    """``os.preadv(fd, [buf], offset)`` of an ``open_fd`` handle (a file or an object). ``limit``: the caller
+    reads on sequentially up to this byte (an object fetches ahead up to it; a local file ignores it)."""
+    return fd.pread_into(buf, offset, limit)
 
 
 def exists(path: str | os.PathLike[str]) -> bool:

@@ -67,11 +67,12 @@ def _buf() -> memoryview:
 
 
 def _crc_piece(fd: fileio.Handle, lo: int, n: int) -> int:
-    """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``)."""
+    """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``). An object's piece is one sequential read
+    up to its end: fetched ahead by a read-ahead stream (``objstore.ahead``), not one GET per read."""
     buf, crc, pos, end = _buf(), 0, lo, lo + n
     while pos < end:
         view = buf[: min(_READ, end - pos)]
-        k = fileio.pread_into(fd, view, pos)
+        k = fileio.pread_into(fd, view, pos, end if fd.remote else None)
         if k <= 0:
             raise EOFError(f"file ends at byte {pos}")
         crc = crc32(view[:k], crc)
@@ -97,8 +98,11 @@ class PendingCrcs:
         self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
     ) -> None:
         self._jobs: list[list[tuple[Future[int], int]]] = []
+        # an object's record is one piece: one streamed GET (per ``ahead.MAX_REQUEST``), where 32 MiB pieces
+        # cost a GET each (and a store that builds the whole object for a ranged GET, that object's size)
+        cut = CHUNK_BYTES if not fd.remote else max((n for _, n in ranges), default=1)
         for start, size in ranges:
-            cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
+            cuts = [(a, min(cut, size - a)) for a in range(0, size, cut)]
             self._jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
 
     def result(self) -> list[int]:
@@ -129,8 +133,8 @@ def sha256_file(f: str | Path) -> str:
     h = hashlib.sha256()
     fd = fileio.open_fd(str(f))
     try:
-        buf, pos = _buf(), 0
-        while k := fileio.pread_into(fd, buf, pos):
+        buf, pos, end = _buf(), 0, fileio.fd_size(fd) if fd.remote else None  # an object: streamed ahead
+        while k := fileio.pread_into(fd, buf, pos, end):
             h.update(buf[:k])
             pos += k
     finally:
