@@ -7,6 +7,8 @@ measured in one session on one machine (a tree: a folder holding a ``zckpt`` pac
         --job "verify=verify CK"
 
 ``--clean PATH`` removes an output before each run, so that no run pays for replacing the last one's.
+``--cold``: the page cache is dropped before each run (``sync``, then ``drop_caches``; root only: without it
+the bench stops), so that every run reads its inputs from the disk (untimed, like ``--clean``).
 
 Each line printed: ``AB <job> <tree> run<k> rc=<rc> <wall s> <peak RSS MB>``, then one median line per job
 and tree. Each run imports ``zckpt`` from its tree (first on ``sys.path``, ahead of the working folder);
@@ -33,13 +35,27 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
+def drop_caches() -> bool:
+    """Write back dirty pages, then drop the clean ones: the next run reads from the disk."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", required=True, help="NAME=FOLDER")
     ap.add_argument("--job", action="append", required=True, help="NAME=zckpt arguments")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clean", action="append", default=[], help="a path removed before each run (untimed)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
     a = ap.parse_args()
+    if a.cold and not drop_caches():
+        raise SystemExit("--cold needs root (writing /proc/sys/vm/drop_caches was refused)")
     trees = [t.split("=", 1) for t in a.tree]
     jobs = [j.split("=", 1) for j in a.job]
     walls: dict[tuple[str, str], list[float]] = {}
@@ -49,6 +65,8 @@ def main() -> None:
             for tname, folder in trees if k % 2 == 0 else reversed(trees):
                 for path in a.clean:
                     remove(path)
+                if a.cold:
+                    drop_caches()
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (folder, base) if p))
                 run = f"import sys, runpy; sys.path[0] = {os.path.abspath(folder)!r}; "
                 run += "runpy.run_module('zckpt.cli.app', run_name='__main__')"  # not the cwd's zckpt

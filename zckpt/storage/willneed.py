@@ -1,0 +1,118 @@
+"""Read-ahead of local input files on a cold page cache: an ``Advisor`` asks the kernel to start reading the
+byte ranges a reader will need soon (``posix_fadvise(POSIX_FADV_WILLNEED)``), on a thread of its own.
+
+The kernel reads ahead of one sequential reader by a window of ``read_ahead_kb``, and the ``pread`` of a
+filling thread waits for its own bytes: on a cold cache the device sees one or two requests at a time, and
+the writes of the output wait behind the reads (measured here: a cold 2 GiB file read in 16 MiB ``pread``
+calls at 0.8-1.0 GB/s, 1.5-1.8 GB/s with the next 64 MiB advised ahead). Advised ranges are queued as reads
+at once, so the device works on the next pieces while the current ones are cast and written.
+
+One ``WILLNEED`` call queues at most ``max(read_ahead_kb, max_sectors_kb)`` of the device (the kernel's cap,
+``force_page_cache_ra``: a 64 MiB call queued 8 MiB here) and waits while the device's queue is full, so a
+range is cut into calls of that size (``call_bytes``) made on the advisor's thread, never the reader's.
+Memory: the page cache only (clean pages the kernel may drop), at most what the caller advises ahead of its
+reading. Object URLs, and files that cannot be opened, are skipped: the reader reads them (and reports them)
+as it always does. Nothing here changes a byte read: the kernel only reads sooner what the reader reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from pathlib import Path
+
+from zckpt.storage import objstore
+
+_MIN_CALL = 128 << 10
+"""The smallest cap a device may have (Linux's default ``read_ahead_kb``): always queued whole."""
+_MAX_CALL = 8 << 20
+
+
+def call_bytes(dev: int) -> int:
+    """The most one ``WILLNEED`` call queues on the device ``dev`` (an ``st_dev``):
+    ``max(read_ahead_kb, max_sectors_kb)`` of its queue in sysfs (a partition's is its disk's), within
+    [128 KiB, 8 MiB]; 128 KiB where unknown."""
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for q in (base / "queue", base / ".." / "queue"):
+        with contextlib.suppress(OSError, ValueError):
+            kb = max(int((q / f).read_text()) for f in ("read_ahead_kb", "max_sectors_kb"))
+            return min(_MAX_CALL, max(_MIN_CALL, kb << 10))
+    return _MIN_CALL
+
+
+class Advisor:
+    """Advise the kernel of ranges of local files a reader needs soon (see the module doc). ``advise``
+    queues a range and returns at once; the calls run in order on one thread, started at the first range.
+    Use it as a context manager: leaving stops the thread (what was not advised yet is dropped) and closes
+    its descriptors."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[str, int, int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._fds: dict[str, tuple[int, int] | None] = {}
+        self._calls: dict[int, int] = {}  # bytes per call, by device
+
+    def advise(self, path: str, offset: int, nbytes: int) -> None:
+        """Bytes ``[offset, offset + nbytes)`` of the local file ``path`` are read soon."""
+        if nbytes <= 0 or not hasattr(os, "posix_fadvise") or objstore.is_url(path):
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zckpt-willneed", daemon=True)
+            self._thread.start()
+        self._q.put((path, offset, nbytes))
+
+    def _fd(self, path: str) -> tuple[int, int] | None:
+        """(descriptor, bytes per call) of ``path``, opened once; None where it cannot be opened."""
+        if path not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                self._fds[path] = None
+            else:
+                dev = os.fstat(fd).st_dev
+                if dev not in self._calls:
+                    self._calls[dev] = call_bytes(dev)
+                self._fds[path] = (fd, self._calls[dev])
+        return self._fds[path]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            job = self._q.get()
+            if job is None:
+                return
+            path, a, n = job
+            got = self._fd(path)
+            if got is None:
+                continue
+            fd, step = got
+            end = a + n
+            while a < end and not self._stop.is_set():
+                k = min(step - a % step, end - a)  # calls on the cap's grid: each one queued whole
+                try:
+                    os.posix_fadvise(fd, a, k, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    break
+                a += k
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+        for got in self._fds.values():
+            if got is not None:
+                os.close(got[0])
+        self._fds.clear()
+
+    def __enter__(self) -> Advisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Advisor", "call_bytes"]
