@@ -42,6 +42,20 @@ def call_bytes(dev: int) -> int:
     return _MIN_CALL
 
 
+def advise_now(fd: int, offset: int, nbytes: int, step: int) -> None:
+    """Queue reads of bytes ``[offset, offset + nbytes)`` of the open local file ``fd`` now, on this thread,
+    in calls of ``step`` bytes (``call_bytes``) on the cap's grid; returns once they are queued (a call waits
+    while the device's queue is full), not read. A refused call ends it quietly (the reader reads anyway)."""
+    a, end = offset, offset + nbytes
+    while a < end:
+        k = min(step - a % step, end - a)  # calls on the cap's grid: each one queued whole
+        try:
+            os.posix_fadvise(fd, a, k, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+        a += k
+
+
 class Advisor:
     """Advise the kernel of ranges of local files a reader needs soon (see the module doc). ``advise``
     queues a range and returns at once; the calls run in order on one thread, started at the first range.
@@ -88,14 +102,10 @@ class Advisor:
             if got is None:
                 continue
             fd, step = got
-            end = a + n
-            while a < end and not self._stop.is_set():
-                k = min(step - a % step, end - a)  # calls on the cap's grid: each one queued whole
-                try:
-                    os.posix_fadvise(fd, a, k, os.POSIX_FADV_WILLNEED)
-                except OSError:
+            for lo in range(a, a + n, 16 * step):  # the stop is seen between runs of 16 calls
+                if self._stop.is_set():
                     break
-                a += k
+                advise_now(fd, lo, min(16 * step, a + n - lo), step)
 
     def close(self) -> None:
         self._stop.set()
@@ -115,4 +125,4 @@ class Advisor:
         self.close()
 
 
-__all__ = ["Advisor", "call_bytes"]
+__all__ = ["Advisor", "advise_now", "call_bytes"]
