@@ -2,10 +2,11 @@
 byte ranges a reader will need soon (``posix_fadvise(POSIX_FADV_WILLNEED)``), on a thread of its own.
 
 The kernel reads ahead of one sequential reader by a window of ``read_ahead_kb``, and the ``pread`` of a
-filling thread waits for its own bytes: on a cold cache the device sees one or two requests at a time, and
-the writes of the output wait behind the reads (measured here: a cold 2 GiB file read in 16 MiB ``pread``
-calls at 0.8-1.0 GB/s, 1.5-1.8 GB/s with the next 64 MiB advised ahead). Advised ranges are queued as reads
-at once, so the device works on the next pieces while the current ones are cast and written.
+filling thread waits for its own bytes: on a cold cache the device sees few requests at a time (measured on
+the 2-core machine: a cold 2 GiB file read in 16 MiB ``pread`` calls at 0.8-1.0 GB/s, 1.5-1.8 GB/s with the
+next 64 MiB advised ahead). Advised ranges are queued as reads at once, so the device works on the next
+pieces while the current ones are cast and written. (In a whole cold consolidate on that machine, whose disk
+other sessions kept busy, the difference was within the noise: ``bench/RESULTS.md``, 2026-12-06 03:00.)
 
 One ``WILLNEED`` call queues at most ``max(read_ahead_kb, max_sectors_kb)`` of the device (the kernel's cap,
 ``force_page_cache_ra``: a 64 MiB call queued 8 MiB here) and waits while the device's queue is full, so a
@@ -24,6 +25,7 @@ import threading
 from pathlib import Path
 
 from zckpt.storage import objstore
+from zckpt.storage.threads import start
 
 _MIN_CALL = 128 << 10
 """The smallest cap a device may have (Linux's default ``read_ahead_kb``): always queued whole."""
@@ -74,8 +76,7 @@ class Advisor:
         if nbytes <= 0 or not hasattr(os, "posix_fadvise") or objstore.is_url(path):
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="zckpt-willneed", daemon=True)
-            self._thread.start()
+            self._thread = start(self._run, name="zckpt-willneed")
         self._q.put((path, offset, nbytes))
 
     def _fd(self, path: str) -> tuple[int, int] | None:
