@@ -19,7 +19,7 @@ for impl in ds engine; do
   rm -rf "${D:?}/$impl"; mkdir -p "$D/$impl"
   if [ $impl = ds ]; then P=/tmp/site-ds:/tmp/site:$PWD; M=(); else P=/tmp/site:$PWD; M=(-m engine.run); fi
   echo "== $impl"
-  PYTHONPATH=$P timeout 280 torchrun --standalone --nproc-per-node 1 "${M[@]}" bench/trainer_gpu.py \
+  PYTHONPATH=$P timeout 280 python3 -m torch.distributed.run --standalone --nproc-per-node 1 "${M[@]}" bench/trainer_gpu.py \
     --dir "$D/$impl" --out "$O/$impl.json" "$@" > "$O/$impl.log" 2>&1
   echo "rc=$? $(du -sh "$D/$impl/out" 2>/dev/null | cut -f1) in checkpoint; $(grep -iE -m3 'error|Traceback' "$O/$impl.log")"
   rm -rf "${D:?}/$impl"
