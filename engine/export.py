@@ -47,8 +47,9 @@ def consolidated_state_dict(eng: Engine, *, exclude_frozen: bool = False) -> dic
         was = st.gathered if st is not None else True
         if st is not None and eng.fetcher is not None and not was:
             eng.fetcher.gather([st])
-        if rank0:
-            out[name] = t.detach().cpu().clone()
+        if rank0:  # one host copy: .cpu() of a device tensor is already new memory, a host tensor is cloned
+            v = t.detach()
+            out[name] = v.cpu() if v.device.type != "cpu" else v.clone()
         if st is not None and not was:
             st.release()
     eng.comm.barrier()
