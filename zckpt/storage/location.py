@@ -1,8 +1,8 @@
 """Where an input or output is: ``Location``, a local ``Path`` or an object-store ``RemotePath``, said in the
 type of every function that may be given either; ``location`` makes one of a user's string, ``absolute``
 and ``resolved`` are ``os.path.abspath`` and ``Path.resolve`` of a local one, ``size`` its byte count.
-Code that only works on the local disk takes ``Path``, and ``local`` is its boundary: a ``RemotePath`` is
-refused there in one line (``Unsupported``), never handed to ``open`` or ``os`` as a local name.
+Code that only works on the local disk takes ``Path``, and ``local`` is its boundary: a URL is refused there
+in one line (``Unsupported``), never handed to ``open`` or ``os`` as a local name.
 """
 
 from __future__ import annotations
@@ -58,13 +58,10 @@ def size(x: Location) -> int:
     return x.size() if isinstance(x, RemotePath) else x.stat().st_size
 
 
-def local(x: Location, what: str) -> Path:
-    """``x`` for code that reads or writes the local disk only (``what`` says which); a ``RemotePath``
-    refused in one line naming it."""
-    if isinstance(x, RemotePath):
-        raise Unsupported(
-            f"{x}: {what} works on local paths only, not {x.scheme}:// URLs",
-            hint="copy it to a local folder first and give that folder",
-            path=str(x),
-        )
-    return x
+def local(x: LocationLike, what: str, hint: str = "give a local path") -> Path:
+    """``x`` as a ``Path`` for code that reads or writes the local disk only (``what`` names it); a URL is
+    refused in one line naming it (``Unsupported``), before anything is read or written."""
+    p = location(x)
+    if isinstance(p, RemotePath):
+        raise Unsupported(f"{p}: {what} takes a local path, not an {p.scheme}:// URL", hint=hint, path=str(p))
+    return p
