@@ -93,8 +93,8 @@ class RemotePath(Url):
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
-    def __lt__(self, other: RemotePath) -> bool:
-        return str(self) < str(other)
+    def __lt__(self, other: RemotePath) -> bool:  # as ``Path`` sorts: by parts
+        return str(self).split("/") < str(other).split("/")
 
     @property
     def url(self) -> Url:
