@@ -2,7 +2,8 @@
 (the oracle) while ``open``/``os.fspath`` refuse it; local-only entries (``--plot``, the engine's
 ``save_16bit_model``) refuse an ``s3://`` location in one line and create nothing on the local disk; and a
 consolidate from and into a bucket (a moto server on 127.0.0.1) is byte-identical to the local one, its
-result naming ``RemotePath`` objects."""
+result naming ``RemotePath`` objects; ``verify`` of a Megatron checkpoint in a bucket matches the local one
+(on 532ea05 it raised ``FileNotFoundError: 's3:/ckpts/...'``: the folder became a local ``Path``)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,15 @@ def test_consolidate_from_and_into_a_bucket_matches_local(s3env: object, tmp_pat
     report = zckpt.verify("s3://ckpts/loc/hf", progress=False)
     assert report.ok and report.path == "s3://ckpts/loc/hf", report.problems
     assert all(f.startswith("s3://ckpts/loc/hf/") for f in report.files)
+
+
+def test_verify_megatron_from_a_bucket_matches_local(s3env: object) -> None:
+    """Oracle: ``verify`` of the local copy. (``common.pt``'s zip check opened the URL as a local file when a
+    ``RemotePath`` was a ``PathLike``: a bucket's intact ``common.pt`` was reported damaged.)"""
+    src = fixture("megatron", "tp1_bf16_modelonly", "ckpt")
+    url = _s3.upload(s3env, src, "ckpts", "loc/megatron")
+    want = zckpt.verify(src, progress=False)
+    got = zckpt.verify(url, progress=False)
+    assert want.ok and want.checksums > 0, want.problems
+    assert got.ok and got.checksums == want.checksums, got.problems
+    assert [f.replace(url, str(src)) for f in got.files] == list(want.files)
