@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 CONFIG = {
     "bf16": {"enabled": True},
@@ -34,10 +35,14 @@ CONFIG = {
         "sub_group_size": 1e9,
         "stage3_gather_16bit_weights_on_model_save": True,
     },
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto", "torch_adam": True}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
     "gradient_clipping": "auto",
     "train_micro_batch_size_per_gpu": "auto",
     "train_batch_size": "auto",
@@ -155,7 +160,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 def report(paths: list[str]) -> None:
-    runs = [json.load(open(p)) for p in paths]
+    runs = [json.loads(Path(p).read_text()) for p in paths]
     print("| | " + " | ".join(r["impl"] for r in runs) + " |")
     print("|---|" + "---|" * len(runs))
     rows = [
