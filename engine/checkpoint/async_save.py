@@ -36,7 +36,6 @@ import time
 import weakref
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +46,7 @@ from engine.checkpoint.host import HostStaging
 from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
 from zckpt.codecs.safetensors import FilePlan, FileRecord
 from zckpt.formats.native import write as W
-from zckpt.storage import objstore
+from zckpt.storage.location import LocationLike, location, resolved
 from zckpt.storage.session import Storage
 from zckpt.storage.threads import start
 from zckpt.stream.items import WriteItem
@@ -198,7 +197,7 @@ class AsyncSaver:
             raise CheckpointSaveError(f"the background save of {where} failed: {err}; `latest` is unchanged",
                                       path=str(where)) from err  # fmt: skip
 
-    def wait_for(self, folder: str | os.PathLike[str]) -> None:
+    def wait_for(self, folder: LocationLike) -> None:
         """Wait when the save in flight (or a failed one not yet reported) writes into ``folder`` or
         ``folder`` is its tag folder."""
         job = self._job
@@ -218,11 +217,10 @@ class AsyncSaver:
             _LIVE.discard(self)
 
 
-def _place(x: str | os.PathLike[str]) -> str:
+def _place(x: LocationLike) -> str:
     """Where ``x`` is, comparable across spellings: an object URL normalised (``s3://b/k``, whatever
     ``pathlib`` made of it), a local path resolved."""
-    u = objstore.parse(x)
-    return str(u) if u is not None else str(Path(x).resolve())
+    return str(resolved(location(x)))
 
 
 def _flat(it: WriteItem) -> torch.Tensor:

@@ -30,6 +30,7 @@ from zckpt.formats.native import record
 from zckpt.formats.native import write as W
 from zckpt.model import Role, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
+from zckpt.storage.location import Location, local
 from zckpt.stream.items import WriteItem, entry_from_tensor
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class ManifestArgs:
 class RankSave:
     """One rank's part of one save."""
 
-    root: Path
+    root: Location
     tag: str
     rank: int
     world: int
@@ -83,12 +84,14 @@ class RankSave:
         return None if m is None else record.encode(m.tensors, m.tied, W.precision_of(m.state))
 
     @property
-    def tag_dir(self) -> Path:
+    def tag_dir(self) -> Location:
         return self.root / self.tag
 
     @property
     def stage_dir(self) -> Path:
-        return self.stage if self.stage is not None else staging_dir(self.root, self.tag)
+        if self.stage is not None:
+            return self.stage
+        return staging_dir(local(self.root, "a save without a stand-in folder"), self.tag)
 
     @property
     def rank_path(self) -> Path:
@@ -97,7 +100,7 @@ class RankSave:
 
 def capture(
     eng: Engine,
-    root: Path,
+    root: Location,
     tag: str,
     client_state: Mapping[str, Any],
     save_latest: bool,

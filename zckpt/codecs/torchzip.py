@@ -15,7 +15,6 @@ import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from zckpt.codecs import zipdir, zipshape
@@ -23,6 +22,7 @@ from zckpt.codecs.pickle_safe import Allowed, TensorRef, _Record, safe_loads
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.model import Checked
 from zckpt.storage import fileio
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext, problem_from
 from zckpt.stream.window import Window
 
@@ -445,7 +445,7 @@ def iter_refs(obj: Any) -> Any:
             stack.extend(o.__dict__.values())
 
 
-def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -> tuple[str | None, int]:
+def _crc_check(f: Location, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -> tuple[str | None, int]:
     """(the first record whose CRC-32 fails, or None; how many records were checked). Stored records (all
     of torch's) are checked in pieces on the scan threads (``zckpt.storage.scan``); an archive with a
     compressed record goes through ``zipfile``'s own check."""
@@ -475,7 +475,7 @@ def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -
     return bad, len(infos)
 
 
-def check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
+def check_file(f: Location, ctx: VerifyContext) -> list[Problem]:
     """Every record's CRC-32 recomputed and the pickle parsed through the safe unpickler (remembered in
     ``ctx.pickles`` for cross-file checks), every storage record present and long enough."""
     if not is_torch_zip(str(f)):

@@ -16,10 +16,10 @@ import hashlib
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 from zckpt.storage import env, fileio
 from zckpt.storage.checks import crc32, crc32_combine
+from zckpt.storage.location import Location
 from zckpt.storage.threads import Pool
 
 CHUNK_BYTES = 32 << 20
@@ -82,7 +82,9 @@ def _crc_piece(fd: fileio.Handle, lo: int, n: int) -> int:
     return crc
 
 
-def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> list[int]:
+def crc_ranges(
+    path: str | Location, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
+) -> list[int]:
     """The CRC-32 of each ``(start, size)`` byte range of the file, computed in ``CHUNK_BYTES`` pieces on
     ``pool`` (a short file: ``EOFError``)."""
     fd = fileio.open_fd(str(path))
@@ -130,7 +132,7 @@ class PendingCrcs:
                     fut.result()
 
 
-def sha256_file(f: str | Path) -> str:
+def sha256_file(f: str | Location) -> str:
     """The whole file's sha256, read in order on this thread (hashlib releases the GIL)."""
     h = hashlib.sha256()
     fd = fileio.open_fd(str(f))
@@ -155,7 +157,7 @@ class Scanner:
         self._sha: dict[str, Future[str]] = {}
         self._lock = threading.Lock()
 
-    def sha256(self, f: str | Path) -> Future[str]:
+    def sha256(self, f: str | Location) -> Future[str]:
         """The file's sha256, computed once on the pool however often it is asked for."""
         key = str(f)
         with self._lock:
@@ -163,7 +165,7 @@ class Scanner:
                 self._sha[key] = self.pool.submit(sha256_file, key)
             return self._sha[key]
 
-    def crc_ranges(self, path: str | Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    def crc_ranges(self, path: str | Location, ranges: Sequence[tuple[int, int]]) -> list[int]:
         return crc_ranges(path, ranges, self._crc_pool)
 
     def crc_pending(self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:

@@ -15,7 +15,6 @@ Spec of the files: docs/dcp-format.md. One module per concern:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar
 
 from zckpt.checkpoint import Checkpoint
@@ -23,6 +22,7 @@ from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.dcp import layout, read
 from zckpt.formats.dcp.verify import verify
 from zckpt.formats.dcp.write import DcpWriter
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
@@ -31,16 +31,16 @@ class DcpFormat(Format):
     training = True
     writer: ClassVar[CheckpointWriter] = DcpWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return layout.detect(path)
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         return read.read(path, tag=tag, trust_pickle=trust_pickle)
 
-    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read_model(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         return read.read(path, tag=tag, trust_pickle=trust_pickle, model_only=True)
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         return verify(path, ckpt, ctx)
 
 
