@@ -35,6 +35,7 @@ SCRIPT = ROOT / "tests" / "data" / "hf_trainer.py"
 CONFIGS = {
     "zero3": ROOT / "tests/data/hf/ds_config_zero3.json",
     "auto": ROOT / "tests/data/hf/ds_config_auto.json",
+    "zero3_dslayout": ROOT / "tests/data/hf/ds_config_zero3_dslayout.json",
 }
 EXPECTED = ROOT / "tests" / "data" / "hf_trainer_ds.json"
 DS_VENV = ROOT / ".venv-ds" / "bin"
@@ -48,8 +49,10 @@ LOSS_REL = 2e-3
 """Loss agreement with DeepSpeed: a quarter of bf16's epsilon (7.8e-3); measured in docs/engine-trainer.md."""
 
 
-def run_trainer(python_bin: Path, work: Path, config: str, name: str, *extra: str) -> dict[str, Any]:
-    """One Trainer run at world 2; what rank 0 wrote."""
+def run_trainer(
+    python_bin: Path, work: Path, config: str, name: str, *extra: str, world: int = 2
+) -> dict[str, Any]:
+    """One Trainer run on ``world`` ranks; what rank 0 wrote."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
     env["PYTHONPATH"] = str(ROOT)
@@ -59,7 +62,8 @@ def run_trainer(python_bin: Path, work: Path, config: str, name: str, *extra: st
         (work / "wrap.py").write_text(_DS_WRAPPER)
         entry = [str(work / "wrap.py"), str(SCRIPT)]
     out = work / f"{name}.json"
-    cmd = [str(python_bin), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *entry]
+    cmd = [str(python_bin), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    cmd += entry
     cmd += ["--deepspeed", str(CONFIGS[config]), "--output_dir", str(work / name), "--out", str(out), *extra]
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-5000:])
@@ -135,34 +139,50 @@ def test_t5_trainer_matches_deepspeed_and_resumes(tmp_path: Path) -> None:
     assert _losses_from(resumed, 4) == _losses_from(full, 4)
 
 
-def _resume(python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: str) -> dict[str, Any]:
-    """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder)."""
+def _resume(
+    python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: str, world: int = 2
+) -> dict[str, Any]:
+    """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder) on ``world`` ranks;
+    at world 1 with 2 accumulation steps, so that every step sees the same global batch of 4."""
     out_dir = work / name
     out_dir.mkdir(parents=True)
     os.symlink(checkpoint, out_dir / checkpoint.name)
     resume = ["--resume_from_checkpoint", str(out_dir / checkpoint.name)]
-    return run_trainer(python_bin, work, "zero3", name, *resume, *extra)
+    accum = ["--grad_accum", str(2 // world)] if world != 2 else []
+    return run_trainer(python_bin, work, "zero3", name, *resume, *accum, *extra, world=world)
 
 
 @pytest.mark.deepspeed
 @pytest.mark.dist
 @pytest.mark.slow
 def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> None:
-    """The engine resumes real DeepSpeed's ``checkpoint-3`` as it is; real DeepSpeed resumes the engine's
-    after ``zckpt reshard --to deepspeed`` (a Trainer folder: its files kept); steps 4-6 log the other's
-    losses."""
+    """The engine saves ``checkpoint-N`` in DeepSpeed's layout (``checkpoint.format``, in the background);
+    real DeepSpeed resumes it as it is at world 2, and at world 1 after ``zckpt reshard --world 1`` (DeepSpeed
+    0.19.8's ``load_checkpoint`` refuses another world size for its own checkpoints too); the engine resumes
+    real DeepSpeed's ``checkpoint-3`` as it is at world 2 and at world 1. Resumed steps 4-6 log the other
+    implementation's uninterrupted losses (the global batch is kept at world 1: 2 accumulation steps)."""
     from zckpt.ops.reshard import reshard
 
-    eng = run_trainer(Path(sys.executable), tmp_path, "zero3", "eng")
+    eng = run_trainer(Path(sys.executable), tmp_path, "zero3_dslayout", "eng")
+    ck = tmp_path / "eng" / "checkpoint-3"
+    assert (ck / "latest").read_text() == "global_step3" and (ck / "zero_to_fp32.py").is_file()
+    assert sorted(p.name for p in (ck / "global_step3").glob("*.pt")) == [
+        f"{pre}zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+        for pre, kind in (("bf16_", "optim"), ("", "model"))
+        for r in (0, 1)
+    ]
     ds = run_trainer(DS_VENV / "python", tmp_path, "zero3", "ds")
-    eng_from_ds = _resume(Path(sys.executable), tmp_path, "eng_from_ds", tmp_path / "ds" / "checkpoint-3")
-    assert eng_from_ds["deepspeed"] == "0.19.8+engine"
-    assert _losses_from(eng_from_ds, 4) == pytest.approx(_losses_from(ds, 4), rel=LOSS_REL)
-    reshard(tmp_path / "eng" / "checkpoint-3", tmp_path / "conv" / "checkpoint-3", world=2, to="deepspeed",
-            progress=False)  # fmt: skip
-    ds_from_eng = _resume(DS_VENV / "python", tmp_path, "ds_from_eng", tmp_path / "conv" / "checkpoint-3")
+    ds_from_eng = _resume(DS_VENV / "python", tmp_path, "ds_from_eng", ck)
     assert ds_from_eng["deepspeed"] == "0.19.8"
     assert _losses_from(ds_from_eng, 4) == pytest.approx(_losses_from(eng, 4), rel=LOSS_REL)
+    reshard(ck, tmp_path / "conv" / "checkpoint-3", world=1, progress=False)
+    ds_w1 = _resume(DS_VENV / "python", tmp_path, "ds_w1", tmp_path / "conv" / "checkpoint-3", world=1)
+    assert _losses_from(ds_w1, 4) == pytest.approx(_losses_from(eng, 4), rel=LOSS_REL)
+    for world in (2, 1):
+        src = tmp_path / "ds" / "checkpoint-3"
+        got = _resume(Path(sys.executable), tmp_path, f"eng_from_ds_w{world}", src, world=world)
+        assert got["deepspeed"] == "0.19.8+engine"
+        assert _losses_from(got, 4) == pytest.approx(_losses_from(ds, 4), rel=LOSS_REL), world
 
 
 def _losses_from(run: dict[str, Any], first: int) -> list[float]:
