@@ -4,11 +4,10 @@
 
     python bench/ds_layout_bench.py [--size small] [--world 2] [--stages 2 3] [--repeat 3] [--dir /tmp/x]
 
-The model is bench/engine_bench.py's GPT (``small``: 25.4M params; fp32 masters and Adam moments are
-~0.3 GB a save), bf16, AdamW. Per (stage, mode, layout): the median over ``--repeat`` saves of rank 0's time
-blocked in ``save_checkpoint`` and of the time until the save is published (``wait_for_checkpoint``); saves
-alternate between the layouts so both see the same page-cache and load conditions. Prints one JSON line per
-row.
+The model is bench/engine_bench.py's GPT (``small``: 23.2M params; a save is 267 MB in either layout),
+bf16, AdamW. Per (stage, mode, layout): the median over ``--repeat`` saves of rank 0's time blocked in
+``save_checkpoint`` and of the time until the save is published (``wait_for_checkpoint``); saves alternate
+between the layouts so both see the same page-cache and load conditions. Prints one JSON line per row.
 """
 
 from __future__ import annotations
@@ -33,11 +32,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def _rank(rank: int, world: int, store: str, a: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from engine_bench import GPT, SIZES
+
     import engine
     from engine.checkpoint import ds_layout, save
-    from engine_bench import GPT, SIZES
 
     rows = []
     for stage in a.stages:
