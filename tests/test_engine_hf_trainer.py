@@ -12,9 +12,12 @@ Per config (``tests/data/hf/ds_config_zero3.json``: issue 39's config with bf16 
   exactly; ``trainer.save_model()`` writes weights ``from_pretrained`` loads with no missing or unexpected
   key, equal to zckpt's bf16 consolidation of the engine's ``checkpoint-6``.
 
-A tiny T5 (``--model t5``) on the ZeRO-3 config: DeepSpeed's losses and an exact resume. The
-``deepspeed``-marked test resumes each implementation from the other's ``checkpoint-3``. Measured on 2
-shared CPU cores: see ``docs/engine-trainer.md``.
+A tiny T5 (``--model t5``) on the ZeRO-3 config: DeepSpeed's losses and an exact resume. ZeRO-2 with and
+without optimizer offload and ZeRO-3 without offload (``ds_config_zero2*``, ``ds_config_zero3_nooffload``):
+DeepSpeed's recorded losses (regenerate only those: ``python tests/test_engine_hf_trainer.py zero2
+zero2_offload zero3_nooffload``). The ``deepspeed``-marked test resumes each implementation from the other's
+``checkpoint-3``, the engine's written in DeepSpeed's layout (``ds_config_zero3_dslayout.json``), at world 2
+and at world 1. Measured on 2 shared CPU cores: see ``docs/engine-trainer.md``.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ CONFIGS = {
 }
 EXPECTED = ROOT / "tests" / "data" / "hf_trainer_ds.json"
 DS_VENV = ROOT / ".venv-ds" / "bin"
-_DS_WRAPPER = (  # the harness's only change for DeepSpeed on CPU: no JIT-built shared-memory op
-    "import runpy, sys\nimport deepspeed.comm.torch as t\nt.build_shm_op = lambda: None\n"
-    "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+_DS_WRAPPER = (  # the harness's only change for DeepSpeed on CPU: no JIT-built shared-memory op (through
+    # importlib: `import deepspeed.comm.torch as t` binds the `torch` module deepspeed.comm imported)
+    "import importlib, runpy, sys\nt = importlib.import_module('deepspeed.comm.torch')\n"
+    "t.build_shm_op = lambda: None\nsys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 RUNS = {
     "zero3": ("zero3", ()),
