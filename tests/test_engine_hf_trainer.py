@@ -170,13 +170,14 @@ def _resume(
     python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: str, world: int = 2
 ) -> dict[str, Any]:
     """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder) on ``world`` ranks;
-    at world 1 with 2 accumulation steps, so that every step sees the same global batch of 4."""
+    at world 1 with a per-device batch of 4: every step sees the same global batch of 4 samples (accelerate
+    gives rank r of W the batches r, r + W, ... of one seeded order)."""
     out_dir = work / name
     out_dir.mkdir(parents=True)
     os.symlink(checkpoint, out_dir / checkpoint.name)
     resume = ["--resume_from_checkpoint", str(out_dir / checkpoint.name)]
-    accum = ["--grad_accum", str(2 // world)] if world != 2 else []
-    return run_trainer(python_bin, work, "zero3", name, *resume, *accum, *extra, world=world)
+    batch = ["--batch", str(4 // world)] if world != 2 else []
+    return run_trainer(python_bin, work, "zero3", name, *resume, *batch, *extra, world=world)
 
 
 @pytest.mark.deepspeed
@@ -187,7 +188,7 @@ def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> 
     real DeepSpeed resumes it as it is at world 2, and at world 1 after ``zckpt reshard --world 1`` (DeepSpeed
     0.19.8's ``load_checkpoint`` refuses another world size for its own checkpoints too); the engine resumes
     real DeepSpeed's ``checkpoint-3`` as it is at world 2 and at world 1. Resumed steps 4-6 log the other
-    implementation's uninterrupted losses (the global batch is kept at world 1: 2 accumulation steps)."""
+    implementation's uninterrupted losses (the global batch is kept at world 1: a per-device batch of 4)."""
     from zckpt.ops.reshard import reshard
 
     eng = run_trainer(Path(sys.executable), tmp_path, "zero3_dslayout", "eng")
