@@ -48,8 +48,9 @@ from zckpt.formats.deepspeed.layout import zero12_layout
 from zckpt.formats.deepspeed.write import DeepSpeedWriter, write_rank
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta
-from zckpt.storage import objstore, session
-from zckpt.storage.objstore import as_path
+from zckpt.storage import session
+from zckpt.storage.location import location
+from zckpt.storage.objstore.paths import RemotePath
 from zckpt.storage.staging import fsync_path, publish_folder
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ def save(
             key="checkpoint.format",
             hint="use zero_optimization.stage 1, 2 or 3, or the native format",
         )
-    if objstore.is_url(save_dir):
+    root = location(save_dir)
+    if isinstance(root, RemotePath):
         raise ConfigError(
             f"{save_dir}: checkpoint.format 'deepspeed' saves to a local folder only (DeepSpeed's fixed file "
             "names cannot be replaced whole in a bucket)",
@@ -97,7 +99,6 @@ def save(
     saver = eng.checkpointer
     if saver is not None:
         saver.wait()
-    root = as_path(save_dir)
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
     st = session.Storage()
     handed = False
@@ -113,7 +114,7 @@ def save(
             if saver is not None:
                 saver.submit_task(job, write, publish, t0, st)
                 handed = True
-                return job.tag_dir
+                return root / tag
             write_and_publish(job, eng.comm, write, publish)
     finally:
         if not handed:
@@ -122,7 +123,7 @@ def save(
     eng.checkpoint_stats = {"tag": tag, "mode": "sync", "blocked_s": took, "total_s": took, "write": {},
                             "format": "deepspeed"}  # fmt: skip
     report(eng, eng.checkpoint_stats)
-    return job.tag_dir
+    return root / tag
 
 
 def write_files(view: View, stage: int, job: RankSave) -> FileRecord:
@@ -135,22 +136,24 @@ def publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None:
     """Rank 0, every rank's files written: fsync, publish the tag folder, copy DeepSpeed's scripts beside
     it, then move ``latest``."""
     del results
+    root = job.root
+    assert isinstance(root, Path)  # ``save`` refused a bucket
     for f in job.stage_dir.iterdir():
         fsync_path(f)
     fsync_path(job.stage_dir)
-    publish_folder(job.stage_dir, job.tag_dir, overwrite=True)
+    publish_folder(job.stage_dir, root / job.tag, overwrite=True)
     phase[0] = "published"
     for name in SCRIPTS:
-        tmp = job.root / f".{name}.tmp-{os.getpid()}"
+        tmp = root / f".{name}.tmp-{os.getpid()}"
         with (
             resources.files("engine.checkpoint").joinpath(f"{name}.txt").open("rb") as src,
             open(tmp, "wb") as out,
         ):
             shutil.copyfileobj(src, out)
         tmp.chmod(0o755)
-        tmp.replace(job.root / name)
+        tmp.replace(root / name)
     if job.save_latest:
-        write_latest(job.root, job.tag)
+        write_latest(root, job.tag)
 
 
 def build_view(
