@@ -14,10 +14,10 @@ keeps going (the uninterrupted run). Oracles, none of them zckpt's own reader:
   ZeRO-2 on only, so its script leaves them out of its own ZeRO-1 checkpoints too).
 
 The ZeRO-3 layout, with CPU offload, bf16 and a background save, is resumed by real DeepSpeed in the HF
-Trainer (``tests/test_engine_hf_trainer.py``). Marked ``deepspeed``: 81 s and 117 s on 2 cores shared with
-5 other sessions (load ~11). Unmarked, one process, ~5 s: the engine resumes its own DeepSpeed-layout save
-(steps 4-6 equal the uninterrupted run's exactly), and stage 0 / an ``s3://`` save dir are refused in one line
-with nothing written.
+Trainer (``tests/test_engine_hf_trainer.py``). Marked ``deepspeed``: 81-287 s and 77-117 s on 2 cores
+shared with 5 other sessions (load 11-18). Unmarked, one process, 1.5-11 s each: the engine resumes its own
+DeepSpeed-layout save (steps 4-6 equal the uninterrupted run's exactly), and stage 0 / an ``s3://`` save dir
+are refused in one line with nothing written.
 """
 
 from __future__ import annotations
