@@ -110,7 +110,7 @@ def capture(
     params are left out of the rank files and the manifest (DeepSpeed's ``exclude_frozen_parameters``), with
     any tie whose owner is one of them."""
     rank = eng.comm.rank
-    client = _client(dict(client_state), "")
+    client = client_entries(dict(client_state), "")
     left_out = frozenset(s.name for s in eng.states if exclude_frozen and not s.trainable)
     items, optim_specs = _rank_items(eng, client if rank == 0 else {}, left_out)
     rng = _rank_rng()
@@ -217,14 +217,14 @@ def training_state(eng: Engine, client: Mapping[str, Any]) -> TrainingState:
     )
 
 
-def _client(obj: Any, path: str) -> Any:
+def client_entries(obj: Any, path: str) -> Any:
     """client_state with tensors as entries (written into rank 0's file); JSON values otherwise."""
     if isinstance(obj, torch.Tensor):
         return entry_from_tensor(f"client/{path}", obj.detach().cpu().contiguous(), Role.BUFFER)
     if isinstance(obj, dict):
-        return {str(k): _client(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        return {str(k): client_entries(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_client(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        return [client_entries(v, f"{path}.{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"client_state value at {path!r} is a {type(obj).__name__}; use JSON values or tensors")

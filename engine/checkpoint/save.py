@@ -167,8 +167,15 @@ def prepare(eng: Engine, root: Location, tag: str) -> tuple[Path, str | None]:
     return (Path(ticket.folder) if mine is not None else remote_staging.join(ticket)), gen
 
 
-def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecord]) -> None:
-    """Steps 2 and 3 on this rank: ``write()`` its rank file, then agree and publish over ``group``."""
+def write_and_publish(
+    job: RankSave,
+    group: Group,
+    write: Callable[[], FileRecord],
+    publish: Callable[[RankSave, list[RankResult], list[str]], None] | None = None,
+) -> None:
+    """Steps 2 and 3 on this rank: ``write()`` its rank file, then agree and publish over ``group``. Rank 0
+    publishes with ``publish(job, results, phase)`` (default: the native manifest, ``_publish``), which sets
+    ``phase[0] = "published"`` once the tag is in place."""
     own: Exception | None = None
     remote = objstore.is_url(job.root)
     try:
@@ -184,7 +191,7 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
     if job.rank == 0:
         if err is None:
             try:
-                _publish(job, results, phase)
+                (publish or _publish)(job, results, phase)
             except Exception as e:
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
