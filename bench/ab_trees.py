@@ -7,6 +7,11 @@ measured in one session on one machine (a tree: a folder holding a ``zckpt`` pac
         --job "verify=verify CK"
 
 ``--clean PATH`` removes an output before each run, so that no run pays for replacing the last one's.
+``--cold``: the page cache is dropped before each run (``sync``, then ``drop_caches``; root only: without it
+the bench stops), so that every run reads its inputs, and torch's libraries, from the disk (untimed, like
+``--clean``). ``--evict PATH``: only the pages of the files under PATH (the checkpoint) are dropped before
+each run (``posix_fadvise(DONTNEED)``, ``bench/run.py``'s ``evict``): a cold checkpoint on a machine whose
+Python and torch are cached.
 
 Each line printed: ``AB <job> <tree> run<k> rc=<rc> <wall s> <peak RSS MB>``, then one median line per job
 and tree. Each run imports ``zckpt`` from its tree (first on ``sys.path``, ahead of the working folder);
@@ -24,6 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import drop_caches, evict  # noqa: E402  (bench/run.py: the page-cache helpers every bench uses)
 
 
 def remove(path: str) -> None:
@@ -39,7 +48,12 @@ def main() -> None:
     ap.add_argument("--job", action="append", required=True, help="NAME=zckpt arguments")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clean", action="append", default=[], help="a path removed before each run (untimed)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
+    ap.add_argument("--evict", action="append", default=[], type=Path,
+                    help="drop the cached pages of the files under this path before each run")  # fmt: skip
     a = ap.parse_args()
+    if a.cold and not drop_caches():
+        raise SystemExit("--cold needs root (writing /proc/sys/vm/drop_caches was refused)")
     trees = [t.split("=", 1) for t in a.tree]
     jobs = [j.split("=", 1) for j in a.job]
     walls: dict[tuple[str, str], list[float]] = {}
@@ -49,6 +63,10 @@ def main() -> None:
             for tname, folder in trees if k % 2 == 0 else reversed(trees):
                 for path in a.clean:
                     remove(path)
+                if a.cold:
+                    drop_caches()
+                if a.evict:
+                    evict(a.evict)
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (folder, base) if p))
                 run = f"import sys, runpy; sys.path[0] = {os.path.abspath(folder)!r}; "
                 run += "runpy.run_module('zckpt.cli.app', run_name='__main__')"  # not the cwd's zckpt

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """The disk probe every GPU-host benchmark records beside its figures: sequential O_DIRECT write then read
 of random data (64 MiB requests, ``--depths`` requests in flight, the page cache dropped before each read;
-needs root for that), then sha256 on one core and on 4 threads (the block digest's lanes).
+needs root for that), then the concurrent probe (the file just read is read again while as many bytes are
+written to a second file, both O_DIRECT at that depth, at once: what a cold job that reads and writes gets
+from a disk whose reads and writes share its bandwidth), then sha256 on one core and on 4 threads (the
+block digest's lanes).
 
     python bench/disk_probe.py DIR [--gib 4] [--depths 1,2] [--json OUT.json]
 
 One ``PROBE ...`` line per figure; with ``--json`` the figures as ``{"write_gbs": .., "read_gbs": ..,
-"write_gbs_d2": .., "read_gbs_d2": .., "sha256_1_gbs": .., "sha256_4_gbs": ..}`` (depth 1 unsuffixed).
+"rw_gbs": .., "write_gbs_d2": .., "read_gbs_d2": .., "rw_gbs_d2": .., "sha256_1_gbs": ..,
+"sha256_4_gbs": ..}`` (depth 1 unsuffixed; ``rw_gbs``: the bytes read plus the bytes written over the time
+until both ended).
 """
 
 from __future__ import annotations
@@ -44,6 +49,39 @@ def sweep(fd: int, total: int, bs: int, depth: int, bufs: list[mmap.mmap], mode:
             f.result()
 
 
+def concurrent(path: str, total: int, bs: int, depth: int, bufs: list[mmap.mmap]) -> float:
+    """GB/s of ``path`` read (its pages dropped first) while ``total`` bytes are written to a second file,
+    both ``O_DIRECT`` with ``depth`` requests in flight each, at once: (read + written bytes) / the time
+    until both ended. The writer has buffers of its own (the reader's are filled by it)."""
+    _drop()
+    wpath = path + ".w"
+    wbufs = [mmap.mmap(-1, bs) for _ in range(depth)]
+    for b in wbufs:
+        b.write(os.urandom(bs))
+    rfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    wfd = os.open(wpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    ends: dict[str, float] = {}
+
+    def side(fd: int, mode: str, use: list[mmap.mmap]) -> None:
+        sweep(fd, total, bs, depth, use, mode)
+        if mode == "write":
+            os.fsync(fd)
+        ends[mode] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(side, rfd, "read", bufs[:depth]), pool.submit(side, wfd, "write", wbufs)]:
+            f.result()
+    wall = time.perf_counter() - t
+    os.close(rfd)
+    os.close(wfd)
+    os.unlink(wpath)
+    gbs = 2 * total / wall / 1e9
+    print(f"PROBE read+write at once depth {depth}: {gbs:.3f} GB/s together "
+          f"(read ended at {ends['read']:.2f} s, write at {ends['write']:.2f} s)", flush=True)  # fmt: skip
+    return round(gbs, 3)
+
+
 def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
     folder.mkdir(parents=True, exist_ok=True)
     path, total, bs = str(folder / "probe.bin"), gib << 30, 64 << 20
@@ -65,6 +103,7 @@ def probe(folder: Path, gib: int, depths: list[int]) -> dict[str, float]:
             gbs = total / (time.perf_counter() - t) / 1e9
             out[f"{mode}_gbs" + ("" if depth == 1 else f"_d{depth}")] = round(gbs, 3)
             print(f"PROBE {mode} depth {depth}: {gbs:.3f} GB/s", flush=True)
+        out["rw_gbs" + ("" if depth == 1 else f"_d{depth}")] = concurrent(path, total, bs, depth, bufs)
     os.unlink(path)
     h, b = hashlib.sha256(), os.urandom(256 << 20)
     t = time.perf_counter()

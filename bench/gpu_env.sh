@@ -2,7 +2,7 @@
 # notes say why), DeepSpeed without compiled ops, and the wheels the GPU image lacks (DeepSpeed 0.19.8 built
 # with DS_BUILD_OPS=0, pydantic, pytest, typer...) installed once from .whl/ into /tmp/site.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export DS_BUILD_OPS=0
+export DS_BUILD_OPS=0 DS_ACCELERATOR=cuda  # the wheel is built on a machine without CUDA (it records "cpu")
 if [ -d .whl ] && [ ! -d /tmp/site/deepspeed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -183,6 +183,24 @@ def drop_caches() -> bool:
         return False
 
 
+def evict(paths: list[Path]) -> int:
+    """Drop the cached pages of every file under ``paths`` (``posix_fadvise(POSIX_FADV_DONTNEED)``; dirty
+    pages are written back first): the next run reads these inputs from the disk while the tools' own files
+    (the interpreter, torch's libraries) stay cached, as on a machine that runs Python every day and converts
+    a checkpoint written elsewhere. No root needed. Returns the bytes evicted."""
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    total = 0
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 # ---- rows --------------------------------------------------------------------------------------------
 @dataclass
 class Row:

@@ -19,8 +19,10 @@ link to the store); without it, both go straight to the server. Figures per job:
 ``--repeat`` runs, the two jobs alternating which goes first, and their median), peak RSS of the zckpt
 process, local disk written, and (through a counting proxy in front of the server, in a run of its own)
 requests made and bytes fetched, against the bytes the output needs (the fp32 masters and the model-state
-files, not the Adam moments); the load average before and after. Results go to stdout as one JSON object
-(``bench/RESULTS.md`` quotes them).
+files, not the Adam moments); the load average before and after. ``zckpt verify`` of the bucket runs once
+through the counting proxy and once after each pair of runs; its fetch speed (bytes fetched over its median
+wall: it reads every byte of every object) is set against consolidate's (issue 42: at least 0.8 of it).
+Results go to stdout as one JSON object (``bench/RESULTS.md`` quotes them).
 """
 
 from __future__ import annotations
@@ -244,6 +246,14 @@ def main() -> None:
             "fetched_over_needed": round(proxy.counts["bytes"] / needed, 3),
             "wall_s": [],
         }
+        # verify of the bucket: every byte of every object, counted the same way
+        vstart = dict(proxy.counts)
+        _zckpt(["verify", url, "--no-progress"], counted)
+        ver: dict[str, Any] = {
+            "requests": proxy.counts["requests"] - vstart["requests"],
+            "bytes_fetched": proxy.counts["bytes"] - vstart["bytes"],
+            "wall_s": [],
+        }
         dl: dict[str, Any] = {"download_s": [], "consolidate_s": [], "wall_s": []}
         for i in range(args.repeat):
             for job in ("direct", "download")[:: 1 if i % 2 == 0 else -1]:
@@ -264,11 +274,19 @@ def main() -> None:
                 dl["wall_s"].append(round(dl_wall + wall2, 2))
                 dl.update(peak_rss_download=dl_rss, peak_rss_consolidate=rss2,
                           local_disk=_du(work / "dl") + _du(work / "local.safetensors"))  # fmt: skip
+            vwall, vrss = _zckpt(["verify", url, "--no-progress"], base)
+            ver["wall_s"].append(round(vwall, 2))
+            ver["peak_rss"] = max(vrss, ver.get("peak_rss", 0))
             same = (work / "direct.safetensors").read_bytes() == (work / "local.safetensors").read_bytes()
             out["identical_output"] = same and out.get("identical_output", True)
         direct["median_s"] = statistics.median(direct["wall_s"])
         dl["median_s"] = statistics.median(dl["wall_s"])
-        out["direct"], out["download_then_consolidate"] = direct, dl
+        ver["median_s"] = statistics.median(ver["wall_s"])
+        # fetch speeds: what each command fetched over its wall (verify must fetch every byte of the bucket)
+        ver["fetch_mbs"] = round(ver["bytes_fetched"] / ver["median_s"] / 1e6, 1)
+        direct["fetch_mbs"] = round(direct["bytes_fetched"] / direct["median_s"] / 1e6, 1)
+        ver["of_consolidate_fetch"] = round(ver["fetch_mbs"] / direct["fetch_mbs"], 2)
+        out["direct"], out["download_then_consolidate"], out["verify"] = direct, dl, ver
         out["wall_ratio"] = round(direct["median_s"] / dl["median_s"], 3)
         out["wall_ratio_each"] = [
             round(a / b, 3) for a, b in zip(direct["wall_s"], dl["wall_s"], strict=True)
@@ -287,7 +305,7 @@ def main() -> None:
 
 def _section(r: dict[str, Any], argv: str) -> str:
     """One run of this bench as a ``bench/RESULTS.md`` section (the columns of its earlier sections)."""
-    d, dl = r["direct"], r["download_then_consolidate"]
+    d, dl, v = r["direct"], r["download_then_consolidate"], r["verify"]
     mb = 1e6
     link = f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else "raw"
     return (
@@ -305,6 +323,11 @@ def _section(r: dict[str, Any], argv: str) -> str:
         f"{d['median_s']:.2f} s ({' '.join(map(str, d['wall_s']))}), {d['peak_rss'] / 2**20:.0f} MB | "
         f"{' '.join(map(str, dl['download_s']))} + {' '.join(map(str, dl['consolidate_s']))} = "
         f"{dl['median_s']:.2f} s | {r['wall_ratio']} ({' '.join(map(str, r['wall_ratio_each']))}) |\n"
+        f"\n`zckpt verify` of the bucket: {v['requests']} requests, {v['bytes_fetched'] / mb:,.1f} MB, "
+        f"{v['median_s']:.2f} s ({' '.join(map(str, v['wall_s']))}), "
+        f"{v['peak_rss'] / 2**20:.0f} MB peak RSS: "
+        f"{v['fetch_mbs']:,.0f} MB/s fetched against consolidate's {d['fetch_mbs']:,.0f} MB/s "
+        f"(**{v['of_consolidate_fetch']}**).\n"
     )
 
 

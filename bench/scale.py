@@ -5,7 +5,8 @@ peer, in one call beside the disk probe.
 
     bash bench/gpu_scale.sh                     # on the GPU host (sets up wheels, then runs this)
     python bench/scale.py --dir /root/scale --out $OUT [--parts probe,make,w1,w8,dcp] [--repeat 3]
-        [--cores 16] [--cores-scan 1,4] [--cold] [--profile 'consolidate fp32,verify'] [--peers]
+        [--cores 16] [--cores-scan 1,4] [--cold] [--cold-inputs 2] [--profile 'consolidate fp32,verify']
+        [--peers]
 
 Parts, in order (each reuses what an earlier call left in ``--dir`` when the machine stayed warm):
 ``probe`` (``bench/disk_probe.py``: O_DIRECT write/read GB/s, sha256 GB/s), ``make`` (a real DeepSpeed 0.19.8
@@ -17,10 +18,14 @@ default dtype, ``verify``, ``diff`` of the checkpoint against its fp32 consolida
 DeepSpeed's ``zero_to_fp32.py`` (+ ``sync``) and torch's ``dcp_to_torch_save`` (fsynced).
 
 Each job runs ``--repeat`` times on a warm page cache (its inputs read once first; the median is the
-figure), then once after ``drop_caches`` with ``--cold``. ``--cores N`` pins every command to cores
+figure), then once after ``drop_caches`` with ``--cold`` (torch's libraries are read from the disk too), and
+``--cold-inputs N`` times with only the job's inputs evicted (``bench/run.py``'s ``evict``: a cold checkpoint,
+the tools cached; cache ``cold-inputs`` in the table). ``--cores N`` pins every command to cores
 ``0..N-1`` (``taskset``); ``--cores-scan 1,4`` repeats the consolidate and verify jobs at those counts.
 Floor: the bytes the job must read at the probe's read speed and the bytes it must write at its write
-speed, overlapped (the larger of the two); ``of_floor`` = floor / wall. Peak RSS: the process tree's
+speed, overlapped (the larger of the two); cold, a job that reads and writes is also held to its read plus
+written bytes at the concurrent probe's speed (``rw_gbs``), where that is larger (``job_floor``);
+``of_floor`` = floor / wall. Peak RSS: the process tree's
 (``bench/run.py``'s ``measure``). ``--profile`` runs the named jobs once more under ``py-spy record``
 (raw folded stacks, idle threads included) into ``--out``.
 
@@ -45,7 +50,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import drop_caches, measure, size_of, warm  # noqa: E402
+from run import drop_caches, evict, measure, size_of, warm  # noqa: E402
 
 PY = sys.executable
 ZCKPT = [PY, "-m", "zckpt.cli.app"]
@@ -103,6 +108,18 @@ def pinned(cmd: list[str], cores: int) -> list[str]:
     return ["taskset", "-c", f"0-{cores - 1}", *cmd] if cores < (os.cpu_count() or 1) else cmd
 
 
+def job_floor(probe: dict[str, float], cache: str, in_b: int, out_b: int) -> float:
+    """The larger of the floors that apply: the reads at the read speed, the writes at the write speed
+    (overlapped); cold, also the reads and writes together at the concurrent probe's speed (``rw_gbs``: on a
+    disk whose reads and writes share its bandwidth, the larger one). Warm reads come from the page cache,
+    and a job that only reads or only writes shares the disk with nothing: the concurrent floor is for a
+    cold job that does both."""
+    floor = max(in_b / (probe["read_gbs"] * 1e9), out_b / (probe["write_gbs"] * 1e9))
+    if cache.startswith("cold") and in_b and out_b and probe.get("rw_gbs"):
+        floor = max(floor, (in_b + out_b) / (probe["rw_gbs"] * 1e9))
+    return floor
+
+
 def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     a = ctx.args
     res = []
@@ -113,6 +130,8 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
             )
         if cache == "cold":
             drop_caches()
+        elif cache == "cold-inputs":
+            evict(job.inputs)
         elif i == 0:  # the page cache (125 GB here) keeps the inputs between the runs of one job
             warm(job.inputs)
         r = measure(pinned(job.cmd, cores), ok_rc=job.ok_rc, env=env_for(cores))
@@ -139,7 +158,7 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     wall = statistics.median(r.wall for r, _ in ok)
     out_b = job.out_bytes if job.out_bytes is not None else ok[-1][1]
     in_b = job.in_bytes or sum(size_of(p) for p in job.inputs)
-    floor = max(in_b / (ctx.probe["read_gbs"] * 1e9), out_b / (ctx.probe["write_gbs"] * 1e9))
+    floor = job_floor(ctx.probe, cache, in_b, out_b)
     row = {
         "job": job.name,
         "input": job.input,
@@ -242,6 +261,8 @@ def run_set(ctx: Ctx, jobs: list[Job]) -> None:
         run_job(ctx, job, a.cores, "warm", a.peer_repeat if job.peer else a.repeat)
         if a.cold and not job.peer:
             run_job(ctx, job, a.cores, "cold", 1)
+        if a.cold_inputs and not job.peer:
+            run_job(ctx, job, a.cores, "cold-inputs", a.cold_inputs)
         if job.name in ("consolidate fp32", "verify") and job.input in a.scan_inputs:
             for c in a.cores_scan:
                 run_job(ctx, job, c, "warm", 1)
@@ -307,6 +328,8 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cores-scan", type=lambda v: [int(x) for x in v.split(",") if x], default=[])
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--cold-inputs", type=int, default=0, metavar="N",
+                    help="also N runs with only the job's inputs evicted from the page cache")  # fmt: skip
     ap.add_argument("--peer-repeat", type=int, default=1)
     ap.add_argument(
         "--only-jobs",

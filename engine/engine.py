@@ -375,9 +375,11 @@ class Engine(DeepSpeedAccessors):
         ``exclude_frozen_parameters``: frozen params are left out, as DeepSpeed leaves them out of its model
         states; loading such a checkpoint needs ``load_module_strict=False`` (the model keeps its own)."""
         from engine import checkpoint
+        from engine.checkpoint import ds_layout
 
-        checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                        exclude_frozen=exclude_frozen_parameters)  # fmt: skip
+        save = ds_layout.save if self.config.checkpoint.format == "deepspeed" else checkpoint.save
+        save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+             exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         return True
 
     def wait_for_checkpoint(self) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from zckpt.codecs.safetensors import StreamWriter
+from zckpt.storage.location import local
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -47,8 +47,9 @@ def consolidated_state_dict(eng: Engine, *, exclude_frozen: bool = False) -> dic
         was = st.gathered if st is not None else True
         if st is not None and eng.fetcher is not None and not was:
             eng.fetcher.gather([st])
-        if rank0:
-            out[name] = t.detach().cpu().clone()
+        if rank0:  # one host copy: .cpu() of a device tensor is already new memory, a host tensor is cloned
+            v = t.detach()
+            out[name] = v.cpu() if v.device.type != "cpu" else v.clone()
         if st is not None and not was:
             st.release()
     eng.comm.barrier()
@@ -56,14 +57,15 @@ def consolidated_state_dict(eng: Engine, *, exclude_frozen: bool = False) -> dic
 
 
 def save_16bit_model(eng: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> bool:
+    folder = local(save_dir, "save_16bit_model", hint="save to a local folder, then upload the file")
     if eng.stage == 3 and not eng.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         log.warning(
             "Did not save the model %s because stage3_gather_16bit_weights_on_model_save is False",
-            Path(save_dir) / save_filename,
+            folder / save_filename,
         )
         return False
     rank0 = eng.comm.rank == 0
-    path = Path(save_dir) / save_filename
+    path = folder / save_filename
     if rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
     state_of = {id(s.param): s for s in eng.states}

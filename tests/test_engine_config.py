@@ -581,6 +581,16 @@ def test_checkpoint_writer_block() -> None:
     _err({"train_batch_size": 1, "checkpoint": {"writter": {}}}, "checkpoint.writter")
 
 
+def test_checkpoint_format_key() -> None:
+    """The engine's ``checkpoint.format`` (not a DeepSpeed key): native by default, ``deepspeed`` in any case;
+    anything else refused in one line naming the key and the choices; a typo named."""
+    assert _parse({}).checkpoint.format == "native"
+    assert _parse({"checkpoint": {"format": "DeepSpeed"}}).checkpoint.format == "deepspeed"
+    for bad in ("dcp", 3, None):
+        _err({"train_batch_size": 1, "checkpoint": {"format": bad}}, "format.*'native'.*'deepspeed'")
+    _err({"train_batch_size": 1, "checkpoint": {"fromat": "deepspeed"}}, "did you mean format")
+
+
 _DS_WRITER = """
 import json, sys
 from deepspeed.runtime.model_checkpointing.config import get_checkpoint_config
@@ -612,6 +622,7 @@ def test_checkpoint_writer_matches_real_deepspeed() -> None:
             }
         },
         {"writer": {"type": "FAST", "decoupled": True}},
+        {"format": "deepspeed", "writer": {"decoupled": True}},  # the engine's key: DeepSpeed ignores it
         {"writer": {"type": "bogus"}},
         {"writer": {"data_parallel": "bogus"}},
     ]

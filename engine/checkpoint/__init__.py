@@ -5,6 +5,8 @@ DeepSpeed ZeRO-1/2/3* checkpoint saved at any world size, stage and precision.
 - ``content``: what one save holds, captured when ``save_checkpoint`` is called (``RankSave``);
 - ``save``: the save protocol (staging folder, each rank's file through the native format's one writer,
   ``zckpt.formats.native.write``, rank 0 publishing once every rank succeeded, ``latest`` last);
+- ``ds_layout``: ``"checkpoint": {"format": "deepspeed"}``: DeepSpeed's own files instead, through zckpt's
+  DeepSpeed writer, with the same protocol (sync or background);
 - ``async_save``: ``checkpoint.writer.decoupled``: snapshot, background write, error surfacing;
 - ``host``: the reusable (pinned) host memory a snapshot lives in;
 - ``load``: restoring an engine; ``reads``: its tensor reads, batched at disk speed;

@@ -36,7 +36,6 @@ import time
 import weakref
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,16 +43,21 @@ import torch.distributed as dist
 
 from engine.checkpoint.content import RankSave, predict_bytes
 from engine.checkpoint.host import HostStaging
-from engine.checkpoint.save import CheckpointSaveError, report, write_and_publish, write_options
+from engine.checkpoint.save import CheckpointSaveError, RankResult, report, write_and_publish, write_options
 from zckpt.codecs.safetensors import FilePlan, FileRecord
 from zckpt.formats.native import write as W
-from zckpt.storage import objstore
+from zckpt.storage.location import LocationLike, location, resolved
 from zckpt.storage.session import Storage
 from zckpt.storage.threads import start
 from zckpt.stream.items import WriteItem
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.engine import Engine
+
+    Task = tuple[Callable[[], FileRecord], Callable[[RankSave, list[RankResult], list[str]], None]]
+    """A write and a publish run on the background thread instead of the native ones (``submit_task``)."""
 
 _LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
@@ -123,6 +127,19 @@ class AsyncSaver:
             raise
         self._start(replace(job, items=[]), plan, None, t0, st)  # the live tensors are free to change now
 
+    def submit_task(
+        self,
+        job: RankSave,
+        write: Callable[[], FileRecord],
+        publish: Callable[[RankSave, list[RankResult], list[str]], None],
+        t0: float,
+        st: Storage,
+    ) -> None:
+        """Run ``write`` (over state the caller already copied to the host) and ``publish`` on the background
+        thread, with the same protocol, error surfacing and storage handling as ``submit``
+        (``engine.checkpoint.ds_layout``)."""
+        self._start(job, None, None, t0, st, (write, publish))
+
     def _snapshot(self, items: list[WriteItem], model: dict[str, str] | None) -> FilePlan:
         """The rank file of ``items`` (and rank 0's ``model`` record) laid out in ``staging``; its layout."""
         plan = W.rank_plan([(it.name, it.dtype, it.shape) for it in items], model)
@@ -134,11 +151,17 @@ class AsyncSaver:
         return plan
 
     def _start(
-        self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float, st: Storage
+        self,
+        job: RankSave,
+        plan: FilePlan | None,
+        failed: Exception | None,
+        t0: float,
+        st: Storage,
+        task: Task | None = None,
     ) -> None:
         self._job = job
         blocked = time.perf_counter() - t0
-        args = (job, plan, failed, t0, blocked, st)
+        args = (job, plan, failed, t0, blocked, st, task)
         self._thread = start(self._run, args=args, name=f"engine-ckpt-{job.tag}", daemon=False)
 
     def _run(
@@ -149,15 +172,22 @@ class AsyncSaver:
         t0: float,
         blocked: float,
         st: Storage,
+        task: Task | None,
     ) -> None:
         try:
             with st.bound():
-                self._write(job, plan, failed, t0, blocked)
+                self._write(job, plan, failed, t0, blocked, task)
         finally:
             st.close()
 
     def _write(
-        self, job: RankSave, plan: FilePlan | None, failed: Exception | None, t0: float, blocked: float
+        self,
+        job: RankSave,
+        plan: FilePlan | None,
+        failed: Exception | None,
+        t0: float,
+        blocked: float,
+        task: Task | None,
     ) -> None:
         stats: dict[str, Any] = {}
 
@@ -168,7 +198,10 @@ class AsyncSaver:
                                       on_stats=stats.update)  # fmt: skip
 
         try:
-            write_and_publish(job, self.group, write)
+            if task is not None:
+                write_and_publish(job, self.group, task[0], task[1])
+            else:
+                write_and_publish(job, self.group, write)
         except BaseException as e:  # noqa: BLE001 - kept for the next wait(), never dropped
             self._error = e
         done = {"tag": job.tag, "mode": "async", "blocked_s": blocked, "total_s": time.perf_counter() - t0,
@@ -198,7 +231,7 @@ class AsyncSaver:
             raise CheckpointSaveError(f"the background save of {where} failed: {err}; `latest` is unchanged",
                                       path=str(where)) from err  # fmt: skip
 
-    def wait_for(self, folder: str | os.PathLike[str]) -> None:
+    def wait_for(self, folder: LocationLike) -> None:
         """Wait when the save in flight (or a failed one not yet reported) writes into ``folder`` or
         ``folder`` is its tag folder."""
         job = self._job
@@ -218,11 +251,10 @@ class AsyncSaver:
             _LIVE.discard(self)
 
 
-def _place(x: str | os.PathLike[str]) -> str:
+def _place(x: LocationLike) -> str:
     """Where ``x`` is, comparable across spellings: an object URL normalised (``s3://b/k``, whatever
     ``pathlib`` made of it), a local path resolved."""
-    u = objstore.parse(x)
-    return str(u) if u is not None else str(Path(x).resolve())
+    return str(resolved(location(x)))
 
 
 def _flat(it: WriteItem) -> torch.Tensor:

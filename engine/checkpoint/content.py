@@ -30,6 +30,7 @@ from zckpt.formats.native import record
 from zckpt.formats.native import write as W
 from zckpt.model import Role, dtype_name
 from zckpt.state import Counters, OptimizerState, ParamGroup, RankRng, TrainingState, to_json
+from zckpt.storage.location import Location, local
 from zckpt.stream.items import WriteItem, entry_from_tensor
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class ManifestArgs:
 class RankSave:
     """One rank's part of one save."""
 
-    root: Path
+    root: Location
     tag: str
     rank: int
     world: int
@@ -83,12 +84,14 @@ class RankSave:
         return None if m is None else record.encode(m.tensors, m.tied, W.precision_of(m.state))
 
     @property
-    def tag_dir(self) -> Path:
+    def tag_dir(self) -> Location:
         return self.root / self.tag
 
     @property
     def stage_dir(self) -> Path:
-        return self.stage if self.stage is not None else staging_dir(self.root, self.tag)
+        if self.stage is not None:
+            return self.stage
+        return staging_dir(local(self.root, "a save without a stand-in folder"), self.tag)
 
     @property
     def rank_path(self) -> Path:
@@ -97,7 +100,7 @@ class RankSave:
 
 def capture(
     eng: Engine,
-    root: Path,
+    root: Location,
     tag: str,
     client_state: Mapping[str, Any],
     save_latest: bool,
@@ -107,7 +110,7 @@ def capture(
     params are left out of the rank files and the manifest (DeepSpeed's ``exclude_frozen_parameters``), with
     any tie whose owner is one of them."""
     rank = eng.comm.rank
-    client = _client(dict(client_state), "")
+    client = client_entries(dict(client_state), "")
     left_out = frozenset(s.name for s in eng.states if exclude_frozen and not s.trainable)
     items, optim_specs = _rank_items(eng, client if rank == 0 else {}, left_out)
     rng = _rank_rng()
@@ -214,14 +217,14 @@ def training_state(eng: Engine, client: Mapping[str, Any]) -> TrainingState:
     )
 
 
-def _client(obj: Any, path: str) -> Any:
+def client_entries(obj: Any, path: str) -> Any:
     """client_state with tensors as entries (written into rank 0's file); JSON values otherwise."""
     if isinstance(obj, torch.Tensor):
         return entry_from_tensor(f"client/{path}", obj.detach().cpu().contiguous(), Role.BUFFER)
     if isinstance(obj, dict):
-        return {str(k): _client(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        return {str(k): client_entries(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_client(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        return [client_entries(v, f"{path}.{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"client_state value at {path!r} is a {type(obj).__name__}; use JSON values or tensors")

@@ -19,7 +19,6 @@ DeepSpeed names; of a native one, the rank file holding this rank's state (there
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +27,7 @@ from engine.version import __version__
 from engine.zero.partition import persistent_buffers
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.native import layout as L
+from zckpt.storage.location import location
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -37,7 +37,7 @@ def load_path(eng: Engine, ckpt: Checkpoint) -> str:
     """The file DeepSpeed's ``load_checkpoint`` names as the one it loaded (see the module doc): of a
     DeepSpeed checkpoint, the model-states file of this rank's kind that exists (ZeRO-3's per-rank file
     first when the engine runs stage 3); of a native one, this rank's rank file."""
-    tag_dir = Path(ckpt.meta.path)
+    tag_dir = location(ckpt.meta.path)
     per_rank = tag_dir / f"zero_pp_rank_{eng.comm.rank}_mp_rank_00_model_states.pt"
     shared = tag_dir / "mp_rank_00_model_states.pt"
     names = [per_rank, shared] if eng.stage == 3 else [shared, per_rank]

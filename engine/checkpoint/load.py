@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +37,7 @@ from zckpt.formats.native import layout as L
 from zckpt.model import Role, TensorEntry
 from zckpt.state import Counters, RankRng
 from zckpt.storage import session
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 from zckpt.stream.spans import read_entry
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _open(root: Path, tag: str | None) -> Checkpoint | None:
+def _open(root: Location, tag: str | None) -> Checkpoint | None:
     """The checkpoint at ``root`` (``latest``) or ``root/tag``, via zckpt's formats registry; None (with a
     warning, as DeepSpeed does) when there is nothing to load."""
     target = root if tag is None else root / tag
@@ -78,7 +77,7 @@ def _open(root: Path, tag: str | None) -> Checkpoint | None:
     return ckpt
 
 
-def _is_tag_dir(p: Path) -> bool:
+def _is_tag_dir(p: Location) -> bool:
     return (p / L.MANIFEST).is_file() or any(p.glob("*model_states.pt"))
 
 
@@ -124,7 +123,7 @@ def _load(
     client_flags: tuple[bool, bool] | None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     t0 = time.perf_counter()
-    ckpt = _open(as_path(load_dir), tag)
+    ckpt = _open(location(load_dir), tag)
     if ckpt is None:
         return None, None
     try:

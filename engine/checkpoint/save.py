@@ -52,7 +52,8 @@ from zckpt.formats.native import write as W
 from zckpt.storage import objstore, remote_staging, session
 from zckpt.storage.digest import SIDECARS
 from zckpt.storage.direct_io import ALIGN, WriteOptions
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
+from zckpt.storage.objstore import RemotePath
 from zckpt.storage.staging import fsync_path, publish_folder
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def save(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen: bool = False,
-) -> Path:
+) -> Location:
     """Write a native checkpoint of ``eng`` into ``save_dir/<tag>`` (collective: every rank calls it). With
     ``checkpoint.writer.decoupled`` it returns once the state is snapshotted (see the module doc).
     ``exclude_frozen``: leave frozen params out (a load then needs ``strict=False``)."""
@@ -113,7 +114,7 @@ def save(
     saver = eng.checkpointer
     if saver is not None:
         saver.wait()  # one save at a time; the previous one's error surfaces here
-    root = as_path(save_dir)
+    root = location(save_dir)
     tag = tag if tag is not None else f"global_step{eng.global_steps}"
     st = session.Storage()
     handed = False
@@ -144,13 +145,13 @@ def save(
     return job.tag_dir
 
 
-def prepare(eng: Engine, root: Path, tag: str) -> tuple[Path, str | None]:
+def prepare(eng: Engine, root: Location, tag: str) -> tuple[Path, str | None]:
     """Step 1: (the folder this rank writes its file into, the rank files' generation). A fresh staging
     folder, created by rank 0 before any rank writes into it. For an ``s3://`` save dir: rank 0's fresh
     stand-in and a fresh generation, broadcast; a rank on another node than rank 0 (where that folder is not)
     makes its host's own stand-in for the same tag folder (its rank file streams from there to the
     bucket)."""
-    if not objstore.is_url(root):
+    if not isinstance(root, RemotePath):
         stage = staging_dir(root, tag)
         if eng.comm.rank == 0:
             shutil.rmtree(stage, ignore_errors=True)  # left by a save that was killed
@@ -166,8 +167,15 @@ def prepare(eng: Engine, root: Path, tag: str) -> tuple[Path, str | None]:
     return (Path(ticket.folder) if mine is not None else remote_staging.join(ticket)), gen
 
 
-def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecord]) -> None:
-    """Steps 2 and 3 on this rank: ``write()`` its rank file, then agree and publish over ``group``."""
+def write_and_publish(
+    job: RankSave,
+    group: Group,
+    write: Callable[[], FileRecord],
+    publish: Callable[[RankSave, list[RankResult], list[str]], None] | None = None,
+) -> None:
+    """Steps 2 and 3 on this rank: ``write()`` its rank file, then agree and publish over ``group``. Rank 0
+    publishes with ``publish(job, results, phase)`` (default: the native manifest, ``_publish``), which sets
+    ``phase[0] = "published"`` once the tag is in place."""
     own: Exception | None = None
     remote = objstore.is_url(job.root)
     try:
@@ -183,7 +191,7 @@ def write_and_publish(job: RankSave, group: Group, write: Callable[[], FileRecor
     if job.rank == 0:
         if err is None:
             try:
-                _publish(job, results, phase)
+                (publish or _publish)(job, results, phase)
             except Exception as e:
                 own = own or e
                 err = f"rank 0, publishing: {type(e).__name__}: {e}"
@@ -233,11 +241,12 @@ def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None
     for f in job.stage_dir.iterdir():
         fsync_path(f)
     fsync_path(job.stage_dir)
-    if objstore.is_url(job.root):
-        before = _previous_files(job.tag_dir)
+    tag_dir = job.tag_dir
+    if isinstance(tag_dir, RemotePath):
+        before = _previous_files(tag_dir)
         done = remote_staging.publish_dir(
             job.stage_dir,
-            job.tag_dir,
+            tag_dir,
             PUBLISH_ORDER,
             _superseded,
             also=[u for r in results for u in r.uploaded],
@@ -250,13 +259,13 @@ def _publish(job: RankSave, results: list[RankResult], phase: list[str]) -> None
             warnings.warn(f"{job.tag_dir}: the previous save's objects were not all deleted; the next save "
                           "of this tag deletes them", stacklevel=4)  # fmt: skip
     else:
-        publish_folder(job.stage_dir, job.tag_dir, overwrite=True)
+        publish_folder(job.stage_dir, tag_dir, overwrite=True)
     phase[0] = "published"
     if job.save_latest:
         write_latest(job.root, job.tag)
 
 
-def _previous_files(tag_dir: Path) -> set[str]:
+def _previous_files(tag_dir: RemotePath) -> set[str]:
     """The files (and their sidecars) the tag's current manifest in the bucket names: the previous good
     save's, deleted after the new one lands without a word; none when there is no readable manifest."""
     from zckpt.formats.native import load_manifest

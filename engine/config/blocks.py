@@ -380,9 +380,18 @@ def parse_checkpoint(value: Any) -> CheckpointConfig:
     for k in CHECKPOINT_INERT:
         d.pop(k, None)
     writer = d.pop("writer", None)
+    fmt = d.pop("format", "native")
     if d:
-        raise unknown_key("checkpoint", next(iter(d)), ["writer", "load_universal", *CHECKPOINT_INERT])
-    return CheckpointConfig(writer=parse_writer(writer))
+        raise unknown_key(
+            "checkpoint", next(iter(d)), ["writer", "format", "load_universal", *CHECKPOINT_INERT]
+        )
+    if not isinstance(fmt, str) or fmt.lower() not in ("native", "deepspeed"):
+        raise ConfigError(
+            f"checkpoint.format: {fmt!r} is not a checkpoint layout of the engine",
+            key="checkpoint.format",
+            hint="use 'native' (the default) or 'deepspeed' (DeepSpeed's own files)",
+        )
+    return CheckpointConfig(writer=parse_writer(writer), format=fmt.lower())  # type: ignore[arg-type]
 
 
 def parse_writer(value: Any) -> WriterConfig:

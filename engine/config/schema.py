@@ -191,12 +191,19 @@ class WriterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """The ``checkpoint`` block. Only ``writer`` changes what the engine does; ``load_universal`` is
-    refused; DeepSpeed's other keys (``tag_validation``, ``use_node_local_storage``, ``parallel_write``,
-    ``checkpoint_serialization``) are accepted and have no effect on the engine's format."""
+    """The ``checkpoint`` block. ``writer`` and ``format`` (the engine's own key) change what the engine
+    does; ``load_universal`` is refused; DeepSpeed's other keys (``tag_validation``,
+    ``use_node_local_storage``, ``parallel_write``, ``checkpoint_serialization``) are accepted and have no
+    effect on the engine's format."""
 
     writer: WriterConfig = field(default_factory=WriterConfig)
     """How rank files are written (defaults: DeepSpeed's, synchronous)."""
+    format: Literal["native", "deepspeed"] = "native"
+    """The layout ``save_checkpoint`` writes: ``native`` (docs/native-format.md, the fastest) or
+    ``deepspeed``: DeepSpeed 0.19.8's own ZeRO-1/2/3 files, ``latest`` and ``zero_to_fp32.py``, which real
+    DeepSpeed's ``load_checkpoint``, the Trainer and ``zero_to_fp32.py`` read with no conversion
+    (``engine.checkpoint.ds_layout``). Not a DeepSpeed key (DeepSpeed ignores it and always writes its
+    own layout). Any case. Default: native."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--max_steps", type=int, default=6)
     ap.add_argument("--save_steps", type=int, default=3)
     ap.add_argument("--grad_accum", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2, help="per-device batch")
     ap.add_argument("--resume_from_checkpoint", default=None)
     ap.add_argument("--save-model", default=None)
     ap.add_argument("--model", choices=["llama", "t5"], default="llama")
@@ -113,7 +114,7 @@ def main() -> None:
         save_steps=a.save_steps,
         save_strategy="steps",
         logging_steps=1,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=a.grad_accum,
         learning_rate=3e-3,
         warmup_steps=2,

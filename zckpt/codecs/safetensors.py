@@ -28,6 +28,7 @@ from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint, Unsupported, ZckptError
 from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, problem_from
 
 if TYPE_CHECKING:  # torch and the write path: imported by the writers only (a header needs neither)
@@ -113,7 +114,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_header(path: str | Path, offset: int = 0) -> Header:
+def read_header(path: str | Location, offset: int = 0) -> Header:
     """The validated header of a safetensors file (or of a safetensors blob starting at ``offset`` of a file
     and running to its end, as DCP's safetensors serialization stores one); no tensor bytes are read."""
     p = str(path)
@@ -384,7 +385,7 @@ class StreamWriter:
             self.path.unlink(missing_ok=True)
 
 
-def read_tensor(path: str | Path, key: str) -> torch.Tensor | None:
+def read_tensor(path: str | Location, key: str) -> torch.Tensor | None:
     """One small tensor of a safetensors file, copied out; None when the file has no ``key``."""
     e = read_header(path).tensors.get(key)
     if e is None:
@@ -396,7 +397,7 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor | None:
     return out.view(e.shape)
 
 
-def check_file(f: Path) -> list[Problem]:
+def check_file(f: Location) -> list[Problem]:
     """The header parses strictly (``read_header`` refuses trailing bytes) and, as the spec requires, the
     data section is exactly covered: no holes."""
     try:

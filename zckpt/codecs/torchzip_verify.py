@@ -5,16 +5,16 @@ unpickler (``zckpt.codecs.torchzip``; within ``verify``, the reader's own parse 
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 from typing import BinaryIO
 
 from zckpt.codecs.torchzip import _LOCAL_HEADER, _data_start, is_torch_zip, load_refs
 from zckpt.errors import CorruptCheckpoint, ZckptError
 from zckpt.storage import fileio
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext, problem_from
 
 
-def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -> tuple[str | None, int]:
+def _crc_check(f: Location, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -> tuple[str | None, int]:
     """(the first record whose CRC-32 fails, or None; how many records were checked). Stored records (all
     of torch's) are checked in pieces on the scan threads (``zckpt.storage.scan``); an archive with a
     compressed record goes through ``zipfile``'s own check."""
@@ -44,7 +44,7 @@ def _crc_check(f: Path, fh: BinaryIO, zf: zipfile.ZipFile, ctx: VerifyContext) -
     return bad, len(infos)
 
 
-def check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
+def check_file(f: Location, ctx: VerifyContext) -> list[Problem]:
     """Every record's CRC-32 recomputed and the pickle parsed through the safe unpickler (remembered in
     ``ctx.pickles`` for cross-file checks), every storage record present and long enough."""
     if not is_torch_zip(str(f)):

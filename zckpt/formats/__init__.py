@@ -15,8 +15,9 @@ from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, Unknow
 from zckpt.formats._latest import LATEST, refuse_dangling, valid_tag
 from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
-from zckpt.storage import fileio, objstore, session
-from zckpt.storage.objstore import as_path
+from zckpt.storage import fileio, session
+from zckpt.storage.location import Location, location, ordered
+from zckpt.storage.objstore import RemotePath
 
 _MODULES = (
     "zckpt.formats.native",
@@ -50,13 +51,13 @@ def registry() -> dict[str, Format]:
     return out
 
 
-def check_access(path: Path, tag: str | None = None) -> None:
+def check_access(path: Location, tag: str | None = None) -> None:
     """Refuse, as "permission denied" naming it, what this process may not read of the input: the folder
     (list, enter), the files that name it a checkpoint (``_TELLTALES``: ``latest``, a manifest, an index,
     ``.metadata``), and the tag folder ``tag`` or ``latest`` names, with its own telltales. The formats'
     probes would take them for missing ("no tag", "not a checkpoint"). Objects in a store are not checked
     here: the store's own errors name them (``zckpt.storage.objstore``)."""
-    if objstore.is_url(path):
+    if isinstance(path, RemotePath):
         return
     fileio.check_access(path)
     if not path.is_dir():
@@ -80,9 +81,9 @@ def _telltales(folder: Path) -> None:
             fileio.check_readable(folder / name)
 
 
-def detect(path: str | Path) -> Format:
+def detect(path: str | Location) -> Format:
     """The format that recognises ``path``."""
-    p = as_path(path)
+    p = location(path)
     check_access(p)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
@@ -100,7 +101,7 @@ def detect(path: str | Path) -> Format:
                 path=str(p),
             )
         try:
-            children = sorted(p.iterdir())
+            children = ordered(p.iterdir())
         except PermissionError as e:
             raise PermissionDenied(f"{p}: cannot list the folder ({e.strerror})", path=str(p)) from None
         except OSError as e:
@@ -140,7 +141,7 @@ def get(name: str) -> Format:
 
 
 def open_checkpoint(
-    path: str | Path,
+    path: str | Location,
     *,
     tag: str | None = None,
     format: str | None = None,
@@ -197,12 +198,12 @@ def open_checkpoint(
     st = given if given is not None else session.Storage(storage_options)
     try:
         with st.bound():
-            check_access(as_path(path), tag)
+            check_access(location(path), tag)
             fmt = get(format) if format is not None else detect(path)
             if model_only:
-                ck = fmt.read_model(as_path(path), tag=tag, trust_pickle=trust_pickle)
+                ck = fmt.read_model(location(path), tag=tag, trust_pickle=trust_pickle)
             else:
-                ck = fmt.read(as_path(path), tag=tag, trust_pickle=trust_pickle)
+                ck = fmt.read(location(path), tag=tag, trust_pickle=trust_pickle)
     except BaseException:
         if given is None:
             st.close()

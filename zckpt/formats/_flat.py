@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import STATE_SEP, Piece, Role, TensorEntry
+from zckpt.storage.location import Location
 
 TIED_KEY = "zckpt.tied"
 """safetensors ``__metadata__`` / index ``metadata`` key: JSON ``{alias: owner}``."""
@@ -17,7 +17,7 @@ ROLES_KEY = "zckpt.roles"
 """safetensors ``__metadata__`` key: JSON ``{name: "frozen" | "buffer" | "optim"}`` (params unlisted)."""
 
 
-def json_map(raw: str | None, key: str, path: Path) -> dict[str, str]:
+def json_map(raw: str | None, key: str, path: Location) -> dict[str, str]:
     """A JSON object of strings stored under ``key`` (absent: empty)."""
     if raw is None:
         return {}
@@ -32,7 +32,7 @@ def json_map(raw: str | None, key: str, path: Path) -> dict[str, str]:
     return dict(val)
 
 
-def tied_map(val: object, key: str, path: Path | str) -> dict[str, str]:
+def tied_map(val: object, key: str, path: Location | str) -> dict[str, str]:
     """``{alias: owner}`` as recorded under ``key``: names to names, no alias its own owner."""
     if not isinstance(val, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in val.items()
@@ -44,7 +44,7 @@ def tied_map(val: object, key: str, path: Path | str) -> dict[str, str]:
     return dict(val)
 
 
-def role_of(name: str, dtype: DType, roles: Mapping[str, str], path: Path) -> Role:
+def role_of(name: str, dtype: DType, roles: Mapping[str, str], path: Location) -> Role:
     """The role recorded for ``name``, else by dtype: floating tensors are params, the others buffers."""
     default = Role.PARAM if (dtype.is_floating_point or dtype.is_complex) else Role.BUFFER
     value = roles.get(name, default.value)
@@ -57,7 +57,12 @@ def role_of(name: str, dtype: DType, roles: Mapping[str, str], path: Path) -> Ro
 
 
 def entry_of(
-    name: str, shape: tuple[int, ...], dtype: DType, role: Role, pieces: tuple[Piece, ...], path: Path
+    name: str,
+    shape: tuple[int, ...],
+    dtype: DType,
+    role: Role,
+    pieces: tuple[Piece, ...],
+    path: Location,
 ) -> TensorEntry:
     """One tensor of a flat state dict; an optimizer state's ``<param>:<state>`` name is split."""
     base, state = name, None

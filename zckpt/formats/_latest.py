@@ -9,10 +9,11 @@ checkpoint is refused (a ``latest`` holding ``../other_run`` must never lead to 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.storage import fileio, objstore
+from zckpt.storage.location import Location
+from zckpt.storage.objstore import RemotePath
 
 LATEST = "latest"
 MAX_BYTES = 4096
@@ -28,11 +29,11 @@ def valid_tag(tag: str) -> bool:
     )
 
 
-def refuse_dangling(save_dir: Path, example: Path | None = None) -> None:
+def refuse_dangling(save_dir: Location, example: Location | None = None) -> None:
     """A ``latest`` that is a symbolic link leading to no file (its target gone, or a loop) is refused in
     those words, naming it (``example``: a tag folder to suggest instead)."""
     latest = save_dir / LATEST
-    if not latest.is_symlink() or latest.exists():
+    if isinstance(latest, RemotePath) or not latest.is_symlink() or latest.exists():
         return
     try:
         target = os.readlink(latest)
@@ -47,7 +48,7 @@ def refuse_dangling(save_dir: Path, example: Path | None = None) -> None:
     )
 
 
-def read_latest(save_dir: Path) -> str | None:
+def read_latest(save_dir: Location) -> str | None:
     """The tag ``save_dir/latest`` names, checked; None when there is no ``latest`` file."""
     path = save_dir / LATEST
     if not path.exists() and not path.is_symlink():
@@ -74,13 +75,13 @@ def read_latest(save_dir: Path) -> str | None:
     return tag
 
 
-def write_latest(save_dir: Path, tag: str, *, staged: bool = False) -> None:
+def write_latest(save_dir: Location, tag: str, *, staged: bool = False) -> None:
     """Point ``save_dir/latest`` at ``tag``: written beside it, fsynced, renamed over it, folder fsynced. In a
     ``staged`` folder (published whole later, everything in it fsynced first) it is simply written."""
     if not valid_tag(tag):
         raise ValueError(f"{tag!r} cannot name a tag folder")
-    if objstore.is_url(save_dir):  # an object is written whole: no temporary name needed
-        objstore.put_bytes(f"{objstore.as_path(save_dir)}/{LATEST}", tag.encode())
+    if isinstance(save_dir, RemotePath):  # an object is written whole: no temporary name needed
+        objstore.put_bytes(save_dir / LATEST, tag.encode())
         return
     if staged:
         (save_dir / LATEST).write_text(tag, encoding="utf-8")

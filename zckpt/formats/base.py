@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs.safetensors import FileRecord
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext
 
 if TYPE_CHECKING:
@@ -122,18 +123,18 @@ class Format(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def detect(self, path: Path) -> bool: ...
+    def detect(self, path: Location) -> bool: ...
 
     @abc.abstractmethod
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint: ...
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint: ...
 
-    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read_model(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         """What a job that needs the model tensors only (consolidate) reads: by default all of ``read``; a
         format may leave out optimizer and training state it would otherwise have to locate (DCP: the
         thousands of archives of optimizer chunks and values). Its ``optim_keys()`` may then be empty."""
         return self.read(path, tag=tag, trust_pickle=trust_pickle)
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Format-specific integrity checks (the reader's own cross-checks already ran in ``read``)."""
         return []
 

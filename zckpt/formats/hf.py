@@ -33,6 +33,8 @@ from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
 from zckpt.model import Checked, Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 from zckpt.storage import fileio
+from zckpt.storage.location import Location, location, ordered
+from zckpt.storage.objstore import RemotePath
 from zckpt.stream import integrity
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext
 from zckpt.stream.shards import family, planned_names, write_sharded
@@ -46,17 +48,17 @@ TIED_KEY, ROLES_KEY = _flat.TIED_KEY, _flat.ROLES_KEY
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})(?P<suffix>\..+)$")
 
 
-def _folder_layout(folder: Path) -> tuple[str, Path] | None:
+def _folder_layout(folder: Location) -> tuple[str, Location] | None:
     """("index"|"single", file) for an HF folder; safetensors before .bin, an index before a lone file."""
     for suffix in (".safetensors", ".bin"):
-        indexes = sorted(folder.glob(f"*{suffix}.index.json"))
+        indexes = ordered(folder.glob(f"*{suffix}.index.json"))
         if len(indexes) == 1:
             return "index", indexes[0]
         base = folder / (SAFETENSORS if suffix == ".safetensors" else torch_file.BIN)
         if base.is_file():
             return "single", base
         if suffix == ".safetensors":
-            files = sorted(folder.glob("*.safetensors"))
+            files = ordered(folder.glob("*.safetensors"))
             if len(files) == 1:
                 return "single", files[0]
     return None
@@ -66,7 +68,7 @@ _NATIVE_RANK = re.compile(r"^rank_\d{5}\.safetensors$")
 _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
-def _sidecar_check(path: Path) -> Checked | None:
+def _sidecar_check(path: Location) -> Checked | None:
     """The whole-file sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of
     an older ``<path>.sha256.json``), verified as the file's tensors are read."""
     digest = integrity.sidecar_digest(path)
@@ -95,7 +97,7 @@ def _sidecar_check(path: Path) -> Checked | None:
     return Checked(str(path), 0, size, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
 
 
-def file_entries(path: Path) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
+def file_entries(path: Location) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
     """(entries, tied aliases, raw metadata) of one safetensors file."""
     h = safetensors.read_header(path)
     if _NATIVE_RANK.match(path.name) and any(k.startswith(_NATIVE_KEYS) for k in h.tensors):
@@ -119,7 +121,7 @@ MAX_INDEX = 64 << 20
 """Bytes of a shard index read at most (a model of 100k tensors indexes them in a few MB)."""
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Location) -> Any:
     try:
         raw = fileio.read_capped(path, MAX_INDEX, "a shard index", "the file is damaged or not an index")
         return json.loads(raw)
@@ -127,7 +129,7 @@ def _read_json(path: Path) -> Any:
         raise CorruptCheckpoint(f"{path}: unreadable JSON ({type(e).__name__})", path=str(path)) from None
 
 
-def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+def _read_index(path: Location) -> tuple[dict[str, str], dict[str, str]]:
     idx = _read_json(path)
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not all(
@@ -149,7 +151,7 @@ def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(wm), _flat.tied_map(tied, f"metadata.{_flat.TIED_KEY}", path)
 
 
-def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
+def _read_folder(path: Location, trust_pickle: bool) -> Checkpoint:
     layout = _folder_layout(path)
     if layout is None:
         raise CorruptCheckpoint(
@@ -196,7 +198,7 @@ def _read_folder(path: Path, trust_pickle: bool) -> Checkpoint:
 
 
 def _check_index(
-    file: Path,
+    file: Location,
     weight_map: dict[str, str],
     entries: list[TensorEntry],
     tied: Mapping[str, str],
@@ -254,7 +256,7 @@ class SafetensorsWriter(ModelWriter):
 
 
 def write_safetensors(
-    out: str | Path,
+    out: str | Location,
     items: Sequence[WriteItem],
     *,
     tied: Mapping[str, str] | None = None,
@@ -262,7 +264,7 @@ def write_safetensors(
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
     workers: int | None = None,
-) -> list[Path]:
+) -> list[Path] | list[RemotePath]:
     """Write tensors to ``out`` (a ``.safetensors`` file, or a folder for the HF layout), atomically.
 
     Args:
@@ -274,7 +276,7 @@ def write_safetensors(
     Returns:
         The final paths written (tensor files, sidecars, index).
     """
-    out = Path(out)
+    out = location(out)
     is_dir = out.suffix != ".safetensors"
     base = SAFETENSORS if is_dir else out.name
     from zckpt.storage.staging import open_staging  # the write path: reading needs none
@@ -288,13 +290,13 @@ def write_safetensors(
         return st.commit()
 
 
-def verify_index(p: Path) -> list[Problem]:
+def verify_index(p: Location) -> list[Problem]:
     """Shard files on disk that the index does not list (stale from a save with another shard count), and
     indexes whose shard names disagree with each other."""
     if not p.is_dir():
         return []
     out = []
-    indexes = sorted(p.glob("*.index.json"))
+    indexes = ordered(p.glob("*.index.json"))
     listed: set[str] = set()
     readable = True
     for idx in indexes:
@@ -319,7 +321,7 @@ def verify_index(p: Path) -> list[Problem]:
                     )
                 )
     if indexes and readable:  # with an index unreadable, every shard would look unlisted
-        for f in sorted(p.iterdir()):
+        for f in ordered(p.iterdir()):
             if _SHARD_RE.match(f.name) and not f.name.endswith(SIDECARS) and f.name not in listed:
                 why = "shard file not listed in the index (stale from another save?)"
                 out.append(Problem(str(f), why, "stale", "move it away"))
@@ -335,12 +337,12 @@ class HfFormat(Format):
     def model_writer(self) -> ModelWriter:
         return SafetensorsWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         if path.is_file():
             return path.suffix == ".safetensors"
         return path.is_dir() and _folder_layout(path) is not None
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         if path.is_dir():
             return _read_folder(path, trust_pickle)
         entries, tied, md = file_entries(path)
@@ -356,7 +358,7 @@ class HfFormat(Format):
             entries,
         )
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         return verify_index(path)
 
 

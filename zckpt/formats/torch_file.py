@@ -34,6 +34,8 @@ from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, TrainingState
 from zckpt.storage import fileio
 from zckpt.storage.digest import BLOCK_BYTES, FileDigest
+from zckpt.storage.location import Location, location
+from zckpt.storage.objstore import RemotePath
 from zckpt.stream.shards import family, planned_names, write_sharded
 
 if TYPE_CHECKING:  # writers stream tensors (torch); reading needs none
@@ -58,7 +60,7 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
+def _find_state_dict(obj: Any, path: Location) -> tuple[dict[str, Any], str | None]:
     if _is_state_dict(obj):
         return obj, None
     if isinstance(obj, dict):
@@ -76,7 +78,7 @@ def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
     )
 
 
-def _refuse_rank_file(obj: Any, path: Path) -> None:
+def _refuse_rank_file(obj: Any, path: Location) -> None:
     """A DeepSpeed rank file alone holds one rank's partitions (or 16-bit weights beside fp32 masters kept
     elsewhere): read as a state dict it would be a wrong model. Refuse it, naming the folder to give."""
     if (
@@ -91,7 +93,7 @@ def _refuse_rank_file(obj: Any, path: Path) -> None:
         )
 
 
-def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
+def _runs(ref: TensorRef, path: Location, name: str) -> list[tuple[int, int]]:
     """(storage element offset, length) of each contiguous run of ``ref``, in logical order."""
     shape, stride = ref.shape, ref.stride
     k, run = len(shape), 1
@@ -114,7 +116,7 @@ def _runs(ref: TensorRef, path: Path, name: str) -> list[tuple[int, int]]:
     return runs
 
 
-def _zckpt_record(path: Path) -> dict[str, Any]:
+def _zckpt_record(path: Location) -> dict[str, Any]:
     try:
         with fileio.open_regular(path) as f, zipfile.ZipFile(f) as zf:
             names = [n for n in zf.namelist() if n.rpartition("/")[2] == RECORD_NAME]
@@ -148,7 +150,7 @@ def _optimizer_tensors(obj: Any) -> dict[str, TensorRef]:
 
 
 def file_entries(
-    path: Path, *, trust_pickle: bool = False
+    path: Location, *, trust_pickle: bool = False
 ) -> tuple[list[TensorEntry], dict[str, str], dict[str, Any]]:
     """(entries, tied aliases, extra) of one torch zip file; reads only the pickle and zip directory."""
     obj = torchzip.load_refs(str(path), trust_pickle=trust_pickle)
@@ -257,20 +259,20 @@ class BinWriter(ModelWriter):
 
 
 def write_torch(
-    out: str | Path,
+    out: str | Location,
     items: Sequence[WriteItem],
     *,
     tied: Mapping[str, str] | None = None,
     max_shard_size: int | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
-) -> list[Path]:
+) -> list[Path] | list[RemotePath]:
     """Write tensors as a torch state dict to ``out`` (a ``.bin``/``.pt`` file or an HF folder), atomically.
 
     Tied aliases (``{alias: owner}``) are pickled as the owner's tensor, so after
     ``torch.load(weights_only=True)`` both names share one storage. Returns the final paths.
     """
-    out = Path(out)
+    out = location(out)
     is_dir = out.suffix not in SUFFIXES
     base = BIN if is_dir else out.name
     from zckpt.storage.staging import open_staging
@@ -294,10 +296,10 @@ class TorchFileFormat(Format):
     def model_writer(self) -> ModelWriter:
         return BinWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return path.is_file() and (path.suffix in SUFFIXES or torchzip.is_torch_zip(str(path)))
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         entries, tied, extra = file_entries(path, trust_pickle=trust_pickle)
         state = TrainingState(counters=Counters(global_steps=extra.pop("step", None)))
         meta = CheckpointMeta(

@@ -64,7 +64,7 @@ from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 from zckpt.ops.select import require_globs
 from zckpt.storage import checks, objstore
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 from zckpt.storage.remote_staging import RemoteStaging
 from zckpt.storage.session import Storage
 from zckpt.storage.staging import Staging, Ticket, open_staging, share
@@ -77,9 +77,9 @@ from zckpt.stream.shards import family, oversized, parse_size, plan_shards, plan
 class ConsolidateResult:
     """What ``consolidate`` wrote."""
 
-    out: Path
+    out: Location
     format: str
-    files: tuple[Path, ...]
+    files: tuple[Location, ...]
     tensors: int
     bytes: int
     tied: dict[str, str] = field(default_factory=dict)
@@ -115,7 +115,7 @@ def _writers() -> list[ModelWriter]:
     return [f.model_writer for f in registry().values() if f.model_writer is not None]
 
 
-def _layout(out: Path, format: str | None) -> tuple[ModelWriter, bool]:
+def _layout(out: Location, format: str | None) -> tuple[ModelWriter, bool]:
     """(the writer, whether ``out`` is a folder)."""
     writers = _writers()
     kinds = {w.kind: w for w in writers}
@@ -181,7 +181,7 @@ class _Plan:
     items: list[WriteItem]
     tied: dict[str, str]
     shard: int | None
-    extras: list[Path]
+    extras: list[Location]
     config: Mapping[str, Any] | None = None
     """A ``config.json`` the format built (``Format.hf_model``), written instead of copied ones."""
 
@@ -196,7 +196,7 @@ class _Plan:
 @storage_scoped
 def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
-    out: str | Path,
+    out: str | Location,
     *,
     dtype: str | DType | torch.dtype = "auto",
     keep_fp32: Sequence[str] = (),
@@ -243,7 +243,7 @@ def consolidate(
     Example:
         >>> zckpt.consolidate("out/checkpoint-100", "model/", dtype="bf16", max_shard_size="5GB")
     """
-    out = as_path(out)
+    out = location(out)
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
@@ -276,7 +276,7 @@ def consolidate(
     return _result(out, p, files, kept)
 
 
-def _refuse_replacing_shards(st: Staging | RemoteStaging, names: list[str], out: Path) -> None:
+def _refuse_replacing_shards(st: Staging | RemoteStaging, names: list[str], out: Location) -> None:
     """Refuse a sharded output (an index among ``names``) replacing an existing output in a store: its
     shards' names are fixed by the index; neither version would be whole while they upload."""
     sharded = any(n.endswith(".index.json") for n in names)
@@ -313,7 +313,7 @@ def _rank_workers(g: zgroup.Group, workers: int | None) -> int | None:
     return workers
 
 
-def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> ConsolidateResult:
+def _result(out: Location, p: _Plan, files: list[Location], kept: tuple[str, ...]) -> ConsolidateResult:
     counts: dict[str, int] = {}
     for it in p.items:
         counts[dtype_name(it.dtype)] = counts.get(dtype_name(it.dtype), 0) + 1
@@ -331,14 +331,14 @@ def _result(out: Path, p: _Plan, files: list[Path], kept: tuple[str, ...]) -> Co
     )
 
 
-def _source(ckpt: Checkpoint, is_dir: bool) -> tuple[Checkpoint, Mapping[str, Any] | None, list[Path]]:
+def _source(ckpt: Checkpoint, is_dir: bool) -> tuple[Checkpoint, Mapping[str, Any] | None, list[Location]]:
     """What a consolidate writes: the checkpoint, under HF names with the ``config.json`` its format built
     when it has its own (``Format.hf_model``: Megatron) and ``out`` is a folder; the HF files beside it."""
     fmt = registry().get(ckpt.meta.format) if is_dir else None
     got = fmt.hf_model(ckpt) if fmt is not None else None
     if got is not None:
         return got[0], got[1], []
-    extras = hf_files.beside(as_path(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
+    extras = hf_files.beside(location(ckpt.meta.path), ckpt.meta.save_dir) if is_dir else []
     return ckpt, None, extras
 
 
@@ -348,7 +348,7 @@ def _open(ckpt_or_path: Checkpoint | str | Path, tag: str | None, trust_pickle: 
     return open_checkpoint(ckpt_or_path, tag=tag, trust_pickle=trust_pickle, model_only=True)
 
 
-def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
+def _warn_idle(g: zgroup.Group, out: Location, p: _Plan) -> None:
     big = oversized(p.items, p.shard)
     if big and g.rank == 0:  # transformers puts them in shards of their own silently; say so
         top = max(big, key=lambda it: it.nbytes)
@@ -370,13 +370,13 @@ def _warn_idle(g: zgroup.Group, out: Path, p: _Plan) -> None:
 def _write(
     g: zgroup.Group,
     p: _Plan,
-    out: Path,
+    out: Location,
     staging: Ticket,
     st: Staging | RemoteStaging | None,
     progress: bool,
     workers: int | None,
     verify_data: bool,
-) -> tuple[list[Path], tuple[str, ...]]:
+) -> tuple[list[Location], tuple[str, ...]]:
     """Every rank writes its shards (rank 0 also the index; a rank on another node than rank 0, into an
     ``s3://`` output, through a stand-in of its own: ``staging.share``), then rank 0 adds the HF files and
     publishes."""
@@ -406,4 +406,4 @@ def _write(
         return final, st.kept
 
     final, kept = g.broadcast(g.step("consolidate: publishing the output", publish))
-    return [as_path(f) for f in final], tuple(kept)
+    return [location(f) for f in final], tuple(kept)

@@ -14,7 +14,7 @@ import torch
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import dtype_name
 from zckpt.storage import fileio
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 
 HF_FILES = (
     "config.json",
@@ -38,11 +38,11 @@ _DTYPE_KEYS = ("dtype", "torch_dtype")
 MAX_CONFIG = 16 << 20
 
 
-def beside(path: Path, save_dir: str | None) -> list[Path]:
+def beside(path: Location, save_dir: str | None) -> list[Location]:
     """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``)."""
     folders = [path] if path.is_dir() else [path.parent]
     if save_dir is not None:
-        folders.append(as_path(save_dir))
+        folders.append(location(save_dir))
     elif path.is_dir():
         folders.append(path.parent)
     for folder in folders:
@@ -57,7 +57,7 @@ def weights_dtype(dtypes: Iterable[torch.dtype]) -> str | None:
     return dtype_name(floats.most_common(1)[0][0]) if floats else None
 
 
-def copy(files: Iterable[Path], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
+def copy(files: Iterable[Location], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
     """Copy ``files`` into ``dest``; ``config.json`` gets the weights' (most common floating) dtype."""
     dtype = weights_dtype(dtypes)
     for f in files:
@@ -77,7 +77,7 @@ def write_config(config: Mapping[str, object], dest: Path, dtypes: Iterable[torc
     (dest / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def kept_config_dtype(path: Path) -> str | None:
+def kept_config_dtype(path: Location) -> str | None:
     """The dtype a ``config.json`` that zckpt kept (did not write) names, if it names one (else None; an
     unreadable one is not zckpt's to judge)."""
     try:
@@ -88,7 +88,7 @@ def kept_config_dtype(path: Path) -> str | None:
     return got[0].removeprefix("torch.") if got else None
 
 
-def _read_config(src: Path) -> dict[str, object]:
+def _read_config(src: Location) -> dict[str, object]:
     with fileio.open_regular(src) as fh:
         raw = fh.read(MAX_CONFIG + 1)
     try:
@@ -102,7 +102,7 @@ def _read_config(src: Path) -> dict[str, object]:
     return cfg
 
 
-def _write_config(src: Path, dst: Path, dtype: str) -> None:
+def _write_config(src: Location, dst: Path, dtype: str) -> None:
     cfg = _read_config(src)
     present = [k for k in _DTYPE_KEYS if k in cfg] or ["dtype"]
     for k in present:

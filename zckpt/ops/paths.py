@@ -8,10 +8,11 @@ from pathlib import Path
 
 from zckpt.errors import OutputExists
 from zckpt.state import CheckpointMeta
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location, resolved
+from zckpt.storage.objstore import RemotePath
 
 
-def input_kind(format: str | None, path: str | Path) -> str:
+def input_kind(format: str | None, path: str | Location) -> str:
     """What reports call an input: ``"safetensors file"`` for a lone ``.safetensors`` (the ``hf`` format reads
     it, but it is no HF checkpoint: no config, no index), else ``"<format> checkpoint"``."""
     if format is None:
@@ -21,15 +22,16 @@ def input_kind(format: str | None, path: str | Path) -> str:
     return f"{format} checkpoint"
 
 
-def input_root(meta: CheckpointMeta) -> Path:
+def input_root(meta: CheckpointMeta) -> Location:
     """The folder (or file) an operation must leave untouched: the save folder holding every tag of a
     checkpoint with tags, else the checkpoint's own folder or file."""
-    return as_path(meta.save_dir or meta.path).resolve()
+    return resolved(location(meta.save_dir or meta.path))
 
 
-def check_overlap(meta: CheckpointMeta, out: Path) -> None:
-    """Refuse an output equal to the input, inside it, or containing it, before anything is written."""
-    src, res = input_root(meta), out.resolve()
+def check_overlap(meta: CheckpointMeta, out: Location) -> None:
+    """Refuse an output equal to the input, inside it, or containing it, before anything is written (a
+    local path and a URL never overlap)."""
+    src, res = input_root(meta), resolved(out)
     if res == src or src in res.parents:
         raise OutputExists(
             f"{out}: inside the input {src}; writing there could change or delete it",
@@ -42,6 +44,8 @@ def check_overlap(meta: CheckpointMeta, out: Path) -> None:
             hint="write the output somewhere else",
             path=str(out),
         )
+    if isinstance(src, RemotePath) or isinstance(out, RemotePath):
+        return  # a store has no symbolic links
     folder = src if src.is_dir() else src.parent
     given = Path(os.path.abspath(meta.save_dir or meta.path))
     link = _link_into(out, folder, {given, *given.parents})

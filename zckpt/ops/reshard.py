@@ -48,7 +48,7 @@ from zckpt.ops.progress import sized
 from zckpt.ops.scope import storage_scoped
 from zckpt.storage import checks
 from zckpt.storage.digest import SIDECAR_PATTERN
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location, resolved
 from zckpt.storage.remote_staging import RemoteStaging, Ticket
 from zckpt.storage.session import Storage
 from zckpt.storage.staging import Staging, open_staging, share
@@ -102,10 +102,10 @@ def _owns(side: trainer_files.TrainerFiles | None) -> Callable[[str], bool]:
     return owns
 
 
-def default_dst(src: Path, world: int) -> Path:
+def default_dst(src: Location, world: int) -> Location:
     """Bare ``zckpt reshard --world N`` inside a run's checkpoint folder writes a *sibling* folder
     ``<src>-world<N>`` (never inside the source); ``src`` is the save folder when there is one."""
-    s = src.resolve()
+    s = resolved(src)
     return s.with_name(f"{s.name}-world{world}")
 
 
@@ -114,7 +114,7 @@ class _Job:
     ckpt: Checkpoint
     writer: CheckpointWriter
     plan: WritePlan
-    dst: Path
+    dst: Location
     result: ReshardResult
     side: trainer_files.TrainerFiles | None = None
     """Files beside the state (an HF Trainer folder's), copied by rank 0 before ``finish``."""
@@ -140,8 +140,8 @@ class _Job:
 
 
 def _job(
-    src: Path,
-    dst: Path | None,
+    src: Location,
+    dst: Location | None,
     world: int,
     tag: str | None,
     to: str | None,
@@ -232,8 +232,8 @@ def _check_masters_named(ckpt: Checkpoint) -> None:
 
 @storage_scoped
 def reshard(
-    src: str | Path,
-    dst: str | Path | None = None,
+    src: str | Location,
+    dst: str | Location | None = None,
     *,
     world: int,
     tag: str | None = None,
@@ -260,11 +260,11 @@ def reshard(
         raise InvalidArgument(f"world size must be >= 1, got {world}")
     t0 = time.perf_counter()
     g = zgroup.group(distributed)
-    dst_p = None if dst is None else as_path(dst)
+    dst_p = None if dst is None else location(dst)
     with contextlib.ExitStack() as stack:
         job = g.step(
             "reshard: opening the checkpoint",
-            lambda: _job(as_path(src), dst_p, world, tag, to, stage, trust_pickle),
+            lambda: _job(location(src), dst_p, world, tag, to, stage, trust_pickle),
         )
         stack.callback(job.ckpt.close)
 

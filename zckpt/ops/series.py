@@ -28,7 +28,7 @@ from zckpt.formats import open_checkpoint, registry
 from zckpt.model import STATE_SEP
 from zckpt.ops.diff import DiffResult, diff
 from zckpt.ops.plots.names import module_of, place
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import location, ordered
 
 STEP_PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"^global_step(\d+)$"),  # DeepSpeed, the engine's native tags
@@ -175,12 +175,12 @@ def step_of(name: str) -> int | None:
 
 def run_tags(run: str | Path) -> list[RunTag]:
     """The checkpoints directly inside ``run`` whose names carry a step, sorted by step."""
-    root = as_path(run)
+    root = location(run)
     if not root.is_dir():
         raise ZckptError(f"--series {root}: not a folder", hint="give the folder holding a run's tag folders")
     formats = list(registry().values())
     tags = []
-    for d in sorted(root.iterdir()):
+    for d in ordered(root.iterdir()):
         step = step_of(d.name)
         if step is not None and d.is_dir() and any(f.detect(d) for f in formats):
             tags.append(RunTag(d.name, step, str(d)))
@@ -220,7 +220,7 @@ def diff_series(
             older = newer
     finally:
         older.close()
-    return SeriesResult(str(as_path(run)), tuple(tags), tuple(pairs))
+    return SeriesResult(str(location(run)), tuple(tags), tuple(pairs))
 
 
 def summarise(a: RunTag, b: RunTag, r: DiffResult) -> SeriesPair:

@@ -42,7 +42,8 @@ from zckpt.formats.base import OnFile
 from zckpt.formats.deepspeed.layout import adjust_batch
 from zckpt.state import CheckpointMeta
 from zckpt.storage import fileio
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location, ordered, size
+from zckpt.storage.objstore import RemotePath
 from zckpt.storage.sink import HashingSink
 
 TRAINER_STATE = "trainer_state.json"
@@ -62,7 +63,7 @@ class TrainerFiles:
     """What to put beside the resharded state: ``copies`` (output name -> source file, byte for byte) and
     ``trainer_state`` (the bytes of the output ``trainer_state.json``)."""
 
-    copies: Mapping[str, Path]
+    copies: Mapping[str, Location]
     trainer_state: bytes | None
     """None: not a Trainer folder (a plain DeepSpeed folder's helper scripts only)."""
     notes: tuple[str, ...]
@@ -88,7 +89,7 @@ class TrainerFiles:
         on_file(TRAINER_STATE, len(self.trainer_state))
 
 
-def is_trainer_folder(save_dir: Path) -> bool:
+def is_trainer_folder(save_dir: Location) -> bool:
     """``trainer_state.json`` beside ``latest``: an HF Trainer ``checkpoint-N`` folder."""
     return (save_dir / TRAINER_STATE).is_file() and (save_dir / LATEST).exists()
 
@@ -96,12 +97,12 @@ def is_trainer_folder(save_dir: Path) -> bool:
 def plan(meta: CheckpointMeta, world: int) -> TrainerFiles | None:
     """The Trainer files of ``meta``'s save folder for an output at ``world`` ranks (None: not a Trainer
     folder)."""
-    if meta.save_dir is None or not is_trainer_folder(as_path(meta.save_dir)):
+    if meta.save_dir is None or not is_trainer_folder(location(meta.save_dir)):
         return None
-    save_dir = as_path(meta.save_dir)
+    save_dir = location(meta.save_dir)
     files, folders = _listing(save_dir, meta.tag)
     rng = {n: p for n, p in files.items() if _RNG.match(n)}
-    copies: dict[str, Path] = {
+    copies: dict[str, Location] = {
         n: p for n, p in files.items() if n not in rng and n not in (LATEST, TRAINER_STATE)
     }
     mapped, notes = _map_rng(rng, meta.world_size, world)
@@ -123,20 +124,20 @@ def helper_scripts(meta: CheckpointMeta, dst_format: str) -> TrainerFiles | None
     folder (a tag folder given alone)."""
     if dst_format != "deepspeed" or meta.format != "deepspeed" or meta.save_dir is None:
         return None
-    save_dir = as_path(meta.save_dir)
+    save_dir = location(meta.save_dir)
     if not (save_dir / LATEST).is_file():
         return None
     copies = {n: save_dir / n for n in HELPERS if (save_dir / n).is_file()}
     return TrainerFiles(copies, None, ()) if copies else None
 
 
-def _listing(save_dir: Path, tag: str | None) -> tuple[dict[str, Path], list[str]]:
+def _listing(save_dir: Location, tag: str | None) -> tuple[dict[str, Location], list[str]]:
     """The save folder's files (name -> path, symlinks to files followed) and its sub-folders other than
     the tag folder."""
-    files: dict[str, Path] = {}
+    files: dict[str, Location] = {}
     folders: list[str] = []
     try:
-        entries = sorted(save_dir.iterdir())
+        entries = ordered(save_dir.iterdir())
     except OSError as e:
         raise CorruptCheckpoint(
             f"{save_dir}: cannot list the HF Trainer folder ({e.strerror})", path=str(save_dir)
@@ -161,7 +162,7 @@ def _rng_name(rank: int, world: int) -> str:
     return "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"
 
 
-def _map_rng(rng: Mapping[str, Path], old: int, new: int) -> tuple[dict[str, Path], list[str]]:
+def _map_rng(rng: Mapping[str, Location], old: int, new: int) -> tuple[dict[str, Location], list[str]]:
     """New rank ``r`` takes old rank ``r % old``'s RNG file; notes saying so and naming any file left out."""
     pairs = [(_rng_name(r % old, old), _rng_name(r, new)) for r in range(new)]
     mapped = {dst: rng[src] for src, dst in pairs if src in rng}
@@ -186,7 +187,7 @@ def _map_rng(rng: Mapping[str, Path], old: int, new: int) -> tuple[dict[str, Pat
     return mapped, notes
 
 
-def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
+def _read_state(path: Location) -> tuple[bytes, dict[str, Any]]:
     hint = "restore the trainer_state.json the Trainer wrote"
     raw = fileio.read_capped(path, MAX_STATE_BYTES, "a trainer state", hint)
     try:
@@ -202,7 +203,7 @@ def _read_state(path: Path) -> tuple[bytes, dict[str, Any]]:
     return raw, doc
 
 
-def _trainer_state(path: Path, meta: CheckpointMeta, world: int) -> tuple[bytes, list[str], bool]:
+def _trainer_state(path: Location, meta: CheckpointMeta, world: int) -> tuple[bytes, list[str], bool]:
     """The output's ``trainer_state.json`` bytes (the source's, or with ``train_batch_size`` rewritten),
     the notes on the batch size and step, and whether one of them is about the batch."""
     raw, doc = _read_state(path)
@@ -276,7 +277,7 @@ def _batch(cfg: Mapping[str, Any], state_tbs: Any, old: int, new: int) -> tuple[
     return (new_micro if rewrite else None), notes
 
 
-def _set_key(path: Path, raw: bytes, doc: dict[str, Any], key: str, value: int) -> bytes:
+def _set_key(path: Location, raw: bytes, doc: dict[str, Any], key: str, value: int) -> bytes:
     """``raw`` with the top-level ``key`` set to ``value``: only its digits replaced when the key appears
     once in the text, else re-written the way the Trainer writes it (``indent=2, sort_keys=True``)."""
     want = {**doc, key: value}
@@ -291,25 +292,28 @@ def _set_key(path: Path, raw: bytes, doc: dict[str, Any], key: str, value: int) 
     return out
 
 
-def _size(p: Path) -> int:
+def _size(p: Location) -> int:
     try:
-        return p.stat().st_size
+        return size(p)
     except OSError:
         return -1
 
 
-def _copy(src: Path, dst: Path) -> int:
-    """Copy the regular file ``src`` to the new file ``dst`` byte for byte (mode bits kept); its size."""
+def _copy(src: Location, dst: Path) -> int:
+    """Copy the regular file (or object) ``src`` to the new file ``dst`` byte for byte (a file's mode bits
+    kept); its size."""
     n = 0
     with fileio.open_regular(src) as fin, HashingSink(dst) as sink:
-        st = os.fstat(fin.fileno())
+        want = fileio.file_size(fin)
+        mode = None if isinstance(src, RemotePath) else stat.S_IMODE(os.fstat(fin.fileno()).st_mode)
         while chunk := fin.read(_CHUNK):
             n += sink.write(chunk)
-    if n != st.st_size:
+    if n != want:
         raise CorruptCheckpoint(
-            f"{src}: changed size while it was copied ({st.st_size} -> {n} bytes)",
+            f"{src}: changed size while it was copied ({want} -> {n} bytes)",
             hint="reshard a checkpoint no process is writing to",
             path=str(src),
         )
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    if mode is not None:
+        os.chmod(dst, mode)
     return n

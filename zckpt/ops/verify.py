@@ -39,7 +39,8 @@ from zckpt.ops.paths import input_kind
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 from zckpt.storage import fileio, scan, session
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location, ordered
+from zckpt.storage.objstore import RemotePath
 from zckpt.storage.scan import Scanner
 from zckpt.storage.session import Storage
 from zckpt.storage.threads import Pool
@@ -137,7 +138,7 @@ def verify(
     the object-store client's options for ``s3://`` paths. ``sha256``: also compute each file's whole
     sha256 (``VerifyReport.sha256``; what ``sha256sum`` prints). ``progress``: a bar of the bytes of the
     files checked so far, on stderr when it is a terminal."""
-    p = as_path(path)
+    p = location(path)
     if not p.exists():
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     st = session.current()
@@ -149,7 +150,7 @@ def verify(
 
 
 def _read_and_verify(
-    p: Path, tag: str | None, trust_pickle: bool, sha256: bool, progress: bool
+    p: Location, tag: str | None, trust_pickle: bool, sha256: bool, progress: bool
 ) -> VerifyReport:
     problems: list[Problem] = []
     try:
@@ -174,7 +175,7 @@ def _read_and_verify(
             report = _verify(p, fmt, ckpt, problems, ctx, progress)
             if not sha256:
                 return report
-            files = [f for f in map(as_path, report.files) if _is_file(f)]
+            files = [f for f in map(location, report.files) if _is_file(f)]
             sums = [(str(f), scanner.sha256(str(f))) for f in files]  # side by side on the scan threads
             return replace(report, sha256=tuple((f, s.result()) for f, s in sums))
     finally:
@@ -183,7 +184,7 @@ def _read_and_verify(
 
 
 def _verify(
-    p: Path,
+    p: Location,
     fmt: Format | None,
     ckpt: Checkpoint | None,
     problems: list[Problem],
@@ -191,7 +192,7 @@ def _verify(
     progress: bool = False,
 ) -> VerifyReport:
     name = fmt.name if fmt is not None else None
-    files = [as_path(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
+    files = [location(f) for f in ckpt.meta.files] if ckpt is not None else _files_on_disk(p)
     file_problems: list[Problem] = []
     k = max(1, min(len(files), scan.threads()))
     sizes = [_size(f) for f in files]
@@ -229,10 +230,10 @@ def _verify(
     )
 
 
-def _as_given(q: Problem, root: Path) -> Problem:
+def _as_given(q: Problem, root: Location) -> Problem:
     """``q`` naming its file the way the user named the checkpoint (``ckpt/x.pt``, not ``/abs/ckpt/x.pt``,
     or the other way round), so one file is one key and one spelling in the report."""
-    if "://" in q.file or "://" in str(root):
+    if "://" in q.file or isinstance(root, RemotePath):
         return q
     f = Path(q.file)
     if f.is_absolute() == root.is_absolute():
@@ -257,21 +258,21 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
     return out
 
 
-def _nothing_to_check(p: Path) -> bool:
+def _nothing_to_check(p: Location) -> bool:
     """No format recognises ``p`` and it holds no tensor file: a text file, an empty or unrelated folder."""
     return p.suffix not in TENSOR_SUFFIXES if p.is_file() else not _files_on_disk(p)
 
 
-def _files_on_disk(p: Path) -> list[Path]:
+def _files_on_disk(p: Location) -> list[Location]:
     """Tensor files to check when no reader could open the checkpoint: the file, or tensor files up
     to two folders deep (a DeepSpeed save dir holds its tag folders)."""
     if p.is_file():
         return [p]
-    out = [f for pattern in ("*", "*/*") for f in sorted(p.glob(pattern))]
+    out = [f for pattern in ("*", "*/*") for f in ordered(p.glob(pattern))]
     return [f for f in out if f.suffix in TENSOR_SUFFIXES and _is_file(f)]
 
 
-def _size(f: Path) -> int:
+def _size(f: Location) -> int:
     """``f``'s size for the progress bar (0 where it cannot be had: the checks say why)."""
     try:
         return fileio.size(str(f))
@@ -279,7 +280,7 @@ def _size(f: Path) -> int:
         return 0
 
 
-def _is_file(f: Path) -> bool:
+def _is_file(f: Location) -> bool:
     """``f.is_file()``, False where a folder on the way may not be entered (the reader named it)."""
     try:
         return f.is_file()
@@ -287,7 +288,7 @@ def _is_file(f: Path) -> bool:
         return False
 
 
-def _check_file(f: Path, ctx: VerifyContext) -> list[Problem]:
+def _check_file(f: Location, ctx: VerifyContext) -> list[Problem]:
     if not f.exists():
         return [Problem(str(f), "missing", "missing", "restore the file from the original save")]
     try:

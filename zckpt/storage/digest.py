@@ -31,6 +31,7 @@ from typing import Any
 
 from zckpt.storage import env, fileio, scan
 from zckpt.storage.checks import crc32
+from zckpt.storage.location import Location
 from zckpt.storage.threads import Pool
 
 BLOCK_BYTES = 16 << 20
@@ -236,7 +237,7 @@ def _all(futures: list[Future[None]]) -> Future[None]:
     return out
 
 
-def block_digests(f: Path, block: int, size: int, algorithm: str = "sha256") -> list[str]:
+def block_digests(f: Location, block: int, size: int, algorithm: str = "sha256") -> list[str]:
     """The ``algorithm`` digest (hex) of each ``block``-byte block of the first ``size`` bytes of ``f`` (a
     file shorter than ``size``: ``EOFError``), on ``lanes()`` threads, fewer when several files are checked
     side by side (``scan.sharing``): lane ``j`` reads blocks ``j, j + n, ...`` in ``_READ`` pieces and

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
 from zckpt.storage import objstore, session
+from zckpt.storage.location import LocationLike, location
+from zckpt.storage.objstore import RemotePath
 
 if TYPE_CHECKING:  # imported where used: the CLI opens a DCP .metadata here before torch is imported
     import torch
@@ -44,18 +46,24 @@ class Handle:
         self.read_object(offset, memoryview(buf))
         return bytes(buf)
 
-    def pread_into(self, buf: memoryview, offset: int) -> int:
+    def pread_into(self, buf: memoryview, offset: int, limit: int | None = None) -> int:
+        """``limit``: the caller reads on sequentially up to this byte (an object streams ahead up to it)."""
         if self.fd is not None:
             return os.preadv(self.fd, [buf], offset)
         n = max(0, min(len(buf), self.size - offset))
-        self.read_object(offset, buf[:n])
+        self.read_object(offset, buf[:n], limit)
         return n
 
-    def read_object(self, offset: int, out: memoryview) -> None:
+    @property
+    def remote(self) -> bool:
+        """An object, read through its store (not a local descriptor)."""
+        return self.fd is None
+
+    def read_object(self, offset: int, out: memoryview, limit: int | None = None) -> None:
         assert self._st is not None and self._url is not None
         from zckpt.storage.objstore import read
 
-        read.read_into(self._st, self._url, offset, out)
+        read.read_into(self._st, self._url, offset, out, limit)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -142,14 +150,15 @@ def check_readable(path: str | os.PathLike[str]) -> None:
     os.close(fd)
 
 
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+def open_regular(path: LocationLike) -> BinaryIO:
     """``open(path, "rb")`` for regular files only (see ``open_fd``)."""
-    if objstore.is_url(path):
-        return objstore.open_read(path)
-    return os.fdopen(_open_local(os.fspath(path)), "rb")
+    p = location(path)
+    if isinstance(p, RemotePath):
+        return objstore.open_read(p)
+    return os.fdopen(_open_local(os.fspath(p)), "rb")
 
 
-def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
+def read_capped(path: LocationLike, limit: int, what: str, hint: str) -> bytes:
     """All of a file that is small by nature (an index, a trainer state): more than ``limit`` bytes is
     refused naming it, never read into memory."""
     with open_regular(path) as f:
@@ -161,7 +170,7 @@ def read_capped(path: str | os.PathLike[str], limit: int, what: str, hint: str) 
     return raw
 
 
-def is_remote(path: str | os.PathLike[str]) -> bool:
+def is_remote(path: LocationLike) -> bool:
     """``path`` names an object in a store (``s3://...``), not a local file."""
     return objstore.is_url(path)
 
@@ -201,34 +210,39 @@ def pread(fd: Handle, n: int, offset: int) -> bytes:
     return fd.pread(n, offset)
 
 
-def pread_into(fd: Handle, buf: memoryview, offset: int) -> int:
-    """``os.preadv(fd, [buf], offset)`` of an ``open_fd`` handle (a file or an object)."""
-    return fd.pread_into(buf, offset)
+def pread_into(fd: Handle, buf: memoryview, offset: int, limit: int | None = None) -> int:
+    """``os.preadv(fd, [buf], offset)`` of an ``open_fd`` handle (a file or an object). ``limit``: the caller
+    reads on sequentially up to this byte (an object fetches ahead up to it; a local file ignores it)."""
+    return fd.pread_into(buf, offset, limit)
 
 
-def exists(path: str | os.PathLike[str]) -> bool:
+def exists(path: LocationLike) -> bool:
     """``os.path.exists`` for a path or an object URL."""
-    if objstore.is_url(path):
-        return objstore.kind(path) is not None
-    return os.path.exists(path)
+    p = location(path)
+    if isinstance(p, RemotePath):
+        return objstore.kind(p) is not None
+    return os.path.exists(p)
 
 
-def is_file(path: str | os.PathLike[str]) -> bool:
+def is_file(path: LocationLike) -> bool:
     """``os.path.isfile`` for a path or an object URL."""
-    if objstore.is_url(path):
-        return objstore.kind(path) == "file"
-    return os.path.isfile(path)
+    p = location(path)
+    if isinstance(p, RemotePath):
+        return objstore.kind(p) == "file"
+    return os.path.isfile(p)
 
 
-def size(path: str | os.PathLike[str]) -> int:
+def size(path: LocationLike) -> int:
     """``os.path.getsize`` for a path or an object URL."""
-    return objstore.size(path) if objstore.is_url(path) else os.path.getsize(path)
+    p = location(path)
+    return objstore.size(p) if isinstance(p, RemotePath) else os.path.getsize(p)
 
 
-def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+def copy_file(src: LocationLike, dst: str | os.PathLike[str]) -> None:
     """``shutil.copy2(src, dst)`` where ``src`` may be an object (streamed, 8 MiB at a time)."""
-    if not objstore.is_url(src):
-        shutil.copy2(src, dst)
+    p = location(src)
+    if not isinstance(p, RemotePath):
+        shutil.copy2(p, dst)
         return
     with open_regular(src) as fin, open(dst, "xb") as fout:
         shutil.copyfileobj(fin, fout, 8 << 20)

@@ -221,7 +221,7 @@ class RemoteStaging:
         """``order``: which files complete the output (``PublishOrder``). ``owns``/``foreign``: as for
         ``Staging`` (an earlier folder's objects that are not this output's own are kept, or the run is
         refused naming them)."""
-        self.dest = objstore.as_path(dest)
+        self.dest = objstore.RemotePath.of(dest)
         self.url = str(self.dest)
         self.owns = owns
         self.is_dir = is_dir
@@ -341,7 +341,7 @@ class RemoteStaging:
             if p.is_file() and not _bookkeeping(p.name)
         )
 
-    def commit(self) -> list[Any]:
+    def commit(self) -> list[objstore.RemotePath]:
         """Upload the local files (data, then completing objects, then ``latest``); returns the outputs.
         Once a completing object has landed the new output is whole: a later failure (``latest``, the
         deletion of superseded objects) never deletes it, and says so."""
@@ -380,7 +380,7 @@ class RemoteStaging:
         if not self._done:
             interrupts.closed(self, published=True)
         self._done = True
-        return [objstore.as_path(u) for u in written]
+        return [objstore.RemotePath.of(u) for u in written]
 
 
 def on_this_host(t: Ticket) -> bool:
@@ -400,7 +400,7 @@ class Follower(RemoteStaging):
     def __init__(
         self, url: str, *, is_dir: bool, order: PublishOrder
     ) -> None:  # no checks: rank 0's made them
-        self.url, self.dest, self.is_dir, self.overwrite = url, objstore.as_path(url), is_dir, True
+        self.url, self.dest, self.is_dir, self.overwrite = url, objstore.RemotePath.of(url), is_dir, True
         self.owns, self._old, self.kept, self._done = None, [], [], False
         self.generation, self._sidecars, self.order = None, {}, order
         self.dir, self.token = _new_stand_in(url, is_dir, order)
@@ -419,11 +419,11 @@ class Follower(RemoteStaging):
         return urls
 
 
-def stand_in(dest: str | os.PathLike[str], order: PublishOrder) -> Ticket:
+def stand_in(dest: str | objstore.RemotePath, order: PublishOrder) -> Ticket:
     """A fresh local folder standing for the folder ``dest`` (a URL) in one engine save, registered for the
     running operation: data files written in it stream to ``dest`` (``streamed``), the rest is uploaded by
     ``publish_dir``. Rank 0 makes it and sends the ``Ticket`` to the other ranks (``join``)."""
-    url = str(objstore.as_path(dest))
+    url = str(objstore.RemotePath.of(dest))
     folder, token = _new_stand_in(url, True, order)
     return Ticket(str(folder), url, True, token, order)
 
@@ -449,7 +449,7 @@ class Published:
 
 def publish_dir(
     folder: Path,
-    dest: str | os.PathLike[str],
+    dest: str | objstore.RemotePath,
     order: PublishOrder,
     superseded: Callable[[str], bool],
     also: list[str] | None = None,
@@ -463,7 +463,7 @@ def publish_dir(
     a killed writer's leftovers) and that this save did not write are deleted; a failure there is left for
     the next save (``Published.left``), never an error. ``also``: the objects other nodes' ranks uploaded.
     The folder is removed."""
-    url = str(objstore.as_path(dest))
+    url = str(objstore.RemotePath.of(dest))
     base_len = len(url) + 1
     with open(folder / UPLOADS, "a") as f:
         f.writelines(u + "\n" for u in also or [])

@@ -16,11 +16,11 @@ import hashlib
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from zckpt.storage import env, fileio
 from zckpt.storage.checks import crc32, crc32_combine
+from zckpt.storage.location import Location
 from zckpt.storage.threads import Pool
 
 CHUNK_BYTES = 32 << 20
@@ -68,11 +68,14 @@ def _buf() -> memoryview:
 
 
 def _crc_piece(fd: fileio.Handle, lo: int, n: int) -> int:
-    """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``)."""
+    """CRC-32 of ``n`` bytes at ``lo`` (a short file: ``EOFError``). An object's piece is one sequential read
+    up to its end: fetched ahead by a read-ahead stream (``objstore.ahead``), not one GET per read. (A local
+    piece queued whole for reading first, ``posix_fadvise(WILLNEED)``, made a cold verify slower here: 10.3
+    against 8.0 s for 4.85 GB on 2 cores, medians of 4 interleaved runs.)"""
     buf, crc, pos, end = _buf(), 0, lo, lo + n
     while pos < end:
         view = buf[: min(_READ, end - pos)]
-        k = fileio.pread_into(fd, view, pos)
+        k = fileio.pread_into(fd, view, pos, end if fd.remote else None)
         if k <= 0:
             raise EOFError(f"file ends at byte {pos}")
         crc = crc32(view[:k], crc)
@@ -80,7 +83,9 @@ def _crc_piece(fd: fileio.Handle, lo: int, n: int) -> int:
     return crc
 
 
-def crc_ranges(path: str | Path, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> list[int]:
+def crc_ranges(
+    path: str | Location, ranges: Sequence[tuple[int, int]], pool: ThreadPoolExecutor
+) -> list[int]:
     """The CRC-32 of each ``(start, size)`` byte range of the file, computed in ``CHUNK_BYTES`` pieces on
     ``pool`` (a short file: ``EOFError``)."""
     fd = fileio.open_fd(str(path))
@@ -138,6 +143,9 @@ class PendingCrcs:
         self._jobs: list[list[tuple[Future[int], int]]] = []
         self._runs: list[tuple[Future[list[int]], int]] = []
         self._order: list[tuple[bool, int, int]] = []  # (in a run, job or run index, position in the run)
+        # an object's record is one piece: one streamed GET (per ``ahead.MAX_REQUEST``), where 32 MiB pieces
+        # cost a GET each (and a store that builds the whole object for a ranged GET, that object's size)
+        cut = CHUNK_BYTES if not fd.remote else max((n for _, n in ranges), default=1)
         for group in _small_runs(ranges):
             if len(group) > 1:
                 part = [ranges[i] for i in group]
@@ -145,7 +153,7 @@ class PendingCrcs:
                 self._order += [(True, len(self._runs) - 1, k) for k in range(len(group))]
                 continue
             start, size = ranges[group[0]]
-            cuts = [(a, min(CHUNK_BYTES, size - a)) for a in range(0, size, CHUNK_BYTES)]
+            cuts = [(a, min(cut, size - a)) for a in range(0, size, cut)]
             self._jobs.append([(pool.submit(_crc_piece, fd, start + a, n), n) for a, n in cuts])
             self._order.append((False, len(self._jobs) - 1, 0))
 
@@ -176,13 +184,13 @@ class PendingCrcs:
                     fut.result()
 
 
-def sha256_file(f: str | Path) -> str:
+def sha256_file(f: str | Location) -> str:
     """The whole file's sha256, read in order on this thread (hashlib releases the GIL)."""
     h = hashlib.sha256()
     fd = fileio.open_fd(str(f))
     try:
-        buf, pos = _buf(), 0
-        while k := fileio.pread_into(fd, buf, pos):
+        buf, pos, end = _buf(), 0, fileio.fd_size(fd) if fd.remote else None  # an object: streamed ahead
+        while k := fileio.pread_into(fd, buf, pos, end):
             h.update(buf[:k])
             pos += k
     finally:
@@ -201,7 +209,7 @@ class Scanner:
         self._sha: dict[str, Future[str]] = {}
         self._lock = threading.Lock()
 
-    def sha256(self, f: str | Path) -> Future[str]:
+    def sha256(self, f: str | Location) -> Future[str]:
         """The file's sha256, computed once on the pool however often it is asked for."""
         key = str(f)
         with self._lock:
@@ -209,7 +217,7 @@ class Scanner:
                 self._sha[key] = self.pool.submit(sha256_file, key)
             return self._sha[key]
 
-    def crc_ranges(self, path: str | Path, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    def crc_ranges(self, path: str | Location, ranges: Sequence[tuple[int, int]]) -> list[int]:
         return crc_ranges(path, ranges, self._crc_pool)
 
     def crc_pending(self, fd: fileio.Handle, ranges: Sequence[tuple[int, int]]) -> PendingCrcs:

@@ -38,8 +38,10 @@ from pathlib import Path
 from types import TracebackType
 
 from zckpt.errors import OutputExists, OutputNotWritable, WriteFailed
-from zckpt.storage import interrupts, objstore, remote_staging, sink
+from zckpt.storage import interrupts, remote_staging, sink
 from zckpt.storage.digest import SIDECAR_PATTERN, SIDECARS
+from zckpt.storage.location import Location
+from zckpt.storage.objstore import RemotePath
 from zckpt.storage.remote_staging import RemoteStaging
 
 _SIDECARS = SIDECARS
@@ -210,7 +212,7 @@ def share(ticket: Ticket, *, is_dir: bool) -> Iterator[tuple[Path, Callable[[], 
 
 
 def open_staging(
-    dest: Path,
+    dest: Location,
     *,
     is_dir: bool,
     overwrite: bool = False,
@@ -221,7 +223,7 @@ def open_staging(
     """The staging of an output ``dest``: a ``Staging`` beside a local path, a ``RemoteStaging`` for an
     ``s3://`` (or other store's) URL, where nothing can be renamed (see each class; ``order``: which of its
     files complete it, there)."""
-    if objstore.is_url(dest):
+    if isinstance(dest, RemotePath):
         return RemoteStaging(
             dest, is_dir=is_dir, overwrite=overwrite, owns=owns, foreign=foreign, order=order
         )

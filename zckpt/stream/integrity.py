@@ -12,11 +12,9 @@ on request (``verify --sha256``).
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from zckpt.errors import (
@@ -39,6 +37,8 @@ from zckpt.storage.digest import (
     block_digests,
 )
 from zckpt.storage.digest import SIDECARS as SIDECARS  # re-exported: every sidecar suffix
+from zckpt.storage.location import Location, lexists, ordered, resolved
+from zckpt.storage.location import size as size_of
 from zckpt.storage.scan import Scanner, sha256_file
 
 SIDECAR = WHOLE_SIDECAR
@@ -85,7 +85,7 @@ class VerifyContext:
     pieces."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def sha256(self, f: Path) -> str:
+    def sha256(self, f: Location) -> str:
         """The file's sha256, computed once however many records (sidecar, manifest) name it."""
         key = str(f)
         if self.scanner is not None:
@@ -99,7 +99,7 @@ class VerifyContext:
         with self._lock:
             self.checksums += n
 
-    def crc_ranges(self, f: Path, ranges: list[tuple[int, int]]) -> list[int]:
+    def crc_ranges(self, f: Location, ranges: list[tuple[int, int]]) -> list[int]:
         """The CRC-32 of each ``(start, size)`` range of ``f``, in pieces on the scan threads."""
         if self.scanner is not None:
             return self.scanner.crc_ranges(f, ranges)
@@ -107,7 +107,7 @@ class VerifyContext:
             return s.crc_ranges(f, ranges)
 
 
-def compare_sha(f: Path, want: str, where: str, ctx: VerifyContext) -> list[Problem]:
+def compare_sha(f: Location, want: str, where: str, ctx: VerifyContext) -> list[Problem]:
     """The file's sha256 against the digest ``want`` recorded in ``where``."""
     if str(f) in ctx.broken:
         return []
@@ -125,7 +125,7 @@ def compare_sha(f: Path, want: str, where: str, ctx: VerifyContext) -> list[Prob
     return []
 
 
-def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: VerifyContext) -> list[Problem]:
+def compare_digest(f: Location, want: FileDigest, size: int, where: str, ctx: VerifyContext) -> list[Problem]:
     """The file against a digest ``want`` recorded in ``where``: a whole-file sha256 (``compare_sha``), or
     each block's, computed on several threads; every damaged block is named by its byte range."""
     if want.sha256 is not None:
@@ -153,16 +153,16 @@ def compare_digest(f: Path, want: FileDigest, size: int, where: str, ctx: Verify
     ]
 
 
-def _not_regular(side: Path) -> Problem | None:
+def _not_regular(side: Location) -> Problem | None:
     """A ``Problem`` when a sidecar's name exists but is no regular file: a device, pipe, socket, folder or
     link to nothing stands where the checksums should be (never read as "no sidecar")."""
-    if side.is_file() or not os.path.lexists(side):
+    if side.is_file() or not lexists(side):
         return None
     what = "a link to nothing" if side.is_symlink() and not side.exists() else "not a regular file"
     return Problem(str(side), f"checksum sidecar is {what}", "corrupt", "restore the sidecar, or delete it")
 
 
-def sidecar_digest(f: Path) -> str | Problem | None:
+def sidecar_digest(f: Location) -> str | Problem | None:
     """The sha256 that ``<f>.sha256`` records for ``f``; None when there is no sidecar; a ``Problem``
     naming the sidecar when it is not one ``<hex digest>  <name>`` line for ``f``."""
     side = f.with_name(f.name + SIDECAR)
@@ -183,7 +183,7 @@ def sidecar_digest(f: Path) -> str | Problem | None:
 _HEX = {"crc32": re.compile(r"[0-9a-f]{8}"), "sha256": re.compile(r"[0-9a-f]{64}")}
 
 
-def block_sidecar_digest(f: Path, suffix: str = CRC_SIDECAR) -> tuple[FileDigest, int] | Problem | None:
+def block_sidecar_digest(f: Location, suffix: str = CRC_SIDECAR) -> tuple[FileDigest, int] | Problem | None:
     """The block digests and size that ``<f><suffix>`` records for ``f``: ``.crc32.json`` (what
     ``zckpt.storage.digest.write_block_sidecar`` writes: format ``zckpt-block-crc32``, version 1) or the
     earlier ``.sha256.json``; None when there is none; a ``Problem`` naming the sidecar when it is not one
@@ -228,7 +228,7 @@ def block_sidecar_digest(f: Path, suffix: str = CRC_SIDECAR) -> tuple[FileDigest
     return FileDigest(block=block, blocks=tuple(digests), algorithm=algorithm), size
 
 
-def block_sidecars(f: Path) -> list[tuple[str, tuple[FileDigest, int] | Problem]]:
+def block_sidecars(f: Location) -> list[tuple[str, tuple[FileDigest, int] | Problem]]:
     """``f``'s block sidecars that exist (or stand there broken): ``(suffix, digest and size, or a Problem)``,
     the ``.crc32.json`` first."""
     out: list[tuple[str, tuple[FileDigest, int] | Problem]] = []
@@ -239,7 +239,7 @@ def block_sidecars(f: Path) -> list[tuple[str, tuple[FileDigest, int] | Problem]
     return out
 
 
-def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
+def check_sidecar(f: Location, ctx: VerifyContext) -> list[Problem]:
     """``f`` against its sidecars, when it has them: ``<f>.sha256`` (``sha256sum``), ``<f>.crc32.json`` and
     ``<f>.sha256.json`` (block digests, checked on several cores)."""
     out: list[Problem] = []
@@ -253,7 +253,7 @@ def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
             out.append(blocks)
             continue
         digest, size = blocks
-        have = f.stat().st_size
+        have = size_of(f)
         if have != size:
             kind = "truncated" if have < size else "corrupt"
             msg = f"{have} bytes, but {f.name + suffix} records {size}"
@@ -264,15 +264,15 @@ def check_sidecar(f: Path, ctx: VerifyContext) -> list[Problem]:
     return out
 
 
-def orphan_sidecars(p: Path, files: list[Path]) -> list[Problem]:
+def orphan_sidecars(p: Location, files: list[Location]) -> list[Problem]:
     """Sidecars whose file is gone."""
-    known = {f.resolve() for f in files}
+    known = {resolved(f) for f in files}
     folders = {f.parent for f in files} | ({p} if p.is_dir() else set())
     out = []
-    for d in sorted(folders):
-        for side in sorted(side for suffix in SIDECARS for side in d.glob(f"*{suffix}")):
+    for d in ordered(folders):
+        for side in ordered(side for suffix in SIDECARS for side in d.glob(f"*{suffix}")):
             target = side.with_name(side.name[: -len(sidecar_suffix(side.name))])
-            if not target.exists() and target.resolve() not in known:
+            if not target.exists() and resolved(target) not in known:
                 out.append(
                     Problem(str(target), f"missing (its checksum sidecar {side.name} exists)", "missing")
                 )
@@ -301,7 +301,7 @@ def kind_of(e: ZckptError) -> str:
     return "corrupt"
 
 
-def problem_from(e: ZckptError, default: Path) -> Problem:
+def problem_from(e: ZckptError, default: Location) -> Problem:
     """A reader's error as a ``Problem`` naming the file it is about."""
     msg = str(e)
     file = e.path or str(default)

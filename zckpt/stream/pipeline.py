@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import torch
 
-from zckpt.storage import checks, env, fileio
+from zckpt.storage import checks, env, fileio, willneed
 from zckpt.storage.scan import cores as _cores
 from zckpt.storage.scan import shared, sharing
 from zckpt.storage.threads import Pool, start
@@ -46,6 +46,12 @@ R = TypeVar("R")
 
 class Sink(Protocol):
     def write(self, b: memoryview) -> int: ...
+
+
+READ_AHEAD_BYTES = 64 << 20
+"""Output bytes past the pieces being filled whose local sources the kernel is asked to read already
+(``zckpt.storage.willneed``; the sources of a cast are larger: fp32 read for bf16, twice). Page cache, not
+this process's memory."""
 
 
 def default_workers() -> int:
@@ -245,9 +251,16 @@ def _pieces_fill(
         hand_over()
         return out
     room = fileio.read_ahead(2 * (workers + 1) * step if layout.remote else 0)  # fp32 read for bf16: 2x
-    with room, Pool(workers, thread_name_prefix="zckpt-fill") as pool:
+    # a local source: the kernel reads the next pieces' bytes while these fill (a cold page cache)
+    ahead = -1 if layout.remote else max(1, READ_AHEAD_BYTES // step)
+    with room, Pool(workers, thread_name_prefix="zckpt-fill") as pool, willneed.Advisor() as advisor:
+        advised = 0
         try:
-            for lo, hi in pieces:
+            for j, (lo, hi) in enumerate(pieces):
+                while advised < min(len(pieces), j + 1 + ahead):  # (none for an object: ``expect`` below)
+                    for s in layout.sources(*pieces[advised]):
+                        advisor.advise(s.piece.file, s.byte_offset, s.n * s.piece.dtype.itemsize)
+                    advised += 1
                 # hand over what is filled (in order), and at most ``workers + 1`` pieces filling: the other
                 # buffers are the ones the device and the hash are reading
                 while window and (len(window) > workers or window[0][3].done()):

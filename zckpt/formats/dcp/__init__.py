@@ -16,11 +16,11 @@ Spec of the files: docs/dcp-format.md. One module per concern:
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.dcp import layout
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
@@ -34,20 +34,20 @@ class DcpFormat(Format):
 
         return DcpWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return layout.detect(path)
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         from zckpt.formats.dcp import read
 
         return read.read(path, tag=tag, trust_pickle=trust_pickle)
 
-    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read_model(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         from zckpt.formats.dcp import read
 
         return read.read(path, tag=tag, trust_pickle=trust_pickle, model_only=True)
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         from zckpt.formats.dcp.verify import verify
 
         return verify(path, ckpt, ctx)

@@ -26,6 +26,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats.dcp.metadata import METADATA, Chunk, StorageInfo
 from zckpt.model import Checked
 from zckpt.storage import fileio
+from zckpt.storage.location import Location
 from zckpt.stream.window import Window
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -48,7 +49,7 @@ class ChunkData:
         return None if self.check is None else self.check.crc32
 
 
-def unsupported_transform(file: Path, info: StorageInfo) -> Unsupported:
+def unsupported_transform(file: Location, info: StorageInfo) -> Unsupported:
     return Unsupported(
         f"{file}: items are compressed ({', '.join(info.transforms) or 'zstd frames'}); zckpt reads "
         "uncompressed DCP checkpoints only",
@@ -61,11 +62,11 @@ def unsupported_transform(file: Path, info: StorageInfo) -> Unsupported:
 class Files:
     """Open ``.distcp`` files of one folder (one descriptor each, closed on exit) and what they hold."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Location) -> None:
         self.folder = folder
         self._fds: dict[str, tuple[fileio.Handle, int]] = {}
         self._headers: dict[tuple[str, int], Header] = {}
-        self._paths: dict[str, Path] = {}
+        self._paths: dict[str, Location] = {}
         self.memo: dict[tuple[bytes, bool], object] = {}
 
     def __enter__(self) -> Files:
@@ -82,13 +83,13 @@ class Files:
                 fileio.close_fd(fd)
         self._fds.clear()
 
-    def path(self, info: StorageInfo) -> Path:
+    def path(self, info: StorageInfo) -> Location:
         p = self._paths.get(info.file)
         if p is None:
             p = self._paths[info.file] = self._checked_path(info)
         return p
 
-    def _checked_path(self, info: StorageInfo) -> Path:
+    def _checked_path(self, info: StorageInfo) -> Location:
         rel = Path(info.file)
         if rel.is_absolute() or ".." in rel.parts or not info.file or "\x00" in info.file:
             md = str(self.folder / METADATA)
@@ -97,7 +98,7 @@ class Files:
                 hint="the .metadata file is damaged; restore it from the original save",
                 path=md,
             )
-        return self.folder / rel
+        return self.folder / rel.as_posix()
 
     def open(self, info: StorageInfo) -> tuple[str, fileio.Handle]:
         """(path, descriptor) of the item's file, its bytes checked to lie inside the file."""

@@ -6,20 +6,20 @@ files, no ``.metadata``. Each file holds its rank's chunks under bare FQNs and, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from zckpt.codecs import safetensors
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.dcp.chunks import ChunkData
 from zckpt.formats.dcp.layout import SHARD_RE, SHARDING_INFO
 from zckpt.formats.dcp.metadata import Chunk, TensorMeta
+from zckpt.storage.location import Location, ordered
 
 
-def shard_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.glob("shard-*.safetensors") if SHARD_RE.match(f.name))
+def shard_files(folder: Location) -> list[Location]:
+    return ordered(f for f in folder.glob("shard-*.safetensors") if SHARD_RE.match(f.name))
 
 
-def _offsets(f: Path, raw: str | None) -> dict[str, tuple[int, ...]]:
+def _offsets(f: Location, raw: str | None) -> dict[str, tuple[int, ...]]:
     try:
         info = json.loads(raw) if raw is not None else None
     except (ValueError, RecursionError):
@@ -38,7 +38,7 @@ def _offsets(f: Path, raw: str | None) -> dict[str, tuple[int, ...]]:
 Loaded = tuple[dict[str, TensorMeta], dict[tuple[str, tuple[int, ...]], ChunkData], list[str]]
 
 
-def load(folder: Path) -> Loaded:
+def load(folder: Location) -> Loaded:
     """(tensors in first-seen order, chunk data by (key, offsets), files) of the shards in ``folder``."""
     pieces: dict[str, list[tuple[Chunk, ChunkData]]] = {}
     files = shard_files(folder)

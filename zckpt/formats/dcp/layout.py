@@ -17,7 +17,6 @@ else (``train_state``, ``dataloader``, user keys) is client state at its path.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from zckpt.errors import CorruptCheckpoint, KeyMappingError, PermissionDenied, UnknownFormat
 from zckpt.formats.dcp.metadata import METADATA
 from zckpt.storage import fileio
+from zckpt.storage.location import Location, lexists, ordered
 
 NAME = "dcp"
 
@@ -37,7 +37,7 @@ SHARD_RE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
-def is_dcp_folder(p: Path) -> bool:
+def is_dcp_folder(p: Location) -> bool:
     """A folder holding a ``.metadata`` pickle."""
     try:
         with fileio.open_regular(p / METADATA) as f:
@@ -46,12 +46,12 @@ def is_dcp_folder(p: Path) -> bool:
         return False
 
 
-def is_hf_shards(p: Path) -> bool:
+def is_hf_shards(p: Location) -> bool:
     """A folder of ``HuggingFaceStorageWriter(save_distributed=True)`` shards (their headers carry DCP's
     sharding info)."""
     if not p.is_dir():
         return False
-    shards = sorted(f for f in p.glob("shard-*.safetensors") if SHARD_RE.match(f.name))
+    shards = ordered(f for f in p.glob("shard-*.safetensors") if SHARD_RE.match(f.name))
     if not shards:
         return False
     try:
@@ -66,18 +66,18 @@ def is_hf_shards(p: Path) -> bool:
 class Source:
     """A DCP checkpoint on disk: ``root`` (``meta.path``), its DCP ``folders`` and how they were found."""
 
-    root: Path
-    folders: tuple[Path, ...]
+    root: Location
+    folders: tuple[Location, ...]
     layout: str
     """``dcp`` (one folder), ``accelerate`` (model + optimizer folders) or ``hf-shards``."""
-    save_dir: Path | None = None
+    save_dir: Location | None = None
     tag: str | None = None
 
 
-def _step_dirs(p: Path) -> list[tuple[int, Path]]:
+def _step_dirs(p: Location) -> list[tuple[int, Location]]:
     """Every ``step-N`` folder of ``p``, oldest first."""
     try:
-        children = list(p.iterdir()) if p.is_dir() else []
+        children = ordered(p.iterdir()) if p.is_dir() else []
     except OSError:
         return []
     out = []
@@ -85,17 +85,17 @@ def _step_dirs(p: Path) -> list[tuple[int, Path]]:
         m = _STEP_RE.match(d.name)
         if m and d.is_dir():
             out.append((int(m.group(1)), d))
-    return sorted(out)
+    return sorted(out, key=lambda x: x[0])  # stable: equal steps stay in name order
 
 
-def _steps(p: Path) -> list[tuple[int, Path]]:
+def _steps(p: Location) -> list[tuple[int, Location]]:
     """The ``step-N`` folders of ``p`` that hold a readable ``.metadata``, oldest first."""
     return [(n, d) for n, d in _step_dirs(p) if is_dcp_folder(d)]
 
 
-def _unreadable(md: Path) -> str:
+def _unreadable(md: Location) -> str:
     """Why the ``.metadata`` at ``md`` (not a readable DCP pickle) cannot be read, for an error line."""
-    if not os.path.lexists(md):
+    if not lexists(md):
         return "missing"
     try:
         with fileio.open_regular(md):
@@ -109,7 +109,7 @@ def _unreadable(md: Path) -> str:
     return "not a DCP metadata pickle"
 
 
-def _broken_step(p: Path) -> Path | None:
+def _broken_step(p: Location) -> Location | None:
     """The ``.metadata`` of a ``step-N`` folder that a step lookup must not pass over: one that is there but
     not readable, in a folder newer than every readable step (it is damage, not an unfinished save), or,
     when no step is readable, a missing one beside ``.distcp`` files. A newer step folder with no
@@ -118,7 +118,7 @@ def _broken_step(p: Path) -> Path | None:
     readable = [n for n, d in dirs if is_dcp_folder(d)]
     newest = readable[-1] if readable else -1
     for n, d in reversed(dirs):
-        if n > newest and os.path.lexists(d / METADATA):
+        if n > newest and lexists(d / METADATA):
             return d / METADATA
     if not readable:
         for _, d in reversed(dirs):
@@ -127,7 +127,7 @@ def _broken_step(p: Path) -> Path | None:
     return None
 
 
-def _refuse_metadata(md: Path) -> CorruptCheckpoint:
+def _refuse_metadata(md: Location) -> CorruptCheckpoint:
     what = _unreadable(md)
     return CorruptCheckpoint(
         f"{md}: {what}, so this DCP checkpoint cannot be read"
@@ -137,9 +137,9 @@ def _refuse_metadata(md: Path) -> CorruptCheckpoint:
     )
 
 
-def _accelerate(parent: Path, index: str | None) -> Source | None:
-    pairs: dict[str, dict[str, Path]] = {}
-    unfinished: dict[str, Path] = {}
+def _accelerate(parent: Location, index: str | None) -> Source | None:
+    pairs: dict[str, dict[str, Location]] = {}
+    unfinished: dict[str, Location] = {}
     for d in parent.iterdir() if parent.is_dir() else ():
         m = _ACC_RE.match(d.name)
         if m and is_dcp_folder(d):
@@ -151,7 +151,7 @@ def _accelerate(parent: Path, index: str | None) -> Source | None:
     gone = unfinished.get(index if index is not None else next(iter(pairs)))
     if gone is not None and (index is not None or len(pairs) == 1):  # half a pair: never read as a whole one
         md = gone / METADATA
-        what = "missing" if not os.path.lexists(md) else "not a readable DCP metadata file"
+        what = "missing" if not lexists(md) else "not a readable DCP metadata file"
         raise CorruptCheckpoint(
             f"{md}: {what}, so this accelerate checkpoint is incomplete (an unfinished save?)",
             hint="DCP writes .metadata last; restore the folder from the original save",
@@ -170,7 +170,7 @@ def _accelerate(parent: Path, index: str | None) -> Source | None:
     return Source(parent, folders, "accelerate") if folders else None
 
 
-def detect(p: Path) -> bool:
+def detect(p: Location) -> bool:
     """A DCP folder, a folder of them (torchtitan's steps, accelerate's pair), or one file of one (claimed
     only to be refused with the folder to give: a ``.distcp`` file ends like a torch zip of its last item)."""
     if p.is_file():
@@ -182,7 +182,7 @@ def detect(p: Path) -> bool:
     return bool(_steps(p)) or _broken_step(p) is not None or _accelerate_quiet(p)
 
 
-def _distcp_without_metadata(p: Path) -> bool:
+def _distcp_without_metadata(p: Location) -> bool:
     """``__<rank>_<n>.distcp`` files and no ``.metadata``: an unfinished save (or one that lost it), claimed
     so that ``resolve`` says so instead of "not a checkpoint"."""
     try:
@@ -192,14 +192,14 @@ def _distcp_without_metadata(p: Path) -> bool:
     return METADATA not in names and any(_DISTCP_RE.match(n) for n in names)
 
 
-def _accelerate_quiet(p: Path) -> bool:
+def _accelerate_quiet(p: Location) -> bool:
     try:
         return _accelerate(p, None) is not None
     except UnknownFormat:
         return True  # several models: ``resolve`` names them
 
 
-def resolve(p: Path, tag: str | None = None) -> Source:
+def resolve(p: Location, tag: str | None = None) -> Source:
     """The checkpoint at ``p`` (see the module doc); ``tag`` picks a torchtitan ``step-N`` folder."""
     if p.is_file():
         raise KeyMappingError(
@@ -212,7 +212,7 @@ def resolve(p: Path, tag: str | None = None) -> Source:
         if (
             not is_dcp_folder(inner)
             and inner.is_dir()
-            and (os.path.lexists(inner / METADATA) or _distcp_without_metadata(inner))
+            and (lexists(inner / METADATA) or _distcp_without_metadata(inner))
         ):
             raise _refuse_metadata(inner / METADATA)
         if not is_dcp_folder(inner):

@@ -43,7 +43,7 @@ from zckpt.formats.dcp.standins import (
     Unpickler,
 )
 from zckpt.storage import collector, fileio, preopen, session
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -102,8 +102,8 @@ class DcpMetadata:
     checkpoint_id: str | None = None
 
     @property
-    def folder(self) -> Path:
-        return as_path(self.source).parent
+    def folder(self) -> Location:
+        return location(self.source).parent
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -138,7 +138,7 @@ def build(source: str, p: Parsed) -> DcpMetadata:
     return DcpMetadata(source, p.keys, p.paths, tensors, p.byte_keys, storage, p.version, p.checkpoint_id)
 
 
-def load_metadata(folder: Path) -> DcpMetadata:
+def load_metadata(folder: Location) -> DcpMetadata:
     """Read and check ``folder/.metadata`` (one ``CorruptCheckpoint``/``UnsafePickle`` line on any damage).
     The running operation keeps the last few parses (its ``Storage.cache("dcp.metadata")``), by path and the
     digest of their bytes (read in full each time: a changed file is parsed again); ``DcpMetadata`` is
@@ -158,7 +158,7 @@ def load_metadata(folder: Path) -> DcpMetadata:
     return got
 
 
-def _read(f: Path) -> bytes:
+def _read(f: Location) -> bytes:
     with fileio.open_regular(f) as fh:
         data = fh.read(MAX_METADATA + 1)
     src = str(f)

@@ -44,7 +44,7 @@ from zckpt.formats.dcp.values import Value, decode
 from zckpt.model import DeferredEntry, Piece, Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, TrainingState
 from zckpt.storage import collector, session
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 
 NAME = layout_NAME  # the format's name (``layout``: what detecting it imports)
 FROZEN_NAMES = ("weight", "bias")
@@ -68,7 +68,7 @@ class Loaded:
         loc = self.lazy.get(key)
         return self.data[(key, offsets)] if loc is None else loc.chunks(key)[offsets]
 
-    def merge(self, other: Loaded, where: Path) -> None:
+    def merge(self, other: Loaded, where: Location) -> None:
         dup = next((k for k in other.keys if k in self.paths), None)
         if dup is not None:
             raise CorruptCheckpoint(f"{where}: key {dup!r:.100} is saved in two DCP folders", path=str(where))
@@ -83,7 +83,7 @@ class Loaded:
 
 
 def load_folder(
-    folder: Path,
+    folder: Location,
     *,
     trust_pickle: bool = False,
     model_only: bool = False,
@@ -137,14 +137,14 @@ def _recent() -> dict[str, tuple[DcpMetadata, Loaded]]:
     return session.current().cache("dcp.read")
 
 
-def _keep(folder: Path, md: DcpMetadata, part: Loaded) -> None:
+def _keep(folder: Location, md: DcpMetadata, part: Loaded) -> None:
     recent = _recent()
     if len(recent) >= 4:
         recent.clear()
     recent[str(folder)] = (md, part)
 
 
-def model_of(folder: Path, md: DcpMetadata | None) -> Loaded:
+def model_of(folder: Location, md: DcpMetadata | None) -> Loaded:
     """The model chunks of the DCP folder whose parsed ``.metadata`` is ``md``: what the last full ``read`` of
     it loaded when it used this very parse (the same object: ``load_metadata`` gives one parse per file
     content), else loaded model-only now (``md`` None: parsed now). verify's checks after its open so read the
@@ -208,7 +208,7 @@ def _name(k: StorageKey) -> str:
     return f"{k[0]!r:.60}" + ("" if k[1] is None else f" chunk {list(k[1])}")
 
 
-def load_hf_shards(folder: Path) -> Loaded:
+def load_hf_shards(folder: Location) -> Loaded:
     tensors, data, files = hfshards.load(folder)
     chunks: dict[StorageKey, ChunkData] = {(k, o): d for (k, o), d in data.items()}
     return Loaded(list(tensors), {k: (k,) for k in tensors}, tensors, chunks, {}, files, {"hf-shards"})
@@ -355,7 +355,7 @@ def _precision(model: list[TensorEntry]) -> str:
 
 
 def read(
-    path: Path, *, tag: str | None = None, trust_pickle: bool = False, model_only: bool = False
+    path: Location, *, tag: str | None = None, trust_pickle: bool = False, model_only: bool = False
 ) -> Checkpoint:
     """The checkpoint at ``path``; ``model_only``: its model tensors and precision only (no optimizer or
     training state: for consolidate, which then opens a third of the archives)."""
@@ -363,8 +363,8 @@ def read(
         return _read(path, tag, trust_pickle, model_only)
 
 
-def _read(path: Path, tag: str | None, trust_pickle: bool, model_only: bool) -> Checkpoint:
-    src = resolve(as_path(path), tag)
+def _read(path: Location, tag: str | None, trust_pickle: bool, model_only: bool) -> Checkpoint:
+    src = resolve(location(path), tag)
     ld = Loaded()
     for folder in src.folders:
         if src.layout == "hf-shards":

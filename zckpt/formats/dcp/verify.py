@@ -28,7 +28,7 @@ from zckpt.formats.dcp.metadata import METADATA, DcpMetadata, StorageInfo, Stora
 from zckpt.formats.dcp.read import model_of, pieces
 from zckpt.model import Role, TensorEntry
 from zckpt.storage import fileio
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location, ordered
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext, check_sidecar, problem_from
 
 
@@ -49,7 +49,7 @@ def _items(md: DcpMetadata, ctx: VerifyContext) -> list[Problem]:
             try:
                 f = str(files.path(info))
             except ZckptError as e:
-                out.append(problem_from(e, as_path(md.source)))
+                out.append(problem_from(e, location(md.source)))
                 continue
             if f not in sizes:
                 sizes[f] = fileio.size(f) if fileio.is_file(f) else -1
@@ -158,7 +158,7 @@ def _strays(md: DcpMetadata) -> list[Problem]:
     named = {Path(i.file).name for i in md.storage.values()} | {METADATA}
     named |= {n + side for n in named for side in SIDECARS}
     out = []
-    for f in sorted(md.folder.iterdir()):
+    for f in ordered(md.folder.iterdir()):
         if f.is_file() and f.name not in named:
             why = "not named by .metadata (a leftover of another save, or a file copied in)"
             out.append(Problem(str(f), why, "stale", "move it away"))
@@ -203,7 +203,7 @@ def _ties(ckpt: Checkpoint, mds: dict[str, DcpMetadata]) -> list[Problem]:
         return out
     by_name = {}
     for folder in ckpt.meta.extra.get("folders") or []:
-        f = as_path(folder)
+        f = location(folder)
         ld = model_of(f, mds.get(str(f)))
         for k in ld.keys:
             s = classify(ld.paths[k], k in ld.tensors)
@@ -219,10 +219,10 @@ def _ties(ckpt: Checkpoint, mds: dict[str, DcpMetadata]) -> list[Problem]:
     return out
 
 
-def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+def verify(path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
     """The DCP checks (see the module doc); the reader's own errors are already reported."""
     try:
-        src = layout.resolve(as_path(path), ctx.tag)
+        src = layout.resolve(location(path), ctx.tag)
     except ZckptError:
         return []
     out: list[Problem] = []
@@ -236,7 +236,7 @@ def verify(path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Prob
         if ckpt is None:  # the generic checks did not see these files: their sidecars are checked here
             for f in sorted({str(folder / i.file) for i in md.storage.values()}):
                 if fileio.is_file(f) and f not in ctx.broken:
-                    out += check_sidecar(as_path(f), ctx)
+                    out += check_sidecar(location(f), ctx)
     if ckpt is not None and not out:
         out += _ties(ckpt, mds)
     return out

@@ -9,12 +9,12 @@ for any world size (``layout``: the math, ``archive``: torch.save archives of la
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.deepspeed.files import detect
 from zckpt.formats.deepspeed.read import read  # the package's ``read`` (callers use it): not lazy
+from zckpt.storage.location import Location
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
@@ -28,13 +28,13 @@ class DeepSpeedFormat(Format):
 
         return DeepSpeedWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return detect(path)
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         return read(path, tag=tag, trust_pickle=trust_pickle)
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Every rank file written by the same DeepSpeed version (when the reader itself failed)."""
         versions: dict[str, str] = {}
         for f, obj in ctx.pickles.items():

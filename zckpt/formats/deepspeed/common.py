@@ -19,6 +19,7 @@ from zckpt.errors import CorruptCheckpoint, ShardMismatch, Unsupported
 from zckpt.formats._schema import Node
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.storage import fileio
+from zckpt.storage.location import Location
 from zckpt.storage.threads import Pool
 
 MAX_WORLD = 1 << 20
@@ -54,7 +55,7 @@ DS_KEYS = frozenset(
 _RANK_NAME = re.compile(r"^(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_?states$")
 
 
-def load(path: Path, trust: bool) -> Node:
+def load(path: Location, trust: bool) -> Node:
     """A rank file's top-level dict. ``torch.save`` names the archive after the file it saved to: an archive
     named like another rank file means the file was renamed or swapped."""
     name, obj = load_archive(str(path), trust_pickle=trust)
@@ -69,7 +70,7 @@ def load(path: Path, trust: bool) -> Node:
     return node
 
 
-def load_all(paths: list[Path], trust: bool) -> list[Callable[[], Node]]:
+def load_all(paths: list[Location], trust: bool) -> list[Callable[[], Node]]:
     """``load`` of each file, as a call that returns it (or raises its error) when the caller asks, in any
     order: the caller asks only for the files it needs. Local files load on that call; files in an object
     store start loading side by side now (their zip directories, pickles and record headers are round trips

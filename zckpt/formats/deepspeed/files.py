@@ -7,12 +7,11 @@ checkpoint from these files.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from zckpt.errors import CorruptCheckpoint, ShardMismatch, UnknownFormat, Unsupported
 from zckpt.formats._latest import read_latest, valid_tag
-from zckpt.storage.objstore import absolute, as_path
+from zckpt.storage.location import Location, absolute, location, ordered
 
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(
@@ -31,19 +30,19 @@ def _natural(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def _has_model_states(d: Path) -> bool:
+def _has_model_states(d: Location) -> bool:
     try:
         return any(_MODEL_RE.match(f.name) for f in d.iterdir())  # any kind: the reader says what is wrong
     except OSError:
         return False
 
 
-def _tags(save_dir: Path) -> list[str]:
+def _tags(save_dir: Location) -> list[str]:
     return sorted((d.name for d in save_dir.iterdir() if d.is_dir() and _has_model_states(d)), key=_natural)
 
 
-def detect(path: Path) -> bool:
-    p = as_path(path)
+def detect(path: Location) -> bool:
+    p = location(path)
     if not p.is_dir():
         return False
     if _has_model_states(p):
@@ -64,7 +63,7 @@ def detect(path: Path) -> bool:
     return bool(_tags(p))
 
 
-def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
+def resolve(path: Location, tag: str | None) -> tuple[Location, str, Location]:
     """(save dir, tag, tag folder)."""
     path = absolute(path)  # "." names its folder: a tag's save dir is its real parent
     if not path.is_dir():
@@ -121,11 +120,11 @@ def resolve(path: Path, tag: str | None) -> tuple[Path, str, Path]:
     )
 
 
-def scan(td: Path) -> tuple[dict[int, Path], dict[int, Path]]:
+def scan(td: Location) -> tuple[dict[int, Location], dict[int, Location]]:
     """({dp rank: model-states file}, {dp rank: optim file}); ZeRO-0/1/2 model file is rank 0."""
-    model: dict[int, Path] = {}
-    optim: dict[int, Path] = {}
-    for f in sorted(td.iterdir(), key=lambda f: _natural(f.name)):
+    model: dict[int, Location] = {}
+    optim: dict[int, Location] = {}
+    for f in ordered(td.iterdir(), key=lambda f: _natural(f.name)):
         if f.name == "offloaded_tensors":
             raise Unsupported(
                 f"{f}: ZeRO-3 NVMe-offloaded optimizer state (swap files) is not supported yet",
@@ -163,7 +162,9 @@ def scan(td: Path) -> tuple[dict[int, Path], dict[int, Path]]:
     return model, optim
 
 
-def check_ranks(td: Path, files: dict[int, Path], ws: int, what: str, source: Path, example: str) -> None:
+def check_ranks(
+    td: Location, files: dict[int, Location], ws: int, what: str, source: Location, example: str
+) -> None:
     missing = sorted(set(range(ws)) - set(files))
     extra = sorted(set(files) - set(range(ws)))
     if missing:

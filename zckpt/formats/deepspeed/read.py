@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
@@ -36,7 +35,7 @@ from zckpt.formats.deepspeed.crosscheck import cross_check
 from zckpt.formats.deepspeed.files import check_ranks, resolve, scan
 from zckpt.model import Role, TensorEntry, precision_of
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState, to_json
-from zckpt.storage.objstore import as_path
+from zckpt.storage.location import Location, location
 
 _REQUIRED_SINCE = (0, 10)
 """DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``
@@ -66,7 +65,7 @@ class _Body:
     names_by_slot: dict[int, list[str]] = field(default_factory=dict)
     state_names: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
-    files: list[Path] = field(default_factory=list)
+    files: list[Location] = field(default_factory=list)
     optim0: Node | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,7 +77,7 @@ def _version(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in m.groups(default="0")) if m else (0,)
 
 
-def _model0(td: Path, model_files: dict[int, Path], trust: bool) -> Node:
+def _model0(td: Location, model_files: dict[int, Location], trust: bool) -> Node:
     if 0 not in model_files:
         f0 = td / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         raise ShardMismatch(f"{f0}: missing model-states file of rank 0", path=str(f0))
@@ -118,8 +117,8 @@ def _names(node: Node | None) -> list[str]:
     return [] if node is None else [n.as_str() for n in node]
 
 
-def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    save_dir, tag, td = resolve(as_path(path), tag)
+def read(path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    save_dir, tag, td = resolve(location(path), tag)
     model_files, optim_files = scan(td)
     m0 = _model0(td, model_files, trust_pickle)
     buffer_names = _names(m0.get("buffer_names"))
@@ -202,7 +201,9 @@ def _check_module_covered(m0: Node, module: Node, body: _Body) -> None:
             )
 
 
-def _zero0(td: Path, model_files: dict[int, Path], m0: Node, module: Node, buffers: list[str]) -> _Body:
+def _zero0(
+    td: Location, model_files: dict[int, Location], m0: Node, module: Node, buffers: list[str]
+) -> _Body:
     if len(model_files) > 1:
         raise ShardMismatch(f"{td}: ZeRO-3 model-state files without optimizer files", path=str(td))
     sp = m0.get("shared_params")
@@ -242,7 +243,9 @@ def _partition_count(o: Node) -> int:
     return counts.pop()
 
 
-def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> tuple[list[Node], list[Node]]:
+def _optim_files(
+    td: Location, optim_files: dict[int, Location], trust: bool
+) -> tuple[list[Node], list[Node]]:
     """(each rank's optimizer file, its ``optimizer_state_dict``), for ranks ``0..partition_count-1``."""
     first = optim_files[min(optim_files)]
     loads = dict(zip(optim_files, load_all(list(optim_files.values()), trust), strict=True))
@@ -264,7 +267,12 @@ def _optim_files(td: Path, optim_files: dict[int, Path], trust: bool) -> tuple[l
 
 
 def _partitioned(
-    td: Path, model_files: dict[int, Path], optim_files: dict[int, Path], m0: Node, module: Node, trust: bool
+    td: Location,
+    model_files: dict[int, Location],
+    optim_files: dict[int, Location],
+    m0: Node,
+    module: Node,
+    trust: bool,
 ) -> _Body:
     tops, osds = _optim_files(td, optim_files, trust)
     ws = len(osds)
@@ -307,7 +315,7 @@ def _partitioned(
         world=ws,
         precision=_precision(module, part),
         optim0=o0,
-        files=[Path(m.file) for m in models] + [Path(o.file) for o in osds],
+        files=[location(m.file) for m in models] + [location(o.file) for o in osds],
     )
     sp = m0.get("shared_params")
     body.tied = {a: o.as_str() for a, o in sp.items()} if sp is not None else tied_from_module(module, set())

@@ -395,3 +395,19 @@ class _RankWriter:
             f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if p.stage == 3 else "mp_rank_00_model_states.pt"
         )
         return f.save(tag_dir / name, obj)
+
+
+def write_rank(
+    ckpt: Checkpoint, plan: WritePlan, tag_dir: Path, rank: int, model: Checkpoint | None = None
+) -> list[FileRecord]:
+    """Rank ``rank``'s files of ``plan`` straight into ``tag_dir`` (a training engine saving its own state,
+    ``ckpt`` holding at least the ranges of its tensors that rank's files need): the optimizer file, the
+    ZeRO-3 model-states file, and, given ``model`` (ZeRO-1/2, rank 0: full model tensors under the same
+    names), ``mp_rank_00_model_states.pt``. ``latest`` is the caller's."""
+    assert isinstance(plan, DsPlan)
+    files = [_RankWriter(ckpt, plan, rank).optim_file(tag_dir)]
+    if plan.stage == 3:
+        files.append(_RankWriter(ckpt, plan, rank).model_file(tag_dir))
+    elif model is not None:
+        files.append(_RankWriter(model, plan, 0).model_file(tag_dir))
+    return files

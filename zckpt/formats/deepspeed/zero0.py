@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zckpt import dtypes
@@ -328,7 +327,7 @@ def _check_structure(opt: dict[str, Any], inner: Any, file: str) -> None:
 
 def read_zero0(m0: Node, module: Node, buffer_names: list[str], tied: dict[str, str]) -> Zero0:
     z = Zero0()
-    mfile = Path(m0.file)
+    mfile = m0.file  # a path or a URL, as it was opened
     params = {
         n: ref(t)
         for n, t in module.items()

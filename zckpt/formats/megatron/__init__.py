@@ -17,12 +17,12 @@ Spec: docs/megatron.md. One module per concern:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import ZckptError
 from zckpt.formats.base import Format
 from zckpt.formats.megatron import layout
+from zckpt.storage.location import Location, location
 from zckpt.stream.integrity import Problem, VerifyContext
 
 
@@ -30,22 +30,22 @@ class MegatronFormat(Format):
     name = layout.NAME  # the reader, checks and HF export are imported when used: detecting needs none
     training = True
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return layout.detect(path)
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         from zckpt.formats.megatron import read
 
         return read.open_megatron(path, tag=tag, trust_pickle=trust_pickle)[0]
 
-    def read_model(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read_model(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         from zckpt.formats.megatron import read
 
         return read.open_megatron(path, tag=tag, trust_pickle=trust_pickle, model_only=True)[0]
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         try:
-            folder = layout.resolve(path, ctx.tag).folder if ckpt is None else Path(ckpt.meta.path)
+            folder = layout.resolve(path, ctx.tag).folder if ckpt is None else location(ckpt.meta.path)
         except ZckptError:
             return []  # the reader's own error is already reported
         from zckpt.formats.megatron.verify import verify

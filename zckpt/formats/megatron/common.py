@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from zckpt.codecs.pickle_safe import Namespace, TensorRef
 from zckpt.codecs.torchzip import load_archive
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.megatron.standins import ALLOWED
+from zckpt.storage.location import Location
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
     return repr(v)
 
 
-def load_common(folder: Path, *, trust_pickle: bool = False) -> Common:
+def load_common(folder: Location, *, trust_pickle: bool = False) -> Common:
     """``folder/common.pt`` read and checked (one ``CorruptCheckpoint``/``UnsafePickle`` line on damage)."""
     src = str(folder / "common.pt")
     _, obj = load_archive(src, trust_pickle=trust_pickle, extra=ALLOWED)

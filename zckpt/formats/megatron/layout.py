@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint, InvalidArgument, PathNotFound
 from zckpt.storage import fileio
+from zckpt.storage.location import Location
 
 NAME = "megatron"
 
@@ -31,19 +31,19 @@ MAX_MARKER = 1 << 16
 class Source:
     """An iteration folder to read: ``folder``, its ``tag`` (folder name) and the save folder, if given."""
 
-    folder: Path
+    folder: Location
     tag: str
-    save_dir: Path | None
+    save_dir: Location | None
 
 
-def is_iteration(path: Path) -> bool:
+def is_iteration(path: Location) -> bool:
     """``path`` is an iteration folder of a ``torch_dist`` save (cheap: names and ``metadata.json``)."""
     if not (path.is_dir() and (path / ".metadata").is_file() and (path / COMMON).is_file()):
         return False
     return _backend(path / MARKER) == "torch_dist"
 
 
-def _backend(marker: Path) -> str | None:
+def _backend(marker: Location) -> str | None:
     try:
         with fileio.open_regular(marker) as f:
             doc = json.loads(f.read(MAX_MARKER))
@@ -53,11 +53,11 @@ def _backend(marker: Path) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def is_save_folder(path: Path) -> bool:
+def is_save_folder(path: Location) -> bool:
     return path.is_dir() and (path / LATEST).is_file()
 
 
-def detect(path: Path) -> bool:
+def detect(path: Location) -> bool:
     return is_iteration(path) or is_save_folder(path)
 
 
@@ -71,7 +71,7 @@ def tag_folder(tag: str) -> str:
     raise InvalidArgument(f"Megatron tag {tag!r:.60} is not an iteration number, iter_NNNNNNN or release")
 
 
-def read_latest(save_dir: Path) -> str:
+def read_latest(save_dir: Location) -> str:
     """The iteration folder ``latest_checkpointed_iteration.txt`` names (a number or ``release``)."""
     f = save_dir / LATEST
     with fileio.open_regular(f) as fh:
@@ -86,7 +86,7 @@ def read_latest(save_dir: Path) -> str:
     return tag_folder(text)
 
 
-def resolve(path: Path, tag: str | None) -> Source:
+def resolve(path: Location, tag: str | None) -> Source:
     """The iteration folder ``path`` (a save or iteration folder) and ``tag`` name."""
     if tag is None and is_iteration(path):
         return Source(path, path.name, path.parent if is_save_folder(path.parent) else None)

@@ -29,7 +29,6 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from zckpt import dtypes
@@ -49,6 +48,7 @@ from zckpt.formats.megatron.layout import Source, resolve
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, TrainingState
 from zckpt.storage import collector
+from zckpt.storage.location import Location
 
 NAME = layout_NAME  # the format's name (``layout``: what detecting it imports)
 LAYERS = "decoder.layers."
@@ -75,7 +75,9 @@ class Opened:
     common: Common
 
 
-def _located(folder: Path, md: DcpMetadata, keys: list[str]) -> dict[str, dict[tuple[int, ...], ChunkData]]:
+def _located(
+    folder: Location, md: DcpMetadata, keys: list[str]
+) -> dict[str, dict[tuple[int, ...], ChunkData]]:
     files = Files(folder)
     try:
         blobs = blob_files(files, md)
@@ -138,7 +140,7 @@ def _model_key(key: str) -> bool:
 
 
 def open_megatron(
-    path: Path, *, tag: str | None = None, trust_pickle: bool = False, model_only: bool = False,
+    path: Location, *, tag: str | None = None, trust_pickle: bool = False, model_only: bool = False,
     trim_vocab: bool = False,
 ) -> tuple[Checkpoint, Opened]:  # fmt: skip
     """The checkpoint at ``path`` (save or iteration folder) and what it was built from (module doc)."""
@@ -176,7 +178,7 @@ class _Stored:
             raise CorruptCheckpoint(f"{src}: {e.args[0]}", hint=e.hint, path=src) from None
 
 
-def _open(path: Path, tag: str | None, trust_pickle: bool, model_only: bool,
+def _open(path: Location, tag: str | None, trust_pickle: bool, model_only: bool,
           trim_vocab: bool) -> tuple[Checkpoint, Opened]:  # fmt: skip
     src = resolve(path, tag)
     md = load_metadata(src.folder)

@@ -16,10 +16,12 @@ from zckpt.formats.dcp.metadata import METADATA, load_metadata
 from zckpt.formats.dcp.verify import _items, _tiling
 from zckpt.formats.megatron.common import load_common
 from zckpt.formats.megatron.layout import COMMON, MARKER
+from zckpt.storage import fileio
+from zckpt.storage.location import Location, ordered
 from zckpt.stream.integrity import SIDECARS, Problem, VerifyContext, problem_from
 
 
-def verify(folder: Path, ctx: VerifyContext) -> list[Problem]:
+def verify(folder: Location, ctx: VerifyContext) -> list[Problem]:
     """The checks of the module doc on iteration folder ``folder``."""
     out: list[Problem] = []
     try:
@@ -29,7 +31,7 @@ def verify(folder: Path, ctx: VerifyContext) -> list[Problem]:
     out += _items(md, ctx) + _tiling(md)
     named = {Path(i.file).name for i in md.storage.values()} | {METADATA, COMMON, MARKER}
     named |= {n + side for n in named for side in SIDECARS}
-    for f in sorted(folder.iterdir()):
+    for f in ordered(folder.iterdir()):
         if f.is_file() and f.name not in named:
             why = "not named by .metadata (a leftover of another save, or a file copied in)"
             out.append(Problem(str(f), why, "stale", "move it away"))
@@ -37,14 +39,14 @@ def verify(folder: Path, ctx: VerifyContext) -> list[Problem]:
     return out
 
 
-def _common(f: Path, ctx: VerifyContext) -> list[Problem]:
+def _common(f: Location, ctx: VerifyContext) -> list[Problem]:
     """``common.pt``: its pickle through the Megatron allowlist, every zip record's CRC-32."""
     if not f.is_file():
         return [Problem(str(f), "missing (args, iteration and optimizer groups live in it)", "missing",
                         "restore the file from the original save")]  # fmt: skip
     try:
         load_common(f.parent, trust_pickle=ctx.trust)
-        with zipfile.ZipFile(f) as zf:
+        with fileio.open_regular(f) as fh, zipfile.ZipFile(fh) as zf:  # a file, or an object in a store
             bad = zf.testzip()
     except ZckptError as e:
         return [problem_from(e, f)]

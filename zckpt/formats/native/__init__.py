@@ -8,13 +8,14 @@ manifest against every rank file); ``write`` is the one writer, shared by the en
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import ZckptError
 from zckpt.formats.base import CheckpointWriter, Format
 from zckpt.formats.native import layout
 from zckpt.formats.native.read import detect, load_manifest, read, resolve
+from zckpt.storage.location import Location, ordered
+from zckpt.storage.location import size as size_of
 from zckpt.stream.integrity import Problem, VerifyContext, compare_digest
 
 
@@ -28,13 +29,13 @@ class NativeFormat(Format):
 
         return NativeWriter()
 
-    def detect(self, path: Path) -> bool:
+    def detect(self, path: Location) -> bool:
         return detect(path)
 
-    def read(self, path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    def read(self, path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
         return read(path, tag=tag)
 
-    def verify(self, path: Path, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
+    def verify(self, path: Location, ckpt: Checkpoint | None, ctx: VerifyContext) -> list[Problem]:
         """Every file the manifest lists present, of the recorded size and digest; no rank file the manifest
         does not list (but those of another generation: an unfinished save's, in a bucket); one rank file per
         rank of the recorded world size."""
@@ -48,14 +49,12 @@ class NativeFormat(Format):
             f = td / name
             if not f.is_file():
                 out.append(Problem(str(f), "missing (listed in manifest.json)", "missing"))
-            elif str(f) not in ctx.broken and f.stat().st_size != size:
-                kind = "truncated" if f.stat().st_size < size else "corrupt"
-                out.append(
-                    Problem(str(f), f"{f.stat().st_size} bytes but manifest.json records {size}", kind)
-                )
+            elif str(f) not in ctx.broken and (have := size_of(f)) != size:
+                kind = "truncated" if have < size else "corrupt"
+                out.append(Problem(str(f), f"{have} bytes but manifest.json records {size}", kind))
             elif str(f) not in ctx.broken:
                 out += compare_digest(f, digest, size, layout.MANIFEST, ctx)
-        for f in sorted(td.glob("rank_*.safetensors")):
+        for f in ordered(td.glob("rank_*.safetensors")):
             # a rank file of another generation than the manifest's: an unfinished save's leftover in a
             # bucket, never read as part of this one (the manifest names its generation); the next save of
             # the tag deletes it

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from zckpt.checkpoint import Checkpoint
@@ -28,12 +27,13 @@ from zckpt.model import Checked, Piece, Role, TensorEntry, parse_dtype
 from zckpt.partition import chunk_range, chunk_size
 from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, RankRng, TrainingState
 from zckpt.storage import fileio
-from zckpt.storage.objstore import absolute, as_path
+from zckpt.storage.location import Location, absolute, location
+from zckpt.storage.location import size as size_of
 
 MAX_MANIFEST = 256 << 20
 
 
-def is_tag_dir(p: Path) -> bool:
+def is_tag_dir(p: Location) -> bool:
     """A folder with our ``manifest.json``: its format field says so, or rank 0's file lies beside it (a
     damaged or unreadable manifest is then reported by ``read``, not taken for a foreign folder)."""
     m = p / L.MANIFEST
@@ -47,7 +47,7 @@ def is_tag_dir(p: Path) -> bool:
     return f'"format": "{L.FORMAT_ID}"'.encode() in head
 
 
-def detect(path: Path) -> bool:
+def detect(path: Location) -> bool:
     """A folder whose ``latest`` names a tag folder with our manifest, or such a tag folder itself."""
     if not path.is_dir():
         return False
@@ -60,7 +60,7 @@ def detect(path: Path) -> bool:
     return tag is not None and is_tag_dir(path / tag)
 
 
-def resolve(path: Path, tag: str | None = None) -> tuple[Path | None, Path]:
+def resolve(path: Location, tag: str | None = None) -> tuple[Location | None, Location]:
     """(save folder or None, tag folder) for ``path`` (a save folder with ``latest``, or a tag folder)."""
     path = absolute(path)  # "." names its folder: a tag's save dir is its real parent
     if tag is not None:
@@ -79,7 +79,7 @@ def resolve(path: Path, tag: str | None = None) -> tuple[Path | None, Path]:
     return path, path / latest
 
 
-def load_manifest(tag_dir: Path) -> L.Manifest:
+def load_manifest(tag_dir: Location) -> L.Manifest:
     f = tag_dir / L.MANIFEST
     with fileio.open_regular(f) as fh:
         raw = fh.read(MAX_MANIFEST + 1)
@@ -96,7 +96,7 @@ def load_manifest(tag_dir: Path) -> L.Manifest:
     return L.Manifest.from_json(doc, str(f))
 
 
-def _headers(td: Path, man: L.Manifest) -> list[Header]:
+def _headers(td: Location, man: L.Manifest) -> list[Header]:
     out = []
     for r in range(man.world_size):
         name = man.rank_file(r)
@@ -106,9 +106,9 @@ def _headers(td: Path, man: L.Manifest) -> list[Header]:
         if name not in man.files:
             raise ShardMismatch(f"{td / L.MANIFEST}: lists no {name}", path=str(td / L.MANIFEST))
         want = man.files[name][1]
-        if f.stat().st_size != want:
+        if size_of(f) != want:
             raise ShardMismatch(
-                f"{f}: {f.stat().st_size} bytes, the manifest says {want} (truncated or another save)",
+                f"{f}: {size_of(f)} bytes, the manifest says {want} (truncated or another save)",
                 path=str(f),
             )
         out.append(safetensors.read_header(f))
@@ -124,7 +124,7 @@ def _headers(td: Path, man: L.Manifest) -> list[Header]:
 class _Files:
     """The rank files' headers, checked key by key against what the manifest implies."""
 
-    def __init__(self, td: Path, man: L.Manifest) -> None:
+    def __init__(self, td: Location, man: L.Manifest) -> None:
         self.td, self.man = td, man
         self.headers = _headers(td, man)
         self.used: list[set[str]] = [set() for _ in self.headers]
@@ -300,8 +300,8 @@ def _state(files: _Files) -> TrainingState:
     )
 
 
-def read(path: Path, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    save_dir, td = resolve(as_path(path), tag)
+def read(path: Location, *, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    save_dir, td = resolve(location(path), tag)
     if not ((td / L.MANIFEST).is_symlink() or (td / L.MANIFEST).exists()):
         raise CorruptCheckpoint(
             f"{td}: no {L.MANIFEST} (an unfinished save, or not a tag folder)", path=str(td)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from zckpt.errors import ZckptError
 from zckpt.ops.plots.tables import Table, diff_tables, inspect_tables, series_tables
+from zckpt.storage.location import local
 
 if TYPE_CHECKING:
     from zckpt.ops.diff import DiffResult
@@ -38,7 +39,7 @@ _MODULES = ("matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.
 
 def check(path: str | Path) -> Path:
     """``path`` as a plot output: a known suffix, an existing folder, and matplotlib importable."""
-    p = Path(path)
+    p = local(path, "--plot", hint="write the plot to a local file")
     if p.suffix.lower() not in SUFFIXES:
         raise ZckptError(f"--plot {p}: the file name must end in {', '.join(SUFFIXES)}")
     if not p.parent.is_dir():

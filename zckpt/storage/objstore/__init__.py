@@ -9,7 +9,8 @@ never reach it. Its modules, each importing only those above it:
   caches and figures), errors as one ``StorageError`` line naming the URL with a hint, retries, ``current``
   / ``bound`` (the running operation's ``ObjectStore``).
 - ``backend``: the client contract (``S3`` through obstore, ``Fsspec``), bound to one ``ObjectStore``.
-- ``paths``: ``RemotePath`` and the listings behind it, ``size``, ``kind``, ``as_path``, ``absolute``.
+- ``paths``: ``RemotePath`` (a ``Url`` with path arithmetic, never a ``Path``) and the listings behind it,
+  ``size``, ``kind``.
 - ``ahead``: read-ahead streams for sequential readers (a few streamed GETs per record, on their own thread).
 - ``read``: ranged reads (``read_into``: parts, read-ahead, the block cache, ``prefetch``), ``RemoteFile``.
 - ``write``: ``Upload`` (multipart, visible only when it completes), ``upload_file``, ``put_bytes``,
@@ -54,7 +55,7 @@ from zckpt.storage.objstore.client import (
     parse,
     parse_options,
 )
-from zckpt.storage.objstore.paths import RemotePath, absolute, as_path
+from zckpt.storage.objstore.paths import RemotePath
 from zckpt.storage.objstore.read import BLOCK, CACHE_BLOCKS, RemoteFile
 
 # -- the running operation's ObjectStore ---------------------------------------------------------------
@@ -131,8 +132,6 @@ __all__ = [
     "RemoteFile",
     "RemotePath",
     "Url",
-    "absolute",
-    "as_path",
     "bound",
     "cache_room",
     "current",

@@ -1,15 +1,14 @@
-"""Listing and paths in a bucket: ``RemotePath`` (a ``PurePosixPath`` that keeps its ``s3://`` and answers
-the few ``pathlib`` questions the formats ask, ``is_dir``, ``is_file``, ``exists``, ``iterdir``, ``glob``,
-``stat().st_size``) from one delimiter listing per folder, cached (``_list``); ``size``, ``kind``;
-``as_path`` (a user's string, or the ``s3:/...`` a ``pathlib.Path`` makes of it, as a path) and ``absolute``.
+"""Listing and paths in a bucket: ``RemotePath`` (a ``Url`` with the path arithmetic and the few
+stat-like questions the formats ask, ``is_dir``, ``is_file``, ``exists``, ``iterdir``, ``glob``, ``size``;
+never a ``Path``) from one delimiter listing per folder, cached (``_list``); ``size``, ``kind``.
+``zckpt.storage.location`` names a place that may be either (``Location``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
-from typing import cast
+from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from zckpt.errors import ObjectMissing
 from zckpt.storage.objstore import backend
@@ -20,8 +19,6 @@ from zckpt.storage.objstore.client import (
     _retry,
     _url,
     current,
-    is_url,
-    parse,
 )
 
 
@@ -77,25 +74,72 @@ def kind(st: ObjectStore, x: object) -> str | None:
     return None
 
 
-class RemotePath(PurePosixPath):
-    """A path in a bucket (``s3://bucket/key``): pure path arithmetic, plus the stat-like questions zckpt's
-    formats ask, answered from the folder listings of the running operation's ``ObjectStore``. It opens
-    nothing itself: reads go through ``zckpt.storage.fileio``."""
+@dataclass(frozen=True, repr=False)
+class RemotePath(Url):
+    """A location in a bucket (``s3://bucket/key``): the ``Url`` plus the path arithmetic the formats use
+    (``/``, ``name``, ``parent``, ``suffix``, ``stem``, ``with_name``, ``with_suffix``, ``parents``) and the
+    stat-like questions they ask (``exists``, ``is_file``, ``is_dir``, ``iterdir``, ``glob``, ``size``),
+    answered from the folder listings of the running operation's ``ObjectStore``. It is not a ``Path`` nor
+    ``os.PathLike``: ``open``, ``os.*`` and ``Path.resolve`` refuse it instead of naming a local file
+    ``s3:/...``; reads go through ``zckpt.storage.fileio``, writes through ``zckpt.storage.staging``, and
+    code that takes either says so with ``zckpt.storage.location.Location``."""
 
-    def __str__(self) -> str:
-        s = super().__str__()
-        scheme, _, rest = s.partition(":/")
-        return f"{scheme}://{rest.lstrip('/')}"
-
-    def __fspath__(self) -> str:
-        return str(self)
+    @classmethod
+    def of(cls, x: object) -> RemotePath:
+        """The ``RemotePath`` of a URL: ``s3://b/k``, a ``Url``, or the ``s3:/b/k`` a ``Path`` made of one."""
+        u = _url(x)
+        return u if isinstance(u, RemotePath) else cls(u.scheme, u.bucket, u.key)
 
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
+    def __lt__(self, other: RemotePath) -> bool:  # as ``Path`` sorts: by parts
+        return str(self).split("/") < str(other).split("/")
+
     @property
     def url(self) -> Url:
-        return _url(str(self))
+        return Url(self.scheme, self.bucket, self.key)
+
+    def _at(self, key: str) -> RemotePath:
+        return RemotePath(self.scheme, self.bucket, key.strip("/"))
+
+    def __truediv__(self, other: str) -> RemotePath:
+        return self._at(str(PurePosixPath("/", self.key, other)))
+
+    @property
+    def name(self) -> str:
+        """The last segment of the key (the bucket's name for its root, as ``Path("s3://b").name``)."""
+        return self.key.rpartition("/")[2] if self.key else self.bucket
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.name).suffix
+
+    @property
+    def stem(self) -> str:
+        return PurePosixPath(self.name).stem
+
+    @property
+    def parent(self) -> RemotePath:
+        """The folder holding this key (the bucket's root is its own parent, as ``Path("/").parent``)."""
+        return self._at(self.key.rpartition("/")[0]) if self.key else self
+
+    @property
+    def parents(self) -> tuple[RemotePath, ...]:
+        out, p = [], self
+        while p.key:
+            p = p.parent
+            out.append(p)
+        return tuple(out)
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / PurePosixPath(self.name).with_name(name).name
+
+    def with_suffix(self, suffix: str) -> RemotePath:
+        return self.with_name(PurePosixPath(self.name).with_suffix(suffix).name)
+
+    def is_absolute(self) -> bool:
+        return True
 
     def exists(self) -> bool:
         return kind(current(), self) is not None
@@ -108,12 +152,6 @@ class RemotePath(PurePosixPath):
 
     def is_symlink(self) -> bool:
         return False
-
-    def resolve(self, strict: bool = False) -> RemotePath:
-        return self
-
-    def absolute(self) -> RemotePath:
-        return self
 
     def iterdir(self) -> Iterator[RemotePath]:
         listing = _list(current(), self.url)
@@ -135,20 +173,6 @@ class RemotePath(PurePosixPath):
             level = nxt
         yield from level
 
-    def stat(self) -> os.stat_result:
-        return os.stat_result((0o100644, 0, 0, 1, 0, 0, size(current(), self), 0, 0, 0))
-
-
-def as_path(x: str | os.PathLike[str]) -> Path:
-    """A ``RemotePath`` for a URL (or the ``s3:/`` a ``pathlib.Path`` made of one), else a local ``Path``.
-    Typed as ``Path``: a ``RemotePath`` answers the ``Path`` methods zckpt's readers call on inputs."""
-    if isinstance(x, RemotePath):
-        return cast(Path, x)
-    u = parse(x)
-    return Path(x) if u is None else cast(Path, RemotePath(str(u)))
-
-
-def absolute(x: str | os.PathLike[str]) -> Path:
-    """``Path(os.path.abspath(x))`` for a local path; a URL is absolute already."""
-    p = as_path(x)
-    return p if is_url(p) else Path(os.path.abspath(p))
+    def size(self) -> int:
+        """The object's size in bytes (``Path.stat().st_size`` of a local file)."""
+        return size(current(), self)
