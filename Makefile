@@ -35,12 +35,12 @@ venvs:
 
 # Every test, and the layer contracts (pyproject [tool.importlinter]): what CI runs (.ci/run). Builds the
 # real-DeepSpeed venv first when missing: the `deepspeed` tests use it as their oracle and fail without it.
-# Tests run on $(TEST_JOBS) pytest-xdist workers; `--dist loadgroup` keeps an `xdist_group` on one worker, and
+# Tests run on $(TEST_JOBS) pytest-xdist workers, a test file to one worker, the files with slow tests first;
 # tests marked `serial` run alone (tests/_xdist.py). Only the CUDA tests may skip (tests/conftest.py: any
 # other skip fails the run); pytest's exit 5 (nothing collected) fails it too.
 test: venvs
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup tests
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests
 
 # The quick loop (< 60 s on 2 cores): no multi-rank spawns, nothing marked slow, no real DeepSpeed.
 test-fast: setup

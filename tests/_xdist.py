@@ -1,7 +1,13 @@
 """How the suite runs on several pytest-xdist workers (``make test`` passes ``-n``); one process (no ``-n``)
 runs as without this module.
 
-- Tests marked ``slow`` are handed out first, so that no long test starts last and runs alone at the end.
+- ``--dist loadfile``: a test file is one unit of work, run by one worker, so a module-scoped fixture is made
+  once and the fuzz tests share their cache (``tests/fuzz/corpus.py`` builds and replaces it on first use).
+  (``--dist loadgroup`` does not group with pytest 9: xdist 3.8 renames ``item._nodeid``, which pytest 9 no
+  longer reads.)
+- Tests marked ``slow`` come first in every worker's collection, and with ``--no-loadscope-reorder`` the
+  files are handed out in that order: the files holding long tests start first, none starts last and runs
+  alone at the end.
 - Tests marked ``serial`` run with no other test in flight: they compare the time of one code path with
   another's, a ratio that a neighbour's load would skew. Every other test holds a shared lock while it runs, a
   serial one the exclusive lock; a gate taken first lets a waiting serial test in before the other workers'

@@ -11,9 +11,7 @@ import pytest
 
 from tests.fuzz import suite
 
-# one xdist worker runs them all: they share the bases and references cached under the fuzz cache, built on
-# first use (tests/fuzz/corpus.py), which two workers would build and replace at once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fuzz")]
+pytestmark = pytest.mark.slow
 
 
 def test_fast_selection_has_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
