@@ -12,6 +12,9 @@ DEMO_WORLD ?= 4
 # pytest-xdist workers for `make test`: one per CPU this process may use (nproc follows the CPU affinity).
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export DS_BUILD_OPS := 0
+# Where torch puts the ops DeepSpeed compiles (torch's default, ~/.cache/torch_extensions, is shared by every
+# checkout, and a checkout at another path recompiles them there).
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(DSVENV)/torch_extensions
 # The tests start hundreds of Python processes; without bytecode caches each one compiles zckpt (and, as
 # the venvs are installed with --no-compile, torch) again. A caller's PYTHONDONTWRITEBYTECODE stays out.
 unexport PYTHONDONTWRITEBYTECODE
@@ -63,6 +66,9 @@ demo: setup
 $(DSSTAMP): requirements-ds.txt
 	test -x $(DSVENV)/bin/python || $(PY) -m venv $(DSVENV)
 	$(DSVENV)/bin/pip install -q --no-compile -r requirements-ds.txt
+	# DeepSpeed compiles its CPU Adam ops (the oracle tests' optimizers) on first use, ~2 min each on 2 cores:
+	# here, beside the .venv build, not inside a test's time limit while another test waits on its lock.
+	DS_ACCELERATOR=cpu $(DSVENV)/bin/python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder; FusedAdamBuilder().load(); CPUAdamBuilder().load()'
 	touch $(DSSTAMP)
 
 fixtures: $(DSSTAMP)
