@@ -9,28 +9,41 @@ STAMP     := $(VENV)/.installed
 DSVENV    := .venv-ds
 DSSTAMP   := $(DSVENV)/.installed
 DEMO_WORLD ?= 4
+# pytest-xdist workers for `make test`: one per CPU this process may use (nproc follows the CPU affinity).
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export DS_BUILD_OPS := 0
+# Where torch puts the ops DeepSpeed compiles (torch's default, ~/.cache/torch_extensions, is shared by every
+# checkout, and a checkout at another path recompiles them there).
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(DSVENV)/torch_extensions
+# The tests start hundreds of Python processes; without bytecode caches each one compiles zckpt (and, as
+# the venvs are installed with --no-compile, torch) again. A caller's PYTHONDONTWRITEBYTECODE stays out.
+unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup test test-fast test-dist lint demo fixtures bench clean
+.PHONY: setup venvs test test-fast test-dist lint demo fixtures bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
+	$(VPY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	# `import deepspeed` is the engine only under `python -m engine.run` (engine/run.py); remove the .pth
 	# that older setups wrote (it made every process of this venv see the engine as deepspeed).
 	$(VPY) -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_path("purelib"), "engine-deepspeed-alias.pth").unlink(missing_ok=True)'
 	touch $(STAMP)
 
+# Both venvs at once when missing (pip waits on the network and the disk more than on a CPU).
+venvs:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(DSSTAMP)
+
 # Every test, and the layer contracts (pyproject [tool.importlinter]): what CI runs (.ci/run). Builds the
-# real-DeepSpeed venv first when missing (~4 min on 2 cores): the `deepspeed` tests use it as their oracle and
-# fail without it. Only the CUDA tests may skip (tests/conftest.py: any other skip fails the run); pytest's
-# exit 5 (nothing collected) fails it too.
-test: setup $(DSSTAMP)
+# real-DeepSpeed venv first when missing: the `deepspeed` tests use it as their oracle and fail without it.
+# Tests run on $(TEST_JOBS) pytest-xdist workers, a test file to one worker, the files with slow tests first;
+# tests marked `serial` run alone (tests/_xdist.py). Only the CUDA tests may skip (tests/conftest.py: any
+# other skip fails the run); pytest's exit 5 (nothing collected) fails it too.
+test: venvs
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests
 
 # The quick loop (< 60 s on 2 cores): no multi-rank spawns, nothing marked slow, no real DeepSpeed.
 test-fast: setup
@@ -52,7 +65,12 @@ demo: setup
 # (exported above) builds no DeepSpeed op; the stamp is written only once the install succeeded.
 $(DSSTAMP): requirements-ds.txt
 	test -x $(DSVENV)/bin/python || $(PY) -m venv $(DSVENV)
-	$(DSVENV)/bin/pip install -q -r requirements-ds.txt
+	$(DSVENV)/bin/pip install -q --no-compile -r requirements-ds.txt
+	# DeepSpeed compiles its CPU ops on first use (the oracle tests' Adam, offload Adam, shared-memory comm;
+	# ~4.5 min of CPU): here, beside the .venv build, not inside a test's time limit while another test waits
+	# on the build lock.
+	DS_ACCELERATOR=cpu $(DSVENV)/bin/python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder, \
+	  FusedAdamBuilder, ShareMemCommBuilder; [b().load() for b in (FusedAdamBuilder, CPUAdamBuilder, ShareMemCommBuilder)]'
 	touch $(DSSTAMP)
 
 fixtures: $(DSSTAMP)

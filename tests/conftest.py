@@ -16,6 +16,8 @@ from pathlib import Path
 import _s3
 import pytest
 
+pytest_plugins = ["_xdist"]  # under pytest-xdist: slow tests first, ``serial`` ones alone (tests/_xdist.py)
+
 DS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"
 _skipped: dict[str, list[str]] = {"cuda": [], "other": []}
 _heldout: list[str] = []
@@ -74,8 +76,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its deselections reach the summary
+        session.config.workeroutput["heldout"] = _heldout
     if _skipped["other"] and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:  # xdist controller
+    _heldout.extend(h for h in getattr(node, "workeroutput", {}).get("heldout", []) if h not in _heldout)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -390,6 +390,7 @@ def _timing(rank: int, world: int, out: str) -> dict[str, Any]:
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.serial  # a ratio of two timings: no other test's load meanwhile
 def test_world2_100m_save_call_blocks_at_most_035_of_sync(tmp_path: Path) -> None:
     from _dist import run
 
