@@ -10,7 +10,7 @@ import pytest
 
 import zckpt
 from tests._fixtures import fixture
-from zckpt.stream import pipeline, shards
+from zckpt.stream import pipeline
 
 SRC = "gpt2_s3_bf16_w2"
 
@@ -47,7 +47,7 @@ def test_sharded_consolidate_and_reshard_same_bytes(tmp_path: Path, monkeypatch:
 
 def test_failed_shard_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZCKPT_FILES", "3")
-    real = shards.each_file
+    real = pipeline.each_file  # shards imports it when it writes, so the patched one is what it calls
 
     def one_fails(write, jobs):  # type: ignore[no-untyped-def]
         def wrapped(job):  # type: ignore[no-untyped-def]
@@ -57,7 +57,7 @@ def test_failed_shard_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
 
         return real(wrapped, jobs)
 
-    monkeypatch.setattr(shards, "each_file", one_fails)
+    monkeypatch.setattr(pipeline, "each_file", one_fails)
     with pytest.raises(zckpt.errors.WriteFailed, match="No space left"):
         zckpt.consolidate(
             fixture("ds", SRC), tmp_path / "hf", dtype="fp32", max_shard_size="20KB", progress=False
