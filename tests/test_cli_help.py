@@ -159,8 +159,8 @@ sys.meta_path.insert(0, _SlowTorch())
 @pytest.mark.parametrize("module", ["zckpt", "zckpt.cli"])
 def test_python_m_keeps_the_startup_guard(module: str, tmp_path: Path) -> None:
     """Ctrl-C while `python -m zckpt inspect --stats` starts (torch importing; plain inspect needs no torch)
-    is the start-up guard's: one line, exit 130, as for the console script (tests/test_cli.py). The slow import is planted by a sitecustomize, so
-    the interpreter runs the real `-m` path."""
+    is the start-up guard's: one line, exit 130, as for the console script (tests/test_cli.py). The slow
+    import is planted by a sitecustomize, so the interpreter runs the real `-m` path."""
     import signal
     import time
 
