@@ -118,6 +118,13 @@ def test_failed_overwrite_of_one_file_keeps_it_and_its_sidecar(
     assert _cli("verify", url)[0] == 0
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT at its default, so Python installs its handler even where the test runs under a
+    parent that ignores SIGINT (CI started as a background job of a non-interactive shell)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.serial  # the interrupt must reach the command before the held request is released
 @pytest.mark.parametrize("lands", [False, True], ids=["dropped", "lands-late"])
 @pytest.mark.parametrize("nth", [1, 2, 3])
@@ -143,7 +150,9 @@ def test_interrupted_reshard_to_the_bucket_says_what_it_left(
     relay.forward_held = lands
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TMPDIR": str(tmp_path)}
     argv = [sys.executable, "-m", "zckpt", "reshard", str(SRC), url, "--world", "3", "--to", "native"]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # noqa: S603
+    p = subprocess.Popen(  # noqa: S603
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_sigint_default
+    )
     if not relay.held.wait(120):
         p.kill()
         out = p.communicate()[0].decode()[-2000:]
