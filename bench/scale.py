@@ -347,6 +347,7 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
     ap.add_argument("--size", default="1.5b")
+    ap.add_argument("--micro", type=int, default=4, help="micro-batch of the run that makes the save")
     a = ap.parse_args()
     parts = a.parts.split(",")
     d = Path(a.dir)
@@ -392,7 +393,7 @@ def main() -> None:
                 "--size",
                 a.size,
                 "--micro",
-                "4",
+                str(a.micro),
                 "--steps",
                 "2",
                 "--save-only",
