@@ -65,7 +65,7 @@ class Record(TrainerCallback):
 
 def t5() -> T5ForConditionalGeneration:
     torch.manual_seed(0)
-    cfg = T5Config(
+    cfg = T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: through PreTrainedConfig's kwargs
         vocab_size=VOCAB,
         d_model=32,
         d_kv=8,
@@ -136,13 +136,14 @@ def main() -> None:
         disable_tqdm=True,
     )
     rec = Record()
+    net: torch.nn.Module
     if a.model == "t5":
         net = t5()
     else:
         net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
     trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
-    out = {"losses": rec.losses, "step_s": rec.step_s}
+    out: dict[str, object] = {"losses": rec.losses, "step_s": rec.step_s}
     if a.save_model:
         t0 = time.perf_counter()
         trainer.save_model(a.save_model)
