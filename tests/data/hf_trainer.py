@@ -154,6 +154,11 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
+    # leave the process group before the interpreter exits: a gloo thread still running at exit aborted one
+    # real DeepSpeed recording run ("terminate called without an active exception", SIGABRT)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
