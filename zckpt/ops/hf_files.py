@@ -8,13 +8,15 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import dtype_name
 from zckpt.storage import fileio
 from zckpt.storage.location import Location, location
+
+if TYPE_CHECKING:
+    import torch
 
 HF_FILES = (
     "config.json",
