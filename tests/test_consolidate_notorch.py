@@ -1,6 +1,7 @@
-"""``zckpt consolidate`` never imports torch when the job needs no torch object (issue 42): DeepSpeed ZeRO-1/2/3,
-DCP, HF safetensors, HF Trainer, Megatron and native inputs, local or ``s3://``, to a safetensors file or a
-sharded HF folder, every ``--dtype``, ``--keep-fp32``, ``--exclude-frozen``, tied weights, sidecars.
+"""``zckpt consolidate`` never imports torch when the job needs no torch object (issue 42): DeepSpeed
+ZeRO-1/2/3, DCP, HF safetensors, HF Trainer, Megatron and native inputs, local or ``s3://``, to a
+safetensors file or a sharded HF folder, every ``--dtype``, ``--keep-fp32``, ``--exclude-frozen``, tied
+weights, sidecars.
 
 Oracle: the same consolidation in this process, which has imported torch, so its casts run in torch
 (``zckpt.stream.cast.cast_into`` hands them to torch when it is imported): every output file, sidecars and
@@ -42,7 +43,8 @@ _NO_TORCH_JOBS = """
 def _family(name: str, native: Path) -> list[Path]:
     """The checkpoints of one input family, every committed one (a family with none is an error)."""
     found = {
-        "deepspeed": [p for p in sorted((FIX / "ds").iterdir()) if p.is_dir() and not p.name.startswith("s0_")],
+        "deepspeed": [p for p in sorted((FIX / "ds").iterdir())
+                      if p.is_dir() and not p.name.startswith("s0_")],
         "dcp": [p / "checkpoint" for p in sorted((FIX / "dcp").iterdir()) if (p / "checkpoint").is_dir()
                 and p.name != "zstd_w2"],  # compressed items: refused by zckpt whatever the path
         "hf": sorted((FIX / "dcp").glob("*/ref_model.safetensors")),
@@ -82,8 +84,8 @@ def test_torch_free_output_equals_torch(family: str, native: Path, tmp_path: Pat
     free, ref = tmp_path / "free", tmp_path / "torch"
     free.mkdir()
     ref.mkdir()
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_NO_TORCH_JOBS), json.dumps(_jobs(cks, free))],
-                          capture_output=True, text=True, cwd=REPO, check=False)  # fmt: skip
+    argv = [sys.executable, "-c", textwrap.dedent(_NO_TORCH_JOBS), json.dumps(_jobs(cks, free))]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch" in sys.modules  # the oracle's casts run in torch
     for ck, out, kw in _jobs(cks, ref):
@@ -123,7 +125,10 @@ CLI_CASES = {
     "zero3": (FIX / "ds" / "s3_bf16_w2_g2", []),
     "dcp": (FIX / "dcp" / "fsdp2_w2" / "checkpoint", ["--dtype", "fp16"]),
     "hf-safetensors": (FIX / "dcp" / "fsdp2_w2" / "ref_model.safetensors", ["--dtype", "bf16"]),
-    "trainer": (FIX / "trainer" / "trainer_z2_w2" / "checkpoint-3", ["--dtype", "bf16", "--keep-fp32", "*ln_*"]),
+    "trainer": (
+        FIX / "trainer" / "trainer_z2_w2" / "checkpoint-3",
+        ["--dtype", "bf16", "--keep-fp32", "*ln_*"],
+    ),
     "megatron": (FIX / "megatron" / "tp2_fp32_gpt2" / "ckpt", ["--dtype", "bf16"]),
     "native": (Path("native"), ["--dtype", "bf16"]),
 }

@@ -289,7 +289,7 @@ class Session:
                 for a in range(lo, hi, _BUF):
                     buf = np.empty(min(_BUF, hi - a), dtype=np.uint8)
                     fileio.read_into(check.file, check.start + a, buf)
-                    rec.add(a, a + buf.size, crc32(memoryview(buf)))
+                    rec.add(a, a + buf.size, crc32(buf.data))
             got = rec.segments.get(0, (0, 0))[1]
             if got != check.crc32:
                 raise CorruptCheckpoint(
@@ -334,21 +334,25 @@ def session(enabled: bool = True) -> Iterator[Session | None]:
 
 
 def consumed(
-    check: Checked | None, byte_offset: int, data: torch.Tensor | np.ndarray | memoryview, stable: bool = False
+    check: Checked | None,
+    byte_offset: int,
+    data: torch.Tensor | np.ndarray | memoryview,
+    stable: bool = False,
 ) -> None:
     """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
     of the file's mapping (``fileio.view``), valid after the call, so hashing it may finish later."""
     s = _active
     if s is None or check is None:
         return
-    if isinstance(data, memoryview):
-        mv = data
-    elif type(data).__module__ == "numpy":  # the torch-free write path's buffers
-        mv = memoryview(data)  # type: ignore[arg-type]
+    buf: Any = data
+    if isinstance(buf, memoryview):
+        mv = buf
+    elif type(buf).__module__ == "numpy":  # the torch-free write path's buffers (``zckpt.stream.fill``)
+        mv = buf.data
     else:
         import torch
 
-        mv = memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        mv = memoryview(buf.contiguous().view(torch.uint8).numpy())
     s.consumed(check, byte_offset, mv.cast("B"), stable)
 
 

@@ -18,7 +18,7 @@ import mmap
 import os
 import shutil
 import stat
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
 from zckpt.storage import objstore, session
@@ -304,11 +304,12 @@ def read_into(path: str, offset: int, out: torch.Tensor | np.ndarray, limit: int
 
 def _byte_view(out: torch.Tensor | np.ndarray) -> memoryview:
     """``out``'s memory as a writable byte view (a tensor through numpy: torch is imported, it made one)."""
-    if type(out).__module__ == "numpy":
-        return memoryview(out).cast("B")  # type: ignore[arg-type]
+    buf: Any = out
+    if type(buf).__module__ == "numpy":
+        return memoryview(buf).cast("B")
     import torch
 
-    return memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type, union-attr]
+    return memoryview(buf.view(torch.uint8).numpy()).cast("B")
 
 
 def _pread_all(path: str, fd: int, size: int, offset: int, mv: memoryview, n: int) -> None:

@@ -17,8 +17,8 @@ kernels write them: to ``bfloat16`` from float32/float64 ``0xFFFF``, from float1
 ``float16`` the sign, the quiet bit and the top 9 payload bits of the float32 value; to ``float32`` from
 float16 the payload with the quiet bit set, from bfloat16 the bits shifted (a signalling NaN stays one).
 A float64 source is rounded to float32 first, as torch does. (torch's scalar tail loop writes some NaNs
-differently from its vector loop: a float64 tensor of a few elements cast to bfloat16 gets ``0x7FC0`` for a NaN
-from torch; these kernels give the vector loop's bits everywhere.)
+differently from its vector loop: a float64 tensor of a few elements cast to bfloat16 gets ``0x7FC0`` for a
+NaN from torch; these kernels give the vector loop's bits everywhere.)
 """
 
 from __future__ import annotations

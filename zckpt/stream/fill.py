@@ -6,8 +6,8 @@ the stream's bytes ``[lo, lo + len(dst))`` into ``dst`` (a uint8 numpy array: no
 job that needs no other tensor math never imports it): ``pread`` straight into ``dst`` where no cast is
 needed (any byte range: a piece cut mid-element is fine), else the covering elements read and cast
 (``zckpt.stream.cast``) in pieces of at most ``CAST_BYTES`` (into ``dst`` itself where the bytes are
-element-aligned, else through a per-thread scratch). Every read is reported to the checksum session (``zckpt.storage.checks``), so a fill
-checks the source's CRC-32s and digests as a sequential read does.
+element-aligned, else through a per-thread scratch). Every read is reported to the checksum session
+(``zckpt.storage.checks``), so a fill checks the source's CRC-32s and digests as a sequential read does.
 
 Because any range can be filled independently, a writer fills the blocks of an output file side by side
 on several threads (``zckpt.storage.sink.HashingSink.fill``) instead of streaming chunks through one thread.
@@ -31,7 +31,7 @@ from zckpt.storage import checks, fileio, objstore
 from zckpt.stream.cast import cast_into
 from zckpt.stream.spans import Span, spans
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a tensor chunk for a torch writer (``Layout.chunks``); the fills need no torch
     import torch
 
     from zckpt.stream.items import WriteItem
@@ -125,8 +125,9 @@ def layout_of_items(items: Sequence[WriteItem]) -> Layout:
     runs: list[Run] = []
     for it in items:
         a, b = it.range
-        runs.append(Run(it.entry, a, b - a, it.dtype))
-        runs.append(Run(None, 0, it.pad, it.dtype))
+        dt = dtypes.of(it.dtype)
+        runs.append(Run(it.entry, a, b - a, dt))
+        runs.append(Run(None, 0, it.pad, dt))
     return Layout(runs)
 
 

@@ -180,7 +180,7 @@ def _in_place(sink: BlockSink, layout: Layout, lo: int, hi: int, crc: bool, on_b
         dst = np.frombuffer(mv, dtype=np.uint8)[:n]
         layout.fill(dst, lo)
         if crc:
-            out = checks.crc32_combine(out, checks.crc32(memoryview(dst)), n)
+            out = checks.crc32_combine(out, checks.crc32(dst.data), n)
         del dst
         sink.commit(n)
         if on_bytes is not None:
@@ -241,7 +241,7 @@ def _pieces_fill(
     def job(i: int, lo: int, hi: int) -> int:
         dst = np.frombuffer(ring.bufs[i], dtype=np.uint8)[: hi - lo]
         layout.fill(dst, lo)
-        return checks.crc32(memoryview(dst)) if crc else 0
+        return checks.crc32(dst.data) if crc else 0
 
     window: collections.deque[tuple[int, int, int, Future[int]]] = collections.deque()
 

@@ -23,7 +23,7 @@ from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
 
-if TYPE_CHECKING:  # imported by the readers that build tensors: ``spans`` itself (positional fills) needs none
+if TYPE_CHECKING:  # imported by the readers that build tensors; ``spans`` (positional fills) needs none
     import torch
 
 CHUNK_BYTES = 16 << 20
