@@ -163,13 +163,19 @@ def test_cli_consolidate_imports_no_torch(case: str, layout: str, native: Path, 
 
 
 def test_cli_consolidate_from_bucket_imports_no_torch(s3_server: _s3.Server, tmp_path: Path) -> None:
-    """An ``s3://`` ZeRO-3 checkpoint, the client configured by the user's environment only."""
-    url = _s3.upload(s3_server.client(), FIX / "ds" / "s3_bf16_w3_sub_g2", "ckpts", "notorch/z3")
-    _cli_without_torch(["consolidate", url, str(tmp_path / "free" / "m.safetensors"), "--dtype", "fp16"],
-                       env=dict(_s3.env_for(s3_server.url)))  # fmt: skip
+    """An ``s3://`` ZeRO-3 checkpoint, the client configured by the user's environment only; written to a
+    local file, and into the bucket."""
+    c = s3_server.client()
+    url = _s3.upload(c, FIX / "ds" / "s3_bf16_w3_sub_g2", "ckpts", "notorch/z3")
+    env = dict(_s3.env_for(s3_server.url))
+    _cli_without_torch(["consolidate", url, str(tmp_path / "free" / "m.safetensors"), "--dtype", "fp16"], env)
+    _cli_without_torch(["consolidate", url, "s3://ckpts/notorch/out/m.safetensors", "--dtype", "fp16"], env)
     zckpt.consolidate(FIX / "ds" / "s3_bf16_w3_sub_g2", tmp_path / "torch" / "m.safetensors", dtype="fp16",
                       progress=False)  # fmt: skip
-    assert _files(tmp_path / "free") == _files(tmp_path / "torch")
+    want = _files(tmp_path / "torch")
+    assert _files(tmp_path / "free") == want
+    obj = c.get_object(Bucket="ckpts", Key="notorch/out/m.safetensors")  # type: ignore[attr-defined]
+    assert obj["Body"].read() == want["m.safetensors"]
 
 
 def test_torch_only_where_the_job_needs_it() -> None:
