@@ -162,6 +162,23 @@ def test_cli_consolidate_imports_no_torch(case: str, layout: str, native: Path, 
     assert got == want and len(want) >= 2
 
 
+def test_python_m_zckpt_consolidate_imports_no_torch(tmp_path: Path) -> None:
+    """The program itself (``python -m zckpt``, whose ``main`` ends the process without returning): every
+    module it imports is listed by ``-X importtime``; torch is not among them (numpy is: the casts')."""
+    out = tmp_path / "m.safetensors"
+    ck = FIX / "ds" / "s3_bf16_w2_g2"
+    argv = [sys.executable, "-X", "importtime", "-m", "zckpt", "consolidate", str(ck), str(out), "--dtype", "fp16",
+            "--no-progress"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {
+        line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "numpy" in imported and "zckpt.stream.cast" in imported
+    assert sorted(m for m in imported if m == "torch" or m.startswith("torch.")) == []
+    assert out.stat().st_size > 0
+
+
 def test_cli_consolidate_from_bucket_imports_no_torch(s3_server: _s3.Server, tmp_path: Path) -> None:
     """An ``s3://`` ZeRO-3 checkpoint, the client configured by the user's environment only; written to a
     local file, and into the bucket."""
