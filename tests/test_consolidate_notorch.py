@@ -167,8 +167,8 @@ def test_python_m_zckpt_consolidate_imports_no_torch(tmp_path: Path) -> None:
     module it imports is listed by ``-X importtime``; torch is not among them (numpy is: the casts')."""
     out = tmp_path / "m.safetensors"
     ck = FIX / "ds" / "s3_bf16_w2_g2"
-    argv = [sys.executable, "-X", "importtime", "-m", "zckpt", "consolidate", str(ck), str(out), "--dtype", "fp16",
-            "--no-progress"]  # fmt: skip
+    argv = [sys.executable, "-X", "importtime", "-m", "zckpt", "consolidate", str(ck), str(out),
+            "--dtype", "fp16", "--no-progress"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {
