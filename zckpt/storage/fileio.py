@@ -18,7 +18,7 @@ import mmap
 import os
 import shutil
 import stat
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
 from zckpt.storage import objstore, session
@@ -26,6 +26,7 @@ from zckpt.storage.location import LocationLike, location
 from zckpt.storage.objstore import RemotePath
 
 if TYPE_CHECKING:  # imported where used: the CLI opens a DCP .metadata here before torch is imported
+    import numpy as np
     import torch
 
 
@@ -281,36 +282,42 @@ def close_files(paths: object = None) -> None:
         s.files.close(paths)
 
 
-def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
-    by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
-    memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the caller
-    goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore it)."""
-    import torch
-
-    n = out.numel() * out.element_size()
+def read_into(path: str, offset: int, out: torch.Tensor | np.ndarray, limit: int | None = None) -> None:
+    """Fill ``out`` (a contiguous CPU tensor, or a contiguous numpy array: the torch-free write path) with
+    the file's bytes ``[offset, offset + out.nbytes)`` by ``pread`` (thread-safe; releases the GIL). Unlike a
+    mapping, nothing stays in this process's memory afterwards: the bytes live only in ``out`` and the
+    kernel's page cache. ``limit``: the caller goes on reading up to this byte (an object store may fetch
+    ahead up to it; local files ignore it)."""
+    mv = _byte_view(out)
+    n = len(mv)
     if objstore.is_url(path):
-        mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         objstore.read_into(path, offset, mv, limit)
         return
     files = _files()
     fd, size = files.fd(path, _open_local)
     try:
-        _pread_all(path, fd, size, offset, out, n)
+        _pread_all(path, fd, size, offset, mv, n)
     finally:
         if session.bound_storage() is None:
             files.close()
 
 
-def _pread_all(path: str, fd: int, size: int, offset: int, out: torch.Tensor, n: int) -> None:
+def _byte_view(out: torch.Tensor | np.ndarray) -> memoryview:
+    """``out``'s memory as a writable byte view (a tensor through numpy: torch is imported, it made one)."""
+    buf: Any = out
+    if type(buf).__module__ == "numpy":
+        return memoryview(buf).cast("B")
     import torch
 
+    return memoryview(buf.view(torch.uint8).numpy()).cast("B")
+
+
+def _pread_all(path: str, fd: int, size: int, offset: int, mv: memoryview, n: int) -> None:
     if offset < 0 or offset + n > size:
         raise CorruptCheckpoint(
             f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)",
             path=path,
         )
-    mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < n:
         k = os.preadv(fd, [mv[done:]], offset + done)

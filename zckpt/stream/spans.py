@@ -17,12 +17,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
+
+if TYPE_CHECKING:  # imported by the readers that build tensors; ``spans`` (positional fills) needs none
+    import torch
 
 CHUNK_BYTES = 16 << 20
 """Bytes held per chunk when streaming a tensor: large enough for sequential I/O, small enough to keep a
@@ -73,6 +75,8 @@ def _tagged(runs: Iterator[tuple[int, int, int]], i: int) -> Iterator[tuple[int,
 
 def copy_span(s: Span, out: torch.Tensor) -> None:
     """The span's elements into ``out`` (1-D, ``s.n`` elements, any dtype: cast on the way)."""
+    import torch
+
     p = s.piece
     if p.value is not None:
         out.copy_(p.inline().reshape(-1)[s.offset : s.offset + s.n])
@@ -89,6 +93,8 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
 def _read(
     entry: TensorEntry, lo: int, hi: int, dtype: DType | torch.dtype | None, out: torch.Tensor | None
 ) -> torch.Tensor:
+    import torch
+
     if out is None:
         out = torch.empty(hi - lo, dtype=torch_of(entry.dtype if dtype is None else dtype))
     for s in spans(entry, lo, hi):
