@@ -176,6 +176,26 @@ def _resume(
     return run_trainer(python_bin, work, config, name, *resume, *batch, *extra, world=world)
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_from_pretrained_under_zero3_init_loads_the_weights(tmp_path: Path) -> None:
+    """``from_pretrained`` inside ZeRO-3's ``zero.Init`` (the Trainer's fine-tuning start, ``--init-from``):
+    the script's own seed-0 model saved with ``save_pretrained``, loaded under the engine's ``zero.Init`` on
+    2 ranks, logs real DeepSpeed's recorded losses of the run that built the same weights from the config
+    (weights not loaded would start from ``from_pretrained``'s own random init and log others)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.model().save_pretrained(tmp_path / "init")
+    want = json.loads(EXPECTED.read_text())["zero3"]
+    got = run_trainer(Path(sys.executable), tmp_path, "zero3", "run", "--init-from", str(tmp_path / "init"))
+    assert got["deepspeed"] == "0.19.8+engine"
+    assert _losses(got) == pytest.approx(_losses(want), rel=LOSS_REL)
+
+
 @pytest.mark.deepspeed
 @pytest.mark.dist
 @pytest.mark.slow
