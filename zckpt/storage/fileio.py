@@ -2,8 +2,9 @@
 
 ``open_fd`` / ``open_regular`` open regular files only (FIFOs, devices, sockets and folders are refused
 without blocking). ``read_into`` reads a byte range with ``pread`` straight into a caller's buffer (nothing
-read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping and
-``release`` drops its consumed pages. ``zckpt.stream.spans`` turns tensor ranges into these byte reads.
+read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping (as a
+tensor; ``view_bytes``: as a memoryview, without torch) and ``release`` drops its consumed pages.
+``zckpt.stream.spans`` turns tensor ranges into these byte reads.
 
 An object-store URL (``s3://bucket/key``) is routed to ``zckpt.storage.objstore`` here, at the top of each
 function (``objstore.parse``), and nowhere else. ``open_fd`` returns a ``Handle``: a local descriptor, or an
@@ -281,36 +282,37 @@ def close_files(paths: object = None) -> None:
         s.files.close(paths)
 
 
-def read_into(path: str, offset: int, out: torch.Tensor, limit: int | None = None) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the file's bytes ``[offset, offset + out.nbytes)``
-    by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this process's
-    memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the caller
-    goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore it)."""
-    import torch
+def read_into(path: str, offset: int, out: torch.Tensor | memoryview, limit: int | None = None) -> None:
+    """Fill the contiguous CPU tensor (or writable buffer) ``out`` with the file's bytes ``[offset, offset +
+    out.nbytes)`` by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this
+    process's memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the
+    caller goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore
+    it)."""
+    if isinstance(out, memoryview):
+        mv = out.cast("B")
+    else:
+        import torch
 
-    n = out.numel() * out.element_size()
-    if objstore.is_url(path):
         mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    n = len(mv)
+    if objstore.is_url(path):
         objstore.read_into(path, offset, mv, limit)
         return
     files = _files()
     fd, size = files.fd(path, _open_local)
     try:
-        _pread_all(path, fd, size, offset, out, n)
+        _pread_all(path, fd, size, offset, mv, n)
     finally:
         if session.bound_storage() is None:
             files.close()
 
 
-def _pread_all(path: str, fd: int, size: int, offset: int, out: torch.Tensor, n: int) -> None:
-    import torch
-
+def _pread_all(path: str, fd: int, size: int, offset: int, mv: memoryview, n: int) -> None:
     if offset < 0 or offset + n > size:
         raise CorruptCheckpoint(
             f"{path}: needs bytes [{offset}, {offset + n}) but the file has {size} bytes (truncated?)",
             path=path,
         )
-    mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < n:
         k = os.preadv(fd, [mv[done:]], offset + done)
@@ -337,6 +339,21 @@ def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.T
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(mm, dtype=dtype, count=count, offset=byte_offset)
+
+
+def view_bytes(path: str, byte_offset: int, nbytes: int) -> memoryview:
+    """``fileio.view`` without torch: the file's bytes ``[byte_offset, byte_offset + nbytes)`` as a zero-copy
+    read-only view of the cached mapping (an object's: an owned copy). Never modify it."""
+    if objstore.is_url(path):
+        out = bytearray(nbytes)
+        objstore.read_into(path, byte_offset, memoryview(out), None)
+        return memoryview(out).toreadonly()
+    mm, size = _map(path)
+    end = byte_offset + nbytes
+    if byte_offset < 0 or end > size:
+        raise CorruptCheckpoint(f"{path}: needs bytes [{byte_offset}, {end}) but the file has {size} bytes "
+                                "(truncated?)", path=path)  # fmt: skip
+    return memoryview(mm)[byte_offset:end].toreadonly()
 
 
 _AROUND = 64 << 10

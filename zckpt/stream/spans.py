@@ -9,7 +9,8 @@ and the engine's load:
   ``pread`` straight into the output when the dtypes match (nothing stays in the process's memory);
 - ``iter_chunks``: the tensor in order, one bounded chunk at a time (a writer's input);
 - ``aligned_views``: two same-size tensors side by side, each chunk a zero-copy view of the page cache
-  (released once consumed), cut on both sides' run boundaries (``diff``).
+  (released once consumed), cut on both sides' run boundaries (``diff``); ``aligned_spans``: the same steps,
+  for a reader that views the bytes itself (``diff``'s numpy comparison).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
+
+if TYPE_CHECKING:  # torch is imported by the readers that build tensors: ``spans`` needs none (diff_numpy)
+    import torch
 
 CHUNK_BYTES = 16 << 20
 """Bytes held per chunk when streaming a tensor: large enough for sequential I/O, small enough to keep a
@@ -80,6 +83,8 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
         fileio.read_into(p.file, s.byte_offset, out, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, out)
     else:
+        import torch
+
         tmp = torch.empty(s.n, dtype=p.dtype.torch)
         fileio.read_into(p.file, s.byte_offset, tmp, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, tmp)
@@ -90,6 +95,8 @@ def _read(
     entry: TensorEntry, lo: int, hi: int, dtype: DType | torch.dtype | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     if out is None:
+        import torch
+
         out = torch.empty(hi - lo, dtype=torch_of(entry.dtype if dtype is None else dtype))
     for s in spans(entry, lo, hi):
         copy_span(s, out[s.lo - lo : s.lo - lo + s.n])
@@ -137,10 +144,18 @@ def aligned_views(
     """Aligned chunks of two same-size entries, ``(A's elements [lo, hi), B's elements [lo, hi))``, in each
     entry's dtype, at most ``max_elems`` per chunk.
 
-    Chunk boundaries include every span boundary of both sides, so each chunk lies inside one span per side
-    and is a zero-copy view of the file's page cache (a copy only when a stored dtype differs from its
-    entry's). The pages of a chunk are released (``MADV_DONTNEED``) once the consumer moves on, so RSS stays
-    at one chunk. Never keep or modify a yielded chunk."""
+    Chunk boundaries include every span boundary of both sides (``aligned_spans``), so each chunk lies inside
+    one span per side and is a zero-copy view of the file's page cache (a copy only when a stored dtype
+    differs from its entry's). The pages of a chunk are released (``MADV_DONTNEED``) once the consumer moves
+    on, so RSS stays at one chunk. Never keep or modify a yielded chunk."""
+    for x, y, lo, hi in aligned_spans(a, b, max_elems):
+        yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
+
+
+def aligned_spans(a: TensorEntry, b: TensorEntry, max_elems: int) -> Iterator[tuple[Span, Span, int, int]]:
+    """``aligned_views``'s steps without reading: ``(A's span, B's span, lo, hi)``, each ``[lo, hi)`` inside
+    both spans, at most ``max_elems`` long; the pages of the file ranges of ``[lo, hi)`` are released once the
+    consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between)."""
     if a.numel != b.numel:
         raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
     sa, sb = spans(a, max_elems=max_elems), spans(b, max_elems=max_elems)
@@ -148,7 +163,7 @@ def aligned_views(
     while x is not None and y is not None:
         lo = max(x.lo, y.lo)
         hi = min(x.lo + x.n, y.lo + y.n)
-        yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
+        yield x, y, lo, hi
         for s in (x, y):
             if s.piece.value is None:
                 isz = s.piece.dtype.itemsize
