@@ -15,6 +15,10 @@ and verify <= 0.3 s on the 2-core machine.
 
     .venv/bin/python bench/startup.py                       # fixtures/ds/s3_bf16_w2_g2, 10 runs each
     .venv/bin/python bench/startup.py --ckpt PATH --repeat 20
+    .venv/bin/python bench/startup.py --tree ../main         # another checkout's code, measured the same way
+
+A row for ``zckpt diff`` of two small safetensors files (compared in numpy, no torch) follows the two
+metadata commands.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "fixtures" / "ds" / "s3_bf16_w2_g2"
+ST = REPO / "fixtures" / "dcp" / "fsdp2_w2" / "ref_model.safetensors"
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(REPO)}
 
 
@@ -41,7 +46,7 @@ def _run(argv: list[str], cold: bool = False) -> tuple[float, float]:
         env = {**ENV, "PYTHONPYCACHEPREFIX": cache} if cold else ENV
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=REPO, env=env)
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=ENV["PYTHONPATH"], env=env)
         wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -59,7 +64,7 @@ def _row(name: str, argv: list[str], repeat: int, cold: bool = False) -> None:
 
 def _importtime(argv: list[str], top: int) -> None:
     done = subprocess.run([sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True,
-                          cwd=REPO, env=ENV, check=True)  # fmt: skip
+                          cwd=ENV["PYTHONPATH"], env=ENV, check=True)  # fmt: skip
     rows = []
     for line in done.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)", line)
@@ -78,14 +83,17 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, default=SMALL)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout whose zckpt runs (default: this)")
     a = ap.parse_args()
+    ENV["PYTHONPATH"] = str(a.tree.resolve())
     py = sys.executable
     zckpt = [py, "-m", "zckpt.cli.app"]
-    print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {a.ckpt}")
+    print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {a.ckpt}, zckpt from {a.tree}")
     _row("python -c pass", [py, "-c", "pass"], a.repeat)
     _row("python -c 'import torch'", [py, "-c", "import torch"], max(1, a.repeat // 5))
     _row("zckpt inspect", [*zckpt, "inspect", str(a.ckpt)], a.repeat)
     _row("zckpt verify", [*zckpt, "verify", str(a.ckpt), "--no-progress"], a.repeat)
+    _row("zckpt diff (2 safetensors)", [*zckpt, "diff", str(ST), str(ST), "--no-progress"], a.repeat)
     script = Path(py).parent / "zckpt"
     if script.exists():  # pip's console script (zckpt.cli.main), as a user runs it
         _row("zckpt inspect (console script)", [str(script), "inspect", str(a.ckpt)], a.repeat)
