@@ -3,13 +3,14 @@
 typer (0.2x) converts each parameter's value through a pydantic ``TypeAdapter`` that it builds on first use
 (``typer._coercion.build_runtime_param``): importing pydantic and building the adapters is ~0.1 s, a third
 of ``zckpt inspect``'s start-up on 2 cores. ``install`` gives the parameters whose annotation is ``str``,
-``Path``, ``list[str]`` or ``bool`` a ``Plain`` converter instead: for the values argv holds (strings,
-lists of strings, a flag's bool, None) it does what typer's adapters do (``str`` as is, ``Path(value)``
-then typer's own path checks, a list of strings, a bool as is); any other value, or any other annotation
-(``int``, ``float``, an ``Enum``: their errors are pydantic's wording), goes to typer's adapter, built
-only then. ``tests/test_cli_coerce.py`` compares the two on every parameter of every command. With a typer
-that converts through click types instead (before 0.2x, no pydantic), or where its internals moved,
-``install`` leaves the parameters as they are.
+``Path``, ``list[str]``, ``bool``, ``int`` or ``float`` a ``Plain`` converter instead: for the values argv
+holds (strings, lists of strings, a flag's bool, None) and the options' own defaults it does what typer's
+adapters do (``str`` as is, ``Path(value)`` then typer's own path checks, a list of strings, a bool as is,
+a number of the declared type inside its ``min``/``max`` as is); any other value (a number typed on the
+command line: its errors are pydantic's wording), or any other annotation (an ``Enum``), goes to typer's
+adapter, built only then. ``tests/test_cli_coerce.py`` compares the two on every parameter of every
+command. With a typer that converts through click types instead (before 0.2x, no pydantic), or where its
+internals moved, ``install`` leaves the parameters as they are.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _kind(desc: Any) -> str | None:
         return "str"
     if ann is bool:
         return "bool"
+    if ann is int or ann is float:
+        return "number"
     if lenient_issubclass(ann, Path) and routes_to_path(ann, info):
         return "path"
     return None
@@ -80,11 +83,19 @@ class Plain:
         elif self.kind == "bool":
             if type(value) is bool:
                 return value
+        elif self.kind == "number":
+            if type(value) is self.desc.annotation and self._within(value):  # a default, as declared
+                return value
         elif type(value) is str:
             return value if self.kind == "str" else self._path(value, param, ctx)
         if self._typer is None:  # anything argv cannot hold (typer's test runner may pass it): typer's own
             self._typer = build_runtime_param(self.desc)
         return self._typer.coerce(value, param=param, ctx=ctx)
+
+    def _within(self, value: float) -> bool:
+        """``value`` is a number typer's adapter returns unchanged: not NaN, inside ``min``/``max``."""
+        lo, hi = self.desc.parameter_info.min, self.desc.parameter_info.max
+        return value == value and (lo is None or value >= lo) and (hi is None or value <= hi)
 
     def _path(self, value: str, param: Any, ctx: Any) -> Any:
         info = self.desc.parameter_info  # as typer's _build_path_adapter
