@@ -35,6 +35,7 @@ SIZES = {
     "355m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1792),
     "1.5b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "3b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=36, n_head=20, n_embd=2560),
 }
 PEAK_FLOPS = {"cuda": 989e12, "cpu": float("nan")}
 

@@ -22,10 +22,10 @@ figure), then once after ``drop_caches`` with ``--cold`` (torch's libraries are 
 ``--cold-inputs N`` times with only the job's inputs evicted (``bench/run.py``'s ``evict``: a cold checkpoint,
 the tools cached; cache ``cold-inputs`` in the table). ``--cores N`` pins every command to cores
 ``0..N-1`` (``taskset``); ``--cores-scan 1,4`` repeats the consolidate and verify jobs at those counts.
-Floor: the bytes the job must read at the probe's read speed and the bytes it must write at its write
-speed, overlapped (the larger of the two); cold, a job that reads and writes is also held to its read plus
-written bytes at the concurrent probe's speed (``rw_gbs``), where that is larger (``job_floor``);
-``of_floor`` = floor / wall. Peak RSS: the process tree's
+Floor: the bytes the job must write at the probe's write speed; cold (or a job that writes nothing), the
+larger of that and the bytes it must read at the read speed (overlapped); cold, a job that reads and
+writes is also held to its read plus written bytes at the concurrent probe's speed (``rw_gbs``), where that
+is larger (``job_floor``); ``of_floor`` = floor / wall. Peak RSS: the process tree's
 (``bench/run.py``'s ``measure``). ``--profile`` runs the named jobs once more under ``py-spy record``
 (raw folded stacks, idle threads included) into ``--out``.
 
@@ -109,13 +109,16 @@ def pinned(cmd: list[str], cores: int) -> list[str]:
 
 
 def job_floor(probe: dict[str, float], cache: str, in_b: int, out_b: int) -> float:
-    """The larger of the floors that apply: the reads at the read speed, the writes at the write speed
-    (overlapped); cold, also the reads and writes together at the concurrent probe's speed (``rw_gbs``: on a
-    disk whose reads and writes share its bandwidth, the larger one). Warm reads come from the page cache,
-    and a job that only reads or only writes shares the disk with nothing: the concurrent floor is for a
-    cold job that does both."""
-    floor = max(in_b / (probe["read_gbs"] * 1e9), out_b / (probe["write_gbs"] * 1e9))
-    if cache.startswith("cold") and in_b and out_b and probe.get("rw_gbs"):
+    """The larger of the floors that apply: the reads at the read speed (cold, or a job that only reads),
+    the writes at the write speed (overlapped); cold, also the reads and writes together at the concurrent
+    probe's speed (``rw_gbs``: on a disk whose reads and writes share its bandwidth, the larger one). Warm
+    reads come from the page cache (issue 42: "a warm job pays its writes at the probe's write speed"), and
+    a job that only reads or only writes shares the disk with nothing: the concurrent floor is for a cold
+    job that does both."""
+    cold = cache.startswith("cold")
+    reads = in_b / (probe["read_gbs"] * 1e9) if cold or not out_b else 0.0  # a warm writer reads the cache
+    floor = max(reads, out_b / (probe["write_gbs"] * 1e9))
+    if cold and in_b and out_b and probe.get("rw_gbs"):
         floor = max(floor, (in_b + out_b) / (probe["rw_gbs"] * 1e9))
     return floor
 
@@ -347,6 +350,7 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
     ap.add_argument("--size", default="1.5b")
+    ap.add_argument("--micro", type=int, default=4, help="micro-batch of the run that makes the save")
     a = ap.parse_args()
     parts = a.parts.split(",")
     d = Path(a.dir)
@@ -392,7 +396,7 @@ def main() -> None:
                 "--size",
                 a.size,
                 "--micro",
-                "4",
+                str(a.micro),
                 "--steps",
                 "2",
                 "--save-only",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -138,9 +139,12 @@ def run(a: argparse.Namespace) -> None:
     trainer.train()
     train_s = time.perf_counter() - t0
     sync()
+    os.sync()  # the checkpoint's writes are not save_model's
     t0 = time.perf_counter()
     trainer.save_model(f"{a.dir}/model")
     save_model_s = time.perf_counter() - t0
+    os.sync()  # what save_model left in the page cache, on the disk: durable as the engine's (it fsyncs)
+    save_model_sync_s = time.perf_counter() - t0
     import deepspeed
 
     out = {
@@ -151,6 +155,7 @@ def run(a: argparse.Namespace) -> None:
         "save_s": rec.save_s,
         "train_s": train_s,
         "save_model_s": save_model_s,
+        "save_model_sync_s": save_model_sync_s,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
         "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
     }
@@ -171,6 +176,7 @@ def report(paths: list[str]) -> None:
         ("peak GPU reserved GB", lambda r: f"{r['peak_reserved_gb']:.2f}"),
         ("checkpoint save s (step end to on_save)", lambda r: " ".join(f"{x:.2f}" for x in r["save_s"])),
         ("save_model s", lambda r: f"{r['save_model_s']:.2f}"),
+        ("save_model + sync s", lambda r: f"{r.get('save_model_sync_s', float('nan')):.2f}"),
         ("train s (incl. save)", lambda r: f"{r['train_s']:.1f}"),
     ]
     for name, f in rows:

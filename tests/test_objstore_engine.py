@@ -75,7 +75,7 @@ def test_engine_saves_to_and_resumes_from_the_bucket(decoupled: bool, s3env: Any
     _, want = R.train(0, 1, cfg, 2, first=3, engine_=want_eng)
     fresh, _ = R.train(0, 1, cfg, 0)
     path, _ = fresh.load_checkpoint(url)
-    assert path is not None
+    assert path == f"{url}/t/rank_00000.{gen}.safetensors"  # the object it read, as it is named in the bucket
     _, resumed = R.train(0, 1, cfg, 2, first=3, engine_=fresh)
     assert resumed == want
     for e in (eng, want_eng, fresh):

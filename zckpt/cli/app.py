@@ -100,6 +100,7 @@ def _guarded(fn: Callable[..., Any], needs_torch: Callable[[dict[str, Any]], boo
             with st.bound():
                 return _run(fn, args, kwargs, st, debug)
         finally:
+            _end_children(st)
             st.close()
 
     return run
@@ -190,27 +191,40 @@ def _refuse_bare_schemes(kwargs: dict[str, Any]) -> None:
 _INPUTS = {"ckpt": "tag", "src": "tag", "a": "tag_a", "b": "tag_b"}
 """The commands' parameters that name an input checkpoint, each with its tag option."""
 _DCP_PRELOAD = "zckpt.formats.dcp.metadata:preload"
+_WARMUP = "zckpt.ops.warmup:advise_model"
 
 
 def _preopen(kwargs: dict[str, Any], st: Any) -> None:
-    """Start parsing each input DCP folder's ``.metadata`` in a child process, to overlap torch's import
+    """Work that needs no torch, started in child processes to overlap torch's import
     (``zckpt.storage.preopen``: only in a process that has not imported torch and runs one thread, so never
-    in an embedding program or typer's test runner). Only folders that hold one directly (or under
-    ``--tag``)."""
+    in an embedding program or typer's test runner), for each local input: a DCP folder's ``.metadata``
+    parsed (folders that hold one directly or under ``--tag``); any other checkpoint's first model bytes read
+    ahead into the page cache (``zckpt.ops.warmup``)."""
     from pathlib import Path
 
-    from zckpt.storage import preopen
+    from zckpt.storage import objstore, preopen
 
     if not preopen.available():
         return
     for name, tag_name in _INPUTS.items():
         value, tag = kwargs.get(name), kwargs.get(tag_name)
-        if not isinstance(value, (str, os.PathLike)):
+        if not isinstance(value, (str, os.PathLike)) or objstore.is_url(os.fspath(value)):
             continue
         f = Path(value) / (tag if isinstance(tag, str) else "") / ".metadata"
         with contextlib.suppress(OSError):
             if f.is_file():
                 preopen.start(st.cache("preopen"), _DCP_PRELOAD, os.path.realpath(f))
+            elif os.path.exists(value) and tag is None:
+                preopen.start(st.cache("preopen"), _WARMUP, os.path.realpath(value))
+
+
+def _end_children(st: Any) -> None:
+    """Stop and reap the pre-open children the command did not take (a read-ahead still queueing)."""
+    children = st.cached("preopen")
+    if children:
+        from zckpt.storage import preopen
+
+        preopen.discard(children)
 
 
 def _done() -> None:

@@ -16,6 +16,7 @@ only (``os.memfd_create``); elsewhere, with one core, or once torch is imported,
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -81,6 +82,17 @@ def take(started: Children, path: str) -> bytes | None:
         os.close(child.fd)
 
 
+def discard(started: Children) -> None:
+    """End the children nobody took (``SIGKILL``: they only read) and reap them."""
+    while started:
+        _, child = started.popitem()
+        with contextlib.suppress(OSError):
+            os.kill(child.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child.pid, 0)
+        os.close(child.fd)
+
+
 def _child(target: str, path: str, fd: int, mask: set[int | signal.Signals]) -> None:
     """Run in the forked child: the result into ``fd``, then exit 0; any failure exits 1 (the parent then does
     the work itself). Ctrl-C and SIGTERM end it quietly (the parent reports them): their default actions are
@@ -117,4 +129,4 @@ def _import_bare(module: str) -> object:
     return importlib.import_module(module)
 
 
-__all__ = ["Children", "available", "start", "take"]
+__all__ = ["Children", "available", "discard", "start", "take"]
