@@ -70,9 +70,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.errors import KeyMappingError, ZckptError
 from zckpt.formats import open_checkpoint, registry
 from zckpt.model import Role
@@ -82,9 +83,6 @@ from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
 from zckpt.storage import checks
 from zckpt.storage.session import Storage
-
-if TYPE_CHECKING:
-    import torch
 
 SCHEMA_VERSION = 1
 PRECISION = "float64"
@@ -264,7 +262,7 @@ def diff(
     map: Sequence[str | tuple[str, str]] = (),
     top: int | None = None,
     strict_dtype: bool = False,
-    compare_dtype: str | torch.dtype = "auto",
+    compare_dtype: str | DType | Any = "auto",  # Any: a torch.dtype too, without importing torch here
     tag_a: str | None = None,
     tag_b: str | None = None,
     progress: bool = True,
