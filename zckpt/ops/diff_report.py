@@ -202,7 +202,7 @@ Pair = tuple[str, str, TensorEntry, TensorEntry]
 
 def compare_threads() -> int:
     """Tensor pairs compared at once: one per 2 usable cores, at most 8 (``ZCKPT_WORKERS`` overrides); each
-    thread folds its own pair's chunks (torch releases the GIL), so a diff is not bound by one core."""
+    thread folds its own pair's chunks (torch and numpy release the GIL): a diff is not bound by one core."""
     return scan.threads(cap=8, per=2)
 
 
