@@ -292,7 +292,7 @@ def _fold_finite(
     bab = np.abs(b, out=b)
     if not exact:
         if atol == 0 and rtol == 0:
-            acc.changed += int(np.count_nonzero(d))
+            acc.changed += int(np.count_nonzero(d > 0))  # d >= 0; a bool count is SIMD, a float one is not
         else:
             tol = bab * rtol + atol if rtol else atol
             acc.changed += int(np.count_nonzero(d > tol))
