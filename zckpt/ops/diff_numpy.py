@@ -119,8 +119,8 @@ def compare(
             owed += 1
         else:
             if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's side of those chunks)
-                for x, _ in itertools.islice(_chunks(ea, eb, chunk), owed):
-                    _fold_same(_cast(x, cast), acc, work, count=False)
+                for x, _, lo, hi in itertools.islice(aligned_spans(ea, eb, chunk), owed):  # A's side only
+                    _fold_same(_cast((_view(x, lo, hi), ea.dtype), cast), acc, work, count=False)
             owed = -1
             _fold(xa, xb, exact, atol, rtol, acc, work)
         bar.update(len(xa[0]))
