@@ -6,7 +6,8 @@ bit-identical chunks), on numpy arrays viewing the files' bytes (``fileio.view_b
 ``zckpt.stream.spans.aligned_spans``). ``usable`` says whether a diff's pairs can all be compared here:
 every piece a byte range of a file stored in its entry's dtype (no value held in memory, no cast on read),
 dtypes numpy reads (every one safetensors has but complex), and casts (``--dtype``) only to float32, float16
-or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch.
+or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch. Pairs are compared one per core
+at once (a numpy loop uses one core; torch's use several).
 
 Element types: float64/32/16, integers and bool are numpy's own; bfloat16 is held as its bits (``uint16``:
 the top half of a float32, widened exactly by a shift) and float8 (e4m3fn, e5m2) as bytes, widened exactly
@@ -16,8 +17,8 @@ after a cast are those of torch's vectorised loop on x86 (bfloat16 0xFFFF; float
 its scalar tail writes others (0x7FC0), so the bit-identical fast path may take a chunk with a cast NaN in
 its last few elements that torch's does not: the counts and differences agree, cosine may then be 1 where
 torch's is 1 - 1 ulp. Counts, max abs and max rel differences are the same as torch's to the bit; norms,
-``rel_l2`` and cosine are float64 dot products (BLAS) like torch's, summed in another order: they agree to a
-few ulps (``tests/test_diff_numpy.py`` compares both comparisons on hand-made tensors of every dtype).
+``rel_l2`` and cosine are float64 dot products like torch's (MKL's there), summed in another order: they agree
+to a few ulps (``tests/test_diff_numpy.py`` compares both comparisons on hand-made tensors of every dtype).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from zckpt.dtypes import DType
 from zckpt.model import TensorEntry
 from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, is_exact, result, start
-from zckpt.storage import checks, fileio
+from zckpt.storage import checks, fileio, scan
 from zckpt.stream.spans import Span, aligned_spans
 
 _BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
@@ -41,10 +42,14 @@ _BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
 _CASTS = ("float32", "float16", "bfloat16")
 """The dtypes a pair may be cast to here."""
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_dot: Any = getattr(np, "vecdot", np.dot)
-"""Dot products on the calling thread (numpy >= 2's ``vecdot``): ``np.dot`` hands 1-D products to BLAS's own
-threads, which contend with the comparison's threads (and with other work: 0.5-11 ms for 1 Mi float64
-elements on the 2-core machine, against ~1.1 ms steady)."""
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> Any:
+    """``a . b`` on the calling thread, in the arrays' dtype (``einsum``'s own loop). Not ``np.dot`` or
+    ``np.vecdot``: those hand 1-D products to OpenBLAS's threads, which spin after each call and take the
+    cores the comparison's own threads need (a 1 GiB pair on 2 idle cores: 2.5 s on one thread either way,
+    1.5-1.8 s on two threads with this, 2.7 s on two with ``np.vecdot``)."""
+    return np.einsum("i,i->", a, b)
 
 
 def _e4m3fn() -> np.ndarray:
@@ -93,7 +98,7 @@ def compare_all(
             return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunk, local.work, bar,
                            comparison_dtype(compare_dtype, ea.dtype, eb.dtype))  # fmt: skip
 
-    return each(pairs, one)
+    return each(pairs, one, scan.threads(cap=8, per=1))  # numpy's loops use one core each (torch's, several)
 
 
 Chunk = tuple[np.ndarray, DType]

@@ -206,9 +206,11 @@ def compare_threads() -> int:
     return scan.threads(cap=8, per=2)
 
 
-def each(pairs: list[Pair], one: Callable[[Pair], TensorDiff]) -> list[TensorDiff]:
-    """``one`` of every pair, in order, ``compare_threads()`` pairs at once."""
-    n = min(compare_threads(), len(pairs))
+def each(
+    pairs: list[Pair], one: Callable[[Pair], TensorDiff], threads: int | None = None
+) -> list[TensorDiff]:
+    """``one`` of every pair, in order, ``threads`` (default ``compare_threads()``) pairs at once."""
+    n = min(compare_threads() if threads is None else threads, len(pairs))
     if n <= 1:
         return [one(p) for p in pairs]
     with Pool(n, thread_name_prefix="zckpt-diff") as pool:
