@@ -1,5 +1,6 @@
 """Session fixtures and rules shared by every test file: a real S3 server (moto, 127.0.0.1, a free port)
-started and stopped by the tests themselves, only when a test asks for it; and what may skip.
+started and stopped by the tests themselves, only when a test asks for it; what may skip; and SIGINT/SIGTERM
+at their defaults for the commands tests start, however the run was started (``pytest_configure``).
 
 Nothing skips but the CUDA tests (marker ``cuda``) on a machine without a GPU: the summary says how many did,
 and any other skip fails the session. Tests marked ``deepspeed`` run real DeepSpeed from ``.venv-ds`` (``make
@@ -10,6 +11,7 @@ are deselected, and the summary says so, unless the environment variable ``VAR``
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,18 @@ pytest_plugins = ["_xdist"]  # under pytest-xdist: slow tests first, ``serial`` 
 DS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"
 _skipped: dict[str, list[str]] = {"cuda": [], "other": []}
 _heldout: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT and SIGTERM as an interactive shell gives them, however the run was started. A job started in
+    the background of a non-interactive shell (CI's ``make test &``) ignores SIGINT, and an ignored signal
+    stays ignored across exec: every command a test starts would shrug off its Ctrl-C (a test that interrupts
+    one failed, or passed without testing the interrupt). Runs in the controller and in each xdist worker."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 @pytest.fixture(scope="session")

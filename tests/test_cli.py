@@ -220,6 +220,23 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def test_commands_a_test_starts_take_ctrl_c() -> None:
+    """A run started as a background job of a non-interactive shell (CI) ignores SIGINT, and children inherit
+    that: the interrupt tests' commands shrugged off their Ctrl-C (fresh-clone .ci/run: 6 failures).
+    tests/conftest.py gives SIGINT and SIGTERM their defaults back, so a child started plainly installs
+    Python's Ctrl-C handler, and neither signal is blocked."""
+    import signal
+
+    code = (
+        "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+        "signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "
+        "bool({signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.split() == ["True", "True", "False"], p.stdout
+    assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+
+
 _SLOW_TORCH = """
 import os, sys, time
 from pathlib import Path

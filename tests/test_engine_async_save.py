@@ -401,3 +401,23 @@ def test_world2_100m_save_call_blocks_at_most_035_of_sync(tmp_path: Path) -> Non
             assert s["same"] and s["bytes"] > 550e6, s
             assert s["blocked"] <= 0.35 * s["sync"], (stage, s)
     print({f"rank{i}": r for i, r in enumerate(results)})
+
+
+def _save_then_leave(rank: int, world: int, out: str) -> str:
+    """Start a slowed background save and return at once: ``_dist`` then calls
+    ``dist.destroy_process_group()``, as scripts end, while the save is still writing."""
+    eng, _ = R.train(rank, world, _cfg(3), 2)
+    os.environ[DELAY] = "0.2"
+    eng.save_checkpoint(out, tag="last")
+    return "returned"
+
+
+@pytest.mark.dist
+def test_destroy_process_group_finishes_the_save_in_flight(tmp_path: Path) -> None:
+    """A script's last act, ``destroy_process_group()``, lands while its last checkpoint is still being
+    written in the background: the save finishes first (its side group is among the groups destroyed), so
+    ``latest`` names it and it verifies; without that the save fails and the checkpoint is lost."""
+    from _dist import run
+
+    assert run(_save_then_leave, 2, str(tmp_path / "ck")) == ["returned", "returned"]
+    assert (tmp_path / "ck" / "latest").read_text() == "last" and verify(tmp_path / "ck").ok

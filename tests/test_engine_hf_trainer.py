@@ -1,28 +1,27 @@
-"""The HF Trainer's DeepSpeed ZeRO-3 path on the engine: ``tests/data/hf_trainer.py`` (a Trainer script run
-with ``--deepspeed CONFIG``, a tiny Llama from a random ``LlamaConfig``) on 2 CPU ranks (gloo) under
-``torchrun -m engine.run``.
+"""The HF Trainer's DeepSpeed path on the engine: ``tests/data/hf_trainer.py`` (a Trainer script run with
+``--deepspeed CONFIG``, a tiny Llama from a random ``LlamaConfig``, or ``--model t5``) on 2 CPU ranks (gloo)
+under ``torchrun -m engine.run``.
 
-Per config (``tests/data/hf/ds_config_zero3.json``: issue 39's config with bf16 and legacy offload keys;
-``ds_config_auto.json``: the Trainer docs' ``"auto"`` values):
+For each run recorded from real DeepSpeed 0.19.8 (``RUNS``: ZeRO-3 with offload, the issue's config with bf16
+and legacy keys; ZeRO-3 with the Trainer docs' ``"auto"`` values; T5 on the ZeRO-3 config; ZeRO-2 with and
+without optimizer offload; ZeRO-3 without offload; ``tests/data/hf/ds_config_*.json``), two launches:
 
-- per-step losses (``logging_steps=1``, mean over ranks) agree with real DeepSpeed 0.19.8 running the same
-  script, recorded in ``tests/data/hf_trainer_ds.json`` (regenerate: ``python
-  tests/test_engine_hf_trainer.py``, needs ``.venv-ds``);
-- (ZeRO-3 config) a run resumed from ``checkpoint-3`` logs the uninterrupted run's losses for steps 4-6
-  exactly; ``trainer.save_model()`` writes weights ``from_pretrained`` loads with no missing or unexpected
-  key, equal to zckpt's bf16 consolidation of the engine's ``checkpoint-6``.
+- the uninterrupted run: per-step losses (``logging_steps=1``, mean over ranks) agree with DeepSpeed's,
+  recorded in ``tests/data/hf_trainer_ds.json`` (regenerate: ``python tests/test_engine_hf_trainer.py
+  [NAMES]``, needs ``.venv-ds``); ``trainer.save_model()`` writes weights ``from_pretrained`` loads with no
+  missing or unexpected key, equal to zckpt's bf16 consolidation of the run's ``checkpoint-6``;
+- a run resumed from ``checkpoint-3`` logs the uninterrupted run's losses for steps 4-6 exactly and writes a
+  ``checkpoint-6`` equal to its (weights and optimizer states).
 
-A tiny T5 (``--model t5``) on the ZeRO-3 config: DeepSpeed's losses and an exact resume. ZeRO-2 with and
-without optimizer offload and ZeRO-3 without offload (``ds_config_zero2*``, ``ds_config_zero3_nooffload``):
-DeepSpeed's recorded losses (regenerate only those: ``python tests/test_engine_hf_trainer.py zero2
-zero2_offload zero3_nooffload``). The ``deepspeed``-marked test resumes each implementation from the other's
-``checkpoint-3``, the engine's written in DeepSpeed's layout (``ds_config_zero3_dslayout.json``), at world 2
-and at world 1. Measured on 2 shared CPU cores: see ``docs/engine-trainer.md``.
+The ``deepspeed``-marked test resumes each implementation from the other's ``checkpoint-3``, the engine's
+written in DeepSpeed's layout (``ds_config_zero3_dslayout.json``), at world 2 and at world 1. Measured on 2
+shared CPU cores, and how a broken optimizer step or clipping fails these tests: ``docs/engine-trainer.md``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +61,20 @@ RUNS = {
 """The recorded DeepSpeed runs: name -> (config, extra script arguments)."""
 LOSS_REL = 2e-3
 """Loss agreement with DeepSpeed: a quarter of bf16's epsilon (7.8e-3); measured in docs/engine-trainer.md."""
+BF16_LOSS = {"t5"}
+"""Runs whose loss each rank computes in bf16 (T5): the logged loss, the mean over 2 ranks, moves in half bf16
+steps (DeepSpeed's 8.71875, 6.53125 ...), so it may differ from DeepSpeed's by one bf16 step (2**-7 of the
+power of two below it: 0.03125 at 6.5), not ``LOSS_REL`` (measured: half a step at 2 of 6 steps)."""
+
+
+def _assert_losses_agree(name: str, got: list[float], want: list[float]) -> None:
+    """``got`` (the engine) agrees with ``want`` (DeepSpeed's record) step by step: within ``LOSS_REL``, or
+    one bf16 step for a ``BF16_LOSS`` run."""
+    if name not in BF16_LOSS:
+        assert got == pytest.approx(want, rel=LOSS_REL), (name, got, want)
+        return
+    steps = [2.0 ** (math.floor(math.log2(abs(w))) - 7) for w in want]
+    assert all(abs(g - w) <= s for g, w, s in zip(got, want, steps, strict=True)), (name, got, want)
 
 
 def run_trainer(
@@ -90,94 +103,77 @@ def _losses(run: dict[str, Any]) -> list[float]:
     return [run["losses"][str(k)] for k in range(1, 7)]
 
 
+def _losses_from(run: dict[str, Any], first: int) -> list[float]:
+    return [run["losses"][str(k)] for k in range(first, 7)]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
-def test_zero3_trainer_trains_resumes_and_saves_like_deepspeed(tmp_path: Path) -> None:
-    want = json.loads(EXPECTED.read_text())["zero3"]  # a missing fixture is an error
-    full = run_trainer(
-        Path(sys.executable), tmp_path, "zero3", "run", "--save-model", str(tmp_path / "final")
-    )
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trainer_trains_resumes_and_saves_like_deepspeed(name: str, tmp_path: Path) -> None:
+    """Two Trainer launches per recorded run (config, model): an uninterrupted one (6 steps, ``checkpoint-3``
+    and ``checkpoint-6``, ``trainer.save_model()``) whose per-step losses agree with real DeepSpeed's record,
+    and one resumed from its ``checkpoint-3`` in a fresh output folder, which logs steps 4-6 exactly as the
+    uninterrupted run did and writes a ``checkpoint-6`` equal to its, weights and optimizer states, bit for
+    bit. The saved model loads with ``from_pretrained`` (no missing or unexpected key) and its tensors are
+    zckpt's bf16 consolidation of ``checkpoint-6``."""
+    want = json.loads(EXPECTED.read_text())[name]  # a missing record is an error, never a skip
+    config, extra = RUNS[name]
+    py = Path(sys.executable)
+    full = run_trainer(py, tmp_path, config, "run", *extra, "--save-model", str(tmp_path / "final"))
     assert full["deepspeed"] == "0.19.8+engine" and want["deepspeed"] == "0.19.8"  # which implementation ran
-    assert _losses(full) == pytest.approx(_losses(want), rel=LOSS_REL)
-    # resume from checkpoint-3 in a fresh output folder holding only it
-    resumed_dir = tmp_path / "resumed"
-    resumed_dir.mkdir()
-    os.symlink(tmp_path / "run" / "checkpoint-3", resumed_dir / "checkpoint-3")
-    resumed = run_trainer(
-        Path(sys.executable),
-        tmp_path,
-        "zero3",
-        "resumed",
-        "--resume_from_checkpoint",
-        str(resumed_dir / "checkpoint-3"),
-    )
+    _assert_losses_agree(name, _losses(full), _losses(want))
+    resumed = _resume(py, tmp_path, "resumed", tmp_path / "run" / "checkpoint-3", *extra, config=config)
     assert list(resumed["losses"]) == ["4", "5", "6"]
-    assert [resumed["losses"][k] for k in ("4", "5", "6")] == [full["losses"][k] for k in ("4", "5", "6")]
-    # trainer.save_model(): from_pretrained loads it; the weights are checkpoint-6's, cast to bf16
-    from transformers import LlamaForCausalLM
+    assert _losses_from(resumed, 4) == _losses_from(full, 4)
+    from zckpt.ops.diff import diff
+
+    c6, again = tmp_path / "run" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6"
+    same = diff(c6, again, include_optimizer=True, compare_dtype="full", progress=False)
+    assert same.optimizer_compared and same.compared > 0 and same.equal, same.tensors[:3]
+    _assert_saved_model(tmp_path / "final", tmp_path / "run" / "checkpoint-6", t5="t5" in extra)
+
+
+def _assert_saved_model(saved: Path, checkpoint: Path, *, t5: bool) -> None:
+    """``trainer.save_model()``'s folder loads with ``from_pretrained`` (no missing or unexpected key) and
+    holds ``checkpoint``'s weights as zckpt consolidates them to bf16 (the save gathers the bf16 params; a
+    tied weight is saved once)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM, T5ForConditionalGeneration
 
     from zckpt.ops.consolidate import consolidate
 
-    model, info = LlamaForCausalLM.from_pretrained(tmp_path / "final", output_loading_info=True)
+    cls = T5ForConditionalGeneration if t5 else LlamaForCausalLM
+    loaded: Any = cls.from_pretrained(saved, output_loading_info=True)  # (model, loading info)
+    model, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    consolidate(tmp_path / "run" / "checkpoint-6", tmp_path / "c6.safetensors", dtype="bf16", progress=False)
-    from safetensors.torch import load_file
-
-    ref = load_file(str(tmp_path / "c6.safetensors"))
-    got = load_file(str(tmp_path / "final" / "model.safetensors"))
-    assert set(got) <= set(ref) and len(got) > 0
+    assert model.dtype in (torch.bfloat16, torch.float32)
+    consolidate(checkpoint, saved.parent / "consolidated.safetensors", dtype="bf16", progress=False)
+    ref = load_file(str(saved.parent / "consolidated.safetensors"))
+    got = load_file(str(saved / "model.safetensors"))
+    assert len(got) > 0 and set(got) <= set(ref) and (t5 or set(got) == set(ref)), set(ref) ^ set(got)
     for k, v in got.items():
         assert torch.equal(v, ref[k].to(v.dtype)), k
-    assert model.dtype in (torch.bfloat16, torch.float32)
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_auto_config_trainer_matches_deepspeed(tmp_path: Path) -> None:
-    want = json.loads(EXPECTED.read_text())["auto"]
-    got = run_trainer(Path(sys.executable), tmp_path, "auto", "run")
-    assert got["deepspeed"] == "0.19.8+engine"
-    assert _losses(got) == pytest.approx(_losses(want), rel=LOSS_REL)
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_t5_trainer_matches_deepspeed_and_resumes(tmp_path: Path) -> None:
-    """A tiny T5 (random ``T5Config``: tied embeddings shared by encoder, decoder and head) on the ZeRO-3
-    offload config: DeepSpeed's losses, and a resume from ``checkpoint-3`` logs steps 4-6 exactly."""
-    want = json.loads(EXPECTED.read_text())["t5"]
-    full = run_trainer(Path(sys.executable), tmp_path, "zero3", "run", "--model", "t5")
-    assert _losses(full) == pytest.approx(_losses(want), rel=LOSS_REL)
-    resumed = _resume(
-        Path(sys.executable), tmp_path, "resumed", tmp_path / "run" / "checkpoint-3", "--model", "t5"
-    )
-    assert _losses_from(resumed, 4) == _losses_from(full, 4)
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero2", "zero2_offload", "zero3_nooffload"])
-def test_trainer_variants_match_deepspeed(name: str, tmp_path: Path) -> None:
-    """ZeRO-2 with and without optimizer offload, ZeRO-3 without offload (``tests/data/hf/ds_config_<name>``):
-    per-step losses agree with real DeepSpeed 0.19.8's recorded run of the same script and config."""
-    want = json.loads(EXPECTED.read_text())[name]  # a missing record is an error, never a skip
-    got = run_trainer(Path(sys.executable), tmp_path, RUNS[name][0], "run")
-    assert got["deepspeed"] == "0.19.8+engine" and want["deepspeed"] == "0.19.8"
-    assert _losses(got) == pytest.approx(_losses(want), rel=LOSS_REL)
 
 
 def _resume(
-    python_bin: Path, work: Path, name: str, checkpoint: Path, *extra: str, world: int = 2
+    python_bin: Path,
+    work: Path,
+    name: str,
+    checkpoint: Path,
+    *extra: str,
+    world: int = 2,
+    config: str = "zero3",
 ) -> dict[str, Any]:
-    """Resume the ZeRO-3 run from ``checkpoint`` (linked alone into a fresh output folder) on ``world`` ranks;
-    at world 1 with a per-device batch of 4: every step sees the same global batch of 4 samples (accelerate
-    gives rank r of W the batches r, r + W, ... of one seeded order)."""
+    """Resume from ``checkpoint`` (linked alone into a fresh output folder) on ``world`` ranks; at world 1
+    with a per-device batch of 4: every step sees the same global batch of 4 samples (accelerate gives rank r
+    of W the batches r, r + W, ... of one seeded order)."""
     out_dir = work / name
     out_dir.mkdir(parents=True)
     os.symlink(checkpoint, out_dir / checkpoint.name)
     resume = ["--resume_from_checkpoint", str(out_dir / checkpoint.name)]
     batch = ["--batch", str(4 // world)] if world != 2 else []
-    return run_trainer(python_bin, work, "zero3", name, *resume, *batch, *extra, world=world)
+    return run_trainer(python_bin, work, config, name, *resume, *batch, *extra, world=world)
 
 
 @pytest.mark.deepspeed
@@ -189,7 +185,8 @@ def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> 
     0.19.8's ``load_checkpoint`` refuses another world size for its own checkpoints too); the engine resumes
     real DeepSpeed's ``checkpoint-3`` as it is at world 2 and at world 1. Resumed steps 4-6 log the other
     implementation's uninterrupted losses (the global batch is kept at world 1: a per-device batch of 4).
-    Six Trainer launches: 568 s on 2 cores shared with 5 other sessions (load ~15)."""
+    Real DeepSpeed's uninterrupted run still logs the recorded losses (``tests/data/hf_trainer_ds.json``).
+    Six Trainer launches: 568 s on 2 cores shared with 5 other sessions (load ~15), 114 s at load ~5."""
     from zckpt.ops.reshard import reshard
 
     eng = run_trainer(Path(sys.executable), tmp_path, "zero3_dslayout", "eng")
@@ -201,6 +198,9 @@ def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> 
         for r in (0, 1)
     ]
     ds = run_trainer(DS_VENV / "python", tmp_path, "zero3", "ds")
+    want = _losses(json.loads(EXPECTED.read_text())["zero3"])  # the record is still what DeepSpeed logs
+    for run in (ds, eng):
+        assert _losses(run) == pytest.approx(want, rel=LOSS_REL), run["deepspeed"]
     ds_from_eng = _resume(DS_VENV / "python", tmp_path, "ds_from_eng", ck)
     assert ds_from_eng["deepspeed"] == "0.19.8"
     assert _losses_from(ds_from_eng, 4) == pytest.approx(_losses_from(eng, 4), rel=LOSS_REL)
@@ -214,10 +214,6 @@ def test_engine_and_deepspeed_resume_each_others_checkpoints(tmp_path: Path) -> 
         assert _losses_from(got, 4) == pytest.approx(_losses_from(ds, 4), rel=LOSS_REL), world
 
 
-def _losses_from(run: dict[str, Any], first: int) -> list[float]:
-    return [run["losses"][str(k)] for k in range(first, 7)]
-
-
 if __name__ == "__main__":  # regenerate tests/data/hf_trainer_ds.json from real DeepSpeed (.venv-ds)
     names = sys.argv[1:] or list(RUNS)  # the runs named (default: all); the others are kept
     result = json.loads(EXPECTED.read_text()) if EXPECTED.is_file() else {}
@@ -227,5 +223,5 @@ if __name__ == "__main__":  # regenerate tests/data/hf_trainer_ds.json from real
             result[name] = run_trainer(
                 DS_VENV / "python", Path(d), cfg, name, *extra, "--save-model", f"{d}/{name}-final"
             )
-    EXPECTED.write_text(json.dumps(result, indent=1) + "\n")
+            EXPECTED.write_text(json.dumps(result, indent=1) + "\n")  # each run kept as it comes
     print(f"wrote {EXPECTED}: {names}")

@@ -19,7 +19,10 @@ Rules:
   ``Engine.wait_for_checkpoint()``, ``Engine.destroy()`` and ``load_checkpoint`` of the same folder; at
   interpreter exit the save in flight is finished first -- by a hook that runs when the main thread ends,
   before ``concurrent.futures`` stops taking work (the writer's hash and I/O threads need it) -- and a
-  failure not yet raised is printed to stderr and the process exits with status 1;
+  failure not yet raised is printed to stderr and the process exits with status 1; likewise before
+  ``torch.distributed.destroy_process_group()`` (every group, ``SideGroup`` included), which a script often
+  calls last: once an ``AsyncSaver`` exists, that function first finishes the saves in flight
+  (``_finish_before_destroy``; a failure is raised there), so the script's last checkpoint is not lost;
 - host memory: ``HostStaging`` holds one rank file (rounded up to 256 MiB blocks), allocated at start-up
   from a size estimate and grown by a save that needs more, reused by every save, freed by ``destroy()``.
 """
@@ -113,6 +116,7 @@ class AsyncSaver:
         self._job: RankSave | None = None
         self._error: BaseException | None = None
         _LIVE.add(self)
+        _finish_before_destroy()
 
     def submit(self, job: RankSave, t0: float, st: Storage) -> None:
         """Snapshot ``job``'s items (blocking), then write and publish them on a background thread, through
@@ -278,6 +282,25 @@ def _flush_at_exit() -> None:
     if failed:
         sys.stdout.flush()
         os._exit(1)
+
+
+def _finish_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` finish every live saver's save first when it is
+    asked to destroy every group (``group=None``, the call scripts end with); installed once, by the first
+    ``AsyncSaver`` (see the module doc)."""
+    destroy = dist.destroy_process_group
+    if getattr(destroy, "_engine_waits", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            for s in list(_LIVE):
+                s.wait()
+        destroy(group)
+
+    destroy_process_group._engine_waits = True  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = destroy.__doc__
+    dist.destroy_process_group = destroy_process_group
 
 
 # ``threading._register_atexit`` hooks run (last registered first) when the main thread ends, before

@@ -46,8 +46,8 @@ def load_path(eng: Engine, ckpt: Checkpoint) -> str:
             return str(f)
     if (tag_dir / L.MANIFEST).is_file():  # the rank file as it is named (a save to s3:// names a generation)
         want = f"rank_{eng.comm.rank % max(1, ckpt.meta.world_size or 1):05d}."
-        for f in ckpt.meta.files:
-            name = f.rsplit("/", 1)[-1]
+        for file in ckpt.meta.files:
+            name = file.rsplit("/", 1)[-1]
             if name.startswith(want) and L.RANK_FILE.fullmatch(name):
                 return str(tag_dir / name)
         return str(tag_dir / L.rank_file(eng.comm.rank % max(1, ckpt.meta.world_size or 1)))

@@ -141,6 +141,17 @@ def command(
         o.text("kept (not written by zckpt): " + ", ".join(res.kept))
 
 
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+"""Output suffixes written with torch's pickle format (``zckpt.formats.torch_file.SUFFIXES``)."""
+
+
 def needs_torch(options: dict[str, Any]) -> bool:
-    """Always: it builds tensors."""
-    return True
+    """Only where the job builds torch objects: a torch file output (``.bin``, ``--format bin``), pickled
+    globals built as they are (``--trust-pickle``), ranks under torchrun (a ``torch.distributed`` group).
+    Otherwise tensors are read, cast (``zckpt.stream.cast``) and written as bytes; an input that needs torch
+    after all (ZeRO-0's value matching) imports it where it does."""
+    fmt, out = options.get("format"), str(options.get("out") or "")
+    to_bin = fmt is not None and getattr(fmt, "value", fmt) == "bin"
+    from zckpt.ops.group import env_world
+
+    return to_bin or out.endswith(_TORCH_SUFFIXES) or bool(options.get("trust_pickle")) or env_world() > 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,7 +293,9 @@ def _host_bytes(it: WriteItem) -> memoryview | None:
     ps = it.entry.pieces
     if it.span is not None or it.pad or len(ps) != 1 or ps[0].value is None or ps[0].grid:
         return None
-    import torch
+    torch = sys.modules.get("torch")
+    if torch is None:  # no tensor was made: the value is a Python number
+        return None
 
     from zckpt.stream.items import tensor_bytes
 

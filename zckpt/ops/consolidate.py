@@ -45,9 +45,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zckpt import dtypes
 from zckpt.checkpoint import Checkpoint
@@ -71,6 +69,9 @@ from zckpt.storage.staging import Staging, Ticket, open_staging, share
 from zckpt.stream import pipeline
 from zckpt.stream.items import WriteItem
 from zckpt.stream.shards import family, oversized, parse_size, plan_shards, planned_names
+
+if TYPE_CHECKING:  # a torch.dtype is accepted; the work itself needs no torch (``zckpt.stream.cast``)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def plan(
                 out = dtypes.float32
             elif target is not None and (cast_buffers or e.role is not Role.BUFFER):
                 out = target
-        items.append(WriteItem(e.name, e, out.torch))
+        items.append(WriteItem(e.name, e, out))
     floating = [it.name for it in items if it.entry.dtype.is_floating_point]
     require_globs("--keep-fp32", keep_fp32, floating, f"{ckpt.meta.path} (floating tensors)")
     kept = {it.name for it in items}

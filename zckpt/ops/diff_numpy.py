@@ -11,14 +11,13 @@ at once (a numpy loop uses one core; torch's use several).
 
 Element types: float64/32/16, integers and bool are numpy's own; bfloat16 is held as its bits (``uint16``:
 the top half of a float32, widened exactly by a shift) and float8 (e4m3fn, e5m2) as bytes, widened exactly
-through a 256-value table (e5m2: the top byte of a float16). Casts round as torch's do: to nearest even, a
-float64 rounded to float32 first (torch converts double to half and bfloat16 through float). A NaN's bits
-after a cast are those of torch's vectorised loop on x86 (bfloat16 0xFFFF; float16 quieted, payload kept);
-its scalar tail writes others (0x7FC0), so the bit-identical fast path may take a chunk with a cast NaN in
-its last few elements that torch's does not: the counts and differences agree, cosine may then be 1 where
-torch's is 1 - 1 ulp. Counts, max abs and max rel differences are the same as torch's to the bit; norms,
-``rel_l2`` and cosine are float64 dot products like torch's (MKL's there), summed in another order: they agree
-to a few ulps (``tests/test_diff_numpy.py`` compares both comparisons on hand-made tensors of every dtype).
+through a 256-value table (e5m2: the top byte of a float16). Casts are ``zckpt.stream.cast``'s numpy
+kernels (torch's rounding, and the NaN bits of its vectorised loop); torch's scalar tail writes some NaNs
+otherwise, so the bit-identical fast path may take a chunk with a cast NaN in its last few elements that
+torch's does not: the counts and differences agree, cosine may then be 1 where torch's is 1 - 1 ulp.
+Counts, max abs and max rel differences are the same as torch's to the bit; norms, ``rel_l2`` and cosine are
+float64 dot products like torch's (MKL's there), summed in another order: they agree to a few ulps
+(``tests/test_diff_numpy.py`` compares both comparisons on hand-made tensors of every dtype).
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from zckpt.dtypes import DType
+from zckpt.dtypes import BY_NAME, DType
 from zckpt.model import TensorEntry
 from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, is_exact, result, start
 from zckpt.storage import checks, fileio, scan
+from zckpt.stream import cast
 from zckpt.stream.spans import Span, aligned_spans
 
 _BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
@@ -42,6 +42,7 @@ _BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
 _CASTS = ("float32", "float16", "bfloat16")
 """The dtypes a pair may be cast to here."""
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_FLOAT32 = BY_NAME["float32"]
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> Any:
@@ -166,22 +167,17 @@ def _floats(x: Chunk) -> np.ndarray:
 
 
 def _cast(x: Chunk, to: DType | None) -> Chunk:
-    """``x`` cast to ``to`` as torch casts (the module doc); ``x`` itself when it is in ``to`` already."""
+    """``x`` cast to ``to`` as torch casts, NaN bits included (``zckpt.stream.cast``'s kernels; a float8 chunk
+    through float32, which holds its values exactly); ``x`` itself when it is in ``to`` already."""
     v, d = x
     if to is None or d is to:
         return x
-    v32 = _f32(x)  # float64 -> float32 rounds to nearest even, as torch does first
-    if to.name == "float32":
-        return v32, to
-    nan = np.isnan(v32)
-    if to.name == "float16":  # NaNs quieted, payload kept (x86's F16C, which torch's vector loop uses)
-        h = v32.astype(np.float16).view(np.uint16)
-        h[nan] |= 0x0200
-        return h.view(np.float16), to
-    u = v32.view(np.uint32)  # bfloat16: round to nearest even on the bits (torch's round_to_nearest_even)
-    bits = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    bits[nan] = 0xFFFF  # what torch's vector loop writes for a NaN
-    return bits, to
+    src, sd = (v, d) if cast.can_cast(d, to) else (_f32(x), _FLOAT32)
+    if sd is to:
+        return src, to
+    out = np.empty(len(v) * to.itemsize, dtype=np.uint8)
+    cast.numpy_cast(out, to, src.view(np.uint8), sd)
+    return out.view(_layout(to)), to
 
 
 def _bits_equal(x: Chunk, y: Chunk) -> bool:

@@ -8,13 +8,16 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import dtype_name
 from zckpt.storage import fileio
 from zckpt.storage.location import Location, location
+
+if TYPE_CHECKING:
+    import torch
 
 HF_FILES = (
     "config.json",
@@ -51,13 +54,13 @@ def beside(path: Location, save_dir: str | None) -> list[Location]:
     return []
 
 
-def weights_dtype(dtypes: Iterable[torch.dtype]) -> str | None:
+def weights_dtype(dtypes: Iterable[DType | torch.dtype]) -> str | None:
     """The dtype ``config.json`` names for weights in ``dtypes``: the most common floating one."""
     floats = Counter(d for d in dtypes if d.is_floating_point)
     return dtype_name(floats.most_common(1)[0][0]) if floats else None
 
 
-def copy(files: Iterable[Location], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
+def copy(files: Iterable[Location], dest: Path, dtypes: Iterable[DType | torch.dtype]) -> None:
     """Copy ``files`` into ``dest``; ``config.json`` gets the weights' (most common floating) dtype."""
     dtype = weights_dtype(dtypes)
     for f in files:
@@ -67,7 +70,7 @@ def copy(files: Iterable[Location], dest: Path, dtypes: Iterable[torch.dtype]) -
             fileio.copy_file(f, dest / f.name)
 
 
-def write_config(config: Mapping[str, object], dest: Path, dtypes: Iterable[torch.dtype]) -> None:
+def write_config(config: Mapping[str, object], dest: Path, dtypes: Iterable[DType | torch.dtype]) -> None:
     """Write a ``config.json`` a format built (``Format.hf_model``) into ``dest``, its ``dtype`` (and
     ``torch_dtype``) the weights' dtype."""
     doc = dict(config)

@@ -34,6 +34,7 @@ from zckpt.storage import fileio
 from zckpt.storage.threads import Pool
 
 if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a checkpoint needs none
+    import numpy as np
     import torch
 
 _BUF = 8 << 20
@@ -197,11 +198,11 @@ class _Digest:
                 return
             nxt = min([s for s in self.held if s > self.at] + [to])
             step = min(_BUF, nxt - self.at)
-            import torch  # reads of checked pieces build tensors anyway
+            import numpy as np  # the read path's buffers (imported by the reads that got here)
 
-            buf = torch.empty(step, dtype=torch.uint8)
+            buf = np.empty(step, dtype=np.uint8)
             fileio.read_into(self.check.file, self.check.start + self.at, buf)
-            self._update(buf.numpy())
+            self._update(buf)
             self.at += step
 
     def finish(self) -> None:
@@ -281,12 +282,14 @@ class Session:
             digests = list(self._digests.values())
         for d in digests:
             d.finish()
+        import numpy as np
+
         for check, rec in todo:
             for lo, hi in _gaps(rec, check.size):
                 for a in range(lo, hi, _BUF):
-                    buf = memoryview(bytearray(min(_BUF, hi - a)))
+                    buf = np.empty(min(_BUF, hi - a), dtype=np.uint8)
                     fileio.read_into(check.file, check.start + a, buf)
-                    rec.add(a, a + len(buf), crc32(buf))
+                    rec.add(a, a + buf.size, crc32(buf.data))
             got = rec.segments.get(0, (0, 0))[1]
             if got != check.crc32:
                 raise CorruptCheckpoint(
@@ -331,19 +334,25 @@ def session(enabled: bool = True) -> Iterator[Session | None]:
 
 
 def consumed(
-    check: Checked | None, byte_offset: int, data: torch.Tensor | memoryview, stable: bool = False
+    check: Checked | None,
+    byte_offset: int,
+    data: torch.Tensor | np.ndarray | memoryview,
+    stable: bool = False,
 ) -> None:
     """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
     of the file's mapping (``fileio.view``), valid after the call, so hashing it may finish later."""
     s = _active
     if s is None or check is None:
         return
-    if isinstance(data, memoryview):
-        mv = data
+    buf: Any = data
+    if isinstance(buf, memoryview):
+        mv = buf
+    elif type(buf).__module__ == "numpy":  # the torch-free write path's buffers (``zckpt.stream.fill``)
+        mv = buf.data
     else:
         import torch
 
-        mv = memoryview(data.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        mv = memoryview(buf.contiguous().view(torch.uint8).numpy())
     s.consumed(check, byte_offset, mv.cast("B"), stable)
 
 

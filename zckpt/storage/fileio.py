@@ -19,7 +19,7 @@ import mmap
 import os
 import shutil
 import stat
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from zckpt.errors import CorruptCheckpoint, PermissionDenied
 from zckpt.storage import objstore, session
@@ -27,6 +27,7 @@ from zckpt.storage.location import LocationLike, location
 from zckpt.storage.objstore import RemotePath
 
 if TYPE_CHECKING:  # imported where used: the CLI opens a DCP .metadata here before torch is imported
+    import numpy as np
     import torch
 
 
@@ -282,18 +283,13 @@ def close_files(paths: object = None) -> None:
         s.files.close(paths)
 
 
-def read_into(path: str, offset: int, out: torch.Tensor | memoryview, limit: int | None = None) -> None:
-    """Fill the contiguous CPU tensor (or writable buffer) ``out`` with the file's bytes ``[offset, offset +
-    out.nbytes)`` by ``pread`` (thread-safe; releases the GIL). Unlike a mapping, nothing stays in this
-    process's memory afterwards: the bytes live only in ``out`` and the kernel's page cache. ``limit``: the
-    caller goes on reading up to this byte (an object store may fetch ahead up to it; local files ignore
-    it)."""
-    if isinstance(out, memoryview):
-        mv = out.cast("B")
-    else:
-        import torch
-
-        mv = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+def read_into(path: str, offset: int, out: torch.Tensor | np.ndarray, limit: int | None = None) -> None:
+    """Fill ``out`` (a contiguous CPU tensor, or a contiguous numpy array: the torch-free write path) with
+    the file's bytes ``[offset, offset + out.nbytes)`` by ``pread`` (thread-safe; releases the GIL). Unlike a
+    mapping, nothing stays in this process's memory afterwards: the bytes live only in ``out`` and the
+    kernel's page cache. ``limit``: the caller goes on reading up to this byte (an object store may fetch
+    ahead up to it; local files ignore it)."""
+    mv = _byte_view(out)
     n = len(mv)
     if objstore.is_url(path):
         objstore.read_into(path, offset, mv, limit)
@@ -305,6 +301,16 @@ def read_into(path: str, offset: int, out: torch.Tensor | memoryview, limit: int
     finally:
         if session.bound_storage() is None:
             files.close()
+
+
+def _byte_view(out: torch.Tensor | np.ndarray) -> memoryview:
+    """``out``'s memory as a writable byte view (a tensor through numpy: torch is imported, it made one)."""
+    buf: Any = out
+    if type(buf).__module__ == "numpy":
+        return memoryview(buf).cast("B")
+    import torch
+
+    return memoryview(buf.view(torch.uint8).numpy()).cast("B")
 
 
 def _pread_all(path: str, fd: int, size: int, offset: int, mv: memoryview, n: int) -> None:

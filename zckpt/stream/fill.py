@@ -2,11 +2,12 @@
 
 A ``Layout`` is the byte stream a writer must produce (tensors in order, each a range of a ``TensorEntry``'s
 flattened elements in an output dtype, or a run of zeros), described, not held. ``Layout.fill(dst, lo)`` puts
-the stream's bytes ``[lo, lo + len(dst))`` into ``dst``: ``pread`` straight into ``dst`` where no cast is
-needed (any byte range: a piece cut mid-element is fine), else the covering elements read and cast in
-pieces of at most ``CAST_BYTES`` (into ``dst`` itself where the bytes are element-aligned, else through a
-per-thread scratch). Every read is reported to the checksum session (``zckpt.storage.checks``), so a fill
-checks the source's CRC-32s and digests as a sequential read does.
+the stream's bytes ``[lo, lo + len(dst))`` into ``dst`` (a uint8 numpy array: no torch on this path, so a
+job that needs no other tensor math never imports it): ``pread`` straight into ``dst`` where no cast is
+needed (any byte range: a piece cut mid-element is fine), else the covering elements read and cast
+(``zckpt.stream.cast``) in pieces of at most ``CAST_BYTES`` (into ``dst`` itself where the bytes are
+element-aligned, else through a per-thread scratch). Every read is reported to the checksum session
+(``zckpt.storage.checks``), so a fill checks the source's CRC-32s and digests as a sequential read does.
 
 Because any range can be filled independently, a writer fills the blocks of an output file side by side
 on several threads (``zckpt.storage.sink.HashingSink.fill``) instead of streaming chunks through one thread.
@@ -21,13 +22,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
-from zckpt.model import TensorEntry
+from zckpt import dtypes
+from zckpt.dtypes import DType
+from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio, objstore
+from zckpt.stream.cast import cast_into
 from zckpt.stream.spans import Span, spans
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a tensor chunk for a torch writer (``Layout.chunks``); the fills need no torch
+    import torch
+
     from zckpt.stream.items import WriteItem
 
 CAST_BYTES = 4 << 20
@@ -36,13 +42,17 @@ CAST_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class Run:
-    """``n`` elements of the output stream in ``dtype``: ``entry``'s flat elements ``[lo, lo + n)``, or zeros
-    when ``entry`` is None."""
+    """``n`` elements of the output stream in ``dtype`` (a torch dtype given becomes zckpt's ``DType``):
+    ``entry``'s flat elements ``[lo, lo + n)``, or zeros when ``entry`` is None."""
 
     entry: TensorEntry | None
     lo: int
     n: int
-    dtype: torch.dtype
+    dtype: DType
+
+    def __post_init__(self) -> None:
+        if type(self.dtype) is not DType:
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -61,9 +71,9 @@ class Layout:
             at += r.nbytes
         self.nbytes = at
 
-    def fill(self, dst: torch.Tensor, lo: int) -> None:
-        """Bytes ``[lo, lo + dst.numel())`` of the stream into ``dst`` (a contiguous uint8 tensor)."""
-        hi = lo + dst.numel()
+    def fill(self, dst: np.ndarray, lo: int) -> None:
+        """Bytes ``[lo, lo + dst.size)`` of the stream into ``dst`` (a contiguous uint8 array)."""
+        hi = lo + dst.size
         if lo < 0 or hi > self.nbytes:
             raise ValueError(f"bytes [{lo}, {hi}) outside a layout of {self.nbytes}")
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
@@ -102,9 +112,11 @@ class Layout:
 
     def chunks(self, max_bytes: int) -> Iterator[torch.Tensor]:
         """The stream in order, as owned uint8 tensors of at most ``max_bytes`` (for a plain sink)."""
+        import torch
+
         for lo in range(0, self.nbytes, max_bytes):
             t = torch.empty(min(max_bytes, self.nbytes - lo), dtype=torch.uint8)
-            self.fill(t, lo)
+            self.fill(t.numpy(), lo)
             yield t
 
 
@@ -113,30 +125,43 @@ def layout_of_items(items: Sequence[WriteItem]) -> Layout:
     runs: list[Run] = []
     for it in items:
         a, b = it.range
-        runs.append(Run(it.entry, a, b - a, it.dtype))
-        runs.append(Run(None, 0, it.pad, it.dtype))
+        dt = dtypes.of(it.dtype)
+        runs.append(Run(it.entry, a, b - a, dt))
+        runs.append(Run(None, 0, it.pad, dt))
     return Layout(runs)
 
 
 _scratch = threading.local()
 
 
-def _scratch_bytes(slot: str, nbytes: int) -> torch.Tensor:
+def _scratch_bytes(slot: str, nbytes: int) -> np.ndarray:
     """A per-thread uint8 buffer of at least ``nbytes`` (grown, never shrunk)."""
     t = getattr(_scratch, slot, None)
-    if t is None or t.numel() < nbytes:
-        t = torch.empty(nbytes, dtype=torch.uint8)
+    if t is None or t.size < nbytes:
+        t = np.empty(nbytes, dtype=np.uint8)
         setattr(_scratch, slot, t)
     return t[:nbytes]
 
 
-def _fill_run(r: Run, dst: torch.Tensor, a: int) -> None:
+def _inline_bytes(p: Piece, offset: int, n: int) -> np.ndarray:
+    """The bytes of elements ``[offset, offset + n)`` of an in-memory piece: a Python number where numpy has
+    its dtype without torch (readers keep scalars so), else through the tensor (``Piece.inline``)."""
+    v, isz = p.value, p.dtype.itemsize
+    if isinstance(v, (bool, int, float)) and p.dtype.numpy is not None:
+        return np.array([v], dtype=p.dtype.numpy).view(np.uint8)[offset * isz : (offset + n) * isz]
+    import torch
+
+    t = p.inline().reshape(-1)[offset : offset + n].contiguous().cpu()
+    return t.view(torch.uint8).numpy()
+
+
+def _fill_run(r: Run, dst: np.ndarray, a: int) -> None:
     """Bytes ``[a, a + len(dst))`` of run ``r``'s output into ``dst``."""
     if r.entry is None:
-        dst.zero_()
+        dst[:] = 0
         return
     isz = r.dtype.itemsize
-    b = a + dst.numel()
+    b = a + dst.size
     e0, e1 = a // isz, -(-b // isz)
     cast = any(p.dtype != r.dtype for p in r.entry.pieces)
     step = max(1, CAST_BYTES // max(isz, max(p.dtype.itemsize for p in r.entry.pieces))) if cast else None
@@ -146,35 +171,34 @@ def _fill_run(r: Run, dst: torch.Tensor, a: int) -> None:
         _fill_span(s, r.lo, r.dtype, dst[x - a : y - a], x)
 
 
-def _fill_span(s: Span, run_lo: int, dtype: torch.dtype, dst: torch.Tensor, x: int) -> None:
+def _fill_span(s: Span, run_lo: int, dtype: DType, dst: np.ndarray, x: int) -> None:
     """Output bytes ``[x, x + len(dst))`` (counted from the run's start) of span ``s`` into ``dst``."""
     p, isz = s.piece, dtype.itemsize
     skip = x - (s.lo - run_lo) * isz  # bytes of the span's output before ``x``
     if p.dtype == dtype:  # no cast: the bytes themselves, whatever the cut
         if p.value is not None:
-            src = p.inline().reshape(-1)[s.offset : s.offset + s.n].contiguous().view(torch.uint8)
-            dst.copy_(src[skip : skip + dst.numel()])
+            dst[:] = _inline_bytes(p, s.offset, s.n)[skip : skip + dst.size]
             return
         at = s.byte_offset + skip
         fileio.read_into(p.file, at, dst, checks.record_end(p))
         checks.consumed(p.check, at, dst)
         return
-    k0, k1 = skip // isz, -(-(skip + dst.numel()) // isz)  # the span's elements the bytes lie in
+    k0, k1 = skip // isz, -(-(skip + dst.size) // isz)  # the span's elements the bytes lie in
     n = k1 - k0
     if p.value is not None:
-        src = p.inline().reshape(-1)[s.offset + k0 : s.offset + k1]
+        src = _inline_bytes(p, s.offset + k0, n)
     else:
-        src = _scratch_bytes("raw", n * p.dtype.itemsize).view(p.dtype.torch)
+        src = _scratch_bytes("raw", n * p.dtype.itemsize)
         at = s.byte_offset + k0 * p.dtype.itemsize
         fileio.read_into(p.file, at, src, checks.record_end(p))
         checks.consumed(p.check, at, src)
     head = skip - k0 * isz
-    if head == 0 and dst.numel() == n * isz and dst.data_ptr() % isz == 0:
-        dst.view(dtype).copy_(src)  # element-aligned: cast straight into the output
+    if head == 0 and dst.size == n * isz and dst.ctypes.data % isz == 0:
+        cast_into(dst, dtype, src, p.dtype)  # element-aligned: cast straight into the output
         return
     out = _scratch_bytes("cast", n * isz)
-    out.view(dtype).copy_(src)
-    dst.copy_(out[head : head + dst.numel()])
+    cast_into(out, dtype, src, p.dtype)
+    dst[:] = out[head : head + dst.size]
 
 
 __all__ = ["CAST_BYTES", "Layout", "Run", "layout_of_items"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zckpt import partition
+from zckpt import dtypes, partition
 from zckpt.model import TensorEntry
 from zckpt.stream.fill import Layout, Run
 from zckpt.stream.spans import CHUNK_BYTES, read_range, windows
@@ -63,7 +63,7 @@ class FlatSource:
 
     def layout(self) -> Layout:
         """The bytes of the tensor, for positional fills (``zckpt.stream.pipeline.fill``)."""
-        return Layout(Run(s.entry, s.lo, s.numel, self.dtype) for s in self.segments)
+        return Layout(Run(s.entry, s.lo, s.numel, dtypes.of(self.dtype)) for s in self.segments)
 
     def chunks(self, max_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         step = max(1, max_bytes // max(self.dtype.itemsize, 1))

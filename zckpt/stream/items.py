@@ -6,23 +6,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zckpt import dtypes
+from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, Role, TensorEntry
 from zckpt.stream.spans import CHUNK_BYTES, iter_chunks, windows
+
+if TYPE_CHECKING:  # a WriteItem is metadata: the writers that make tensors import torch
+    import torch
 
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One tensor to write: its output name, source entry and output dtype. With ``span=(lo, hi)`` only the
-    entry's flattened elements ``[lo, hi)`` are written, followed by ``pad`` zeros, as a 1-D tensor."""
+    """One tensor to write: its output name, source entry and output dtype (zckpt's or torch's). With
+    ``span=(lo, hi)`` only the entry's flattened elements ``[lo, hi)`` are written, followed by ``pad`` zeros,
+    as a 1-D tensor."""
 
     name: str
     entry: TensorEntry
-    dtype: torch.dtype
+    dtype: DType | torch.dtype
     span: tuple[int, int] | None = None
     pad: int = 0
 
@@ -49,10 +52,12 @@ class WriteItem:
 
     def chunks(self, max_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         """The tensor's bytes in order, as contiguous 1-D tensors of the output dtype."""
+        import torch
+
         lo, hi = self.range
         yield from iter_chunks(self.entry, self.dtype, max_bytes, lo, hi)
         for a, b in windows(0, self.pad, max(1, max_bytes // self.dtype.itemsize)):
-            yield torch.zeros(b - a, dtype=self.dtype)
+            yield torch.zeros(b - a, dtype=torch_of(self.dtype))
 
 
 def entry_from_tensor(name: str, t: torch.Tensor, role: Role = Role.PARAM) -> TensorEntry:
@@ -86,4 +91,6 @@ def items_from_state_dict(
 
 def tensor_bytes(chunk: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous tensor, without a copy."""
+    import torch
+
     return memoryview(chunk.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]

@@ -4,9 +4,9 @@
 Work is cut into chunks of at most ``CHUNK_BYTES`` of source bytes; a pool of ``workers`` threads
 fills a ring of reusable buffers — ``pread`` of exactly the chunk's byte range from the rank file
 (``fileio.read_into``: no mmap page faults, no page tables, nothing left in the process's RSS),
-plus a torch cast when the output dtype differs — while the calling thread writes the finished
-chunks in order with large sequential writes (a ``HashingSink`` hashes each chunk on its own
-thread while it is being written). ``pread``, torch copies, file writes and hashing all
+plus a cast when the output dtype differs (``zckpt.stream.cast``) — while the calling thread writes the
+finished chunks in order with large sequential writes (a ``HashingSink`` hashes each chunk on its own
+thread while it is being written). ``pread``, numpy and torch casts, file writes and hashing all
 release the GIL, so the stages run in parallel on separate cores. Memory: ``workers + 2`` slots of
 one source chunk (plus its cast), whatever the model size; no Python loop ever touches elements.
 
@@ -27,8 +27,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
-import torch
+import numpy as np
 
+from zckpt.dtypes import DType, torch_of
 from zckpt.storage import checks, env, fileio, willneed
 from zckpt.storage.scan import cores as _cores
 from zckpt.storage.scan import shared, sharing
@@ -37,6 +38,8 @@ from zckpt.stream.fill import Layout, layout_of_items
 from zckpt.stream.spans import CHUNK_BYTES, Span, spans, windows
 
 if TYPE_CHECKING:
+    import torch
+
     from zckpt.storage.sink import FillRing
     from zckpt.stream.items import WriteItem
 
@@ -91,7 +94,7 @@ def each_file(write: Callable[[T], R], jobs: Sequence[T]) -> list[R]:
 class _Task:
     span: Span | None  # None: ``n`` zeros (padding)
     n: int
-    dtype: torch.dtype  # output dtype
+    dtype: DType | torch.dtype  # output dtype
 
 
 def item_tasks(it: WriteItem, chunk_bytes: int = CHUNK_BYTES) -> Iterator[_Task]:
@@ -111,16 +114,22 @@ def _tasks(items: Sequence[WriteItem], chunk_bytes: int) -> Iterator[_Task]:
 
 
 class _Slot:
-    """One reusable buffer: raw source bytes, and (when casting) the cast output."""
+    """One reusable buffer: raw source bytes, and (when casting) the cast output (a plain sink's path, in
+    torch: sinks that take reusable memory are filled by ``fill``, which needs no torch)."""
 
     def __init__(self, nbytes: int) -> None:
+        import torch
+
         self.raw = torch.empty(nbytes, dtype=torch.uint8)
         self.cast: torch.Tensor | None = None
 
     def fill(self, t: _Task) -> memoryview:
+        import torch
+
         s = t.span
+        dtype = torch_of(t.dtype)
         if s is None:
-            src = torch.zeros(t.n, dtype=t.dtype)
+            src = torch.zeros(t.n, dtype=dtype)
         elif s.piece.value is not None:
             src = s.piece.inline().reshape(-1)[s.offset : s.offset + s.n]
         else:
@@ -128,17 +137,19 @@ class _Slot:
             fileio.read_into(s.piece.file, s.byte_offset, raw, checks.record_end(s.piece))
             checks.consumed(s.piece.check, s.byte_offset, raw)
             src = raw.view(s.piece.dtype.torch)
-            if src.dtype == t.dtype:
+            if src.dtype == dtype:
                 return _bytes(src)
         out_bytes = t.n * t.dtype.itemsize
         if self.cast is None or self.cast.numel() < out_bytes:
             self.cast = torch.empty(max(out_bytes, self.raw.numel()), dtype=torch.uint8)
-        out = self.cast[:out_bytes].view(t.dtype)
+        out = self.cast[:out_bytes].view(dtype)
         out.copy_(src)
         return _bytes(out)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -166,10 +177,10 @@ def _in_place(sink: BlockSink, layout: Layout, lo: int, hi: int, crc: bool, on_b
     while lo < hi:
         mv = sink.reserve()
         n = min(len(mv), hi - lo)
-        dst = torch.frombuffer(mv, dtype=torch.uint8)[:n]
+        dst = np.frombuffer(mv, dtype=np.uint8)[:n]
         layout.fill(dst, lo)
         if crc:
-            out = checks.crc32_combine(out, checks.crc32(_bytes(dst)), n)
+            out = checks.crc32_combine(out, checks.crc32(dst.data), n)
         del dst
         sink.commit(n)
         if on_bytes is not None:
@@ -228,9 +239,9 @@ def _pieces_fill(
     cap = workers + sink.in_flight + 1
 
     def job(i: int, lo: int, hi: int) -> int:
-        dst = torch.frombuffer(ring.bufs[i], dtype=torch.uint8)[: hi - lo]
+        dst = np.frombuffer(ring.bufs[i], dtype=np.uint8)[: hi - lo]
         layout.fill(dst, lo)
-        return checks.crc32(_bytes(dst)) if crc else 0
+        return checks.crc32(dst.data) if crc else 0
 
     window: collections.deque[tuple[int, int, int, Future[int]]] = collections.deque()
 

@@ -24,7 +24,7 @@ from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
 
-if TYPE_CHECKING:  # torch is imported by the readers that build tensors: ``spans`` needs none (diff_numpy)
+if TYPE_CHECKING:  # imported by the readers that build tensors; ``spans`` (fills, diff_numpy) needs none
     import torch
 
 CHUNK_BYTES = 16 << 20
@@ -76,6 +76,8 @@ def _tagged(runs: Iterator[tuple[int, int, int]], i: int) -> Iterator[tuple[int,
 
 def copy_span(s: Span, out: torch.Tensor) -> None:
     """The span's elements into ``out`` (1-D, ``s.n`` elements, any dtype: cast on the way)."""
+    import torch
+
     p = s.piece
     if p.value is not None:
         out.copy_(p.inline().reshape(-1)[s.offset : s.offset + s.n])
@@ -83,8 +85,6 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
         fileio.read_into(p.file, s.byte_offset, out, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, out)
     else:
-        import torch
-
         tmp = torch.empty(s.n, dtype=p.dtype.torch)
         fileio.read_into(p.file, s.byte_offset, tmp, checks.record_end(p))
         checks.consumed(p.check, s.byte_offset, tmp)
@@ -94,9 +94,9 @@ def copy_span(s: Span, out: torch.Tensor) -> None:
 def _read(
     entry: TensorEntry, lo: int, hi: int, dtype: DType | torch.dtype | None, out: torch.Tensor | None
 ) -> torch.Tensor:
-    if out is None:
-        import torch
+    import torch
 
+    if out is None:
         out = torch.empty(hi - lo, dtype=torch_of(entry.dtype if dtype is None else dtype))
     for s in spans(entry, lo, hi):
         copy_span(s, out[s.lo - lo : s.lo - lo + s.n])

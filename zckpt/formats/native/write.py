@@ -115,9 +115,7 @@ def write_rank(
                                   algorithm="sha256")  # fmt: skip
 
 
-def rank_plan(
-    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], model: Mapping[str, str] | None = None
-) -> FilePlan:
+def rank_plan(specs: Sequence[safetensors.Spec], model: Mapping[str, str] | None = None) -> FilePlan:
     """The layout ``write_rank`` gives a rank file of tensors ``(key, dtype, shape)`` in this order (and
     rank 0's ``model`` record): its header bytes, where each tensor's bytes start, its size."""
     return safetensors.plan_file(specs, {**_METADATA, **(model or {})})
