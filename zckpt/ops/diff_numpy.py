@@ -177,7 +177,7 @@ def _cast(x: Chunk, to: DType | None) -> Chunk:
         return src, to
     out = np.empty(len(v) * to.itemsize, dtype=np.uint8)
     cast.numpy_cast(out, to, src.view(np.uint8), sd)
-    return out.view(_layout(to)), to
+    return out.view(_BITS.get(to.name, to.numpy or "")), to  # float32, float16: numpy's; bfloat16: bits
 
 
 def _bits_equal(x: Chunk, y: Chunk) -> bool:
