@@ -403,7 +403,7 @@ def test_every_environment_switch_is_documented_and_none_is_a_test_hook() -> Non
 def test_workers_one_parser_that_follows_cpu_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ZCKPT_WORKERS`` was read three ways (``isdigit``, a bare ``int()`` that crashed on ``four``, and not
     at all by the block digest, which counted ``os.cpu_count()`` rather than the CPU affinity)."""
-    from zckpt.ops.diff_values import compare_threads
+    from zckpt.ops.diff_report import compare_threads
     from zckpt.storage import digest, scan
     from zckpt.stream import pipeline
 

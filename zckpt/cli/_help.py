@@ -10,7 +10,8 @@ min(terminal, 80) - 2 columns, no box drawing, no markup (so ``'zckpt[plot]'`` p
 ``[SRC [DST]]`` in the usage line (POSIX/docopt spelling; typer writes ``{ckpt}`` and ``[src] [dst]``),
 required options are named there too (``--world N``), and the arguments' rows carry no ``<path>`` type.
 Options name their value with an explicit ``metavar`` (``--tag TAG``, ``--dtype [auto|fp32|bf16|fp16]``,
-click's spelling of a choice); flags show none.
+click's spelling of a choice); flags show none. ``Command`` also hands its parameters to ``_coerce``
+(their values converted without importing pydantic).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from typer.core import TyperCommand, TyperGroup
+
+from zckpt.cli import _coerce
 
 _ClickContext: Any = TyperCommand.context_class  # typer's click (vendored since typer 0.2x), not ours to pin
 _ClickFormatter: Any = _ClickContext.formatter_class
@@ -89,11 +92,25 @@ class Group(TyperGroup):
 
     context_class = Context
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _coerce.install(self.params)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _coerce.install_one(super().get_help_option(ctx))
+
 
 class Command(TyperCommand):
     """A ``zckpt`` command whose help uses the names above (see the module docstring)."""
 
     context_class = Context
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _coerce.install(self.params)  # its values converted without pydantic where typer's would be the same
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _coerce.install_one(super().get_help_option(ctx))
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

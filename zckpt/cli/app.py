@@ -22,7 +22,6 @@ import importlib
 import os
 import re
 import signal
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -131,7 +130,7 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
         raise
     except ZckptError as e:
         if debug:
-            traceback.print_exc()
+            _traceback()
         Output.error(str(e), e.hint)
         raise typer.Exit(EXIT_ERROR) from None
     except BrokenPipeError:  # `zckpt inspect ... | head`: the reader left; stop quietly, as cat does
@@ -139,7 +138,7 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
         raise typer.Exit(EXIT_BROKEN_PIPE) from None
     except OSError as e:
         if debug:
-            traceback.print_exc()
+            _traceback()
         where = f"{e.filename}: " if e.filename else ""
         Output.error(f"{where}{e.strerror or e}")
         raise typer.Exit(EXIT_ERROR) from None
@@ -158,11 +157,18 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], st: Any, deb
         raise typer.Exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
     except (MemoryError, RecursionError, Exception) as e:  # noqa: BLE001 - a bug, or input nothing foresaw
         if debug:
-            traceback.print_exc()
+            _traceback()
         Output.error(f"unexpected {type(e).__name__}: {e}",
                      "this is a bug in zckpt or an input it does not know; ZCKPT_DEBUG=1 shows the "
                      "traceback to report")  # fmt: skip
         raise typer.Exit(EXIT_ERROR) from None
+
+
+def _traceback() -> None:
+    """The traceback ``ZCKPT_DEBUG=1`` asks for (``traceback`` imported only then: start-up)."""
+    import traceback
+
+    traceback.print_exc()
 
 
 _BARE_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/*")

@@ -207,5 +207,8 @@ def _series(
 
 
 def needs_torch(options: dict[str, Any]) -> bool:
-    """Always: it builds tensors."""
-    return True
+    """Unless A and B are both ``.safetensors`` files: ``zckpt.ops.diff`` compares those in numpy
+    (``zckpt.ops.diff_numpy``), without torch. Other inputs, and ``--series``, build tensors."""
+    sides = (options.get("a"), options.get("b"))
+    plain = all(x is not None and str(x).endswith(".safetensors") for x in sides)
+    return options.get("series") is not None or not plain

@@ -32,7 +32,8 @@ Key mapping
 
 Precision
     Values are read exactly as ``Checkpoint.read`` returns them (each side in its logical dtype), then
-    compared in float64 (``zckpt.ops.diff_values``), chunk by chunk, so memory stays bounded for any
+    compared in float64 (``zckpt.ops.diff_values``; in numpy, without importing torch, where every pair's
+    bytes can be read so: ``zckpt.ops.diff_numpy``), chunk by chunk, so memory stays bounded for any
     tensor size; padding is never read. ``compare_dtype`` picks the dtype a pair is compared at first:
     ``auto`` (default) compares a pair stored in two float dtypes at the narrower one, or at B's when
     neither holds the other (A's fp32 masters cast to bf16 against a bf16 export: what ``consolidate``'s
@@ -71,17 +72,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zckpt.checkpoint import Checkpoint
+from zckpt.dtypes import DType
 from zckpt.errors import KeyMappingError, ZckptError
 from zckpt.formats import open_checkpoint, registry
 from zckpt.model import Role
 from zckpt.ops.diff_keys import match_keys, rename
-from zckpt.ops.diff_values import TensorDiff, compare_all, parse_compare_dtype
+from zckpt.ops.diff_report import CHUNK, Pair, TensorDiff, parse_compare_dtype
 from zckpt.ops.progress import bar as progress_bar
 from zckpt.ops.scope import storage_scoped
-from zckpt.ops.stats import CHUNK
 from zckpt.storage import checks
 from zckpt.storage.session import Storage
 
@@ -263,7 +262,7 @@ def diff(
     map: Sequence[str | tuple[str, str]] = (),
     top: int | None = None,
     strict_dtype: bool = False,
-    compare_dtype: str | torch.dtype = "auto",
+    compare_dtype: str | DType | Any = "auto",  # Any: a torch.dtype too, without importing torch here
     tag_a: str | None = None,
     tag_b: str | None = None,
     progress: bool = True,
@@ -376,7 +375,7 @@ def _diff(
     total = sum(ea.numel for _, _, ea, eb in pairs if ea.shape == eb.shape)
     bar = progress_bar(total, "diff", enabled=progress, unit="el")
     with bar:
-        results = compare_all(pairs, atol, rtol, strict_dtype, chunk, bar, mode)
+        results = _compare(pairs, atol, rtol, strict_dtype, chunk, bar, mode)
     results.sort(key=TensorDiff.sort_key)
     mism = [t for t in results if t.dtype_a != t.dtype_b and t.shape_a == t.shape_b]
     casts: dict[str, list[int]] = {}
@@ -411,6 +410,20 @@ def _diff(
         top=top,
         maps=maps,
     )
+
+
+def _compare(
+    pairs: list[Pair], atol: float, rtol: float, strict_dtype: bool, chunk: int, bar: Any, mode: str
+) -> list[TensorDiff]:
+    """The pairs' values compared in numpy where every pair's bytes can be read so (``diff_numpy.usable``:
+    no torch imported), else with torch (``diff_values``); the same figures either way."""
+    from zckpt.ops import diff_numpy
+
+    if diff_numpy.usable(pairs, mode):
+        return diff_numpy.compare_all(pairs, atol, rtol, strict_dtype, chunk, bar, mode)
+    from zckpt.ops.diff_values import compare_all
+
+    return compare_all(pairs, atol, rtol, strict_dtype, chunk, bar, mode)
 
 
 def _notes(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.errors import KeyMappingError
-from zckpt.ops.diff_values import Pair
+from zckpt.ops.diff_report import Pair
 from zckpt.ops.select import glob_matches, require_globs
 
 

@@ -33,13 +33,9 @@ import torch
 from tqdm import tqdm
 
 from zckpt.checkpoint import Checkpoint
-from zckpt.dtypes import DType
 from zckpt.model import TensorEntry, dtype_name
+from zckpt.ops.diff_report import CHUNK, is_exact  # as diff: one chunk size, one notion of exact
 from zckpt.stream.spans import read_range, windows
-
-CHUNK = 1 << 20
-"""Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for
-the several passes diff and stats make over each chunk (measured faster than 256 Ki or 4 Mi)."""
 
 
 def iter_chunks(
@@ -52,11 +48,6 @@ def iter_chunks(
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     for lo, hi in windows(0, entry.numel, chunk):
         yield lo, read_range(entry, lo, hi, dtype)
-
-
-def is_exact(dtype: DType | torch.dtype) -> bool:
-    """Integer and bool dtypes: compared and summarised exactly, never with tolerances."""
-    return not (dtype.is_floating_point or dtype.is_complex)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 ``open_fd`` / ``open_regular`` open regular files only (FIFOs, devices, sockets and folders are refused
 without blocking). ``read_into`` reads a byte range with ``pread`` straight into a caller's buffer (nothing
-read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping and
-``release`` drops its consumed pages. ``zckpt.stream.spans`` turns tensor ranges into these byte reads.
+read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping (as a
+tensor; ``view_bytes``: as a memoryview, without torch) and ``release`` drops its consumed pages.
+``zckpt.stream.spans`` turns tensor ranges into these byte reads.
 
 An object-store URL (``s3://bucket/key``) is routed to ``zckpt.storage.objstore`` here, at the top of each
 function (``objstore.parse``), and nowhere else. ``open_fd`` returns a ``Handle``: a local descriptor, or an
@@ -344,6 +345,21 @@ def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.T
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(mm, dtype=dtype, count=count, offset=byte_offset)
+
+
+def view_bytes(path: str, byte_offset: int, nbytes: int) -> memoryview:
+    """``fileio.view`` without torch: the file's bytes ``[byte_offset, byte_offset + nbytes)`` as a zero-copy
+    read-only view of the cached mapping (an object's: an owned copy). Never modify it."""
+    if objstore.is_url(path):
+        out = bytearray(nbytes)
+        objstore.read_into(path, byte_offset, memoryview(out), None)
+        return memoryview(out).toreadonly()
+    mm, size = _map(path)
+    end = byte_offset + nbytes
+    if byte_offset < 0 or end > size:
+        raise CorruptCheckpoint(f"{path}: needs bytes [{byte_offset}, {end}) but the file has {size} bytes "
+                                "(truncated?)", path=path)  # fmt: skip
+    return memoryview(mm)[byte_offset:end].toreadonly()
 
 
 _AROUND = 64 << 10

@@ -9,7 +9,8 @@ and the engine's load:
   ``pread`` straight into the output when the dtypes match (nothing stays in the process's memory);
 - ``iter_chunks``: the tensor in order, one bounded chunk at a time (a writer's input);
 - ``aligned_views``: two same-size tensors side by side, each chunk a zero-copy view of the page cache
-  (released once consumed), cut on both sides' run boundaries (``diff``).
+  (released once consumed), cut on both sides' run boundaries (``diff``); ``aligned_spans``: the same steps,
+  for a reader that views the bytes itself (``diff``'s numpy comparison).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from zckpt.dtypes import DType, torch_of
 from zckpt.model import Piece, TensorEntry
 from zckpt.storage import checks, fileio
 
-if TYPE_CHECKING:  # imported by the readers that build tensors; ``spans`` (positional fills) needs none
+if TYPE_CHECKING:  # imported by the readers that build tensors; ``spans`` (fills, diff_numpy) needs none
     import torch
 
 CHUNK_BYTES = 16 << 20
@@ -143,10 +144,18 @@ def aligned_views(
     """Aligned chunks of two same-size entries, ``(A's elements [lo, hi), B's elements [lo, hi))``, in each
     entry's dtype, at most ``max_elems`` per chunk.
 
-    Chunk boundaries include every span boundary of both sides, so each chunk lies inside one span per side
-    and is a zero-copy view of the file's page cache (a copy only when a stored dtype differs from its
-    entry's). The pages of a chunk are released (``MADV_DONTNEED``) once the consumer moves on, so RSS stays
-    at one chunk. Never keep or modify a yielded chunk."""
+    Chunk boundaries include every span boundary of both sides (``aligned_spans``), so each chunk lies inside
+    one span per side and is a zero-copy view of the file's page cache (a copy only when a stored dtype
+    differs from its entry's). The pages of a chunk are released (``MADV_DONTNEED``) once the consumer moves
+    on, so RSS stays at one chunk. Never keep or modify a yielded chunk."""
+    for x, y, lo, hi in aligned_spans(a, b, max_elems):
+        yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
+
+
+def aligned_spans(a: TensorEntry, b: TensorEntry, max_elems: int) -> Iterator[tuple[Span, Span, int, int]]:
+    """``aligned_views``'s steps without reading: ``(A's span, B's span, lo, hi)``, each ``[lo, hi)`` inside
+    both spans, at most ``max_elems`` long; the pages of the file ranges of ``[lo, hi)`` are released once the
+    consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between)."""
     if a.numel != b.numel:
         raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
     sa, sb = spans(a, max_elems=max_elems), spans(b, max_elems=max_elems)
@@ -154,7 +163,7 @@ def aligned_views(
     while x is not None and y is not None:
         lo = max(x.lo, y.lo)
         hi = min(x.lo + x.n, y.lo + y.n)
-        yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
+        yield x, y, lo, hi
         for s in (x, y):
             if s.piece.value is None:
                 isz = s.piece.dtype.itemsize

@@ -19,8 +19,6 @@ needed to get it.
 
 from __future__ import annotations
 
-import configparser
-import http.client
 import os
 import time
 from collections.abc import Mapping
@@ -81,6 +79,8 @@ def _profiles(env: Mapping[str, str], home: str) -> dict[str, dict[str, str]]:
     merged, the credentials file winning, as the SDKs do)."""
     creds = env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials")
     conf = env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config")
+    import configparser  # here, not at import: a local command's start-up never reads these files
+
     out: dict[str, dict[str, str]] = {}
     for path, is_config in ((conf, True), (creds, False)):
         p = configparser.RawConfigParser(default_section="\0none")
@@ -101,6 +101,8 @@ def imds_answers(address: str, timeout: float = IMDS_TIMEOUT_S) -> bool:
     """The instance metadata service at ``address`` (``http://host[:port]``) gives a role's credentials:
     a session token (IMDSv2, what the client uses) and a role name, both within ``timeout`` seconds in all.
     Never through a proxy (the SDKs' rule: the service is link-local)."""
+    import http.client  # here, not at import (start-up of the local commands)
+
     u = urlsplit(address)
     deadline = time.monotonic() + timeout
 

@@ -24,8 +24,6 @@ trying again could help; ``Failure.retry_here`` whether zckpt, not the client, s
 from __future__ import annotations
 
 import re
-import socket
-import ssl
 from dataclasses import dataclass, field
 from enum import Enum
 from urllib.parse import urlsplit
@@ -237,6 +235,9 @@ def _python_chain(e: BaseException) -> list[BaseException]:
 
 
 def _by_python_type(e: BaseException) -> Kind | None:
+    import socket  # here, not at import: a local command's start-up never classifies a store's error
+    import ssl
+
     for x in reversed(_python_chain(e)):
         if isinstance(x, ConnectionRefusedError):
             return Kind.CONNECTION_REFUSED
