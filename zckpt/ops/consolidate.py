@@ -199,7 +199,7 @@ def consolidate(
     ckpt_or_path: Checkpoint | str | Path,
     out: str | Location,
     *,
-    dtype: str | DType | torch.dtype = "auto",
+    dtype: str | DType | Any = "auto",  # Any: a torch.dtype too (hints resolve without torch)
     keep_fp32: Sequence[str] = (),
     max_shard_size: int | str | None = None,
     tag: str | None = None,
