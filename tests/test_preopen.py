@@ -167,7 +167,8 @@ def _set_size_args(args: list[Any]) -> Any:
 )
 def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, edit: Any, says: str) -> None:
     """The child fails on it and exits 1; the parent parses the file itself and prints the library's error.
-    (``consolidate``: a command that imports torch, which the child runs beside; ``inspect`` imports none.)"""
+    (``consolidate`` to a ``.bin``: a job that imports torch, which the child runs beside; to a
+    ``.safetensors`` it imports none, and ``inspect`` none.)"""
     ck = _edited(tmp_path, edit)
     with pytest.raises(ZckptError) as e:
         zckpt.open(ck)
@@ -178,7 +179,7 @@ def test_damaged_metadata_same_line_with_and_without_the_child(tmp_path: Path, e
         started = []
         real_start = preopen.start
         preopen.start = lambda c, t, p: started.append(real_start(c, t, p)) or started[-1]
-        sys.argv = ["zckpt", "consolidate", {str(ck)!r}, {str(tmp_path / "out.safetensors")!r}]
+        sys.argv = ["zckpt", "consolidate", {str(ck)!r}, {str(tmp_path / "out.bin")!r}]
         from zckpt.cli import main
         try:
             main()

@@ -8,6 +8,7 @@ for a child the command did not take being reaped.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -86,14 +87,35 @@ def test_the_child_imports_no_torch_and_an_untaken_child_is_reaped() -> None:
 
 
 def test_consolidate_with_the_read_ahead_equals_the_library_call(tmp_path: Path) -> None:
-    """The ``zckpt`` program (which starts the child) writes what the library call writes."""
+    """The ``zckpt`` program, on a job that imports torch (a ``.bin`` output), starts the read-ahead child
+    for its input and writes what the library call writes."""
     from zckpt import consolidate
 
-    cli = tmp_path / "cli.safetensors"
+    cli = tmp_path / "cli.bin"
+    code = f"""
+        import sys
+        from zckpt.storage import preopen
+        started = []
+        real_start = preopen.start
+        preopen.start = lambda c, t, p: started.append((t, real_start(c, t, p))) or started[-1][1]
+        sys.argv = ["zckpt", "consolidate", {str(DS)!r}, {str(cli)!r}, "--no-progress"]
+        from zckpt.cli import main
+        try:
+            main()
+        finally:
+            sys.stderr.write(f"started={{started}}\\n")
+    """
     done = subprocess.run(
-        [sys.executable, "-m", "zckpt", "consolidate", str(DS), str(cli), "--no-progress"],
-        capture_output=True, text=True, cwd=REPO, check=False,
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, "ZCKPT_FAST_EXIT": "0"}, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    consolidate(DS, tmp_path / "lib.safetensors", progress=False)
-    assert cli.read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
+    assert f"started=[({warmup_target()!r}, True)]" in done.stderr.splitlines()[-1], done.stderr
+    consolidate(DS, tmp_path / "lib.bin", progress=False)
+    assert cli.read_bytes() == (tmp_path / "lib.bin").read_bytes()
+
+
+def warmup_target() -> str:
+    from zckpt.cli import app
+
+    return app._WARMUP
