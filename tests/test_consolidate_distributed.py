@@ -175,6 +175,11 @@ def _rank0_only(rank: int, world: int, root: str) -> dict[str, Any]:
     instead of hanging it."""
     import threading
 
+    import torch.distributed as dist
+
+    # both ranks through one collective first: a rank that destroys the group while the other is still
+    # connecting gloo's mesh fails the other's init ("Connection closed by peer"; seen once in CI)
+    dist.barrier()
     if rank != 0:
         return {}
     done: dict[str, Any] = {}

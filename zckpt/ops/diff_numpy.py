@@ -32,7 +32,7 @@ import numpy as np
 
 from zckpt.dtypes import BY_NAME, DType
 from zckpt.model import TensorEntry
-from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, is_exact, result, start
+from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, fold_chunks, is_exact, start
 from zckpt.storage import checks, fileio, scan
 from zckpt.stream import cast
 from zckpt.stream.spans import Span, aligned_spans
@@ -115,24 +115,17 @@ def compare(
     if reshaped is not None:
         return reshaped
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
-    acc = Acc()
-    owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
-    nonzero = False  # some finite element of those chunks is nonzero
-    for xa, xb in _chunks(ea, eb, chunk):
-        xa, xb = _cast(xa, cast), _cast(xb, cast)
-        if not exact and owed >= 0 and _bits_equal(xa, xb):
-            nonzero |= _scan_same(xa, acc)
-            owed += 1
-        else:
-            if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's side of those chunks)
-                for x, _, lo, hi in itertools.islice(aligned_spans(ea, eb, chunk), owed):  # A's side only
-                    _fold_same(_cast((_view(x, lo, hi), ea.dtype), cast), acc, work, count=False)
-            owed = -1
-            _fold(xa, xb, exact, atol, rtol, acc, work)
-        bar.update(len(xa[0]))
-    if acc.changed:
-        reasons.append("values")
-    return result(common, acc, owed, nonzero, reasons)
+    pairs = ((_cast(xa, cast), _cast(xb, cast)) for xa, xb in _chunks(ea, eb, chunk))
+
+    def refold(owed: int, acc: Acc) -> None:  # A's side of the owed chunks, read again
+        for x, _, lo, hi in itertools.islice(aligned_spans(ea, eb, chunk), owed):
+            _fold_same(_cast((_view(x, lo, hi), ea.dtype), cast), acc, work, count=False)
+
+    return fold_chunks(
+        common, reasons, pairs, exact, bar, bits_equal=_bits_equal, scan_same=_scan_same,
+        fold=lambda xa, xb, acc: _fold(xa, xb, exact, atol, rtol, acc, work), refold=refold,
+        count=lambda x: len(x[0]),
+    )  # fmt: skip
 
 
 def _chunks(ea: TensorEntry, eb: TensorEntry, chunk: int) -> Iterator[tuple[Chunk, Chunk]]:

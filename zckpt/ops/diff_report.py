@@ -9,9 +9,9 @@ them into a ``TensorDiff`` (definitions: ``zckpt.ops.diff_values``'s module doc)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zckpt.dtypes import DType, is_torch_dtype
 from zckpt.errors import InvalidArgument
@@ -21,6 +21,9 @@ from zckpt.storage.threads import Pool
 
 if TYPE_CHECKING:
     import torch
+
+X = TypeVar("X")
+"""One side's chunk, as a comparison backend holds it (a torch tensor; a numpy array with its dtype)."""
 
 CHUNK = 1 << 20
 """Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for
@@ -162,6 +165,42 @@ def start(
         **common, max_abs_diff=None, max_rel_diff=None, rel_l2=None, cosine=None, changed=None,
         nan_a=None, nan_b=None, inf_a=None, inf_b=None, differs=True, reasons=tuple(reasons),
     )  # fmt: skip
+
+
+def fold_chunks(  # noqa: PLR0913 - the loop's data, then the backend's five primitives
+    common: dict[str, Any],
+    reasons: list[str],
+    chunks: Iterable[tuple[X, X]],
+    exact: bool,
+    bar: Any,
+    *,
+    bits_equal: Callable[[X, X], bool],
+    scan_same: Callable[[X, Acc], bool],
+    fold: Callable[[X, X, Acc], None],
+    refold: Callable[[int, Acc], None],
+    count: Callable[[X], int],
+) -> TensorDiff:
+    """The chunk loop of a same-shape pair, shared by the torch and the numpy comparison (each passes its own
+    chunks and primitives): while the leading chunks are bit-identical they are only scanned
+    (``scan_same``: NaN/inf counts, own-dtype norms; whether any is nonzero), their float64 norms owed; the
+    first chunk that differs has ``refold(owed, acc)`` sum those (re-reading A's side), and it and every
+    later chunk are ``fold``-ed. ``bar`` advances by each chunk's ``count``."""
+    acc = Acc()
+    owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
+    nonzero = False  # some finite element of those chunks is nonzero
+    for xa, xb in chunks:
+        if not exact and owed >= 0 and bits_equal(xa, xb):
+            nonzero |= scan_same(xa, acc)
+            owed += 1
+        else:
+            if owed > 0:  # a chunk differs after all: sum the owed norms
+                refold(owed, acc)
+            owed = -1
+            fold(xa, xb, acc)
+        bar.update(count(xa))
+    if acc.changed:
+        reasons.append("values")
+    return result(common, acc, owed, nonzero, reasons)
 
 
 def result(common: dict[str, Any], acc: Acc, owed: int, nonzero: bool, reasons: list[str]) -> TensorDiff:

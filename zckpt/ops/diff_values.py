@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zckpt.model import TensorEntry
-from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, is_exact, result, start
+from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, fold_chunks, is_exact, start
 from zckpt.stream.spans import aligned_views
 
 if TYPE_CHECKING:
@@ -73,25 +73,18 @@ def compare(
     if reshaped is not None:
         return reshaped
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
-    acc = Acc()
-    owed = 0  # leading bit-identical chunks whose float64 norms are not summed yet
-    nonzero = False  # some finite element of those chunks is nonzero
-    for xa, xb in chunks:
-        if cast is not None:
-            xa, xb = xa.to(cast), xb.to(cast)  # a no-op (the same view) for a side already in ``cast``
-        if not exact and owed >= 0 and _bits_equal(xa, xb):
-            nonzero |= _scan_same(xa, acc)
-            owed += 1
-        else:
-            if owed > 0:  # a chunk differs after all: sum the owed norms (re-reads A's side of those chunks)
-                for x, _ in itertools.islice(aligned_views(ea, eb, chunk), owed):
-                    _fold_same(x if cast is None else x.to(cast), acc, work, count=False)
-            owed = -1
-            _fold(xa, xb, exact, atol, rtol, acc, work)
-        bar.update(xa.numel())
-    if acc.changed:
-        reasons.append("values")
-    return result(common, acc, owed, nonzero, reasons)
+    # a no-op ``.to`` (the same view) for a side already in ``cast``
+    pairs = chunks if cast is None else ((xa.to(cast), xb.to(cast)) for xa, xb in chunks)
+
+    def refold(owed: int, acc: Acc) -> None:  # A's side of the owed chunks, read again
+        for x, _ in itertools.islice(aligned_views(ea, eb, chunk), owed):
+            _fold_same(x if cast is None else x.to(cast), acc, work, count=False)
+
+    return fold_chunks(
+        common, reasons, pairs, exact, bar, bits_equal=_bits_equal, scan_same=_scan_same,
+        fold=lambda xa, xb, acc: _fold(xa, xb, exact, atol, rtol, acc, work), refold=refold,
+        count=lambda x: x.numel(),
+    )  # fmt: skip
 
 
 def compare_all(
