@@ -245,10 +245,7 @@ def _scan_same(x: Chunk, acc: Acc) -> bool:
         acc.same_known = False
     f = _floats(x)
     nan, inf = int(np.count_nonzero(np.isnan(f))), int(np.count_nonzero(np.isinf(f)))
-    acc.nan_a += nan
-    acc.nan_b += nan
-    acc.inf_a += inf
-    acc.inf_b += inf
+    acc.same_nonfinite(nan, inf)
     return bool((f[np.isfinite(f)] if nan or inf else f).any())
 
 
@@ -259,10 +256,7 @@ def _fold_same(x: Chunk, acc: Acc, work: _Work, count: bool = True) -> None:
     if not math.isfinite(s):
         nan, inf = int(np.count_nonzero(np.isnan(a))), int(np.count_nonzero(np.isinf(a)))
         if count:  # else ``_scan_same`` counted them already
-            acc.nan_a += nan
-            acc.nan_b += nan
-            acc.inf_a += inf
-            acc.inf_b += inf
+            acc.same_nonfinite(nan, inf)
         if nan or inf:
             a = a[np.isfinite(a)]
             s = float(_dot(a, a))

@@ -138,6 +138,13 @@ class Acc:
         self.same2 = 0.0  # own-dtype sum of squares of the bit-identical chunks (fast path)
         self.same_known = True  # every such chunk gave a finite one
 
+    def same_nonfinite(self, nan: int, inf: int) -> None:
+        """NaN and inf counts of a chunk that is bit-identical on both sides: each side's."""
+        self.nan_a += nan
+        self.nan_b += nan
+        self.inf_a += inf
+        self.inf_b += inf
+
 
 def start(
     ka: str, kb: str, ea: TensorEntry, eb: TensorEntry, strict_dtype: bool, cast: DType | torch.dtype | None

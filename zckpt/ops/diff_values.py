@@ -189,10 +189,7 @@ def _scan_same(x: torch.Tensor, acc: Acc) -> bool:
     if x.element_size() == 1:  # float8: torch has no isinf (nor any) for it; float32 holds its values
         x = x.to(torch.float32)
     nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-    acc.nan_a += nan
-    acc.nan_b += nan
-    acc.inf_a += inf
-    acc.inf_b += inf
+    acc.same_nonfinite(nan, inf)
     return bool((x[torch.isfinite(x)] if nan or inf else x).any())
 
 
@@ -207,10 +204,7 @@ def _fold_same(x: torch.Tensor, acc: Acc, work: Work, count: bool = True) -> Non
     if not math.isfinite(s):
         nan, inf = int(torch.isnan(a).sum()), int(torch.isinf(a).sum())
         if count:  # else ``_scan_same`` counted them already
-            acc.nan_a += nan
-            acc.nan_b += nan
-            acc.inf_a += inf
-            acc.inf_b += inf
+            acc.same_nonfinite(nan, inf)
         if nan or inf:
             a = a[torch.isfinite(a)]
             s = float(torch.dot(a, a))
