@@ -45,12 +45,12 @@ def load_path(eng: Engine, ckpt: Checkpoint) -> str:
         if f.is_file():
             return str(f)
     if (tag_dir / L.MANIFEST).is_file():  # the rank file as it is named (a save to s3:// names a generation)
-        want = f"rank_{eng.comm.rank % max(1, ckpt.meta.world_size or 1):05d}."
+        rank = eng.comm.rank % max(1, ckpt.meta.world_size or 1)
         for file in ckpt.meta.files:
             name = file.rsplit("/", 1)[-1]
-            if name.startswith(want) and L.RANK_FILE.fullmatch(name):
+            if name.startswith(f"rank_{rank:05d}.") and L.RANK_FILE.fullmatch(name):
                 return str(tag_dir / name)
-        return str(tag_dir / L.rank_file(eng.comm.rank % max(1, ckpt.meta.world_size or 1)))
+        return str(tag_dir / L.rank_file(rank))
     return str(names[0])
 
 

@@ -141,10 +141,6 @@ def command(
         o.text("kept (not written by zckpt): " + ", ".join(res.kept))
 
 
-_TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-"""Output suffixes written with torch's pickle format (``zckpt.formats.torch_file.SUFFIXES``)."""
-
-
 def needs_torch(options: dict[str, Any]) -> bool:
     """Only where the job builds torch objects: a torch file output (``.bin``, ``--format bin``), pickled
     globals built as they are (``--trust-pickle``), ranks under torchrun (a ``torch.distributed`` group).
@@ -152,6 +148,7 @@ def needs_torch(options: dict[str, Any]) -> bool:
     after all (ZeRO-0's value matching) imports it where it does."""
     fmt, out = options.get("format"), str(options.get("out") or "")
     to_bin = fmt is not None and getattr(fmt, "value", fmt) == "bin"
+    from zckpt.formats.torch_file import SUFFIXES  # the outputs written in torch's pickle format
     from zckpt.ops.group import env_world
 
-    return to_bin or out.endswith(_TORCH_SUFFIXES) or bool(options.get("trust_pickle")) or env_world() > 1
+    return to_bin or out.endswith(SUFFIXES) or bool(options.get("trust_pickle")) or env_world() > 1
