@@ -62,9 +62,9 @@ def main() -> None:
 
     leave = app._leave_startup
 
-    def after_torch() -> None:
-        leave()
-        mark("torch-imported")
+    def after_torch(*args: object) -> None:  # older trees call it with no argument, newer with ``torch``
+        leave(*args)
+        mark("start-up left" if args and not args[0] else "torch-imported")
         timed("zckpt.formats.dcp.read", "load_metadata", "dcp-metadata")
         timed("zckpt.formats.dcp.read", "load_folder", "dcp-locate")
         timed("zckpt.codecs.safetensors", "write_file", "write")

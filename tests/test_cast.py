@@ -59,6 +59,10 @@ def _bits(name: str, n_random: int, seed: int) -> np.ndarray:
     return np.concatenate([np.array(special, dtype=ut), rand]).view(np.uint8)
 
 
+def _bf16_as_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def _torch_to(raw: np.ndarray, src: DType, dst: DType) -> np.ndarray:
     return torch.from_numpy(raw.copy()).view(src.torch).to(dst.torch).view(torch.uint8).numpy()
 
@@ -83,6 +87,13 @@ def test_numpy_cast_equals_torch(src: str, dst: str, n_random: int) -> None:
         assert (want.view(ut)[nan] == 0x7FC0).all() and (got.view(ut)[nan] == 0xFFFF).all()
         want.view(ut)[nan] = 0xFFFF
     bad = np.flatnonzero(got.view(ut) != want.view(ut))
+    src_nan = np.isnan(raw.view(f"<f{s.itemsize}") if src != "bfloat16" else _bf16_as_f32(raw))
+    if (src, dst) == ("float16", "float32") and bad.size and src_nan[bad].all():
+        # torch's float16 -> float32 on an AVX-512 host (the GPU host, 2026-12-06) wrote 0x7FFFFFFF for 1 of
+        # ~2,000 NaNs, at no tail (its loop is not uniform across positions); the vector rule holds for the
+        # rest, and the value stays a NaN: allow that many, never a non-NaN
+        assert np.isnan(want.view("<f4")[bad]).all() and bad.size <= max(1, src_nan.sum() // 500)
+        bad = bad[:0]
     shown = [(hex(int(raw.view(f"<u{s.itemsize}")[i])), hex(int(got.view(ut)[i])), hex(int(want.view(ut)[i])))
              for i in bad[:5]]  # fmt: skip
     assert not bad.size, f"{src}->{dst}: {bad.size} differ (source, numpy, torch): {shown}"
