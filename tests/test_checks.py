@@ -6,6 +6,7 @@ with
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -296,3 +297,89 @@ def test_big_mapped_reads_are_crc_checked(tmp_path: Path) -> None:
         zckpt.diff(a, b, progress=False)
     assert e.value.path == str(b)
     assert not zckpt.diff(a, b, progress=False, verify_data=False).equal  # unchecked: a difference
+
+
+@pytest.mark.parametrize("offload", [0, 2])
+def test_consumed_same_credits_every_place_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offload: int
+) -> None:
+    """Bytes found equal at two places (``diff``'s bit-identical chunks) are CRC'd once for both: a file
+    checked by 64 KiB block CRC-32s (zlib's, the oracle) and a record at byte 37 of another file, so the
+    block cuts fall elsewhere on each side; fed in random order and sizes (on the session's own threads with
+    ``offload``), every record is complete without a read of either file; a wrong CRC on either side fails
+    naming it."""
+    rng = random.Random(offload)
+    raw = os.urandom(1 << 20)
+    x, y = tmp_path / "x.bin", tmp_path / "y.bin"
+    x.write_bytes(raw)
+    y.write_bytes(b"h" * 37 + raw + b"tail")
+    b = 64 << 10
+    blocks = tuple(f"{zlib.crc32(raw[a : a + b]):08x}" for a in range(0, len(raw), b))
+    cx = Checked(str(x), 0, len(raw), None, "x's sidecar", block=b, blocks=blocks, algorithm="crc32")
+    cy = Checked(str(y), 37, len(raw), zlib.crc32(raw), "record y")
+    cuts = sorted({0, len(raw), *(rng.randrange(len(raw)) for _ in range(40))})
+    parts = list(itertools.pairwise(cuts))
+    rng.shuffle(parts)
+
+    def run(px: Checked, py: Checked) -> None:
+        with checks.session() as s:
+            assert s is not None
+            with s.offloaded(offload):
+                for lo, hi in parts:
+                    checks.consumed_same(((px, lo), (py, 37 + lo)), memoryview(raw)[lo:hi], stable=True)
+            s.finish()
+
+    def no_read(*a: object, **k: object) -> None:
+        raise AssertionError("a checked record was read again")
+
+    monkeypatch.setattr(checks.fileio, "read_into", no_read)
+    monkeypatch.setattr(checks, "_ASYNC_MIN", 1)  # every part may go to the session's threads
+    run(cx, cy)
+    bad_block = blocks[:5] + (f"{int(blocks[5], 16) ^ 1:08x}",) + blocks[6:]
+    bx = Checked(str(x), 0, len(raw), None, "x's sidecar", block=b, blocks=bad_block, algorithm="crc32")
+    with pytest.raises(CorruptCheckpoint, match=r"x\.bin: x's sidecar \(bytes \[327680, 393216\), block 5\)"):
+        run(bx, cy)
+    with pytest.raises(CorruptCheckpoint, match=r"y\.bin: record y fails its CRC-32"):
+        run(cx, Checked(str(y), 37, len(raw), zlib.crc32(raw) ^ 1, "record y"))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("checked", ["a", "b", "ab"])
+def test_diff_identical_damage_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: str, checked: str
+) -> None:
+    """diff CRCs a bit-identical chunk once for both sides: two files whose tensor bytes were damaged alike
+    after the save (a damaged copy beside its original's sidecar) still fail, on the side that has its
+    ``.crc32.json`` (``checked``: A's, B's or both), the blocks cut at other offsets on each side (B's header
+    is longer). With one comparison thread on 2 cores the CRCs run on the session's own thread
+    (``checks.offloaded``)."""
+    from zckpt.codecs.safetensors import read_header
+    from zckpt.formats.hf import write_safetensors
+    from zckpt.stream.items import items_from_state_dict
+
+    monkeypatch.setenv("ZCKPT_WORKERS", workers)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(10 << 20, generator=g)
+    a, b = tmp_path / "a" / "m.safetensors", tmp_path / "b" / "m.safetensors"
+    for f, extra in ((a, "b"), (b, "a_bias_with_a_much_longer_name_that_moves_the_data_start")):
+        f.parent.mkdir()
+        items, tied = items_from_state_dict({"w": w, extra: torch.zeros(3)})
+        write_safetensors(f, items, tied=tied)
+    ea, eb = read_header(a).tensors["w"], read_header(b).tensors["w"]
+    assert ea.begin != eb.begin
+    for side, f in (("a", a), ("b", b)):
+        if side not in checked:
+            f.with_name(f.name + ".crc32.json").unlink()
+    assert zckpt.diff(a, b, progress=False, keys=["w"]).equal
+    k = (16 << 20) // 4 + 777  # an element of w in block 1 of both files
+    for f, e in ((a, ea), (b, eb)):
+        with open(f, "r+b") as fh:
+            fh.seek(e.begin + 4 * k)
+            x = fh.read(1)
+            fh.seek(e.begin + 4 * k)
+            fh.write(bytes([x[0] ^ 0x04]))
+    damaged = r"\(bytes \[16777216, 33554432\), block 1\) fails its CRC"
+    with pytest.raises(CorruptCheckpoint, match=damaged) as err:
+        zckpt.diff(a, b, progress=False, keys=["w"])
+    assert err.value.path in [str(f) for side, f in (("a", a), ("b", b)) if side in checked]
+    assert zckpt.diff(a, b, progress=False, keys=["w"], verify_data=False).equal  # unchecked: equal

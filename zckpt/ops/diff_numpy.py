@@ -7,7 +7,9 @@ bit-identical chunks), on numpy arrays viewing the files' bytes (``fileio.view_b
 every piece a byte range of a file stored in its entry's dtype (no value held in memory, no cast on read),
 dtypes numpy reads (every one safetensors has but complex), and casts (``--dtype``) only to float32, float16
 or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch. Pairs are compared one per core
-at once (a numpy loop uses one core; torch's use several).
+at once (a numpy loop uses one core; torch's use several). The checksums of the bytes read
+(``zckpt.storage.checks``) are fed once a chunk pair is compared: a bit-identical pair's once for both sides,
+on the cores the comparison leaves idle where there are some (``checks.offloaded``).
 
 Element types: float64/32/16, integers and bool are numpy's own; bfloat16 is held as its bits (``uint16``:
 the top half of a float32, widened exactly by a shift) and float8 (e4m3fn, e5m2) as bytes, widened exactly
@@ -25,13 +27,13 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from zckpt.dtypes import BY_NAME, DType
-from zckpt.model import TensorEntry
+from zckpt.model import Checked, TensorEntry
 from zckpt.ops.diff_report import Acc, Pair, TensorDiff, comparison_dtype, each, fold_chunks, is_exact, start
 from zckpt.storage import checks, fileio, scan
 from zckpt.stream import cast
@@ -99,7 +101,9 @@ def compare_all(
             return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunk, local.work, bar,
                            comparison_dtype(compare_dtype, ea.dtype, eb.dtype))  # fmt: skip
 
-    return each(pairs, one, scan.threads(cap=8, per=1))  # numpy's loops use one core each (torch's, several)
+    n = scan.threads(cap=8, per=1)  # numpy's loops use one core each (torch's, several)
+    with checks.offloaded(min(n, scan.cores() - n)):  # the checksums on the cores the comparison leaves idle
+        return each(pairs, one, n)
 
 
 Chunk = tuple[np.ndarray, DType]
@@ -115,31 +119,62 @@ def compare(
     if reshaped is not None:
         return reshaped
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
-    pairs = ((_cast(xa, cast), _cast(xb, cast)) for xa, xb in _chunks(ea, eb, chunk))
+    seen = _Seen()
+    pairs = ((_cast(xa, cast), _cast(xb, cast)) for xa, xb in _chunks(ea, eb, chunk, seen))
 
-    def refold(owed: int, acc: Acc) -> None:  # A's side of the owed chunks, read again
+    def refold(owed: int, acc: Acc) -> None:  # A's side of the owed chunks, read again (checked already)
         for x, _, lo, hi in itertools.islice(aligned_spans(ea, eb, chunk), owed):
-            _fold_same(_cast((_view(x, lo, hi), ea.dtype), cast), acc, work, count=False)
+            _fold_same(_cast((_view(x, lo, hi)[0], ea.dtype), cast), acc, work, count=False)
 
     return fold_chunks(
-        common, reasons, pairs, exact, bar, bits_equal=_bits_equal, scan_same=_scan_same,
-        fold=lambda xa, xb, acc: _fold(xa, xb, exact, atol, rtol, acc, work), refold=refold,
+        common, reasons, pairs, exact, bar, bits_equal=seen.bits_equal, scan_same=_scan_same,
+        fold=lambda xa, xb, acc: _fold(xa, xb, exact, atol, rtol, acc, work, seen.bits_equal), refold=refold,
         count=lambda x: len(x[0]),
     )  # fmt: skip
 
 
-def _chunks(ea: TensorEntry, eb: TensorEntry, chunk: int) -> Iterator[tuple[Chunk, Chunk]]:
-    """``aligned_views`` as numpy chunks."""
-    for x, y, lo, hi in aligned_spans(ea, eb, chunk):
-        yield (_view(x, lo, hi), ea.dtype), (_view(y, lo, hi), eb.dtype)
+class _Seen:
+    """The chunk pair being compared, as read (views of the files' mappings), and whether the comparison
+    found the two bit-identical: their checksums are then computed once for both (``_chunks``)."""
+
+    def __init__(self) -> None:
+        self.a: np.ndarray | None = None
+        self.b: np.ndarray | None = None
+        self.same = False
+
+    def bits_equal(self, x: Chunk, y: Chunk) -> bool:
+        """``_bits_equal``, noting when the chunks are the bytes read themselves (no cast) and equal."""
+        eq = _bits_equal(x, y)
+        if eq and x[0] is self.a and y[0] is self.b:
+            self.same = True
+        return eq
 
 
-def _view(s: Span, lo: int, hi: int) -> np.ndarray:
+def _chunks(ea: TensorEntry, eb: TensorEntry, chunk: int, seen: _Seen) -> Iterator[tuple[Chunk, Chunk]]:
+    """``aligned_views`` as numpy chunks. The checksums of a chunk's bytes are fed once the comparison is
+    done with it (before its pages are released): once for both sides when it found them bit-identical
+    (``checks.consumed_same``), else each side's own. A chunk the comparison never finished is not fed:
+    ``checks.Session.finish`` reads what no read covered, so it is checked all the same."""
+    for x, y, lo, hi in aligned_spans(ea, eb, chunk, release=False):  # released below
+        (va, ca, at_a), (vb, cb, at_b) = _view(x, lo, hi), _view(y, lo, hi)
+        seen.a, seen.b, seen.same = va, vb, False
+        yield (va, ea.dtype), (vb, eb.dtype)
+        done = [(x.piece.file, at_a, va.nbytes), (y.piece.file, at_b, vb.nbytes)]
+        if seen.same:
+            checks.consumed_same(((ca, at_a), (cb, at_b)), va.data, True, done)
+        else:
+            checks.consumed_same(((ca, at_a),), va.data, True, done[:1])
+            checks.consumed_same(((cb, at_b),), vb.data, True, done[1:])
+    seen.a = seen.b = None
+
+
+def _view(s: Span, lo: int, hi: int) -> tuple[np.ndarray, Checked | None, int]:
+    """Elements ``[lo, hi)`` of the span as a view of the file's mapping, the checksum over them and their
+    byte offset in the file (a view of the mapping: valid after the call, as ``checks.consumed`` asks)."""
     p = s.piece
     at = p.byte_offset + (s.offset + lo - s.lo) * p.dtype.itemsize
     mv = fileio.view_bytes(p.file, at, (hi - lo) * p.dtype.itemsize)
-    checks.consumed(p.check, at, mv, stable=True)  # a view of the file's mapping
-    return np.frombuffer(mv, dtype=_layout(p.dtype))
+    return np.frombuffer(mv, dtype=_layout(p.dtype)), p.check, at
 
 
 def _f32(x: Chunk) -> np.ndarray:
@@ -201,7 +236,10 @@ class _Work:
         return a, b
 
 
-def _fold(x: Chunk, y: Chunk, exact: bool, atol: float, rtol: float, acc: Acc, work: _Work) -> None:
+def _fold(
+    x: Chunk, y: Chunk, exact: bool, atol: float, rtol: float, acc: Acc, work: _Work,
+    bits_equal: Callable[[Chunk, Chunk], bool] = _bits_equal,
+) -> None:  # fmt: skip
     """Fold one chunk pair (same length) into ``acc``."""
     if exact:
         acc.changed += int(np.count_nonzero(x[0].astype(np.int64) != y[0].astype(np.int64)))
@@ -209,7 +247,7 @@ def _fold(x: Chunk, y: Chunk, exact: bool, atol: float, rtol: float, acc: Acc, w
         if len(a):
             _fold_finite(a, b, True, atol, rtol, acc)
         return
-    if _bits_equal(x, y):
+    if bits_equal(x, y):
         _fold_same(x, acc, work)
         return
     a, b = work.f64(x, y)

@@ -7,12 +7,16 @@ CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives),
 block digests), or a whole file's sha256 (a ``<file>.sha256`` sidecar, an older native manifest). Inside a
 ``session`` every read of such bytes (``zckpt.stream.spans``, ``zckpt.stream.pipeline``) reports them here. A
 record's CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else
-zlib's), out-of-order pieces combined (``crc32_combine``). A file's sha256 is fed in file order: bytes that
-arrive ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap before them is read from disk,
-so a file read in order is hashed from the bytes already read plus its header. ``Session.finish`` reads what
-the operation did not need of each touched record or file (padding, headers, the tail), then compares.
-Records no read touched are not checked (``verify`` checks every byte of every file). Operations call
-``finish`` before they publish anything.
+zlib's), out-of-order pieces combined (``crc32_combine``), on the thread that read them, or, for views of a
+file's mapping inside ``offloaded(n)``, on ``n`` threads of the session's own while the readers go on (at most
+``offload.OFFLOAD_BYTES`` queued, nothing copied; their pages released once checked): a reader that leaves
+cores idle (``diff``'s comparison) pays next to nothing for the check. Bytes a caller found equal at several
+places (``consumed_same``: ``diff``'s bit-identical chunks) are CRC'd once for all of them. A file's sha256 is
+fed in file order: bytes that arrive ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap
+before them is read from disk, so a file read in order is hashed from the bytes already read plus its header.
+``Session.finish`` reads what the operation did not need of each touched record or file (padding, headers, the
+tail), then compares. Records no read touched are not checked (``verify`` checks every byte of every file).
+Operations call ``finish`` before they publish anything.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +36,7 @@ from zlib import crc32 as _zlib_crc32
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import Checked, Piece
 from zckpt.storage import fileio
+from zckpt.storage.offload import Offload
 from zckpt.storage.threads import Pool
 
 if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a checkpoint needs none
@@ -219,6 +225,20 @@ class _Digest:
             )
 
 
+def _segments(check: Checked, lo: int, n: int) -> Iterator[tuple[Checked, int, int, int]]:
+    """The records that bytes ``[lo, lo + n)`` of ``check``'s range fall in: ``(record, offset in it, start,
+    end)``, start and end counted from ``lo`` (each block of a block-digest file is a record of its own)."""
+    if not check.blocks:
+        yield check, lo, 0, n
+        return
+    pos, end, b = lo, lo + n, check.block
+    while pos < end:
+        i = pos // b
+        stop = min(end, (i + 1) * b)
+        yield _block(check, i), pos - i * b, pos - lo, stop - lo
+        pos = stop
+
+
 @functools.lru_cache(maxsize=4096)
 def _block(check: Checked, i: int) -> Checked:
     """Block ``i`` of a file checked by block digests, as a range checked by its own CRC-32 (a record, its
@@ -231,6 +251,10 @@ def _block(check: Checked, i: int) -> Checked:
     return Checked(check.file, check.start + lo, n, None, what, sha256=check.blocks[i])
 
 
+Release = tuple[str, int, int]
+"""Pages of a file's mapping to drop once their bytes are checked: ``(file, byte offset, bytes)``."""
+
+
 class Session:
     """The checksums of one operation's reads (see the module doc)."""
 
@@ -238,31 +262,72 @@ class Session:
         self._lock = threading.Lock()
         self._records: dict[Checked, _Record] = {}
         self._digests: dict[Checked, _Digest] = {}
+        self._offload: Offload | None = None
+
+    @contextlib.contextmanager
+    def offloaded(self, threads: int) -> Iterator[None]:
+        """Inside the block, the CRC-32s of mapped views (``stable``, at least ``_ASYNC_MIN`` bytes) run on
+        ``threads`` threads of the session's own while the readers go on (cores the readers leave idle);
+        ``threads <= 0``: on the readers' threads, as outside. The block ends once every CRC is done."""
+        if threads <= 0 or self._offload is not None:
+            yield
+            return
+        self._offload = off = Offload(threads)
+        try:
+            yield
+        finally:
+            self._offload = None
+            off.close()
 
     def consumed(self, check: Checked, byte_offset: int, data: memoryview, stable: bool = False) -> None:
         """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record); ``stable``: it is a
         view of the file's mapping (``fileio.view``), valid after the call: a sha256 may hash it later."""
-        lo = byte_offset - check.start
-        if lo < 0 or lo + len(data) > check.size or not len(data):
-            return
-        if check.blocks:  # each block checked on its own: reads of different blocks hash side by side
-            pos, end, b = lo, lo + len(data), check.block
-            while pos < end:
-                i = pos // b
-                stop = min(end, (i + 1) * b)
-                self._add(_block(check, i), pos - i * b, data[pos - lo : stop - lo], stable)
-                pos = stop
-            return
-        self._add(check, lo, data, stable)
+        self.consumed_same(((check, byte_offset),), data, stable)
 
-    def _add(self, check: Checked, lo: int, data: memoryview, stable: bool) -> None:
-        """``data`` at ``lo`` inside ``check``'s range: fed to its sha256 stream, or CRC'd as a segment."""
-        if check.sha256 is not None:
-            self._digest(check).add(lo, data, stable)
-            return
-        crc = crc32(data)
-        with self._lock:
-            self._records.setdefault(check, _Record()).add(lo, lo + len(data), crc)
+    def consumed_same(
+        self,
+        places: Sequence[tuple[Checked, int]],
+        data: memoryview,
+        stable: bool = False,
+        release: Sequence[Release] = (),
+    ) -> None:
+        """``data`` was read at each ``(check, byte_offset)`` of ``places``: the same bytes at several places,
+        found equal byte for byte by the caller (``diff``'s bit-identical chunks). Each piece of ``data``
+        between the places' block or record boundaries is CRC'd once and credited to every place; a place
+        checked by a sha256 is fed the bytes (a hash stream has no shortcut). ``release``: mapping pages to
+        drop once the CRCs are done (inside ``offloaded``, a thread of the session's may compute them
+        later)."""
+        crcs: list[tuple[Checked, int, int, int]] = []  # (record, offset in it, start in data, end in data)
+        for check, byte_offset in places:
+            lo = byte_offset - check.start
+            if lo < 0 or lo + len(data) > check.size or not len(data):
+                continue
+            for rec, at, a, z in _segments(check, lo, len(data)):
+                if rec.sha256 is not None:
+                    self._digest(rec).add(at, data[a:z], stable)
+                else:
+                    crcs.append((rec, at, a, z))
+        off = self._offload
+        if crcs and off is not None and stable and len(data) >= _ASYNC_MIN:
+            off.submit(functools.partial(self._crc_pieces, crcs, data, release), len(data))
+        else:
+            self._crc_pieces(crcs, data, release)
+
+    def _crc_pieces(
+        self, crcs: list[tuple[Checked, int, int, int]], data: memoryview, release: Sequence[Release]
+    ) -> None:
+        """CRC each piece of ``data`` between the cuts of ``crcs`` once, add it to each record it lies in,
+        then drop the ``release`` pages."""
+        if crcs:
+            cuts = sorted({c for _, _, a, z in crcs for c in (a, z)})
+            piece = {a: crc32(data[a:z]) for a, z in itertools.pairwise(cuts)}  # each byte CRC'd once
+            with self._lock:
+                for rec, at, a, z in crcs:
+                    record = self._records.setdefault(rec, _Record())
+                    for p, q in itertools.pairwise(cuts[cuts.index(a) : cuts.index(z) + 1]):
+                        record.add(at + p - a, at + q - a, piece[p])
+        for file, at, n in release:
+            fileio.release(file, at, n)
 
     def _digest(self, check: Checked) -> _Digest:
         with self._lock:
@@ -354,6 +419,37 @@ def consumed(
 
         mv = memoryview(buf.contiguous().view(torch.uint8).numpy())
     s.consumed(check, byte_offset, mv.cast("B"), stable)
+
+
+def consumed_same(
+    places: Sequence[tuple[Checked | None, int]],
+    data: memoryview,
+    stable: bool = False,
+    release: Sequence[Release] = (),
+) -> None:
+    """Report bytes just read at several places that the caller found equal byte for byte (``Session.
+    consumed_same``: their CRC is computed once; places without a checksum are skipped, as by ``consumed``);
+    ``release``: mapping pages the caller is done with, dropped once they are checked (outside a session:
+    now)."""
+    s = _active
+    todo = [(c, at) for c, at in places if c is not None]
+    if s is not None and (todo or release):
+        s.consumed_same(todo, data.cast("B"), stable, release)
+        return
+    for file, at, n in release:
+        fileio.release(file, at, n)
+
+
+@contextlib.contextmanager
+def offloaded(threads: int) -> Iterator[None]:
+    """``Session.offloaded`` of the active session (outside one: a no-op): ``threads`` of its own compute the
+    CRC-32s of mapped views while the readers inside the block go on (pass the cores they leave idle)."""
+    s = _active
+    if s is None:
+        yield
+        return
+    with s.offloaded(threads):
+        yield
 
 
 @contextlib.contextmanager

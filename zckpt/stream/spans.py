@@ -152,10 +152,13 @@ def aligned_views(
         yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
 
 
-def aligned_spans(a: TensorEntry, b: TensorEntry, max_elems: int) -> Iterator[tuple[Span, Span, int, int]]:
+def aligned_spans(
+    a: TensorEntry, b: TensorEntry, max_elems: int, release: bool = True
+) -> Iterator[tuple[Span, Span, int, int]]:
     """``aligned_views``'s steps without reading: ``(A's span, B's span, lo, hi)``, each ``[lo, hi)`` inside
     both spans, at most ``max_elems`` long; the pages of the file ranges of ``[lo, hi)`` are released once the
-    consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between)."""
+    consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between), unless
+    ``release`` is False (the reader releases them, after their checksums: ``checks.consumed_same``)."""
     if a.numel != b.numel:
         raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
     sa, sb = spans(a, max_elems=max_elems), spans(b, max_elems=max_elems)
@@ -164,7 +167,7 @@ def aligned_spans(a: TensorEntry, b: TensorEntry, max_elems: int) -> Iterator[tu
         lo = max(x.lo, y.lo)
         hi = min(x.lo + x.n, y.lo + y.n)
         yield x, y, lo, hi
-        for s in (x, y):
+        for s in (x, y) if release else ():
             if s.piece.value is None:
                 isz = s.piece.dtype.itemsize
                 fileio.release(s.piece.file, s.byte_offset + (lo - s.lo) * isz, (hi - lo) * isz)
