@@ -137,7 +137,7 @@ def test_numpy_reads_and_casts_as_torch(name: str) -> None:
         x = u.to(torch.uint8 if BY_NAME[name].itemsize == 1 else torch.int16).view(getattr(torch, name))
     else:
         x = _values(4000, 3).to(getattr(torch, name))
-    raw = x.view(torch.uint8).numpy().view(diff_numpy._layout(BY_NAME[name]))
+    raw = x.view(torch.uint8).numpy().view(diff_numpy.layout(BY_NAME[name]))
     got = diff_numpy._f32((raw, BY_NAME[name])) if name != "float64" else raw
     assert (
         torch.equal(torch.from_numpy(got.astype("float64")), x.double())
@@ -148,7 +148,7 @@ def test_numpy_reads_and_casts_as_torch(name: str) -> None:
         want = x.to(getattr(torch, to))
         bits, d = diff_numpy._cast((raw, BY_NAME[name]), BY_NAME[to])
         assert d is BY_NAME[to]
-        mine = torch.from_numpy(diff_numpy._floats((bits, d)).astype("float64"))
+        mine = torch.from_numpy(diff_numpy.floats((bits, d)).astype("float64"))
         assert torch.equal(mine.nan_to_num(), want.double().nan_to_num()), (name, to)
         assert torch.equal(mine.isnan(), want.isnan()), (name, to)
 

@@ -9,8 +9,11 @@ import pytest
 import torch
 from _handmade import make_ckpt
 
-from zckpt.ops.stats import checkpoint_stats, iter_chunks, tensor_stats
+from zckpt.ops.stats import checkpoint_stats, file_backed, iter_chunks, tensor_stats
 from zckpt.stream import spans
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "fixtures"
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -45,6 +48,7 @@ def test_stats_match_full_tensor_oracle(tmp_path: Path, chunk: int) -> None:
     t = _tensors()
     ck = make_ckpt(tmp_path, t, world=2)
     for k, v in t.items():
+        assert file_backed(ck.entry(k)), k  # read in numpy, no torch (the torch path: the test below)
         s = tensor_stats(ck.entry(k), chunk=chunk)
         flat = v.reshape(-1)
         assert s.numel == flat.numel() and s.shape == tuple(v.shape)
@@ -66,6 +70,79 @@ def test_stats_match_full_tensor_oracle(tmp_path: Path, chunk: int) -> None:
         assert s.std == pytest.approx(fin.std(correction=0).item(), rel=1e-9)
         assert s.norm == pytest.approx(torch.linalg.vector_norm(fin).item(), rel=1e-12)
     assert tensor_stats(ck.entry("ids")).max == 2**40  # exact for integers
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_numpy_reading_equals_torch_reading(tmp_path: Path, chunk: int) -> None:
+    """The two readers (numpy views of the files; torch's ``read_range``) give the same figures to the bit,
+    float8 and bfloat16 (widened from their bits) included."""
+    from safetensors.torch import save_file
+
+    import zckpt
+
+    t = _tensors()
+    g = torch.Generator().manual_seed(2)
+    f8 = {
+        "e4m3": (torch.randn(300, generator=g) * 40).to(torch.float8_e4m3fn),
+        "e5m2": (torch.randn(300, generator=g) * 1e3).to(torch.float8_e5m2),
+        "bf16": torch.randn(300, generator=g).to(torch.bfloat16),
+    }
+    save_file(f8, str(tmp_path / "f8.safetensors"))
+    ck = make_ckpt(tmp_path / "ck", t, world=3)
+    with zckpt.open(tmp_path / "f8.safetensors") as sf:
+        for e in [ck.entry(k) for k in t] + [sf.entry(k) for k in f8]:
+            assert file_backed(e), e.key
+            _same_stats(
+                tensor_stats(e, chunk=chunk).to_json(), tensor_stats(e, chunk=chunk, use_torch=True).to_json()
+            )
+
+
+def _same_stats(got: dict[str, object], want: dict[str, object]) -> None:
+    """Counts, min and max to the bit; the moments to float64 rounding (the numpy reader folds each piece's
+    run on its own where torch's reader folds whole chunks: the same sums, grouped otherwise)."""
+    moments = ("mean", "std", "norm")
+    assert {f: v for f, v in got.items() if f not in moments} == {
+        f: v for f, v in want.items() if f not in moments
+    }
+    for f in moments:
+        w = want[f]
+        assert got[f] == (w if w is None else pytest.approx(w, rel=1e-12, abs=1e-300)), (want["key"], f)
+
+
+@pytest.mark.parametrize("ck", ["ds/s3_bf16_w2_g2", "ds/s1_bf16_w2", "dcp/fsdp1_w2/checkpoint"])
+def test_inspect_stats_imports_no_torch(ck: str) -> None:
+    """``zckpt inspect --stats`` of real DeepSpeed and DCP checkpoints reads every tensor without torch, and
+    its figures equal the torch reader's (``tensor_stats(use_torch=True)``)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    import zckpt
+
+    path = FIX / ck
+    assert path.exists(), f"fixture missing: {path}"
+    code = f"""
+        import sys
+        sys.argv = ["zckpt", "inspect", {str(path)!r}, "--stats", "--json"]
+        from zckpt.cli import app
+        try:
+            app.app()
+        except SystemExit as e:
+            assert not e.code, e.code
+        leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not leaked, leaked[:5]
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=REPO, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {s["key"]: s for s in json.loads(done.stdout)["stats"]}
+    with zckpt.open(path) as c:
+        keys = [e.key for e in c.model_entries()] + list(c.optim_keys())
+        want = {k: tensor_stats(c.entries[k], use_torch=True).to_json() for k in keys}
+    assert got.keys() == want.keys() and len(want) > 3
+    for k, w in want.items():
+        _same_stats(got[k], w)
 
 
 def test_checkpoint_stats_ties_and_optimizer(tmp_path: Path) -> None:

@@ -112,5 +112,7 @@ def _g(v: float | int | None) -> str:
 
 
 def needs_torch(options: dict[str, Any]) -> bool:
-    """Only for ``--stats``, which reads every tensor; what a checkpoint holds is in its metadata."""
-    return bool(options.get("stats"))
+    """Only for ``--stats --trust-pickle`` (tensors built from pickles): what a checkpoint holds is in its
+    metadata, and ``--stats`` reads tensors stored as file bytes in numpy (``zckpt.ops.stats``; torch is
+    imported mid-command for any other tensor)."""
+    return bool(options.get("stats")) and bool(options.get("trust_pickle"))

@@ -67,7 +67,7 @@ def _e4m3fn() -> np.ndarray:
 _E4M3FN = _e4m3fn()
 
 
-def _layout(d: DType) -> str | None:
+def layout(d: DType) -> str | None:
     """The numpy dtype a chunk of ``d`` is held in, or None where numpy has none here (complex)."""
     return None if d.kind == "c" else _BITS.get(d.name, d.numpy)
 
@@ -78,7 +78,7 @@ def usable(pairs: list[Pair], mode: str) -> bool:
         if ea.shape != eb.shape:
             continue  # nothing is read
         for e in (ea, eb):
-            if _layout(e.dtype) is None or any(p.numel and (p.value is not None or p.dtype != e.dtype)
+            if layout(e.dtype) is None or any(p.numel and (p.value is not None or p.dtype != e.dtype)
                                                 for p in e.pieces):  # fmt: skip
                 return False
         to = comparison_dtype(mode, ea.dtype, eb.dtype)
@@ -107,7 +107,7 @@ def compare_all(
 
 
 Chunk = tuple[np.ndarray, DType]
-"""A chunk's elements as stored (``_layout``) and their dtype."""
+"""A chunk's elements as stored (``layout``) and their dtype."""
 
 
 def compare(
@@ -174,7 +174,7 @@ def _view(s: Span, lo: int, hi: int) -> tuple[np.ndarray, Checked | None, int]:
     p = s.piece
     at = p.byte_offset + (s.offset + lo - s.lo) * p.dtype.itemsize
     mv = fileio.view_bytes(p.file, at, (hi - lo) * p.dtype.itemsize)
-    return np.frombuffer(mv, dtype=_layout(p.dtype)), p.check, at
+    return np.frombuffer(mv, dtype=layout(p.dtype)), p.check, at
 
 
 def _f32(x: Chunk) -> np.ndarray:
@@ -189,7 +189,7 @@ def _f32(x: Chunk) -> np.ndarray:
     return v.astype(np.float32)
 
 
-def _floats(x: Chunk) -> np.ndarray:
+def floats(x: Chunk) -> np.ndarray:
     """A float chunk's values in a numpy float type (float64/32/16 as they are, the others as float32)."""
     return x[0] if x[1].name not in _BITS else _f32(x)
 
@@ -230,9 +230,9 @@ class _Work:
             self._a = np.empty(n, dtype=np.float64)
             self._b = np.empty(n, dtype=np.float64)
         a, b = self._a[:n], self._b[:n]
-        np.copyto(a, _floats(x))
+        np.copyto(a, floats(x))
         if y is not None:
-            np.copyto(b, _floats(y))
+            np.copyto(b, floats(y))
         return a, b
 
 
@@ -281,7 +281,7 @@ def _scan_same(x: Chunk, acc: Acc) -> bool:
             return True
     else:
         acc.same_known = False
-    f = _floats(x)
+    f = floats(x)
     nan, inf = int(np.count_nonzero(np.isnan(f))), int(np.count_nonzero(np.isinf(f)))
     acc.same_nonfinite(nan, inf)
     return bool((f[np.isfinite(f)] if nan or inf else f).any())

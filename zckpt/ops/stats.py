@@ -12,12 +12,18 @@ dtype exactly as ``Checkpoint.read`` would, then folded into float64 accumulator
   cancellation of sum/sum-of-squares.
 - Integer and bool tensors keep exact ``min``/``max`` (Python ints); their moments are in float64.
 
-The arithmetic runs in numpy on one thread (``_values``: bf16 widened to float32 by a bit shift, exact), not
-in torch: a chunk is small (1 Mi elements), and torch splits each of the ~10 kernels of a chunk over its
+The arithmetic runs in numpy, one tensor per thread (``checkpoint_stats``: up to one thread a core), not in
+torch: a chunk is small (1 Mi elements), and torch splits each of the ~10 kernels of a chunk over its
 intra-op threads; on a busy 2-core machine every kernel then waits for a thread the OS has not scheduled
 (issue 42: ``inspect --stats`` of 78 MB of fp32 took 17-21 s in torch, 1.2-1.4 s with one torch thread,
 0.3-0.5 s here; bench/RESULTS.md).
 Non-finite values are looked for only when a chunk's min or max is not finite (NaN propagates through both).
+
+Reading needs no torch either where a tensor's pieces are byte ranges of files stored in its dtype (every
+format's tensors but pickled values and stored-dtype casts): each span is a zero-copy view of the file's
+mapping (``fileio.view_bytes``), its checksum fed (``checks.consumed``) and its pages released once folded;
+bf16 and float8 are widened exactly to float32 as ``zckpt.ops.diff_numpy`` does. Other tensors are read
+through torch (``iter_chunks``), imported then.
 """
 
 from __future__ import annotations
@@ -26,16 +32,21 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from zckpt.checkpoint import Checkpoint
 from zckpt.model import TensorEntry, dtype_name
+from zckpt.ops import diff_numpy
 from zckpt.ops.diff_report import CHUNK, is_exact  # as diff: one chunk size, one notion of exact
-from zckpt.stream.spans import read_range, windows
+from zckpt.storage import checks, fileio, scan
+from zckpt.storage.threads import Pool
+from zckpt.stream.spans import read_range, spans, windows
+
+if TYPE_CHECKING:  # only tensors that are not plain file bytes are read through torch (``iter_chunks``)
+    import torch
 
 
 def iter_chunks(
@@ -113,15 +124,15 @@ class _Moments:
         self.n = n
 
 
-_NUMPY_NATIVE = {torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-                 torch.int32, torch.int64}  # fmt: skip
-
-
 def _values(x: torch.Tensor) -> np.ndarray:
-    """A chunk as a numpy array, without a torch kernel where numpy holds the dtype: bf16 widened to float32
-    by shifting its bits (exact), bool as uint8; other dtypes (float8) cast to float32 by torch."""
+    """A chunk read through torch as a numpy array, without a torch kernel where numpy holds the dtype: bf16
+    widened to float32 by shifting its bits (exact), bool as uint8; other dtypes (float8) cast to float32 by
+    torch."""
+    import torch
+
     x = x.reshape(-1)
-    if x.dtype in _NUMPY_NATIVE:
+    if x.dtype in (torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                   torch.int32, torch.int64):  # fmt: skip
         return x.numpy()
     if x.dtype == torch.bfloat16:
         return (x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -130,15 +141,50 @@ def _values(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.float32).numpy()
 
 
-def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK) -> TensorStats:
-    """Stream one tensor through ``iter_chunks`` and summarise it (see the module docstring)."""
+def file_backed(entry: TensorEntry) -> bool:
+    """Whether ``entry`` is read here without torch: every piece a byte range of a file (or object) stored in
+    the entry's dtype, of a dtype numpy can hold (``diff_numpy``'s rule for one side)."""
+    return diff_numpy.layout(entry.dtype) is not None and all(
+        p.value is None and p.dtype == entry.dtype for p in entry.pieces if p.numel
+    )
+
+
+def _numpy_chunks(entry: TensorEntry, chunk: int) -> Iterator[np.ndarray]:
+    """``entry``'s elements in logical order, at most ``chunk`` at a time, as numpy values (float8 and bf16
+    widened exactly to float32, bool as uint8): each a view of a file's mapping, checked
+    (``checks.consumed``) and its pages released once the consumer moves on (``file_backed`` must hold)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    layout = diff_numpy.layout(entry.dtype)
+    for s in spans(entry, max_elems=chunk):
+        p = s.piece
+        at, nbytes = s.byte_offset, s.n * p.dtype.itemsize
+        mv = fileio.view_bytes(p.file, at, nbytes)
+        checks.consumed(p.check, at, mv, stable=True)
+        x = np.frombuffer(mv, dtype=layout)
+        if x.dtype == np.bool_:
+            yield x.view(np.uint8)
+        elif entry.dtype.kind == "f":
+            yield diff_numpy.floats((x, entry.dtype))  # bf16 and float8 widened exactly to float32
+        else:
+            yield x
+        del x
+        fileio.release(p.file, at, nbytes)
+
+
+def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK, use_torch: bool = False) -> TensorStats:
+    """Stream one tensor (``_numpy_chunks`` where ``file_backed``, else ``iter_chunks``; ``use_torch``: always
+    the latter) and summarise it (see the module docstring)."""
     exact = is_exact(entry.dtype)
     nan = inf = 0
     lo_v: float | int | None = None
     hi_v: float | int | None = None
     mom = _Moments()
-    for _, t in iter_chunks(entry, chunk):
-        x = _values(t)
+    if file_backed(entry) and not use_torch:
+        chunks: Iterable[np.ndarray] = _numpy_chunks(entry, chunk)
+    else:
+        chunks = (_values(t) for _, t in iter_chunks(entry, chunk))
+    for x in chunks:
         if not x.size:
             continue
         if exact:
@@ -196,5 +242,20 @@ def checkpoint_stats(
             e = ckpt.entry(k)
             seen.setdefault(e.key, e)
         entries = list(seen.values())
-    bar = tqdm(entries, desc="stats", unit="tensor", file=sys.stderr, disable=not progress, leave=False)
-    return [tensor_stats(e, chunk=chunk) for e in bar]
+    bar = tqdm(
+        total=len(entries), desc="stats", unit="tensor", file=sys.stderr, disable=not progress, leave=False
+    )
+
+    def one(e: TensorEntry) -> TensorStats:
+        out = tensor_stats(e, chunk=chunk)
+        bar.update(1)
+        return out
+
+    n = min(len(entries), scan.threads(cap=8, per=1))  # numpy's loops release the GIL: one tensor a core
+    try:
+        if n <= 1:
+            return [one(e) for e in entries]
+        with Pool(n, thread_name_prefix="zckpt-stats") as pool:
+            return list(pool.map(one, entries))
+    finally:
+        bar.close()
