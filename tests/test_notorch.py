@@ -122,7 +122,8 @@ def test_verify_without_torch_still_finds_damage(tmp_path: Path) -> None:
         try:
             app.app()
         except SystemExit as e:
-            assert "torch" not in sys.modules
+            if "torch" in sys.modules:  # not assert: its exit 1 is a verify that finds a problem too
+                sys.exit(99)
             sys.exit(e.code)
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

@@ -207,8 +207,7 @@ def _series(
 
 
 def needs_torch(options: dict[str, Any]) -> bool:
-    """Unless A and B are both ``.safetensors`` files: ``zckpt.ops.diff`` compares those in numpy
-    (``zckpt.ops.diff_numpy``), without torch. Other inputs, and ``--series``, build tensors."""
-    sides = (options.get("a"), options.get("b"))
-    plain = all(x is not None and str(x).endswith(".safetensors") for x in sides)
-    return options.get("series") is not None or not plain
+    """Only for ``--series`` and ``--trust-pickle`` (they build tensors): ``zckpt.ops.diff`` compares pairs
+    whose bytes lie in files as stored in numpy (``zckpt.ops.diff_numpy``: safetensors, DeepSpeed, DCP,
+    Trainer and native inputs), and imports torch mid-command for any other pair."""
+    return options.get("series") is not None or bool(options.get("trust_pickle"))
