@@ -21,6 +21,7 @@ from typing import Any
 import _s3
 import pytest
 import torch
+from _torchfree import run_torch_free
 
 import zckpt
 from zckpt.cli.consolidate import needs_torch
@@ -99,23 +100,7 @@ def test_torch_free_output_equals_torch(family: str, native: Path, tmp_path: Pat
 def _cli_without_torch(argv: list[str], env: dict[str, str] | None = None) -> None:
     """``zckpt ARGV`` (the program's own entry) in a fresh interpreter that then checks torch was never
     imported."""
-    code = f"""
-        import sys
-        sys.argv = ["zckpt", *{argv!r}]
-        from zckpt.cli import app
-        code = 0
-        try:
-            app.app()
-        except SystemExit as e:
-            code = e.code or 0
-        leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-        assert not leaked, leaked[:5]
-        sys.exit(code)
-    """
-    import os
-
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=REPO, check=False, env={**os.environ, **(env or {})})  # fmt: skip
+    done = run_torch_free(argv, env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

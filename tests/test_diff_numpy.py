@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _torchfree import run_torch_free
 from safetensors.torch import save_file
 
 import zckpt
@@ -172,36 +170,29 @@ def test_finfo_is_torchs() -> None:
         assert (eps, big, tiny) == (f.eps, f.max, f.smallest_normal), name
 
 
+def _cli_diff_both_ways(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> tuple[Any, Any]:
+    """``zckpt ARGV`` (a diff of two inputs that differ) in a fresh interpreter that must never import torch,
+    and in this process with the torch comparison forced: (the subprocess's result, CliRunner's)."""
+    from typer.testing import CliRunner
+
+    from zckpt.cli.app import app
+
+    done = run_torch_free(argv)
+    assert done.returncode == 1, done.stderr[-3000:]
+    with monkeypatch.context() as m:
+        _torch_only(m)
+        want = CliRunner().invoke(app, argv)
+    assert want.exit_code == 1
+    return done, want
+
+
 def test_cli_diff_of_safetensors_imports_no_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The command line, in a fresh interpreter: torch never imported, and the text output byte for byte the
     torch comparison's (values whose squares overflow left out: there a cosine's sign follows the summation
     order, which BLAS picks; JSON: the figures as ``test_numpy_says_what_torch_says`` compares them)."""
     pa, pb = _pair(tmp_path, seed=5, huge=False)
     for extra in ([], ["--json"], ["--dtype", "full", "--top", "5"], ["--dtype", "bf16", "--atol", "1e-3"]):
-        code = f"""
-            import sys
-            sys.argv = ["zckpt", "diff", {str(pa)!r}, {str(pb)!r}, *{extra!r}]
-            from zckpt.cli import app
-            code = 0
-            try:
-                app.app()
-            except SystemExit as e:
-                code = e.code or 0
-            if "torch" in sys.modules:  # not assert: its exit 1 is a diff that differs too
-                sys.exit(99)
-            sys.exit(code)
-        """
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                              cwd=REPO, check=False)  # fmt: skip
-        assert done.returncode == 1, done.stderr[-3000:]
-        from typer.testing import CliRunner
-
-        from zckpt.cli.app import app
-
-        with monkeypatch.context() as m:
-            _torch_only(m)
-            want = CliRunner().invoke(app, ["diff", str(pa), str(pb), *extra])
-        assert want.exit_code == 1
+        done, want = _cli_diff_both_ways(monkeypatch, ["diff", str(pa), str(pb), *extra])
         if extra != ["--json"]:
             assert done.stdout == want.stdout, extra
             continue
@@ -268,27 +259,5 @@ def test_cli_diff_of_deepspeed_checkpoints_imports_no_torch(
     else:
         pb = REPO / "fixtures" / "ds" / b
         assert pb.exists(), f"fixture missing: {pb}"
-    code = f"""
-        import sys
-        sys.argv = ["zckpt", "diff", {str(pa)!r}, {str(pb)!r}]
-        from zckpt.cli import app
-        code = 0
-        try:
-            app.app()
-        except SystemExit as e:
-            code = e.code or 0
-        if "torch" in sys.modules:  # not assert: its exit 1 is a diff that differs too
-            sys.exit(99)
-        sys.exit(code)
-    """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=REPO, check=False)  # fmt: skip
-    assert done.returncode == 1, done.stderr[-3000:]
-    from typer.testing import CliRunner
-
-    from zckpt.cli.app import app
-
-    with monkeypatch.context() as m:
-        _torch_only(m)
-        want = CliRunner().invoke(app, ["diff", str(pa), str(pb)])
-    assert want.exit_code == 1 and done.stdout == want.stdout
+    done, want = _cli_diff_both_ways(monkeypatch, ["diff", str(pa), str(pb)])
+    assert done.stdout == want.stdout

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from _handmade import make_ckpt
+from _torchfree import run_torch_free
 
 from zckpt.ops.stats import checkpoint_stats, file_backed, iter_chunks, tensor_stats
 from zckpt.stream import spans
@@ -114,27 +115,12 @@ def test_inspect_stats_imports_no_torch(ck: str) -> None:
     """``zckpt inspect --stats`` of real DeepSpeed and DCP checkpoints reads every tensor without torch, and
     its figures equal the torch reader's (``tensor_stats(use_torch=True)``)."""
     import json
-    import subprocess
-    import sys
-    import textwrap
 
     import zckpt
 
     path = FIX / ck
     assert path.exists(), f"fixture missing: {path}"
-    code = f"""
-        import sys
-        sys.argv = ["zckpt", "inspect", {str(path)!r}, "--stats", "--json"]
-        from zckpt.cli import app
-        try:
-            app.app()
-        except SystemExit as e:
-            assert not e.code, e.code
-        leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-        assert not leaked, leaked[:5]
-    """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=REPO, check=False)  # fmt: skip
+    done = run_torch_free(["inspect", str(path), "--stats", "--json"])
     assert done.returncode == 0, done.stderr[-3000:]
     got = {s["key"]: s for s in json.loads(done.stdout)["stats"]}
     with zckpt.open(path) as c:
