@@ -266,7 +266,8 @@ def test_interrupt_while_torch_imports_is_the_startup_guards(model: Path, tmp_pa
 
     flag = tmp_path / "flag"
     env = {**os.environ, "SLOW_TORCH_FLAG": str(flag), "ZCKPT_DEBUG": ""}
-    argv = [sys.executable, "-c", _SLOW_TORCH, "inspect", "--stats", str(model)]  # --stats: it reads tensors
+    # --stats --trust-pickle: tensors built from pickles, so torch imports at start-up (plain --stats: numpy)
+    argv = [sys.executable, "-c", _SLOW_TORCH, "inspect", "--stats", "--trust-pickle", str(model)]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default
     )

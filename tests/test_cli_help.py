@@ -158,16 +158,16 @@ sys.meta_path.insert(0, _SlowTorch())
 
 @pytest.mark.parametrize("module", ["zckpt", "zckpt.cli"])
 def test_python_m_keeps_the_startup_guard(module: str, tmp_path: Path) -> None:
-    """Ctrl-C while `python -m zckpt inspect --stats` starts (torch importing; plain inspect needs no torch)
-    is the start-up guard's: one line, exit 130, as for the console script (tests/test_cli.py). The slow
-    import is planted by a sitecustomize, so the interpreter runs the real `-m` path."""
+    """Ctrl-C while `python -m zckpt inspect --stats --trust-pickle` starts (torch importing; other inspects
+    need none) is the start-up guard's: one line, exit 130, as for the console script (tests/test_cli.py).
+    The slow import is planted by a sitecustomize, so the interpreter runs the real `-m` path."""
     import signal
     import time
 
     (tmp_path / "sitecustomize.py").write_text(_SLOW_TORCH)
     flag = tmp_path / "flag"
     env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SLOW_TORCH_FLAG": str(flag)}
-    argv = [sys.executable, "-m", module, "inspect", "--stats", str(FIXTURE)]
+    argv = [sys.executable, "-m", module, "inspect", "--stats", "--trust-pickle", str(FIXTURE)]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default
     )
