@@ -20,9 +20,10 @@ intra-op threads; on a busy 2-core machine every kernel then waits for a thread 
 Non-finite values are looked for only when a chunk's min or max is not finite (NaN propagates through both).
 
 Reading needs no torch either where a tensor's pieces are byte ranges of files stored in its dtype (every
-format's tensors but pickled values and stored-dtype casts): each span is a zero-copy view of the file's
-mapping (``fileio.view_bytes``), its checksum fed (``checks.consumed``) and its pages released once folded;
-bf16 and float8 are widened exactly to float32 as ``zckpt.ops.diff_numpy`` does. Other tensors are read
+format's tensors but pickled values and stored-dtype casts): each span is read by ``pread`` into a reused
+buffer (nothing mapped, so a file truncated under the reader is an error, not a SIGBUS; an object streams
+ahead as for every reader), its checksum fed (``checks.consumed``); bf16 and float8 are widened exactly to
+float32 as ``zckpt.ops.diff_numpy`` does. Other tensors are read
 through torch (``iter_chunks``), imported then.
 """
 
@@ -151,25 +152,26 @@ def file_backed(entry: TensorEntry) -> bool:
 
 def _numpy_chunks(entry: TensorEntry, chunk: int) -> Iterator[np.ndarray]:
     """``entry``'s elements in logical order, at most ``chunk`` at a time, as numpy values (float8 and bf16
-    widened exactly to float32, bool as uint8): each a view of a file's mapping, checked
-    (``checks.consumed``) and its pages released once the consumer moves on (``file_backed`` must hold)."""
+    widened exactly to float32, bool as uint8), read by ``pread`` into one reused buffer (an object: fetched
+    ahead to each record's end, as every reader does) and checked (``checks.consumed``); ``file_backed``
+    must hold. Never keep a yielded array: the next read overwrites it."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = diff_numpy.layout(entry.dtype)
+    isz = entry.dtype.itemsize
+    buf = np.empty(min(chunk, max(entry.numel, 1)) * isz, dtype=np.uint8)
     for s in spans(entry, max_elems=chunk):
         p = s.piece
-        at, nbytes = s.byte_offset, s.n * p.dtype.itemsize
-        mv = fileio.view_bytes(p.file, at, nbytes)
-        checks.consumed(p.check, at, mv, stable=True)
-        x = np.frombuffer(mv, dtype=layout)
+        raw = buf[: s.n * isz]
+        fileio.read_into(p.file, s.byte_offset, raw, checks.record_end(p))
+        checks.consumed(p.check, s.byte_offset, raw)
+        x = raw.view(layout)
         if x.dtype == np.bool_:
             yield x.view(np.uint8)
         elif entry.dtype.kind == "f":
             yield diff_numpy.floats((x, entry.dtype))  # bf16 and float8 widened exactly to float32
         else:
             yield x
-        del x
-        fileio.release(p.file, at, nbytes)
 
 
 def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK, use_torch: bool = False) -> TensorStats:
