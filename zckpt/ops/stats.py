@@ -158,6 +158,7 @@ def _numpy_chunks(entry: TensorEntry, chunk: int) -> Iterator[np.ndarray]:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = diff_numpy.layout(entry.dtype)
+    assert layout is not None  # file_backed
     isz = entry.dtype.itemsize
     buf = np.empty(min(chunk, max(entry.numel, 1)) * isz, dtype=np.uint8)
     for s in spans(entry, max_elems=chunk):
