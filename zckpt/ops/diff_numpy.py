@@ -72,15 +72,21 @@ def layout(d: DType) -> str | None:
     return None if d.kind == "c" else _BITS.get(d.name, d.numpy)
 
 
+def readable(e: TensorEntry) -> bool:
+    """``e``'s values can be read here without torch: every piece a byte range of a file (or object) stored in
+    the entry's dtype, of a dtype numpy holds (``layout``)."""
+    return layout(e.dtype) is not None and all(
+        p.value is None and p.dtype == e.dtype for p in e.pieces if p.numel
+    )
+
+
 def usable(pairs: list[Pair], mode: str) -> bool:
     """Every pair of a diff can be compared here (the module doc), ``mode`` its ``--dtype``."""
     for _, _, ea, eb in pairs:
         if ea.shape != eb.shape:
             continue  # nothing is read
-        for e in (ea, eb):
-            if layout(e.dtype) is None or any(p.numel and (p.value is not None or p.dtype != e.dtype)
-                                                for p in e.pieces):  # fmt: skip
-                return False
+        if not (readable(ea) and readable(eb)):
+            return False
         to = comparison_dtype(mode, ea.dtype, eb.dtype)
         if to is not None and to.name not in _CASTS:
             return False

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     import torch
 
 X = TypeVar("X")
+T = TypeVar("T")
+R = TypeVar("R")
 """One side's chunk, as a comparison backend holds it (a torch tensor; a numpy array with its dtype)."""
 
 CHUNK = 1 << 20
@@ -253,14 +255,15 @@ def compare_threads() -> int:
 
 
 def each(
-    pairs: list[Pair], one: Callable[[Pair], TensorDiff], threads: int | None = None
-) -> list[TensorDiff]:
-    """``one`` of every pair, in order, ``threads`` (default ``compare_threads()``) pairs at once."""
-    n = min(compare_threads() if threads is None else threads, len(pairs))
+    items: list[T], one: Callable[[T], R], threads: int | None = None, name: str = "zckpt-diff"
+) -> list[R]:
+    """``one`` of every item (a diff's pairs, ``stats``' tensors), in order, ``threads`` (default
+    ``compare_threads()``) at once, on threads named ``name``."""
+    n = min(compare_threads() if threads is None else threads, len(items))
     if n <= 1:
-        return [one(p) for p in pairs]
-    with Pool(n, thread_name_prefix="zckpt-diff") as pool:
-        return list(pool.map(one, pairs))
+        return [one(p) for p in items]
+    with Pool(n, thread_name_prefix=name) as pool:
+        return list(pool.map(one, items))
 
 
 COMPARE_DTYPES = ("auto", "full", "fp32", "bf16", "fp16")

@@ -23,8 +23,8 @@ Reading needs no torch either where a tensor's pieces are byte ranges of files s
 format's tensors but pickled values and stored-dtype casts): each span is read by ``pread`` into a reused
 buffer (nothing mapped, so a file truncated under the reader is an error, not a SIGBUS; an object streams
 ahead as for every reader), its checksum fed (``checks.consumed``); bf16 and float8 are widened exactly to
-float32 as ``zckpt.ops.diff_numpy`` does. Other tensors are read
-through torch (``iter_chunks``), imported then.
+float32 as ``zckpt.ops.diff_numpy`` does (``diff_numpy.readable`` says which tensors). Other tensors
+are read through torch (``iter_chunks``), imported then.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ from tqdm import tqdm
 from zckpt.checkpoint import Checkpoint
 from zckpt.model import TensorEntry, dtype_name
 from zckpt.ops import diff_numpy
-from zckpt.ops.diff_report import CHUNK, is_exact  # as diff: one chunk size, one notion of exact
+from zckpt.ops.diff_report import CHUNK, each, is_exact  # as diff: one chunk size, one notion of exact
 from zckpt.storage import checks, fileio, scan
-from zckpt.storage.threads import Pool
 from zckpt.stream.spans import read_range, spans, windows
 
 if TYPE_CHECKING:  # only tensors that are not plain file bytes are read through torch (``iter_chunks``)
@@ -142,23 +141,15 @@ def _values(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.float32).numpy()
 
 
-def file_backed(entry: TensorEntry) -> bool:
-    """Whether ``entry`` is read here without torch: every piece a byte range of a file (or object) stored in
-    the entry's dtype, of a dtype numpy can hold (``diff_numpy``'s rule for one side)."""
-    return diff_numpy.layout(entry.dtype) is not None and all(
-        p.value is None and p.dtype == entry.dtype for p in entry.pieces if p.numel
-    )
-
-
 def _numpy_chunks(entry: TensorEntry, chunk: int) -> Iterator[np.ndarray]:
     """``entry``'s elements in logical order, at most ``chunk`` at a time, as numpy values (float8 and bf16
     widened exactly to float32, bool as uint8), read by ``pread`` into one reused buffer (an object: fetched
-    ahead to each record's end, as every reader does) and checked (``checks.consumed``); ``file_backed``
-    must hold. Never keep a yielded array: the next read overwrites it."""
+    ahead to each record's end, as every reader does) and checked (``checks.consumed``);
+    ``diff_numpy.readable`` must hold. Never keep a yielded array: the next read overwrites it."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = diff_numpy.layout(entry.dtype)
-    assert layout is not None  # file_backed
+    assert layout is not None  # readable
     isz = entry.dtype.itemsize
     buf = np.empty(min(chunk, max(entry.numel, 1)) * isz, dtype=np.uint8)
     for s in spans(entry, max_elems=chunk):
@@ -176,14 +167,14 @@ def _numpy_chunks(entry: TensorEntry, chunk: int) -> Iterator[np.ndarray]:
 
 
 def tensor_stats(entry: TensorEntry, *, chunk: int = CHUNK, use_torch: bool = False) -> TensorStats:
-    """Stream one tensor (``_numpy_chunks`` where ``file_backed``, else ``iter_chunks``; ``use_torch``: always
-    the latter) and summarise it (see the module docstring)."""
+    """Stream one tensor (``_numpy_chunks`` where ``diff_numpy.readable``, else ``iter_chunks``;
+    ``use_torch``: always the latter) and summarise it (see the module docstring)."""
     exact = is_exact(entry.dtype)
     nan = inf = 0
     lo_v: float | int | None = None
     hi_v: float | int | None = None
     mom = _Moments()
-    if file_backed(entry) and not use_torch:
+    if diff_numpy.readable(entry) and not use_torch:
         chunks: Iterable[np.ndarray] = _numpy_chunks(entry, chunk)
     else:
         chunks = (_values(t) for _, t in iter_chunks(entry, chunk))
@@ -254,11 +245,7 @@ def checkpoint_stats(
         bar.update(1)
         return out
 
-    n = min(len(entries), scan.threads(cap=8, per=1))  # numpy's loops release the GIL: one tensor a core
-    try:
-        if n <= 1:
-            return [one(e) for e in entries]
-        with Pool(n, thread_name_prefix="zckpt-stats") as pool:
-            return list(pool.map(one, entries))
+    try:  # numpy's loops release the GIL: one tensor a core
+        return each(entries, one, scan.threads(cap=8, per=1), name="zckpt-stats")
     finally:
         bar.close()
