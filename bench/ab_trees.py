@@ -7,6 +7,8 @@ measured in one session on one machine (a tree: a folder holding a ``zckpt`` pac
         --job "verify=verify CK"
 
 ``--clean PATH`` removes an output before each run, so that no run pays for replacing the last one's.
+``--settle SEC``: ``sync``, then SEC seconds idle before each run (untimed), so that each run finds the disk
+rested as the disk probe does, not still busy with the last run's writes.
 ``--cold``: the page cache is dropped before each run (``sync``, then ``drop_caches``; root only: without it
 the bench stops), so that every run reads its inputs, and torch's libraries, from the disk (untimed, like
 ``--clean``). ``--evict PATH``: only the pages of the files under PATH (the checkpoint) are dropped before
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clean", action="append", default=[], help="a path removed before each run (untimed)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
+    ap.add_argument("--settle", type=float, default=0.0, help="sync, then idle SEC before each")
     ap.add_argument("--evict", action="append", default=[], type=Path,
                     help="drop the cached pages of the files under this path before each run")  # fmt: skip
     a = ap.parse_args()
@@ -67,6 +70,9 @@ def main() -> None:
                     drop_caches()
                 if a.evict:
                     evict(a.evict)
+                if a.settle:
+                    os.sync()
+                    time.sleep(a.settle)
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (folder, base) if p))
                 run = f"import sys, runpy; sys.path[0] = {os.path.abspath(folder)!r}; "
                 run += "runpy.run_module('zckpt.cli.app', run_name='__main__')"  # not the cwd's zckpt

@@ -116,3 +116,48 @@ def _is_direct(fd: int) -> bool:
     import fcntl
 
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_a_size_known_up_front_is_allocated_and_the_file_ends_where_writing_did(direct_dir: Path) -> None:
+    """``HashingSink(size=)``: the blocks are allocated at open (``fallocate``; this filesystem allows it),
+    the bytes written equal the input, and a file that got fewer bytes than announced has no zeros past
+    them."""
+    want = DATA[: 2 * B + 5000]
+    path = direct_dir / "f"
+    sink = HashingSink(path, size=len(want))
+    st = os.stat(path)
+    assert st.st_size == len(want) and st.st_blocks * 512 >= len(want), st
+    sink.write(memoryview(want))
+    sink.close()
+    assert path.read_bytes() == want
+    short = direct_dir / "short"
+    sink = HashingSink(short, size=len(want))
+    sink.write(memoryview(want[: B + 3]))
+    sink.close()
+    assert short.read_bytes() == want[: B + 3]
+
+
+def test_a_size_past_the_file_limit_fails_at_open(tmp_path: Path) -> None:
+    """Announced bytes the file may not hold (``RLIMIT_FSIZE``, SIGXFSZ ignored: as a full disk would): the
+    sink raises EFBIG at open, before a byte is written, and leaves its descriptor closed."""
+    code = (
+        "import errno, os, resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from zckpt.storage.sink import HashingSink\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "fds = len(os.listdir('/proc/self/fd'))\n"
+        "try:\n"
+        "    HashingSink(Path(sys.argv[1]), size=8 << 20)\n"
+        "except OSError as e:\n"
+        "    assert e.errno == errno.EFBIG, e\n"
+        "    assert len(os.listdir('/proc/self/fd')) == fds\n"
+        "    sys.exit(7)\n"
+    )
+    import subprocess
+    import sys
+
+    path = tmp_path / "f"
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False)
+    assert r.returncode == 7, r.stderr
+    assert path.stat().st_size == 0

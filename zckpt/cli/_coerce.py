@@ -3,26 +3,29 @@
 typer (0.2x) converts each parameter's value through a pydantic ``TypeAdapter`` that it builds on first use
 (``typer._coercion.build_runtime_param``): importing pydantic and building the adapters is ~0.1 s, a third
 of ``zckpt inspect``'s start-up on 2 cores. ``install`` gives the parameters whose annotation is ``str``,
-``Path``, ``list[str]``, ``bool``, ``int`` or ``float`` a ``Plain`` converter instead: for the values argv
-holds (strings, lists of strings, a flag's bool, None) and the options' own defaults it does what typer's
-adapters do (``str`` as is, ``Path(value)`` then typer's own path checks, a list of strings, a bool as is,
-a number of the declared type inside its ``min``/``max`` as is); any other value (a number typed on the
-command line: its errors are pydantic's wording), or any other annotation (an ``Enum``), goes to typer's
-adapter, built only then. ``tests/test_cli_coerce.py`` compares the two on every parameter of every
-command. With a typer that converts through click types instead (before 0.2x, no pydantic), or where its
-internals moved, ``install`` leaves the parameters as they are.
+``Path``, ``list[str]``, ``bool``, ``int``, ``float`` or an ``Enum`` a ``Plain`` converter instead: for the
+values argv holds (strings, lists of strings, a flag's bool, None) and the options' own defaults it does what
+typer's adapters do (``str`` as is, ``Path(value)`` then typer's own path checks, a list of strings, a bool
+as is, a number of the declared type inside its ``min``/``max`` as is, a choice through typer's own
+``coerce_cli_choice``); any other value (a number typed on the command line, a word that is not a choice:
+their errors are pydantic's wording), or any other annotation, goes to typer's adapter, built only then.
+``tests/test_cli_coerce.py`` compares the two on every parameter of every command. With a typer that
+converts through click types instead (before 0.2x, no pydantic), or where its internals moved, ``install``
+leaves the parameters as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 try:
     from typer._click.exceptions import BadParameter
     from typer._coercion import build_runtime_param
-    from typer._param_types import coerce_cli_path, lenient_issubclass, routes_to_path
+    from typer._param_types import coerce_cli_choice, coerce_cli_path, lenient_issubclass, routes_to_path
 except ImportError:  # another typer: its own conversion stays
     build_runtime_param = None  # type: ignore[assignment]
 
@@ -62,6 +65,8 @@ def _kind(desc: Any) -> str | None:
         return "number"
     if lenient_issubclass(ann, Path) and routes_to_path(ann, info):
         return "path"
+    if lenient_issubclass(ann, Enum):
+        return "choice"
     return None
 
 
@@ -86,6 +91,14 @@ class Plain:
         elif self.kind == "number":
             if type(value) is self.desc.annotation and self._within(value):  # a default, as declared
                 return value
+        elif self.kind == "choice":  # typer's choice adapter: its parse_choice, pydantic around it
+            with contextlib.suppress(ValueError):  # not a choice: typer's adapter words the error
+                return coerce_cli_choice(
+                    value,
+                    choices=tuple(self.desc.annotation),
+                    case_sensitive=self.desc.parameter_info.case_sensitive,
+                    ctx=ctx,
+                )
         elif type(value) is str:
             return value if self.kind == "str" else self._path(value, param, ctx)
         if self._typer is None:  # anything argv cannot hold (typer's test runner may pass it): typer's own

@@ -252,7 +252,7 @@ def write_file(
         block = BLOCK_BYTES
     from zckpt.storage.sink import HashingSink  # the write path (O_DIRECT, numpy): not needed to read
 
-    sink = HashingSink(path, opts, plan.regions() if crc else (), block, algorithm)
+    sink = HashingSink(path, opts, plan.regions() if crc else (), block, algorithm, size=plan.size)
     try:
         sink.write(plan.header)
         run: list[WriteItem] = []
@@ -322,7 +322,8 @@ def write_views(
     ``block``, ``algorithm``: as for ``write_file``."""
     from zckpt.storage.sink import HashingSink
 
-    sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block, algorithm)
+    size = sum(v.nbytes for v in views)
+    sink = HashingSink(path, opts, plan.regions() if plan is not None else (), block, algorithm, size=size)
     try:
         for v in views:
             sink.write(v, stable=True)

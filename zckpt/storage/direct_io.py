@@ -34,15 +34,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
+import functools
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -307,6 +311,39 @@ class DirectWriter:
                 # a view still referenced (by an error's traceback) keeps it open: freed along with it
                 with contextlib.suppress(BufferError):
                     b.close()
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Allocate ``size`` bytes of the (empty) file behind ``fd`` up front (Linux ``fallocate``, mode 0: the
+    file is ``size`` long, its blocks allocated, reading as zeros until written). A full disk then fails here,
+    before the first byte is written, and ``O_DIRECT`` writes into the file are overwrites of allocated
+    blocks, which ext4 lets run side by side (a write that extends the file or fills a hole holds the inode
+    lock exclusively, one at a time). False where the filesystem or platform cannot (nothing changed then);
+    ``OSError`` for a full disk or quota."""
+    if size <= 0 or not sys.platform.startswith("linux"):
+        return False
+    fn = _fallocate()
+    if fn is None:
+        return False
+    if fn(fd, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise OSError(err, os.strerror(err))
+    return False  # EOPNOTSUPP (NFSv3, many FUSE filesystems), EINVAL, ENOSYS: written as before
+
+
+@functools.cache
+def _fallocate() -> Any:
+    """libc's ``fallocate`` (not ``posix_fallocate``, which falls back to writing zeros block by block where
+    the filesystem cannot allocate), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 # -- reads -----------------------------------------------------------------------------------------

@@ -110,9 +110,12 @@ class HashingSink(io.RawIOBase):
         crc_regions: Sequence[tuple[int, int]] = (),
         block: int | None = None,
         algorithm: str = "crc32",
+        size: int | None = None,
     ) -> None:
         super().__init__()
         self.path = path
+        self._size = size
+        """The file's final size when the writer knows it up front: allocated at open (``preallocate``)."""
         self._hasher = StreamHasher(block, crc_regions, algorithm)
         """The file's digest (whole, or per ``block`` bytes) and the CRC-32 of each ``crc_regions`` range."""
         self._url = remote_staging.streamed(path)
@@ -121,6 +124,13 @@ class HashingSink(io.RawIOBase):
         self._durable_now = self._url is None and not _fsync_deferred(Path(os.path.abspath(path)))
         self._f: Any = None
         self._f = open(path, "xb") if self._url is None else objstore.upload(self._url)  # noqa: SIM115
+        self._allocated = False
+        if self._url is None and size:
+            try:  # a full disk fails here, before a byte is written; direct writes then run side by side
+                self._allocated = direct_io.preallocate(self._f.fileno(), size)
+            except BaseException:
+                self._f.close()
+                raise
         self._direct: direct_io.DirectWriter | None = None
         self._pos = 0
         if opts is None:  # block digests: a buffer per hash lane, so blocks hash side by side while written;
@@ -269,6 +279,8 @@ class HashingSink(io.RawIOBase):
                         self._direct.close()
                     self._flush_hashes()
                     self._f.flush()
+                    if self._allocated and self._pos != self._size:  # never zeros past what was written
+                        os.ftruncate(self._f.fileno(), self._pos)
                     if self._durable_now:
                         t0 = time.perf_counter()
                         os.fsync(self._f.fileno())
