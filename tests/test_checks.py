@@ -79,6 +79,54 @@ def _cli(*args: object) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
+def test_sessions_of_two_threads_check_their_own_reads(tmp_path: Path) -> None:
+    """Two operations in two threads, interleaved: A opens its session, B opens its own, A reads a damaged
+    record and finishes (it must refuse it), then B reads a good one and finishes (it must pass). A session
+    bound process-wide sent A's read to B's session: A passed a damaged record, B refused A's file."""
+    import threading
+
+    data = os.urandom(50_000)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    bad = Checked(str(f), 0, len(data), zlib.crc32(data) ^ 1, "record of A")
+    good = Checked(str(f), 0, len(data), zlib.crc32(data), "record of B")
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    outcome: dict[str, str] = {}
+
+    def run(name: str, check: Checked, enter: threading.Event, wait_in: threading.Event | None,
+            wait_go: threading.Event | None, done: threading.Event | None) -> None:  # fmt: skip
+        try:
+            if wait_in is not None:
+                wait_in.wait(10)
+            with checks.session() as s:
+                assert s is not None
+                enter.set()
+                if wait_go is not None:
+                    wait_go.wait(10)
+                checks.consumed(check, 0, memoryview(data))
+                s.finish()
+            outcome[name] = "passed"
+        except CorruptCheckpoint as e:
+            outcome[name] = str(e)
+        finally:
+            if done is not None:
+                done.set()
+
+    ta = threading.Thread(target=run, args=("A", bad, a_in, None, b_in, a_done))
+    tb = threading.Thread(target=run, args=("B", good, b_in, a_in, a_done, None))
+    ta.start()
+    tb.start()
+    ta.join(20)
+    tb.join(20)
+    assert "record of A fails its CRC-32" in outcome["A"], outcome
+    assert outcome["B"] == "passed", outcome
+    seen: list[object] = []
+    t = threading.Thread(target=lambda: seen.append(checks._ACTIVE.get()))
+    t.start()
+    t.join()
+    assert seen == [None] and checks._ACTIVE.get() is None  # nothing left bound once both ended
+
+
 def test_deepspeed_flip_refused_everywhere(tmp_path: Path) -> None:
     src = fixture("ds", "s2_fp32_w2_g2")
     ck = tmp_path / "ck"

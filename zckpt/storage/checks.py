@@ -16,12 +16,15 @@ fed in file order: bytes that arrive ahead of the hash are held (up to ``HOLD_BY
 before them is read from disk, so a file read in order is hashed from the bytes already read plus its header.
 ``Session.finish`` reads what the operation did not need of each touched record or file (padding, headers, the
 tail), then compares. Records no read touched are not checked (``verify`` checks every byte of every file).
-Operations call ``finish`` before they publish anything.
+Operations call ``finish`` before they publish anything. A session belongs to the operation that opened it
+(a ``contextvars`` binding, carried into the threads it starts by ``zckpt.storage.threads``), never to the
+process: two operations in two threads each check their own reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import itertools
@@ -375,26 +378,25 @@ def _gaps(rec: _Record, size: int) -> Iterator[tuple[int, int]]:
         yield at, size
 
 
-_active: Session | None = None
-_active_lock = threading.Lock()
+_ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar("zckpt_checks", default=None)
+"""The session of the operation running in this thread or task (and in the threads it starts:
+``zckpt.storage.threads`` carries the context), as ``zckpt.storage.session`` binds its ``Storage``: two
+operations in two threads each check their own reads."""
 
 
 @contextlib.contextmanager
 def session(enabled: bool = True) -> Iterator[Session | None]:
     """Verify the checksums of every checked byte read inside the block (``finish`` is the caller's, before
     it publishes). Disabled: a no-op."""
-    global _active
     if not enabled:
         yield None
         return
     s = Session()
-    with _active_lock:
-        outer, _active = _active, s
+    token = _ACTIVE.set(s)
     try:
         yield s
     finally:
-        with _active_lock:
-            _active = outer
+        _ACTIVE.reset(token)
         s.close()
 
 
@@ -406,7 +408,7 @@ def consumed(
 ) -> None:
     """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
     of the file's mapping (``fileio.view``), valid after the call, so hashing it may finish later."""
-    s = _active
+    s = _ACTIVE.get()
     if s is None or check is None:
         return
     buf: Any = data
@@ -431,7 +433,7 @@ def consumed_same(
     consumed_same``: their CRC is computed once; places without a checksum are skipped, as by ``consumed``);
     ``release``: mapping pages the caller is done with, dropped once they are checked (outside a session:
     now)."""
-    s = _active
+    s = _ACTIVE.get()
     todo = [(c, at) for c, at in places if c is not None]
     if s is not None and (todo or release):
         s.consumed_same(todo, data.cast("B"), stable, release)
@@ -444,7 +446,7 @@ def consumed_same(
 def offloaded(threads: int) -> Iterator[None]:
     """``Session.offloaded`` of the active session (outside one: a no-op): ``threads`` of its own compute the
     CRC-32s of mapped views while the readers inside the block go on (pass the cores they leave idle)."""
-    s = _active
+    s = _ACTIVE.get()
     if s is None:
         yield
         return

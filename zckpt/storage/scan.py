@@ -12,6 +12,7 @@ cores, at most 16, ``ZCKPT_WORKERS`` overrides); memory: one ``CHUNK_BYTES`` buf
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import threading
 from collections.abc import Iterator, Sequence
@@ -33,25 +34,24 @@ def cores() -> int:
     return env.cores()
 
 
-_sharing = 1
-"""Output files being written at once (``zckpt.stream.pipeline.each_file``): they share the cores and the I/O
-buffers."""
+_SHARING: contextvars.ContextVar[int] = contextvars.ContextVar("zckpt_sharing", default=1)
+"""Output files the running operation writes at once (``zckpt.stream.pipeline.each_file``): they share the
+cores and the I/O buffers. Per operation (carried into its threads), not per process."""
 
 
 def sharing() -> int:
-    """How many output files are being written side by side now (1 outside ``each_file``)."""
-    return _sharing
+    """How many output files this operation is writing side by side now (1 outside ``each_file``)."""
+    return _SHARING.get()
 
 
 @contextlib.contextmanager
 def shared(k: int) -> Iterator[None]:
     """``k`` output files are written side by side inside the block (the count before is restored after)."""
-    global _sharing
-    outer, _sharing = _sharing, k
+    token = _SHARING.set(k)
     try:
         yield
     finally:
-        _sharing = outer
+        _SHARING.reset(token)
 
 
 def threads(cap: int = 16, per: int = 1) -> int:
