@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 42 on the lent GPU host: what a read-time CRC check costs diff at 16 cores, this tree against the
+# variant trees under .abtree/ (bench/check_cost.py under each, PYTHONPATH=tree, the files kept between), and
+# a py-spy profile (--idle) of this tree's checked and unchecked diffs of the same two files into $OUT.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+export PATH=/tmp/site/bin:$PATH
+D=${SCALE_DIR:-/var/tmp/sd}/cc G=${GIB:-2}
+date -u; nproc
+BASE=$PYTHONPATH
+for round in 1 2; do
+  for t in . .abtree/*/; do
+    echo "TREE $t round $round"
+    PYTHONPATH=$t:$BASE python3 bench/check_cost.py --gib "$G" --repeat 5 --dir "$D" --keep 2>&1 | grep -E "^CHECK"
+  done
+done
+for v in True False; do
+  py-spy record -r 200 --idle -t -f raw -o "${OUT:-/tmp}/prof-diff-verify-$v.txt" -- python3 -c \
+    "import zckpt; [zckpt.diff('$D/a/model.safetensors', '$D/b/model.safetensors', verify_data=$v, progress=False) for _ in range(6)]" >/dev/null 2>&1
+done
+date -u
