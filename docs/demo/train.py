@@ -42,7 +42,8 @@ def main() -> None:
     if args.load:
         path, client = eng.load_checkpoint(args.load)
         if rank == 0:
-            print(f"resumed from {path} at step {eng.global_steps} on {world} ranks (client_state {client})")
+            ours = {k: client[k] for k in ("data_step", "eval_loss") if k in client}  # not DeepSpeed's
+            print(f"resumed from {path} at step {eng.global_steps} on {world} ranks (saved with it: {ours})")
 
     data = encoded_corpus()
     batch = config["train_batch_size"]
