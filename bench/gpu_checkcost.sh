@@ -3,7 +3,7 @@
 # variant trees under .abtree/ (bench/check_cost.py under each, PYTHONPATH=tree, the files kept between), and
 # a py-spy profile (--idle) of this tree's checked and unchecked diffs of the same two files into $OUT. The
 # variants (12:15 found the check at 1.68x on 16 cores; candidates: CRC-thread contention on the comparison's
-# cores, memory bandwidth, Python/GIL work per chunk), made here before the call and carried (.abtree):
+# cores, memory bandwidth, Python/GIL work per chunk: the --gil profile), made here before the call and carried (.abtree):
 #   for t in inline chunk256k chunk4m; do mkdir -p .abtree/$t; git archive HEAD zckpt | tar -x -C .abtree/$t; done
 #   sed -i 's/checks.offloaded(min(n, scan.cores() - n))/checks.offloaded(0)/' .abtree/inline/zckpt/ops/diff_numpy.py
 #   sed -i 's/^CHUNK = 1 << 20/CHUNK = 1 << 18/' .abtree/chunk256k/zckpt/ops/diff_report.py
@@ -24,4 +24,7 @@ for v in True False; do
   py-spy record -r 200 --idle -t -f raw -o "${OUT:-/tmp}/prof-diff-verify-$v.txt" -- python3 -c \
     "import zckpt; [zckpt.diff('$D/a/model.safetensors', '$D/b/model.safetensors', verify_data=$v, progress=False) for _ in range(6)]" >/dev/null 2>&1
 done
+py-spy record -r 200 --gil -t -f raw -o "${OUT:-/tmp}/prof-diff-verify-gil.txt" -- python3 -c \
+  "import zckpt; [zckpt.diff('$D/a/model.safetensors', '$D/b/model.safetensors', progress=False) for _ in range(6)]" \
+  >/dev/null 2>&1  # who holds the GIL: per chunk ~0.1 ms of Python in the checked path (2 cores, cProfile)
 date -u
