@@ -22,6 +22,9 @@ its hash thread) sees every byte in stream order: a full buffer as it is handed 
 buffer is refilled once both are done), memory written in place as it is queued; the caller's ``write``
 only copies, so hashing and device writes run back to back on their own threads.
 
+``preallocate(fd, size)`` allocates a file whose size the writer knows up front (``HashingSink(size=)``), so
+that a disk too small fails at open.
+
 ``reserve()`` / ``commit(n)`` let the caller fill the current buffer in place (a small record read straight
 into it: no copy, no wait unless every buffer is in flight).
 
@@ -315,11 +318,11 @@ class DirectWriter:
 
 def preallocate(fd: int, size: int) -> bool:
     """Allocate ``size`` bytes of the (empty) file behind ``fd`` up front (Linux ``fallocate``, mode 0: the
-    file is ``size`` long, its blocks allocated, reading as zeros until written). A full disk then fails here,
-    before the first byte is written, and ``O_DIRECT`` writes into the file are overwrites of allocated
-    blocks, which ext4 lets run side by side (a write that extends the file or fills a hole holds the inode
-    lock exclusively, one at a time). False where the filesystem or platform cannot (nothing changed then);
-    ``OSError`` for a full disk or quota."""
+    file is ``size`` long, its blocks allocated, reading as zeros until written). A full disk or quota then
+    fails here, before the first byte is written, not after the rest (and the file is not fragmented by
+    writes that each extend it). Not a speed change on the ext4 disks measured (``bench/write_modes.py``,
+    bench/RESULTS.md 2026-12-06 11:53). False where the filesystem or platform cannot (nothing changed then);
+    ``OSError`` for a full disk, a quota or the file size limit."""
     if size <= 0 or not sys.platform.startswith("linux"):
         return False
     fn = _fallocate()

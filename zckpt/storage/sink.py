@@ -101,7 +101,8 @@ class FillRing:
 
 class HashingSink(io.RawIOBase):
     """Write-only, non-seekable file that hashes what it writes, is fsynced at close (or at its staging
-    folder's commit) and writes the sidecar."""
+    folder's commit) and writes the sidecar. ``size``: the file's final size, when the writer knows it, is
+    allocated at open (``direct_io.preallocate``: a full disk fails before the first byte)."""
 
     def __init__(
         self,
