@@ -411,7 +411,7 @@ def test_workers_one_parser_that_follows_cpu_affinity(monkeypatch: pytest.Monkey
     monkeypatch.delenv("ZCKPT_WORKERS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})  # a 6-core share
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # of a bigger machine
-    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (4, 6, 5, 3)
+    assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (4, 6, 6, 3)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert (digest.lanes(), scan.threads(), pipeline.default_workers(), compare_threads()) == (1, 1, 1, 1)
     monkeypatch.setenv("ZCKPT_WORKERS", "3")

@@ -10,10 +10,12 @@ thread while it is being written). ``pread``, numpy and torch casts, file writes
 release the GIL, so the stages run in parallel on separate cores. Memory: ``workers + 2`` slots of
 one source chunk (plus its cast), whatever the model size; no Python loop ever touches elements.
 
-``default_workers()`` is the pool size when none is given: the usable cores minus one (the writer and
-the hasher need one), at least 1 and at most 8, divided among the files ``each_file`` writes side by side,
-overridable with ``ZCKPT_WORKERS``. Measured on 2 cores: 1 reader beats 2; on the 16-core H200 host 4
-fillers left a 1.5B consolidate waiting on its reads a third of its write phase.
+``default_workers()`` is the pool size when none is given: the usable cores, at least 1 and at most 8,
+divided among the files ``each_file`` writes side by side, overridable with ``ZCKPT_WORKERS``. The writer
+threads wait in the kernel and the hash lanes keep up, so they need no core of their own: on 2 cores (numpy
+casts, bench/RESULTS.md 2026-12-06 13:20) 2 fillers took a CPU-bound consolidate to 0.64-0.85 of 1 filler's
+wall, and a disk-bound one stayed where it was; on the 16-core H200 host 4 fillers left a 1.5B consolidate
+waiting on its reads a third of its write phase.
 """
 
 from __future__ import annotations
@@ -58,10 +60,9 @@ this process's memory."""
 
 
 def default_workers() -> int:
-    """Reader threads of a write: the usable cores minus one, at most 8 (``ZCKPT_WORKERS`` overrides,
+    """Reader threads of a write: the usable cores, at most 8 (``ZCKPT_WORKERS`` overrides,
     ``zckpt.storage.env``); files written side by side share them."""
-    # the device writes and the hash lanes need cores too
-    return max(1, env.workers(min(8, _cores() - 1)) // sharing())
+    return max(1, env.workers(min(8, _cores())) // sharing())
 
 
 def files_in_flight(n: int) -> int:
