@@ -4,14 +4,16 @@
 # (bench/write_modes.py); the disk probe and the save (bench/scale.py --parts probe,make; SIZE 1.5b or 3b);
 # then AB_REPEAT rounds of [the probe's depth-1 write of 4 GiB, then consolidate fp32 warm under each tree in
 # .abtree/ and this one (new), order alternating], SETTLE idle seconds after a sync before each; one
-# drop_caches round, and a timeline of one warm run (bench/timeline.py: where the write starts and ends). SCALE_DIR (default /var/tmp/sd, outside the checkout) holds the checkpoint.
+# drop_caches round, and a timeline of one warm run (bench/timeline.py: where the write starts and ends).
+# SCALE_DIR (default /var/tmp/sd-SIZE, outside the checkout) holds the checkpoint.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
-D=${SCALE_DIR:-/var/tmp/sd}
+SIZE=${SIZE:-1.5b}
+D=${SCALE_DIR:-/var/tmp/sd-$SIZE}  # one folder per size: a warm machine may still hold the other size
+for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done  # the 64 GB disk holds one size
 R=${AB_REPEAT:-3}
 S=${SETTLE:-10}
-SIZE=${SIZE:-1.5b}
 date -u; findmnt -T "$D" -o SOURCE,FSTYPE,OPTIONS 2>/dev/null || df -T /var/tmp
 for q in /sys/block/*/queue; do echo "$q $(cat $q/max_sectors_kb 2>/dev/null) kB max, depth $(cat $q/nr_requests 2>/dev/null), sched $(cat $q/scheduler 2>/dev/null)"; done
 mkdir -p "$D"
