@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     import torch
 
 X = TypeVar("X")
+"""One side's chunk, as a comparison backend holds it (a torch tensor; a numpy array with its dtype)."""
 T = TypeVar("T")
 R = TypeVar("R")
-"""One side's chunk, as a comparison backend holds it (a torch tensor; a numpy array with its dtype)."""
 
 CHUNK = 1 << 20
 """Elements per chunk (1 Mi): 8 MiB per float64 working buffer, small enough to stay in cache for

@@ -127,7 +127,7 @@ class HashingSink(io.RawIOBase):
         self._f = open(path, "xb") if self._url is None else objstore.upload(self._url)  # noqa: SIM115
         self._allocated = False
         if self._url is None and size:
-            try:  # a full disk fails here, before a byte is written; direct writes then run side by side
+            try:  # a full disk fails here, before a byte is written
                 self._allocated = direct_io.preallocate(self._f.fileno(), size)
             except BaseException:
                 self._f.close()

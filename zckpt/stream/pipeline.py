@@ -13,7 +13,7 @@ one source chunk (plus its cast), whatever the model size; no Python loop ever t
 ``default_workers()`` is the pool size when none is given: the usable cores, at least 1 and at most 8,
 divided among the files ``each_file`` writes side by side, overridable with ``ZCKPT_WORKERS``. The writer
 threads wait in the kernel and the hash lanes keep up, so they need no core of their own: on 2 cores (numpy
-casts, bench/RESULTS.md 2026-12-06 13:20) 2 fillers took a CPU-bound consolidate to 0.64-0.85 of 1 filler's
+casts, bench/RESULTS.md 2026-12-06 13:18) 2 fillers took a CPU-bound consolidate to 0.64-0.85 of 1 filler's
 wall, and a disk-bound one stayed where it was; on the 16-core H200 host 4 fillers left a 1.5B consolidate
 waiting on its reads a third of its write phase.
 """
