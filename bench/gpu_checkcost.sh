@@ -2,17 +2,17 @@
 # Issue 42 on the lent GPU host: what a read-time CRC check costs diff at 16 cores, this tree against the
 # variant trees under .abtree/ (bench/check_cost.py under each, PYTHONPATH=tree, the files kept between), and
 # a py-spy profile (--idle) of this tree's checked and unchecked diffs of the same two files into $OUT. The
-# variants (12:15 found the check at 1.68x on 16 cores; candidates: CRC-thread contention on the comparison's
-# cores, memory bandwidth, Python/GIL work per chunk: the --gil profile), made here before the call and carried (.abtree):
-#   for t in inline chunk256k chunk4m; do mkdir -p .abtree/$t; git archive HEAD zckpt | tar -x -C .abtree/$t; done
+# variants (12:15 found the check at 1.68x on 16 cores). Candidates: Python's mmap.madvise holds the GIL for each
+# release (~0.1 ms per 4 MiB, more with the kernel's TLB flush on 16 busy cores: this tree calls libc's without
+# it), CRC threads contending with the comparison's, memory bandwidth. Made here before the call and carried (.abtree):
+#   for t in head nomadv inline; do mkdir -p .abtree/$t; git archive HEAD~N zckpt | tar -x -C .abtree/$t; done
+#   sed -i 's/        mm.madvise(mmap.MADV_DONTNEED, start, end - start)/        pass/' .abtree/nomadv/zckpt/storage/fileio.py
 #   sed -i 's/checks.offloaded(min(n, scan.cores() - n))/checks.offloaded(0)/' .abtree/inline/zckpt/ops/diff_numpy.py
-#   sed -i 's/^CHUNK = 1 << 20/CHUNK = 1 << 18/' .abtree/chunk256k/zckpt/ops/diff_report.py
-#   sed -i 's/^CHUNK = 1 << 20/CHUNK = 1 << 22/' .abtree/chunk4m/zckpt/ops/diff_report.py
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export PATH=/tmp/site/bin:$PATH
 D=${SCALE_DIR:-/var/tmp/sd}/cc G=${GIB:-2}
-date -u; nproc
+date -u; nproc; lscpu | grep -E "Model name|L2|L3"
 BASE=$PYTHONPATH
 for round in 1 2; do
   for t in . .abtree/*/; do
