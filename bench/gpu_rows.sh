@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # Issue 42 on the lent GPU host, the rows not yet measured with this tree at 16 cores: bench/scale.py --parts
-# probe,make,w1,w8,dcp (consolidate fp32 / default, verify and diff against the fp32 consolidation, warm and
-# after drop_caches, of the 1.56B save at world 1, its world-8 reshard and its DCP reshard), then what a
-# read-time CRC check costs diff at 16 cores (bench/check_cost.py, two 4 GiB files). SCALE_DIR (default
-# /var/tmp/sd-1.5b, outside the checkout) holds the checkpoints.
+# probe,make,w1 (consolidate fp32 / default, verify and diff against the fp32 consolidation, warm and after
+# drop_caches, of the 1.56B save at world 1); SETTLED=N (default 3) rounds of warm consolidate fp32 and default
+# dtype of that save timed as bench/gpu_settle.sh does (sync and SETTLE=10 s idle before the 4 GiB probe write
+# and before each run) and a timeline of one default-dtype run; then --parts w8,dcp (its world-8 and DCP
+# reshards, the same jobs on each); then what a read-time CRC check costs diff at 16 cores
+# (bench/check_cost.py, two 4 GiB files; CHECKCOST=0 leaves it out). SCALE_DIR (default /var/tmp/sd-1.5b,
+# outside the checkout) holds the checkpoints.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
 D=${SCALE_DIR:-/var/tmp/sd-1.5b}  # not another size left by an earlier call on a warm machine (12:15)
 for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done
 date -u
-python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make,w1,w8,dcp,drop-w1 --repeat "${REPEAT:-1}" \
+python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make,w1 --repeat "${REPEAT:-1}" \
   --cold 2>&1 | grep -E "PROBE|MADE|START-UP|^\||probe:"
-python3 bench/check_cost.py --gib 4 --repeat 5 --dir "$D/cc" 2>&1 | grep -E "CHECK|floor"
+S=${SETTLE:-10} CK=$D/ds-w1 OUTF=$D/settled.safetensors
+for i in $(seq "${SETTLED:-3}"); do
+  find "$CK" -type f -exec cat {} + >/dev/null; sync; sleep "$S"
+  python3 bench/write_modes.py "$D" --gb 4.295 --modes append:64:1 --settle 0 | grep -v filesystem
+  for j in "fp32=--dtype fp32" "default="; do
+    python3 bench/ab_trees.py --tree new=. --clean "$OUTF" --clean "$OUTF.crc32.json" --repeat 1 --settle "$S" \
+      --job "consolidate ${j%%=*} warm, settled=consolidate $CK $OUTF ${j#*=} --no-progress" | grep -v MEDIAN
+  done
+done
+rm -f "$OUTF" "$OUTF.crc32.json"; sync; sleep "$S"
+python3 bench/timeline.py consolidate "$CK" "$OUTF" --no-progress 2>&1 | grep TIMELINE  # default dtype
+rm -f "$OUTF" "$OUTF.crc32.json"
+python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts w8,dcp,drop-w1 --repeat "${REPEAT:-1}" \
+  --cold 2>&1 | grep -E "PROBE|MADE|START-UP|^\||probe:"
+[ "${CHECKCOST:-1}" = 0 ] || python3 bench/check_cost.py --gib 4 --repeat 5 --dir "$D/cc" 2>&1 | grep -E "CHECK|floor"
 date -u
