@@ -347,16 +347,15 @@ def test_big_mapped_reads_are_crc_checked(tmp_path: Path) -> None:
     assert not zckpt.diff(a, b, progress=False, verify_data=False).equal  # unchecked: a difference
 
 
-@pytest.mark.parametrize("offload", [0, 2])
+@pytest.mark.parametrize("seed", [0, 2])
 def test_consumed_same_credits_every_place_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offload: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
     """Bytes found equal at two places (``diff``'s bit-identical chunks) are CRC'd once for both: a file
     checked by 64 KiB block CRC-32s (zlib's, the oracle) and a record at byte 37 of another file, so the
-    block cuts fall elsewhere on each side; fed in random order and sizes (on the session's own threads with
-    ``offload``), every record is complete without a read of either file; a wrong CRC on either side fails
-    naming it."""
-    rng = random.Random(offload)
+    block cuts fall elsewhere on each side; fed in random order and sizes, every record is complete without
+    a read of either file; a wrong CRC on either side fails naming it."""
+    rng = random.Random(seed)
     raw = os.urandom(1 << 20)
     x, y = tmp_path / "x.bin", tmp_path / "y.bin"
     x.write_bytes(raw)
@@ -372,16 +371,14 @@ def test_consumed_same_credits_every_place_once(
     def run(px: Checked, py: Checked) -> None:
         with checks.session() as s:
             assert s is not None
-            with s.offloaded(offload):
-                for lo, hi in parts:
-                    checks.consumed_same(((px, lo), (py, 37 + lo)), memoryview(raw)[lo:hi], stable=True)
+            for lo, hi in parts:
+                checks.consumed_same(((px, lo), (py, 37 + lo)), memoryview(raw)[lo:hi], stable=True)
             s.finish()
 
     def no_read(*a: object, **k: object) -> None:
         raise AssertionError("a checked record was read again")
 
     monkeypatch.setattr(checks.fileio, "read_into", no_read)
-    monkeypatch.setattr(checks, "_ASYNC_MIN", 1)  # every part may go to the session's threads
     run(cx, cy)
     bad_block = blocks[:5] + (f"{int(blocks[5], 16) ^ 1:08x}",) + blocks[6:]
     bx = Checked(str(x), 0, len(raw), None, "x's sidecar", block=b, blocks=bad_block, algorithm="crc32")
@@ -399,8 +396,7 @@ def test_diff_identical_damage_refused(
     """diff CRCs a bit-identical chunk once for both sides: two files whose tensor bytes were damaged alike
     after the save (a damaged copy beside its original's sidecar) still fail, on the side that has its
     ``.crc32.json`` (``checked``: A's, B's or both), the blocks cut at other offsets on each side (B's header
-    is longer). With one comparison thread on 2 cores the CRCs run on the session's own thread
-    (``checks.offloaded``)."""
+    is longer), with one comparison thread and with two."""
     from zckpt.codecs.safetensors import read_header
     from zckpt.formats.hf import write_safetensors
     from zckpt.stream.items import items_from_state_dict

@@ -8,8 +8,8 @@ every piece a byte range of a file stored in its entry's dtype (no value held in
 dtypes numpy reads (every one safetensors has but complex), and casts (``--dtype``) only to float32, float16
 or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch. Pairs are compared one per core
 at once (a numpy loop uses one core; torch's use several). The checksums of the bytes read
-(``zckpt.storage.checks``) are fed once a chunk pair is compared: a bit-identical pair's once for both sides,
-on the cores the comparison leaves idle where there are some (``checks.offloaded``).
+(``zckpt.storage.checks``) are fed once a chunk pair is compared, on the comparison's thread while the bytes
+are in its cache: a bit-identical pair's once for both sides.
 
 Element types: float64/32/16, integers and bool are numpy's own; bfloat16 is held as its bits (``uint16``:
 the top half of a float32, widened exactly by a shift) and float8 (e4m3fn, e5m2) as bytes, widened exactly
@@ -107,9 +107,7 @@ def compare_all(
             return compare(ka, kb, ea, eb, atol, rtol, strict_dtype, chunk, local.work, bar,
                            comparison_dtype(compare_dtype, ea.dtype, eb.dtype))  # fmt: skip
 
-    n = scan.threads(cap=8, per=1)  # numpy's loops use one core each (torch's, several)
-    with checks.offloaded(min(n, scan.cores() - n)):  # the checksums on the cores the comparison leaves idle
-        return each(pairs, one, n)
+    return each(pairs, one, scan.threads(cap=8, per=1))  # numpy's loops use one core each (torch's, several)
 
 
 Chunk = tuple[np.ndarray, DType]

@@ -7,11 +7,10 @@ CRC-32 (DeepSpeed rank files, torch ``.bin``/``.pt`` files, DCP chunk archives),
 block digests), or a whole file's sha256 (a ``<file>.sha256`` sidecar, an older native manifest). Inside a
 ``session`` every read of such bytes (``zckpt.stream.spans``, ``zckpt.stream.pipeline``) reports them here. A
 record's CRC is computed from the bytes the operation reads anyway (``crc32``: ISA-L's where installed, else
-zlib's), out-of-order pieces combined (``crc32_combine``), on the thread that read them, or, for views of a
-file's mapping inside ``offloaded(n)``, on ``n`` threads of the session's own while the readers go on (at most
-``offload.OFFLOAD_BYTES`` queued, nothing copied; their pages released once checked): a reader that leaves
-cores idle (``diff``'s comparison) pays next to nothing for the check. Bytes a caller found equal at several
-places (``consumed_same``: ``diff``'s bit-identical chunks) are CRC'd once for all of them. A file's sha256 is
+zlib's), out-of-order pieces combined (``crc32_combine``), on the thread that read them, while the bytes are
+still in its cache (CRC threads of their own cost ``diff`` more than they saved at 16 cores: RESULTS "14:44").
+Bytes a caller found equal at several places (``consumed_same``: ``diff``'s bit-identical chunks) are CRC'd
+once for all of them. A file's sha256 is
 fed in file order: bytes that arrive ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap
 before them is read from disk, so a file read in order is hashed from the bytes already read plus its header.
 ``Session.finish`` reads what the operation did not need of each touched record or file (padding, headers, the
@@ -39,7 +38,6 @@ from zlib import crc32 as _zlib_crc32
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import Checked, Piece
 from zckpt.storage import fileio
-from zckpt.storage.offload import Offload
 from zckpt.storage.threads import Pool
 
 if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a checkpoint needs none
@@ -265,22 +263,6 @@ class Session:
         self._lock = threading.Lock()
         self._records: dict[Checked, _Record] = {}
         self._digests: dict[Checked, _Digest] = {}
-        self._offload: Offload | None = None
-
-    @contextlib.contextmanager
-    def offloaded(self, threads: int) -> Iterator[None]:
-        """Inside the block, the CRC-32s of mapped views (``stable``, at least ``_ASYNC_MIN`` bytes) run on
-        ``threads`` threads of the session's own while the readers go on (cores the readers leave idle);
-        ``threads <= 0``: on the readers' threads, as outside. The block ends once every CRC is done."""
-        if threads <= 0 or self._offload is not None:
-            yield
-            return
-        self._offload = off = Offload(threads)
-        try:
-            yield
-        finally:
-            self._offload = None
-            off.close()
 
     def consumed(self, check: Checked, byte_offset: int, data: memoryview, stable: bool = False) -> None:
         """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record); ``stable``: it is a
@@ -298,8 +280,7 @@ class Session:
         found equal byte for byte by the caller (``diff``'s bit-identical chunks). Each piece of ``data``
         between the places' block or record boundaries is CRC'd once and credited to every place; a place
         checked by a sha256 is fed the bytes (a hash stream has no shortcut). ``release``: mapping pages to
-        drop once the CRCs are done (inside ``offloaded``, a thread of the session's may compute them
-        later)."""
+        drop once the CRCs are done."""
         crcs: list[tuple[Checked, int, int, int]] = []  # (record, offset in it, start in data, end in data)
         for check, byte_offset in places:
             lo = byte_offset - check.start
@@ -310,18 +291,7 @@ class Session:
                     self._digest(rec).add(at, data[a:z], stable)
                 else:
                     crcs.append((rec, at, a, z))
-        off = self._offload
-        if crcs and off is not None and stable and len(data) >= _ASYNC_MIN:
-            off.submit(functools.partial(self._crc_pieces, crcs, data, release), len(data))
-        else:
-            self._crc_pieces(crcs, data, release)
-
-    def _crc_pieces(
-        self, crcs: list[tuple[Checked, int, int, int]], data: memoryview, release: Sequence[Release]
-    ) -> None:
-        """CRC each piece of ``data`` between the cuts of ``crcs`` once, add it to each record it lies in,
-        then drop the ``release`` pages."""
-        if crcs:
+        if crcs:  # each piece between the cuts CRC'd once, added to each record it lies in
             cuts = sorted({c for _, _, a, z in crcs for c in (a, z)})
             piece = {a: crc32(data[a:z]) for a, z in itertools.pairwise(cuts)}  # each byte CRC'd once
             with self._lock:
@@ -440,18 +410,6 @@ def consumed_same(
         return
     for file, at, n in release:
         fileio.release(file, at, n)
-
-
-@contextlib.contextmanager
-def offloaded(threads: int) -> Iterator[None]:
-    """``Session.offloaded`` of the active session (outside one: a no-op): ``threads`` of its own compute the
-    CRC-32s of mapped views while the readers inside the block go on (pass the cores they leave idle)."""
-    s = _ACTIVE.get()
-    if s is None:
-        yield
-        return
-    with s.offloaded(threads):
-        yield
 
 
 @contextlib.contextmanager
