@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -156,20 +156,54 @@ class _Seen:
 
 def _chunks(ea: TensorEntry, eb: TensorEntry, chunk: int, seen: _Seen) -> Iterator[tuple[Chunk, Chunk]]:
     """``aligned_views`` as numpy chunks. The checksums of a chunk's bytes are fed once the comparison is
-    done with it (before its pages are released): once for both sides when it found them bit-identical
-    (``checks.consumed_same``), else each side's own. A chunk the comparison never finished is not fed:
-    ``checks.Session.finish`` reads what no read covered, so it is checked all the same."""
+    done with it (before its pages are released, ``RELEASE_BYTES`` at a time): once for both sides when it
+    found them bit-identical (``checks.consumed_same``), else each side's own. A chunk the comparison never
+    finished is not fed: ``checks.Session.finish`` reads what no read covered, so it is checked all the
+    same."""
+    pending = _Pending()
     for x, y, lo, hi in aligned_spans(ea, eb, chunk, release=False):  # released below
         (va, ca, at_a), (vb, cb, at_b) = _view(x, lo, hi), _view(y, lo, hi)
         seen.a, seen.b, seen.same = va, vb, False
         yield (va, ea.dtype), (vb, eb.dtype)
-        done = [(x.piece.file, at_a, va.nbytes), (y.piece.file, at_b, vb.nbytes)]
+        done = pending.add(((x.piece.file, at_a, va.nbytes), (y.piece.file, at_b, vb.nbytes)))
         if seen.same:
             checks.consumed_same(((ca, at_a), (cb, at_b)), va.data, True, done)
         else:
-            checks.consumed_same(((ca, at_a),), va.data, True, done[:1])
-            checks.consumed_same(((cb, at_b),), vb.data, True, done[1:])
+            checks.consumed_same(((ca, at_a),), va.data, True)
+            checks.consumed_same(((cb, at_b),), vb.data, True, done)  # after both CRCs are queued
     seen.a = seen.b = None
+    checks.consumed_same((), memoryview(b""), False, pending.take())
+
+
+RELEASE_BYTES = 32 << 20
+"""Bytes of a pair's consumed pages (both sides) released at once: each release interrupts every core running
+the process to flush its TLB, so fewer, larger ones. At 16 cores a diff of two 2 GiB files took 0.103 s
+unchecked and 0.129-0.138 s checked, against 0.110-0.116 s and 0.144-0.156 s releasing each 4 MiB chunk
+(RESULTS "15:06"). At most this much more resident per comparison thread."""
+
+
+class _Pending:
+    """The consumed byte ranges of a pair's files not yet released, merged where they continue each other."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[Any]] = []  # [file, start, end]
+        self.bytes = 0
+
+    def add(self, ranges: Iterable[checks.Release]) -> list[checks.Release]:
+        """Note ``ranges``; the ranges to release now (all that gathered, once ``RELEASE_BYTES`` have)."""
+        for file, at, n in ranges:
+            run = next((r for r in self.runs if r[0] == file and r[2] == at), None)
+            if run is None:
+                self.runs.append([file, at, at + n])
+            else:
+                run[2] += n
+            self.bytes += n
+        return self.take() if self.bytes >= RELEASE_BYTES else []
+
+    def take(self) -> list[checks.Release]:
+        out = [(f, a, z - a) for f, a, z in self.runs]
+        self.runs, self.bytes = [], 0
+        return out
 
 
 def _view(s: Span, lo: int, hi: int) -> tuple[np.ndarray, Checked | None, int]:
