@@ -27,6 +27,7 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.storage import fileio
+from zckpt.storage.crc_pieces import CrcPieces
 from zckpt.storage.digest import (
     BLOCK_SIDECAR,
     CRC_SIDECAR,
@@ -39,7 +40,7 @@ from zckpt.storage.digest import (
 from zckpt.storage.digest import SIDECARS as SIDECARS  # re-exported: every sidecar suffix
 from zckpt.storage.location import Location, lexists, ordered, resolved
 from zckpt.storage.location import size as size_of
-from zckpt.storage.scan import Scanner, sha256_file
+from zckpt.storage.scan import Scanner, Segment, sha256_file
 
 SIDECAR = WHOLE_SIDECAR
 
@@ -83,7 +84,12 @@ class VerifyContext:
     scanner: Scanner | None = None
     """The run's scan threads (``zckpt.storage.scan``): files are checked side by side, big records in
     pieces."""
+    crc_pieces: CrcPieces = field(init=False, repr=False)
+    """Record CRCs kept for the block CRCs of the same file (``cut_at_blocks``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.crc_pieces = CrcPieces(self._crc_ranges, self._crc_segments)
 
     def sha256(self, f: Location) -> str:
         """The file's sha256, computed once however many records (sidecar, manifest) name it."""
@@ -100,7 +106,24 @@ class VerifyContext:
             self.checksums += n
 
     def crc_ranges(self, f: Location, ranges: list[tuple[int, int]]) -> list[int]:
-        """The CRC-32 of each ``(start, size)`` range of ``f``, in pieces on the scan threads."""
+        """The CRC-32 of each ``(start, size)`` range of ``f``, in pieces on the scan threads (kept for its
+        blocks when ``cut_at_blocks`` planned them)."""
+        return self.crc_pieces.ranges(f, ranges)
+
+    def cut_at_blocks(self, f: Location) -> None:
+        """``f`` has a ``.crc32.json`` sidecar checked after its records (a torch zip file zckpt wrote): its
+        records' CRCs are kept in pieces and its blocks' combined from them (``zckpt.storage.crc_pieces``)."""
+        for suffix, got in block_sidecars(f):
+            if suffix == CRC_SIDECAR and not isinstance(got, Problem) and got[0].algorithm == "crc32":
+                self.crc_pieces.cut_at(f, got[0].block)
+
+    def _crc_segments(self, f: Location, ranges: list[tuple[int, int]], edge: int) -> list[list[Segment]]:
+        if self.scanner is not None:
+            return self.scanner.crc_segments(f, ranges, edge)
+        with Scanner(1) as s:
+            return s.crc_segments(f, ranges, edge)
+
+    def _crc_ranges(self, f: Location, ranges: list[tuple[int, int]]) -> list[int]:
         if self.scanner is not None:
             return self.scanner.crc_ranges(f, ranges)
         with Scanner(1) as s:
@@ -134,7 +157,8 @@ def compare_digest(f: Location, want: FileDigest, size: int, where: str, ctx: Ve
         return []
     ctx.count(len(want.blocks))
     try:
-        got = block_digests(f, want.block, size, want.algorithm)
+        kept = ctx.crc_pieces.blocks(f, want.block, size) if want.algorithm == "crc32" else None
+        got = kept if kept is not None else block_digests(f, want.block, size, want.algorithm)
     except EOFError:
         return [Problem(str(f), f"shorter than the {size} bytes {where} records", "truncated")]
     bad = [i for i, (g, w) in enumerate(zip(got, want.blocks, strict=True)) if g != w]
