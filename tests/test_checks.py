@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _damage import flip_byte
 from _fixtures import fixture
 from typer.testing import CliRunner
 
@@ -67,11 +68,7 @@ def _flip_tensor_byte(path: Path, record: str) -> None:
     """Flip one byte in the middle of ``record``'s data (a tensor storage of a torch zip archive)."""
     _, recs = record_offsets(str(path))
     start, size = next(v for k, v in recs.items() if k.endswith(record))
-    with open(path, "r+b") as fh:
-        fh.seek(start + size // 2)
-        b = fh.read(1)
-        fh.seek(start + size // 2)
-        fh.write(bytes([b[0] ^ 0x40]))
+    flip_byte(path, start + size // 2, 0x40)
 
 
 def _cli(*args: object) -> tuple[int, str]:
@@ -201,11 +198,7 @@ def _flip_safetensors(path: Path, name: str | None) -> None:
     else:
         e = h.tensors[name]
         at = e.begin + e.numel * e.dtype.itemsize // 2
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([b[0] ^ 0x04]))
+    flip_byte(path, at)
 
 
 def test_sidecar_and_native_manifest_digests_refuse_flips(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _damage import flip_byte
 from _fixtures import fixture
 
 import zckpt
@@ -123,14 +124,6 @@ def _record(p: Path, name_part: str) -> zipfile.ZipInfo:
         return next(i for i in zf.infolist() if name_part in i.filename and i.file_size > 64)
 
 
-def _flip(p: Path, at: int) -> None:
-    with open(p, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([b[0] ^ 0x04]))
-
-
 def test_verify_finds_damage_inside_a_record_and_between_records(resharded: Path) -> None:
     p = next(iter(sorted(resharded.rglob("*optim_states.pt"))))
     info = _record(p, "/data/")
@@ -139,15 +132,15 @@ def test_verify_finds_damage_inside_a_record_and_between_records(resharded: Path
         n, extra = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
     assert extra > 8
     between = info.header_offset + 30 + n + extra - 2  # padding: no zip CRC covers it, only the sidecar
-    _flip(p, between)
+    flip_byte(p, between)
     report = zckpt.verify(resharded, progress=False)
     assert not report.ok
     assert [(q.file, q.kind) for q in report.problems] == [(str(p), "checksum")], report.to_text()
     assert f"(block {between // 4096})" in report.problems[0].message
-    _flip(p, between)  # back
+    flip_byte(p, between)  # back
     assert zckpt.verify(resharded, progress=False).ok
     inside = info.header_offset + 30 + n + extra + info.file_size // 2
-    _flip(p, inside)
+    flip_byte(p, inside)
     report = zckpt.verify(resharded, progress=False)
     assert not report.ok
     assert any(q.file == str(p) and "fails its CRC-32 check" in q.message for q in report.problems), (
