@@ -10,9 +10,9 @@ record's CRC is computed from the bytes the operation reads anyway (``crc32``: I
 zlib's), out-of-order pieces combined (``crc32_combine``), on the thread that read them, while the bytes are
 still in its cache (CRC threads of their own cost ``diff`` more than they saved at 16 cores: RESULTS "14:44").
 Bytes a caller found equal at several places (``consumed_same``: ``diff``'s bit-identical chunks) are CRC'd
-once for all of them. A file's sha256 is
-fed in file order: bytes that arrive ahead of the hash are held (up to ``HOLD_BYTES`` per file) or the gap
-before them is read from disk, so a file read in order is hashed from the bytes already read plus its header.
+once for all of them. A file's sha256 is fed in file order: bytes that arrive ahead of the hash are held (up
+to ``HOLD_BYTES`` per file) or the gap before them is read from disk, so a file read in order is hashed from
+the bytes already read plus its header.
 ``Session.finish`` reads what the operation did not need of each touched record or file (padding, headers, the
 tail), then compares. Records no read touched are not checked (``verify`` checks every byte of every file).
 Operations call ``finish`` before they publish anything. A session belongs to the operation that opened it
@@ -252,10 +252,6 @@ def _block(check: Checked, i: int) -> Checked:
     return Checked(check.file, check.start + lo, n, None, what, sha256=check.blocks[i])
 
 
-Release = tuple[str, int, int]
-"""Pages of a file's mapping to drop once their bytes are checked: ``(file, byte offset, bytes)``."""
-
-
 class Session:
     """The checksums of one operation's reads (see the module doc)."""
 
@@ -274,13 +270,11 @@ class Session:
         places: Sequence[tuple[Checked, int]],
         data: memoryview,
         stable: bool = False,
-        release: Sequence[Release] = (),
     ) -> None:
         """``data`` was read at each ``(check, byte_offset)`` of ``places``: the same bytes at several places,
         found equal byte for byte by the caller (``diff``'s bit-identical chunks). Each piece of ``data``
         between the places' block or record boundaries is CRC'd once and credited to every place; a place
-        checked by a sha256 is fed the bytes (a hash stream has no shortcut). ``release``: mapping pages to
-        drop once the CRCs are done."""
+        checked by a sha256 is fed the bytes (a hash stream has no shortcut)."""
         crcs: list[tuple[Checked, int, int, int]] = []  # (record, offset in it, start in data, end in data)
         for check, byte_offset in places:
             lo = byte_offset - check.start
@@ -299,8 +293,6 @@ class Session:
                     record = self._records.setdefault(rec, _Record())
                     for p, q in itertools.pairwise(cuts[cuts.index(a) : cuts.index(z) + 1]):
                         record.add(at + p - a, at + q - a, piece[p])
-        for file, at, n in release:
-            fileio.release(file, at, n)
 
     def _digest(self, check: Checked) -> _Digest:
         with self._lock:
@@ -397,19 +389,14 @@ def consumed_same(
     places: Sequence[tuple[Checked | None, int]],
     data: memoryview,
     stable: bool = False,
-    release: Sequence[Release] = (),
 ) -> None:
     """Report bytes just read at several places that the caller found equal byte for byte (``Session.
-    consumed_same``: their CRC is computed once; places without a checksum are skipped, as by ``consumed``);
-    ``release``: mapping pages the caller is done with, dropped once they are checked (outside a session:
-    now)."""
+    consumed_same``: their CRC is computed once; places without a checksum are skipped, as by
+    ``consumed``)."""
     s = _ACTIVE.get()
     todo = [(c, at) for c, at in places if c is not None]
-    if s is not None and (todo or release):
-        s.consumed_same(todo, data.cast("B"), stable, release)
-        return
-    for file, at, n in release:
-        fileio.release(file, at, n)
+    if s is not None and todo:
+        s.consumed_same(todo, data.cast("B"), stable)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ class CrcPieces:
     doc). Thread-safe: files are checked side by side."""
 
     def __init__(self, compute: Compute, segments: Segments) -> None:
-        self._compute = compute
+        self._compute = compute  # ranges of a file not cut at blocks
         self._segments = segments
         self._lock = threading.Lock()
         self._block: dict[str, int] = {}
@@ -86,27 +86,21 @@ class CrcPieces:
             kept = self._pieces.pop(str(f), {})
         if planned != block or block <= 0:
             return None
-        count = -(-size // block) if size else 0
-        segs: list[tuple[int, int, int | None]] = []  # (start, bytes, crc; None: read below), in file order
+        segs: list[Segment] = []
+        gaps: list[tuple[int, int]] = []  # the bytes no kept piece covers: read now
         pos = 0
-
-        def gap(a: int, end: int) -> None:
-            while a < end:
-                b = min(end, (a // block + 1) * block)
-                segs.append((a, b - a, None))
-                a = b
-
         for a, (e, c) in sorted(kept.items()):
             if a < pos or e > size:
                 continue  # overlaps a piece taken already (or lies past the end): its bytes are read instead
-            gap(pos, a)
+            if a > pos:
+                gaps.append((pos, a - pos))
             segs.append((a, e - a, c))
             pos = e
-        gap(pos, size)
-        todo = [(a, n) for a, n, known in segs if known is None]
-        got = iter(self._compute(f, todo) if todo else [])
-        out = [0] * count
-        for a, n, known in segs:
-            i = a // block
-            out[i] = crc32_combine(out[i], next(got) if known is None else known, n)
+        if pos < size:
+            gaps.append((pos, size - pos))
+        if gaps:
+            segs += [seg for got in self._segments(f, gaps, block) for seg in got]
+        out = [0] * (-(-size // block) if size else 0)
+        for a, n, c in sorted(segs):
+            out[a // block] = crc32_combine(out[a // block], c, n)
         return [f"{x:08x}" for x in out]

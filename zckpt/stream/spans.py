@@ -158,7 +158,7 @@ def aligned_spans(
     """``aligned_views``'s steps without reading: ``(A's span, B's span, lo, hi)``, each ``[lo, hi)`` inside
     both spans, at most ``max_elems`` long; the pages of the file ranges of ``[lo, hi)`` are released once the
     consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between), unless
-    ``release`` is False (the reader releases them, after their checksums: ``checks.consumed_same``)."""
+    ``release`` is False (the reader releases them, after their checksums: ``diff_numpy``)."""
     if a.numel != b.numel:
         raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
     sa, sb = spans(a, max_elems=max_elems), spans(b, max_elems=max_elems)
