@@ -4,10 +4,10 @@
 # a py-spy profile (--idle) of this tree's checked and unchecked diffs of the same two files into $OUT. The
 # variants (12:15 found the check at 1.68x on 16 cores; 14:44: the CRC threads of checks.offloaded cost more than
 # CRCs on the comparison's own threads, and page releases cost ~0.05 s). Made here before the call, carried (.abtree):
-#   for t in head inline inlinenomadv offbatch; do mkdir -p .abtree/$t; git archive <before> zckpt | tar -x -C .abtree/$t; done
+# (the trees of 14:44 / 15:06, from dfe9069, the last tree with checks.offloaded):
+#   for t in head inline inlinenomadv; do mkdir -p .abtree/$t; git archive dfe9069 zckpt | tar -x -C .abtree/$t; done
 #   sed -i 's/checks.offloaded(min(n, scan.cores() - n))/checks.offloaded(0)/' .abtree/inline*/zckpt/ops/diff_numpy.py
 #   sed -i 's/^        _madvise_dontneed(mm, start, end - start)/        pass/' .abtree/inlinenomadv/zckpt/storage/fileio.py
-#   offbatch: this tree's diff_numpy.py with the checks.offloaded line back
 # ROUNDS (default 2) rounds over the trees; PROFILE=0 leaves the py-spy profiles out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
