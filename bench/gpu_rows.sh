@@ -9,6 +9,7 @@
 # outside the checkout) holds the checkpoints.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/settled.sh"
 export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
 D=${SCALE_DIR:-/var/tmp/sd-1.5b}  # not another size left by an earlier call on a warm machine (12:15)
 for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done
@@ -16,14 +17,7 @@ date -u
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make,w1 --repeat "${REPEAT:-1}" \
   --cold 2>&1 | grep -E "PROBE|MADE|START-UP|^\||probe:"
 S=${SETTLE:-10} CK=$D/ds-w1 OUTF=$D/settled.safetensors
-for i in $(seq "${SETTLED:-3}"); do
-  find "$CK" -type f -exec cat {} + >/dev/null; sync; sleep "$S"
-  python3 bench/write_modes.py "$D" --gb 4.295 --modes append:64:1 --settle 0 | grep -v filesystem
-  for j in "fp32=--dtype fp32" "default="; do
-    python3 bench/ab_trees.py --tree new=. --clean "$OUTF" --clean "$OUTF.crc32.json" --repeat 1 --settle "$S" \
-      --job "consolidate ${j%%=*} warm, settled=consolidate $CK $OUTF ${j#*=} --no-progress" | grep -v MEDIAN
-  done
-done
+settled_rounds "$CK" "$OUTF" "${SETTLED:-3}"
 rm -f "$OUTF" "$OUTF.crc32.json"; sync; sleep "$S"
 python3 bench/timeline.py consolidate "$CK" "$OUTF" --no-progress 2>&1 | grep TIMELINE  # default dtype
 rm -f "$OUTF" "$OUTF.crc32.json"
