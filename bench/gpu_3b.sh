@@ -17,7 +17,7 @@ date -u; findmnt -T /var/tmp -o SOURCE,FSTYPE,OPTIONS 2>/dev/null || df -T /var/
 mkdir -p "$D"
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make --size 3b --micro 1 2>&1 \
   | grep -E "PROBE|MADE|START-UP|compileall|Error|error"
-python3 bench/write_modes.py "$D" --gb "${WM_GB:-11.86}" --modes "${WM_MODES:-append:64:1,append:16:8}" --settle "$S"
+python3 bench/write_modes.py "$D" --gb "${WM_GB:-11.86}" --modes "${WM_MODES:-append:64:1,append:16:8,buffered:16:1}" --settle "$S"
 CK=$D/ds-w1 OUTF=$D/settled.safetensors
 settled_rounds "$CK" "$OUTF" "${ROUNDS:-2}"
 rm -f "$OUTF" "$OUTF.crc32.json"; sync; sleep "$S"

@@ -2,7 +2,8 @@
 """How fast the disk takes one sequential ``O_DIRECT`` file by the way it is written: request size,
 requests in flight, and whether the file's blocks were allocated first (``fallocate``,
 ``zckpt.storage.direct_io.preallocate``) or each write extends it (on ext4 an extending or hole-filling
-direct write holds the inode lock, so requests in flight run one at a time). Random data, fsync included,
+direct write holds the inode lock, so requests in flight run one at a time), or through the page cache
+(``buffered``: the kernel's writeback, then ``fsync``). Random data, fsync included,
 the file removed after each; ``--settle`` seconds of an idle disk (after ``sync``) before each, so that
 every mode starts from the same state.
 
@@ -27,7 +28,8 @@ from zckpt.storage.direct_io import preallocate  # noqa: E402
 
 
 def write(path: str, total: int, bs: int, depth: int, mode: str, bufs: list[mmap.mmap]) -> float:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    direct = 0 if mode == "buffered" else os.O_DIRECT
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
     t = time.perf_counter()
     if mode == "falloc" and not preallocate(fd, total):
         print("WRITE-MODE falloc refused by this filesystem", flush=True)
