@@ -1,10 +1,10 @@
 """The format-independent checkpoint model every command works on.
 
-A checkpoint is a set of *logical tensors* (``TensorEntry``: name, shape, dtype, role), each made of
-*pieces* (``Piece``: a run of its flattened elements stored contiguously in one file, at a known byte
-offset), plus one frozen manifest (``CheckpointMeta``). Readers build all of it from headers and
-pickled metadata only; tensor bytes are read on demand, one tensor at a time, through mmap
-(``zckpt.storage.fileio``), touching only the bytes that tensor needs.
+A checkpoint is a set of *logical tensors* (``TensorEntry``: name, shape, dtype, role), each made of *pieces*
+(``Piece``: a run of its flattened elements stored contiguously in one file, at a known byte offset), plus one
+frozen manifest (``CheckpointMeta``). Readers build all of it from headers and pickled metadata only; tensor
+bytes are read on demand, one tensor at a time, with ``pread`` (``zckpt.storage.fileio``), touching only the
+bytes that tensor needs.
 
 Keys: a model tensor's key is its state-dict name (``"emb.weight"``); an optimizer state's key is
 ``"<param name>:<state>"`` (``"emb.weight:exp_avg"``). Tied aliases resolve to their owner's entry.

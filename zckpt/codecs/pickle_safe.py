@@ -194,14 +194,24 @@ class TensorRef:
         return self.dtype.unpack(raw)
 
     def load(self) -> torch.Tensor:
-        """Read this tensor's bytes (a copy). Meant for small metadata tensors."""
+        """Read this tensor's bytes (a copy, ``pread``: only the elements its view reaches).
+
+        Raises:
+            CorruptCheckpoint: when the view reaches outside its storage.
+        """
         import torch
 
         from zckpt.storage import fileio
 
-        base = self.byte_offset - self.offset * self.dtype.itemsize
-        whole = fileio.view(self.file, base, self.storage.numel, self.dtype.torch)
-        return torch.as_strided(whole, self.shape, self.stride, self.offset).clone()
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype.torch)
+        reach = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=True))
+        if self.offset < 0 or min(self.stride, default=0) < 0 or self.offset + reach > self.storage.numel:
+            raise CorruptCheckpoint(f"{self.file}: a {list(self.shape)} tensor's view reaches outside its "
+                                    "storage", path=self.file)  # fmt: skip
+        buf = torch.empty(reach, dtype=self.dtype.torch)
+        fileio.read_into(self.file, self.byte_offset, buf)
+        return torch.as_strided(buf, self.shape, self.stride, 0).clone()
 
 
 class _StorageType:

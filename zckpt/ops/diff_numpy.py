@@ -2,14 +2,14 @@
 ``zckpt diff a.safetensors b.safetensors`` never imports torch).
 
 The same comparison as ``zckpt.ops.diff_values`` (its module doc defines every figure and the fast path for
-bit-identical chunks), on numpy arrays viewing the files' bytes (``fileio.view_bytes``, cut by
-``zckpt.stream.spans.aligned_spans``). ``usable`` says whether a diff's pairs can all be compared here:
-every piece a byte range of a file stored in its entry's dtype (no value held in memory, no cast on read),
-dtypes numpy reads (every one safetensors has but complex), and casts (``--dtype``) only to float32, float16
-or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch. Pairs are compared one per core
-at once (a numpy loop uses one core; torch's use several). The checksums of the bytes read
-(``zckpt.storage.checks``) are fed once a chunk pair is compared, on the comparison's thread while the bytes
-are in its cache: a bit-identical pair's once for both sides.
+bit-identical chunks), on numpy arrays of the files' bytes (read with ``pread`` into each thread's reusable
+buffers, cut by ``zckpt.stream.spans.aligned_spans``). ``usable`` says whether a diff's pairs can all be
+compared here: every piece a byte range of a file stored in its entry's dtype (no value held in memory, no
+cast on read), dtypes numpy reads (every one safetensors has but complex), and casts (``--dtype``) only to
+float32, float16 or bfloat16. ``zckpt.ops.diff`` compares here when they can, else with torch. Pairs are
+compared one per core at once (a numpy loop uses one core; torch's use several). The checksums of the bytes
+read (``zckpt.storage.checks``) are fed once a chunk pair is compared, on the comparison's thread while the
+bytes are in its cache: a bit-identical pair's once for both sides.
 
 Element types: float64/32/16, integers and bool are numpy's own; bfloat16 is held as its bits (``uint16``:
 the top half of a float32, widened exactly by a shift) and float8 (e4m3fn, e5m2) as bytes, widened exactly
@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -124,11 +124,11 @@ def compare(
         return reshaped
     exact = is_exact(ea.dtype) and is_exact(eb.dtype)
     seen = _Seen()
-    pairs = ((_cast(xa, cast), _cast(xb, cast)) for xa, xb in _chunks(ea, eb, chunk, seen))
+    pairs = ((_cast(xa, cast), _cast(xb, cast)) for xa, xb in _chunks(ea, eb, chunk, seen, work))
 
     def refold(owed: int, acc: Acc) -> None:  # A's side of the owed chunks, read again (checked already)
         for x, _, lo, hi in itertools.islice(aligned_spans(ea, eb, chunk), owed):
-            _fold_same(_cast((_view(x, lo, hi)[0], ea.dtype), cast), acc, work, count=False)
+            _fold_same(_cast((_read(x, lo, hi, work, 2)[0], ea.dtype), cast), acc, work, count=False)
 
     return fold_chunks(
         common, reasons, pairs, exact, bar, bits_equal=seen.bits_equal, scan_same=_scan_same,
@@ -154,71 +154,34 @@ class _Seen:
         return eq
 
 
-def _chunks(ea: TensorEntry, eb: TensorEntry, chunk: int, seen: _Seen) -> Iterator[tuple[Chunk, Chunk]]:
-    """``aligned_views`` as numpy chunks. The checksums of a chunk's bytes are fed once the comparison is
-    done with it (then its pages are released, ``RELEASE_BYTES`` at a time): once for both sides when it
-    found them bit-identical (``checks.consumed_same``), else each side's own. A chunk the comparison never
-    finished is not fed: ``checks.Session.finish`` reads what no read covered, so it is checked all the
-    same."""
-    pending = _Pending()
-    for x, y, lo, hi in aligned_spans(ea, eb, chunk, release=False):  # released below
-        (va, ca, at_a), (vb, cb, at_b) = _view(x, lo, hi), _view(y, lo, hi)
+def _chunks(
+    ea: TensorEntry, eb: TensorEntry, chunk: int, seen: _Seen, work: _Work
+) -> Iterator[tuple[Chunk, Chunk]]:
+    """``aligned_views`` as numpy chunks, each side read into ``work``'s reusable buffers. The checksums of a
+    chunk's bytes are fed once the comparison is done with it: once for both sides when it found them
+    bit-identical (``checks.consumed_same``), else each side's own. A chunk the comparison never finished is
+    not fed: ``checks.Session.finish`` reads what no read covered, so it is checked all the same."""
+    for x, y, lo, hi in aligned_spans(ea, eb, chunk):
+        (va, ca, at_a), (vb, cb, at_b) = _read(x, lo, hi, work, 0), _read(y, lo, hi, work, 1)
         seen.a, seen.b, seen.same = va, vb, False
         yield (va, ea.dtype), (vb, eb.dtype)
         if seen.same:
-            checks.consumed_same(((ca, at_a), (cb, at_b)), va.data, True)
+            checks.consumed_same(((ca, at_a), (cb, at_b)), va.data)
         else:
-            checks.consumed_same(((ca, at_a),), va.data, True)
-            checks.consumed_same(((cb, at_b),), vb.data, True)
-        _release(pending.add(((x.piece.file, at_a, va.nbytes), (y.piece.file, at_b, vb.nbytes))))
+            checks.consumed_same(((ca, at_a),), va.data)
+            checks.consumed_same(((cb, at_b),), vb.data)
     seen.a = seen.b = None
-    _release(pending.take())
 
 
-def _release(ranges: list[tuple[str, int, int]]) -> None:
-    for file, at, n in ranges:
-        fileio.release(file, at, n)
-
-
-RELEASE_BYTES = 32 << 20
-"""Bytes of a pair's consumed pages (both sides) released at once: each release interrupts every core running
-the process to flush its TLB, so fewer, larger ones. At 16 cores a diff of two 2 GiB files took 0.103 s
-unchecked and 0.129-0.138 s checked, against 0.110-0.116 s and 0.144-0.156 s releasing each 4 MiB chunk
-(RESULTS "15:06"). At most this much more resident per comparison thread."""
-
-
-class _Pending:
-    """The consumed byte ranges ``(file, byte offset, bytes)`` of a pair's files not yet released, merged
-    where they continue each other."""
-
-    def __init__(self) -> None:
-        self.runs: list[list[Any]] = []  # [file, start, end]
-        self.bytes = 0
-
-    def add(self, ranges: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-        """Note ``ranges``; the ranges to release now (all that gathered, once ``RELEASE_BYTES`` have)."""
-        for file, at, n in ranges:
-            run = next((r for r in self.runs if r[0] == file and r[2] == at), None)
-            if run is None:
-                self.runs.append([file, at, at + n])
-            else:
-                run[2] += n
-            self.bytes += n
-        return self.take() if self.bytes >= RELEASE_BYTES else []
-
-    def take(self) -> list[tuple[str, int, int]]:
-        out = [(f, a, z - a) for f, a, z in self.runs]
-        self.runs, self.bytes = [], 0
-        return out
-
-
-def _view(s: Span, lo: int, hi: int) -> tuple[np.ndarray, Checked | None, int]:
-    """Elements ``[lo, hi)`` of the span as a view of the file's mapping, the checksum over them and their
-    byte offset in the file (a view of the mapping: valid after the call, as ``checks.consumed`` asks)."""
+def _read(s: Span, lo: int, hi: int, work: _Work, i: int) -> tuple[np.ndarray, Checked | None, int]:
+    """Elements ``[lo, hi)`` of the span read into ``work``'s buffer ``i`` (``pread``: a file shortened
+    meanwhile is an error, not a ``SIGBUS``), the checksum over them and their byte offset in the file."""
     p = s.piece
+    n = (hi - lo) * p.dtype.itemsize
     at = p.byte_offset + (s.offset + lo - s.lo) * p.dtype.itemsize
-    mv = fileio.view_bytes(p.file, at, (hi - lo) * p.dtype.itemsize)
-    return np.frombuffer(mv, dtype=layout(p.dtype)), p.check, at
+    out = work.buf(i, n)[:n]
+    fileio.read_into(p.file, at, out)
+    return out.view(str(layout(p.dtype))), p.check, at  # ``usable``: a numpy dtype
 
 
 def _f32(x: Chunk) -> np.ndarray:
@@ -267,6 +230,18 @@ class _Work:
     def __init__(self) -> None:
         self._a = np.empty(0, dtype=np.float64)
         self._b = np.empty(0, dtype=np.float64)
+        self._bytes: list[np.ndarray] = []
+
+    def buf(self, i: int, nbytes: int) -> np.ndarray:
+        """Byte buffer ``i`` (0: A's chunk, 1: B's, 2: A's chunks read again by ``refold``), at least
+        ``nbytes`` long, 64-byte aligned, kept for the next chunk."""
+        while len(self._bytes) <= i:
+            self._bytes.append(np.empty(0, dtype=np.uint8))
+        if len(self._bytes[i]) < nbytes:
+            raw = np.empty(nbytes + 64, dtype=np.uint8)
+            skip = -raw.ctypes.data % 64
+            self._bytes[i] = raw[skip : skip + nbytes]
+        return self._bytes[i]
 
     def f64(self, x: Chunk, y: Chunk | None = None) -> tuple[np.ndarray, np.ndarray]:
         n = len(x[0])

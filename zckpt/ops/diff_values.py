@@ -1,10 +1,10 @@
 """The values half of ``zckpt diff``: one tensor pair compared in float64, streamed chunk by chunk.
 
-``compare`` folds aligned chunk pairs (``zckpt.stream.spans.aligned_views``: zero-copy views of both files'
-page cache) into float64 accumulators and returns a ``TensorDiff``. Both sides are upcast exactly to float64,
-which represents every value of every float dtype up to 32 bits (and every integer up to 2**53), so a tensor
-stored in bf16 on one side and in fp32 on the other compares equal when the values are. Integer/bool tensors
-on both sides are compared exactly (``a != b`` in int64; tolerances do not apply).
+``compare`` folds aligned chunk pairs (``zckpt.stream.spans.aligned_views``: a bounded chunk of each side,
+read with ``pread``) into float64 accumulators and returns a ``TensorDiff``. Both sides are upcast exactly to
+float64, which represents every value of every float dtype up to 32 bits (and every integer up to 2**53), so a
+tensor stored in bf16 on one side and in fp32 on the other compares equal when the values are. Integer/bool
+tensors on both sides are compared exactly (``a != b`` in int64; tolerances do not apply).
 
 Fast path (same results): a chunk pair with the same float dtype and the same bits (compared as integers)
 moves no difference metric, so no float64 pass is made over it; one dot product in its own dtype (or
@@ -97,7 +97,7 @@ def compare_all(
     compare_dtype: str = "auto",
 ) -> list[TensorDiff]:
     """``compare`` over every pair, in order, ``compare_threads()`` pairs at once (``each``), each thread with
-    its own working buffers; each pair's chunks are zero-copy views of both files' page cache
+    its own working buffers; each pair's chunks are read a bounded chunk at a time
     (``aligned_views``)."""
     local = threading.local()
 

@@ -28,9 +28,7 @@ import functools
 import hashlib
 import itertools
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from zlib import crc32 as _zlib_crc32
@@ -38,7 +36,6 @@ from zlib import crc32 as _zlib_crc32
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import Checked, Piece
 from zckpt.storage import fileio
-from zckpt.storage.threads import Pool
 
 if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a checkpoint needs none
     import numpy as np
@@ -47,9 +44,6 @@ if TYPE_CHECKING:  # imported where pieces are read into tensors: opening a chec
 _BUF = 8 << 20
 HOLD_BYTES = 64 << 20
 """Bytes of one file held while they wait for the sha256 to reach them; beyond, the gap is read."""
-ASYNC_BYTES = 64 << 20
-"""Bytes of stable memory queued for a file's sha256 thread before the reader waits for it."""
-_ASYNC_MIN = 1 << 20
 GAP_READ = 4 << 20
 """A gap this small (a safetensors header, padding) is read from disk at once rather than waited for."""
 
@@ -121,9 +115,8 @@ class _Record:
 
 
 class _Digest:
-    """A whole file's sha256, fed in order (see the module doc). Views of the file's mapping (``stable``) are
-    hashed on a thread of the digest's own, in order, while the caller goes on (at most ``ASYNC_BYTES``
-    queued; their pages dropped again once hashed); other bytes are hashed before ``add`` returns."""
+    """A whole file's sha256, fed in order (see the module doc): bytes are hashed before ``add`` returns, held
+    while they wait for the hash to reach them, or the gap before them read from disk."""
 
     def __init__(self, check: Checked) -> None:
         self.check = check
@@ -132,44 +125,8 @@ class _Digest:
         self.held: dict[int, bytes] = {}
         self.held_bytes = 0
         self.lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._queued: deque[tuple[Future[None], int]] = deque()
-        self._queued_bytes = 0
 
-    def _update(self, data: Any, stable: bool = False) -> None:
-        """``sha.update(data)`` after every update queued before it; ``stable``: ``data`` is the mapping's
-        bytes at ``self.at``."""
-        n = memoryview(data).nbytes
-        if not stable or n < _ASYNC_MIN:
-            self._drain(0)
-            self.sha.update(data)
-            return
-        if self._pool is None:
-            self._pool = Pool(1, thread_name_prefix="zckpt-digest")
-        self._queued.append((self._pool.submit(self._hash_mapped, data, self.at), n))
-        self._queued_bytes += n
-        self._drain(ASYNC_BYTES)
-
-    def _hash_mapped(self, data: Any, at: int) -> None:
-        """Hash bytes of the file's mapping at ``at``, then drop its pages again (the reader released them
-        already; hashing faulted them back in)."""
-        self.sha.update(data)
-        fileio.release(self.check.file, self.check.start + at, memoryview(data).nbytes)
-
-    def _drain(self, keep: int) -> None:
-        while self._queued and self._queued_bytes > keep:
-            done, n = self._queued.popleft()
-            done.result()
-            self._queued_bytes -= n
-
-    def close(self) -> None:
-        with self.lock:
-            self._drain(0)
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-
-    def add(self, lo: int, data: memoryview, stable: bool = False) -> None:
+    def add(self, lo: int, data: memoryview) -> None:
         with self.lock:
             hi = lo + len(data)
             if hi <= self.at:
@@ -182,13 +139,9 @@ class _Digest:
                         self.held[lo] = bytes(data)
                     return
                 self._advance(lo)
-            self._update(data[self.at - lo :], stable)
+            self.sha.update(data[self.at - lo :])
             self.at = hi
             self._advance(None)
-            if self.at >= self.check.size and self._pool is not None:  # complete (a block): its thread goes
-                self._drain(0)
-                self._pool.shutdown()
-                self._pool = None
 
     def _advance(self, to: int | None) -> None:
         """Hash held bytes that now continue the hash, then (``to`` given) read from disk up to ``to``."""
@@ -199,7 +152,7 @@ class _Digest:
                 blob = self.held.pop(start)
                 self.held_bytes -= len(blob)
                 if start + len(blob) > self.at:
-                    self._update(memoryview(blob)[self.at - start :])
+                    self.sha.update(memoryview(blob)[self.at - start :])
                     self.at = start + len(blob)
             if to is None or self.at >= to:
                 return
@@ -209,13 +162,12 @@ class _Digest:
 
             buf = np.empty(step, dtype=np.uint8)
             fileio.read_into(self.check.file, self.check.start + self.at, buf)
-            self._update(buf)
+            self.sha.update(buf.data)
             self.at += step
 
     def finish(self) -> None:
         with self.lock:
             self._advance(self.check.size)
-            self._drain(0)
             got = self.sha.hexdigest()
         if got != self.check.sha256:
             raise CorruptCheckpoint(
@@ -260,17 +212,11 @@ class Session:
         self._records: dict[Checked, _Record] = {}
         self._digests: dict[Checked, _Digest] = {}
 
-    def consumed(self, check: Checked, byte_offset: int, data: memoryview, stable: bool = False) -> None:
-        """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record); ``stable``: it is a
-        view of the file's mapping (``fileio.view``), valid after the call: a sha256 may hash it later."""
-        self.consumed_same(((check, byte_offset),), data, stable)
+    def consumed(self, check: Checked, byte_offset: int, data: memoryview) -> None:
+        """``data`` was read from ``check.file`` at ``byte_offset`` (inside the record)."""
+        self.consumed_same(((check, byte_offset),), data)
 
-    def consumed_same(
-        self,
-        places: Sequence[tuple[Checked, int]],
-        data: memoryview,
-        stable: bool = False,
-    ) -> None:
+    def consumed_same(self, places: Sequence[tuple[Checked, int]], data: memoryview) -> None:
         """``data`` was read at each ``(check, byte_offset)`` of ``places``: the same bytes at several places,
         found equal byte for byte by the caller (``diff``'s bit-identical chunks). Each piece of ``data``
         between the places' block or record boundaries is CRC'd once and credited to every place; a place
@@ -282,7 +228,7 @@ class Session:
                 continue
             for rec, at, a, z in _segments(check, lo, len(data)):
                 if rec.sha256 is not None:
-                    self._digest(rec).add(at, data[a:z], stable)
+                    self._digest(rec).add(at, data[a:z])
                 else:
                     crcs.append((rec, at, a, z))
         if crcs:  # each piece between the cuts CRC'd once, added to each record it lies in
@@ -297,13 +243,6 @@ class Session:
     def _digest(self, check: Checked) -> _Digest:
         with self._lock:
             return self._digests.get(check) or self._digests.setdefault(check, _Digest(check))
-
-    def close(self) -> None:
-        """Stop the digests' hash threads (``session`` does, however the block ends)."""
-        with self._lock:
-            digests = list(self._digests.values())
-        for d in digests:
-            d.close()
 
     def finish(self) -> None:
         """Read what no read covered of each touched record, then compare every record's CRC-32."""
@@ -359,17 +298,10 @@ def session(enabled: bool = True) -> Iterator[Session | None]:
         yield s
     finally:
         _ACTIVE.reset(token)
-        s.close()
 
 
-def consumed(
-    check: Checked | None,
-    byte_offset: int,
-    data: torch.Tensor | np.ndarray | memoryview,
-    stable: bool = False,
-) -> None:
-    """Report bytes just read (a no-op outside a session or for bytes without a checksum); ``stable``: a view
-    of the file's mapping (``fileio.view``), valid after the call, so hashing it may finish later."""
+def consumed(check: Checked | None, byte_offset: int, data: torch.Tensor | np.ndarray | memoryview) -> None:
+    """Report bytes just read (a no-op outside a session or for bytes without a checksum)."""
     s = _ACTIVE.get()
     if s is None or check is None:
         return
@@ -382,21 +314,17 @@ def consumed(
         import torch
 
         mv = memoryview(buf.contiguous().view(torch.uint8).numpy())
-    s.consumed(check, byte_offset, mv.cast("B"), stable)
+    s.consumed(check, byte_offset, mv.cast("B"))
 
 
-def consumed_same(
-    places: Sequence[tuple[Checked | None, int]],
-    data: memoryview,
-    stable: bool = False,
-) -> None:
+def consumed_same(places: Sequence[tuple[Checked | None, int]], data: memoryview) -> None:
     """Report bytes just read at several places that the caller found equal byte for byte (``Session.
     consumed_same``: their CRC is computed once; places without a checksum are skipped, as by
     ``consumed``)."""
     s = _ACTIVE.get()
     todo = [(c, at) for c, at in places if c is not None]
     if s is not None and todo:
-        s.consumed_same(todo, data.cast("B"), stable)
+        s.consumed_same(todo, data.cast("B"))
 
 
 @contextlib.contextmanager

@@ -2,21 +2,19 @@
 
 ``open_fd`` / ``open_regular`` open regular files only (FIFOs, devices, sockets and folders are refused
 without blocking). ``read_into`` reads a byte range with ``pread`` straight into a caller's buffer (nothing
-read stays in this process's RSS); ``view`` is a zero-copy view of a cached copy-on-write mapping (as a
-tensor; ``view_bytes``: as a memoryview, without torch) and ``release`` drops its consumed pages.
-``zckpt.stream.spans`` turns tensor ranges into these byte reads.
+read stays in this process's RSS). No checkpoint file is ever mapped: a file another process shortens while
+it is read is an error naming it ("short read ... file changed?"), never a ``SIGBUS`` that ends the process
+(a pipeline's, a training loop's). ``zckpt.stream.spans`` turns tensor ranges into these byte reads.
 
 An object-store URL (``s3://bucket/key``) is routed to ``zckpt.storage.objstore`` here, at the top of each
 function (``objstore.parse``), and nowhere else. ``open_fd`` returns a ``Handle``: a local descriptor, or an
-object read through the ``ObjectStore`` of the operation that opened it. Open descriptors and mappings
-belong to the running operation's ``zckpt.storage.session.Storage`` (``close_files`` closes its own only).
+object read through the ``ObjectStore`` of the operation that opened it. Open descriptors belong to the
+running operation's ``zckpt.storage.session.Storage`` (``close_files`` closes its own only).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import mmap
 import os
 import shutil
 import stat
@@ -272,13 +270,8 @@ def _files() -> session.LocalFiles:
     return s.files if s is not None else session.LocalFiles()
 
 
-def _map(path: str) -> tuple[mmap.mmap, int]:
-    return _files().mapping(path, _open_local)
-
-
 def close_files(paths: object = None) -> None:
-    """Drop the running operation's cached mappings and descriptors of ``paths`` (all of them when None).
-    Views already handed out stay valid."""
+    """Close the running operation's cached descriptors of ``paths`` (all of them when None)."""
     s = session.bound_storage()
     if s is not None:
         s.files.close(paths)
@@ -326,92 +319,3 @@ def _pread_all(path: str, fd: int, size: int, offset: int, mv: memoryview, n: in
         if k <= 0:
             raise CorruptCheckpoint(f"{path}: short read at byte {offset + done} (file changed?)", path=path)
         done += k
-
-
-def view(path: str, byte_offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``count`` elements of ``dtype`` at ``byte_offset`` of the file, as a 1-D zero-copy view of a cached
-    copy-on-write mapping (small metadata tensors, and diff's aligned chunks). Never modify it. For an
-    object, an owned copy of those bytes."""
-    import torch
-
-    if objstore.is_url(path):
-        out = torch.empty(count, dtype=dtype)
-        read_into(path, byte_offset, out)
-        return out
-    mm, size = _map(path)
-    end = byte_offset + count * dtype.itemsize
-    if byte_offset < 0 or end > size:
-        raise CorruptCheckpoint(f"{path}: needs bytes [{byte_offset}, {end}) but the file has {size} bytes "
-                                "(truncated?)", path=path)  # fmt: skip
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(mm, dtype=dtype, count=count, offset=byte_offset)
-
-
-def view_bytes(path: str, byte_offset: int, nbytes: int) -> memoryview:
-    """``fileio.view`` without torch: the file's bytes ``[byte_offset, byte_offset + nbytes)`` as a zero-copy
-    read-only view of the cached mapping (an object's: an owned copy). Never modify it."""
-    if objstore.is_url(path):
-        out = bytearray(nbytes)
-        objstore.read_into(path, byte_offset, memoryview(out), None)
-        return memoryview(out).toreadonly()
-    mm, size = _map(path)
-    end = byte_offset + nbytes
-    if byte_offset < 0 or end > size:
-        raise CorruptCheckpoint(f"{path}: needs bytes [{byte_offset}, {end}) but the file has {size} bytes "
-                                "(truncated?)", path=path)  # fmt: skip
-    return memoryview(mm)[byte_offset:end].toreadonly()
-
-
-_AROUND = 64 << 10
-"""Linux's fault-around window (``fault_around_bytes``, 64 KiB by default): a read fault maps the cached pages
-of the aligned window around it, so the pages just before and after a viewed range are mapped too."""
-
-
-def release(path: str, offset: int, nbytes: int) -> None:
-    """Drop the pages of a consumed byte range from this process (``MADV_DONTNEED``), so streaming a
-    checkpoint does not grow RSS by its size. Safe on the copy-on-write mapping: untouched private
-    pages are simply re-read from the file if anyone reads them again."""
-    s = session.bound_storage()
-    if objstore.is_url(path) or s is None:
-        return
-    mm, size = s.files.mapping(path, _open_local)
-    start = offset - offset % _AROUND
-    end = min(size, -(-(offset + nbytes) // _AROUND) * _AROUND)
-    if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-        _madvise_dontneed(mm, start, end - start)
-
-
-def _madvise_dontneed(mm: mmap.mmap, start: int, length: int) -> None:
-    """``mm.madvise(MADV_DONTNEED, start, length)`` without the GIL: ``mmap.madvise`` holds it for the whole
-    call (~0.1 ms for 4 MiB of mapped pages, and longer while other threads of the process run on other
-    cores: the kernel interrupts each of them to flush its TLB), so every reader thread waited on each
-    release. libc's own through ctypes, which lets the GIL go; the mapping is pinned meanwhile (a buffer
-    export: ``mm`` cannot be closed under the call). ``mm.madvise`` where libc's cannot be found."""
-    fn = _libc_madvise()
-    if fn is None:
-        mm.madvise(mmap.MADV_DONTNEED, start, length)
-        return
-    import ctypes
-
-    pin = (ctypes.c_char * length).from_buffer(mm, start)
-    try:
-        if fn(ctypes.addressof(pin), length, mmap.MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-    finally:
-        del pin
-
-
-@functools.cache
-def _libc_madvise() -> Any:
-    """libc's ``madvise`` (a ctypes function: called without the GIL), or None where there is none."""
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn

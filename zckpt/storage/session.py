@@ -8,7 +8,7 @@ binding). It holds:
 
 - ``objects``: the ``ObjectStore`` (clients, credentials, listings, sizes, block cache, read-ahead streams,
   request figures) for ``s3://`` and fsspec URLs;
-- the local files it has open (descriptors and copy-on-write mappings of checkpoint files), closed by
+- the local files it has open (read descriptors of checkpoint files; no file is ever mapped), closed by
   ``close_files`` / ``close`` of this ``Storage`` only;
 - ``memo``: parsed metadata kept for the operation (a DCP ``.metadata``, a zip archive's shape);
 - ``stand_ins``: the local folders of this operation that stand for an ``s3://`` output folder (a data file
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -41,27 +40,12 @@ from zckpt.storage import objstore
 
 
 class LocalFiles:
-    """The local checkpoint files one ``Storage`` has open: read descriptors (``fd``) and copy-on-write
-    mappings (``mapping``), keyed by path, until ``close``."""
+    """The local checkpoint files one ``Storage`` has open: read descriptors (``fd``), keyed by path, until
+    ``close``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[str, tuple[mmap.mmap, int]] = {}
         self._fds: dict[str, tuple[int, int]] = {}
-
-    def mapping(self, path: str, open_fd: Any) -> tuple[mmap.mmap, int]:
-        with self._lock:
-            hit = self._maps.get(path)
-            if hit is not None:
-                return hit
-            fd = open_fd(path)
-            try:
-                size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else mmap.mmap(-1, 1)
-            finally:
-                os.close(fd)
-            self._maps[path] = (mm, size)
-            return mm, size
 
     def fd(self, path: str, open_fd: Any) -> tuple[int, int]:
         with self._lock:
@@ -76,12 +60,8 @@ class LocalFiles:
             return fd, size
 
     def close(self, paths: object = None) -> None:
-        """Drop these files' mappings and descriptors (all when ``paths`` is None). Views already handed
-        out stay valid."""
+        """Close these files' descriptors (all when ``paths`` is None)."""
         with self._lock:
-            keys = list(self._maps) if paths is None else [p for p in paths if p in self._maps]  # type: ignore[attr-defined]
-            for k in keys:
-                self._maps.pop(k)
             fkeys = list(self._fds) if paths is None else [p for p in paths if p in self._fds]  # type: ignore[attr-defined]
             for k in fkeys:
                 os.close(self._fds.pop(k)[0])

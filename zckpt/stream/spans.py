@@ -8,9 +8,12 @@ and the engine's load:
 - ``read_range`` / ``read_entry``: an owned copy of ``[lo, hi)`` / the whole tensor, bytes fetched with
   ``pread`` straight into the output when the dtypes match (nothing stays in the process's memory);
 - ``iter_chunks``: the tensor in order, one bounded chunk at a time (a writer's input);
-- ``aligned_views``: two same-size tensors side by side, each chunk a zero-copy view of the page cache
-  (released once consumed), cut on both sides' run boundaries (``diff``); ``aligned_spans``: the same steps,
-  for a reader that views the bytes itself (``diff``'s numpy comparison).
+- ``aligned_views``: two same-size tensors side by side, one bounded chunk of each at a time, cut on both
+  sides' run boundaries (``diff``); ``aligned_spans``: the same steps, for a reader that reads the bytes
+  itself (``diff``'s numpy comparison).
+
+Every byte is read with ``pread`` (``fileio.read_into``), none through a mapping of the file: a file shortened
+by another process while it is read is an error naming it, never a ``SIGBUS`` that ends the process.
 """
 
 from __future__ import annotations
@@ -142,23 +145,17 @@ def aligned_views(
     a: TensorEntry, b: TensorEntry, max_elems: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Aligned chunks of two same-size entries, ``(A's elements [lo, hi), B's elements [lo, hi))``, in each
-    entry's dtype, at most ``max_elems`` per chunk.
+    entry's dtype, at most ``max_elems`` per chunk, each an owned copy read with ``pread``.
 
     Chunk boundaries include every span boundary of both sides (``aligned_spans``), so each chunk lies inside
-    one span per side and is a zero-copy view of the file's page cache (a copy only when a stored dtype
-    differs from its entry's). The pages of a chunk are released (``MADV_DONTNEED``) once the consumer moves
-    on, so RSS stays at one chunk. Never keep or modify a yielded chunk."""
+    one span per side and is one read (then a cast only when a stored dtype differs from its entry's)."""
     for x, y, lo, hi in aligned_spans(a, b, max_elems):
-        yield _view(x, lo, hi, a.dtype), _view(y, lo, hi, b.dtype)
+        yield _chunk(x, lo, hi, a.dtype), _chunk(y, lo, hi, b.dtype)
 
 
-def aligned_spans(
-    a: TensorEntry, b: TensorEntry, max_elems: int, release: bool = True
-) -> Iterator[tuple[Span, Span, int, int]]:
+def aligned_spans(a: TensorEntry, b: TensorEntry, max_elems: int) -> Iterator[tuple[Span, Span, int, int]]:
     """``aligned_views``'s steps without reading: ``(A's span, B's span, lo, hi)``, each ``[lo, hi)`` inside
-    both spans, at most ``max_elems`` long; the pages of the file ranges of ``[lo, hi)`` are released once the
-    consumer moves on (a reader of its own, such as ``zckpt.ops.diff_numpy``, views them in between), unless
-    ``release`` is False (the reader releases them, after their checksums: ``diff_numpy``)."""
+    both spans, at most ``max_elems`` long."""
     if a.numel != b.numel:
         raise ValueError(f"{a.key} has {a.numel} elements, {b.key} has {b.numel}")
     sa, sb = spans(a, max_elems=max_elems), spans(b, max_elems=max_elems)
@@ -167,22 +164,21 @@ def aligned_spans(
         lo = max(x.lo, y.lo)
         hi = min(x.lo + x.n, y.lo + y.n)
         yield x, y, lo, hi
-        for s in (x, y) if release else ():
-            if s.piece.value is None:
-                isz = s.piece.dtype.itemsize
-                fileio.release(s.piece.file, s.byte_offset + (lo - s.lo) * isz, (hi - lo) * isz)
         if x.lo + x.n == hi:
             x = next(sa, None)
         if y.lo + y.n == hi:
             y = next(sb, None)
 
 
-def _view(s: Span, lo: int, hi: int, dtype: DType | torch.dtype) -> torch.Tensor:
+def _chunk(s: Span, lo: int, hi: int, dtype: DType | torch.dtype) -> torch.Tensor:
     p, skip = s.piece, s.offset + lo - s.lo
     if p.value is not None:
         v = p.inline().reshape(-1)[skip : skip + hi - lo]
     else:
+        import torch
+
         at = p.byte_offset + skip * p.dtype.itemsize
-        v = fileio.view(p.file, at, hi - lo, p.dtype.torch)
-        checks.consumed(p.check, at, v, stable=True)  # a view of the file's mapping
+        v = torch.empty(hi - lo, dtype=p.dtype.torch)
+        fileio.read_into(p.file, at, v)
+        checks.consumed(p.check, at, v)
     return v if v.dtype == dtype else v.to(torch_of(dtype))
