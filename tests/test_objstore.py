@@ -339,6 +339,36 @@ def test_read_ahead_stream_tiles_the_record_and_stops_at_its_end(
         assert st["requests"] == requests and st["retries"] == 0
 
 
+def test_read_ahead_streams_of_one_record_never_fetch_a_byte_twice(s3_server: _s3.Server, s3env: str) -> None:
+    """Two readers of one record far apart (a big tensor, then the next one, past the first stream's reach):
+    the second reader's stream starts where it reads, and the first stream stops there instead of fetching on
+    into bytes the second one fetches (before: a read-ahead's worth, 4 MiB here, came twice). Oracle: the
+    uploaded bytes, and the bytes fetched against the record's size plus what the dropped connection had
+    delivered past the cut (a body chunk: at least 1 MiB, ``backend.stream``; 2 MiB allowed)."""
+    import random
+
+    data = random.Random(6).randbytes(48 << 20)
+    s3_server.client().put_object(Bucket="ckpts", Key="two/obj", Body=data)  # type: ignore[attr-defined]
+    url, lo, hi = "s3://ckpts/two/obj", 123_457, (48 << 20) - 999
+    mid = lo + (24 << 20) + 77  # past the first stream's reach: 4 read-aheads of 4 MiB past what it holds
+    with _op({"window_bytes": str(4 << 20)}) as op:
+        objstore.size(url)
+        before = op.stats()
+        got = bytearray(hi - lo)
+
+        def read(a: int, b: int) -> None:  # in reads of 300 KB, as a fill thread reads a tensor
+            for at in range(a, b, 300_000):
+                k = min(300_000, b - at)
+                objstore.read_into(url, at, memoryview(got)[at - lo : at - lo + k], limit=hi)
+
+        read(lo, lo + (1 << 20))  # reader A starts; its stream fetches ahead
+        read(mid, hi)  # reader B, past the reach of A's stream: a stream of its own
+        read(lo + (1 << 20), mid)  # reader A goes on up to where B began
+        fetched = op.stats()["bytes"] - before["bytes"]
+    assert bytes(got) == data[lo:hi]
+    assert hi - lo <= fetched <= hi - lo + (2 << 20), (fetched, hi - lo)  # before: 55.1 MB, now 51.4
+
+
 def test_read_ahead_runs_ahead_of_the_reader_but_no_further(s3_server: _s3.Server, s3env: str) -> None:
     """After one small read, the stream's thread fetches on by itself (the network overlaps the reader's
     work) up to the read-ahead (``window_bytes``) past it, and stops there while the reader does not come

@@ -15,7 +15,8 @@ divided among the files ``each_file`` writes side by side, overridable with ``ZC
 threads wait in the kernel and the hash lanes keep up, so they need no core of their own: on 2 cores (numpy
 casts, bench/RESULTS.md 2026-12-06 13:18) 2 fillers took a CPU-bound consolidate to 0.64-0.85 of 1 filler's
 wall, and a disk-bound one stayed where it was; on the 16-core H200 host 4 fillers left a 1.5B consolidate
-waiting on its reads a third of its write phase.
+waiting on its reads a third of its write phase. An object-store source is filled by ``REMOTE_WORKERS``
+threads when none is asked for.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def default_workers() -> int:
     """Reader threads of a write: the usable cores, at most 8 (``ZCKPT_WORKERS`` overrides,
     ``zckpt.storage.env``); files written side by side share them."""
     return max(1, env.workers(min(8, _cores())) // sharing())
+
+
+REMOTE_WORKERS = 1
+"""Fill threads of a write whose source is an object (``s3://``) when none is asked for: each record's bytes
+come from a read-ahead stream on a thread of its own (``zckpt.storage.objstore.ahead``), so the fetches of
+the rank files already run side by side. More fill threads read one record at places further apart than a
+stream holds in memory: its windows were dropped before they were read and fetched again (2 fill threads on
+2 cores, ``bench/s3_bench.py``, moto: 1.02-1.35x the bytes the output needs, 21-49 requests, 4.3-11.3 s,
+against 1.003x, 17 requests, 3.0 s with one; RESULTS "18:50")."""
 
 
 def files_in_flight(n: int) -> int:
@@ -235,7 +245,9 @@ def _pieces_fill(
     crc: bool,
 ) -> int:
     step = sink.piece_bytes
-    workers = min(len(pieces), default_workers() if workers is None else max(1, workers))
+    if workers is None:
+        workers = REMOTE_WORKERS if layout.remote else default_workers()
+    workers = min(len(pieces), max(1, workers))
     ring = sink.fill_ring()
     cap = workers + sink.in_flight + 1
 

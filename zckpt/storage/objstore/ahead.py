@@ -82,6 +82,12 @@ class Stream:
                 self.want = at
                 self.cond.notify_all()
 
+    def clip(self, end: int) -> None:
+        """Fetch nothing from ``end`` on: another stream of the object starts there (``find``)."""
+        with self.cond:
+            self.end = min(self.end, end)
+            self.cond.notify_all()
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
@@ -100,11 +106,11 @@ class Stream:
                             self.closed = True
                     if self.closed or self.next >= self.end:
                         return
-                    a = self.next
+                    a, end = self.next, self.end
                 if body is None or a >= b_end:
-                    b_end = min(self.end, a + MAX_REQUEST)
+                    b_end = min(end, a + MAX_REQUEST)
                     body, pending = self._open(a, b_end), memoryview(b"")
-                w = self._register(a, min(b_end, a + self.unit))
+                w = self._register(a, min(b_end, end, a + self.unit))  # (``end``: clipped since the open)
                 try:
                     body, pending = self._fill(w, body, pending)
                 except BaseException as e:
@@ -184,7 +190,11 @@ def find(
 ) -> tuple[_Window | None, Stream | None]:
     """The window holding byte ``at`` of ``u``, if one is held, and the stream it came from; else a stream
     that will reach ``at`` soon, if one runs, or (given ``limit``) a new one from ``at`` to ``limit``. One
-    lock for the look-up and the start: two readers of one record never start two streams."""
+    lock for the look-up and the start: two readers of one record never start two streams. Streams of one
+    object never fetch a byte twice: a new stream ends where a stream ahead of it starts, and a stream behind
+    it is clipped to where it starts (two fill threads in one record: one reads a big tensor, the other the
+    next tensor, past the first stream's reach; before, the first stream fetched on into the second's
+    bytes: 1.02-1.34x the bytes a 2-thread consolidate needed, RESULTS "18:40")."""
     key = str(u)
     with st.lock:
         w = next((w for w in st.windows.values() if w.url == key and w.start <= at < w.end), None)
@@ -192,7 +202,11 @@ def find(
         s = next((s for s in mine if (s.start <= at < s.next if w else s.will_reach(at))), None)
         passed = w is None and any(s.start <= at < s.next and not s.closed for s in mine)
         if w is None and s is None and limit is not None and not passed:  # (passed: its window was dropped)
-            s = Stream(st, u, at, limit, ahead)
+            end = min([limit] + [o.start for o in mine if at < o.start])  # up to a stream already past it
+            s = Stream(st, u, at, end if end > at else limit, ahead)
+            for o in mine:  # a stream behind it stops where this one starts: no byte fetched twice
+                if o.start < at < o.end:
+                    o.clip(at)
             st.streams.append(s)
     return w, s
 
