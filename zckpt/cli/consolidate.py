@@ -76,7 +76,7 @@ FormatOpt = Annotated[
 WorkersOpt = Annotated[
     int | None,
     typer.Option("--workers", min=1, show_default=False, metavar="N",
-                 help="Reader threads (default: the usable cores, at most 8)."),
+                 help="Reader threads (default: the usable cores, at most 8; one for an s3:// input)."),
 ]  # fmt: skip
 ExcludeFrozenOpt = Annotated[
     bool, typer.Option("--exclude-frozen", help="Leave out frozen (requires_grad=False) params.")

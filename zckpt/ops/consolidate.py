@@ -230,7 +230,8 @@ def consolidate(
         overwrite: replace an existing ``out`` (an HF folder keeps the files zckpt does not write).
         progress: a tqdm bar (on a terminal); trust_pickle: load pickled globals outside the allowlist.
         workers: reader threads overlapping reads and casts with writes (safetensors output;
-            default ``zckpt.stream.pipeline.default_workers()``, divided among the ranks of one host).
+            default ``zckpt.stream.pipeline.default_workers()``, divided among the ranks of one host; an
+            ``s3://`` source: one, ``pipeline.REMOTE_WORKERS``).
         distributed: ``False`` (default): this process alone, whatever process group exists. ``True``:
             split the writing over the ranks of the default process group (gloo, ``env://`` under torchrun).
         verify_data: check the input's recorded checksums over the bytes read; publish no damaged data.
@@ -248,6 +249,7 @@ def consolidate(
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
+    asked = workers
     workers = _rank_workers(g, workers)
     with contextlib.ExitStack() as stack:
         ckpt = g.step("consolidate: opening the checkpoint", lambda: _open(ckpt_or_path, tag, trust_pickle))
@@ -273,6 +275,8 @@ def consolidate(
         staging, digest0 = g.broadcast((st.ticket(), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
+        if asked is None and any(objstore.is_url(f) for f in ckpt.meta.files):
+            workers = None  # an object source: the pipeline's own count (``pipeline.REMOTE_WORKERS``)
         files, kept = _write(g, p, out, staging, st, progress, workers, verify_data)
     return _result(out, p, files, kept)
 
