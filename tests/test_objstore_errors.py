@@ -181,8 +181,8 @@ def test_closed_port_is_connection_refused_at_once(env: Callable[..., None]) -> 
 
 
 def test_unanswered_connect_is_a_timeout_named_as_such(env: Callable[..., None]) -> None:
-    """A listening port whose accept queue is full drops the SYNs: the connect times out (2 s, the default
-    ``connect_timeout``), said as such, without the client's retries on top."""
+    """A listening port whose accept queue is full leaves the connect unanswered: it times out (1 s, the
+    ``connect_timeout`` given), said as a timeout naming the address, without the client's retries on top."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(0)
@@ -202,7 +202,10 @@ def test_unanswered_connect_is_a_timeout_named_as_such(env: Callable[..., None])
         env(f"http://127.0.0.1:{port}")
         code, took, lines = _cli("inspect", "s3://ckpts/x", "--storage-option", "connect_timeout=1")
         line = _one_line(code, lines)
-        assert _named(line) == f"timed out after 1.0 s connecting to 127.0.0.1:{port}", lines
+        # Linux may still answer a SYN to a full accept queue (it drops the handshake's last ACK instead):
+        # the client then believes it connected and times out waiting (fresh-clone CI saw it at 7633b08)
+        assert _named(line) in (f"timed out after 1.0 s connecting to 127.0.0.1:{port}",
+                                f"timed out after 1.0 s waiting for 127.0.0.1:{port}"), lines  # fmt: skip
         assert took < 3.0, took
     finally:
         for c in held:

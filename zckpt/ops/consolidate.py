@@ -249,8 +249,6 @@ def consolidate(
     writer, is_dir = _layout(out, format)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     g = zgroup.group(distributed)
-    asked = workers
-    workers = _rank_workers(g, workers)
     with contextlib.ExitStack() as stack:
         ckpt = g.step("consolidate: opening the checkpoint", lambda: _open(ckpt_or_path, tag, trust_pickle))
         if not isinstance(ckpt_or_path, Checkpoint):
@@ -275,9 +273,7 @@ def consolidate(
         staging, digest0 = g.broadcast((st.ticket(), p.digest) if st is not None else None)
         g.check_same("the output plan", p.digest, digest0)
         _warn_idle(g, out, p)
-        if asked is None and any(objstore.is_url(f) for f in ckpt.meta.files):
-            workers = None  # an object source: the pipeline's own count (``pipeline.REMOTE_WORKERS``)
-        files, kept = _write(g, p, out, staging, st, progress, workers, verify_data)
+        files, kept = _write(g, p, out, staging, st, progress, _rank_workers(g, workers, ckpt), verify_data)
     return _result(out, p, files, kept)
 
 
@@ -310,12 +306,15 @@ def _warn_kept_config(st: Staging | RemoteStaging, written: str | None) -> None:
         )
 
 
-def _rank_workers(g: zgroup.Group, workers: int | None) -> int | None:
-    """Reader threads per rank: the default is shared among the ranks of one host."""
-    if g.world > 1 and workers is None:
+def _rank_workers(g: zgroup.Group, workers: int | None, ckpt: Checkpoint) -> int | None:
+    """Reader threads per rank: the default is shared among the ranks of one host; an object source gets
+    the pipeline's own count (``pipeline.REMOTE_WORKERS``) unless ``workers`` is given."""
+    if workers is not None or any(objstore.is_url(f) for f in ckpt.meta.files):
+        return workers
+    if g.world > 1:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         return max(1, pipeline.default_workers() // max(1, local))
-    return workers
+    return None
 
 
 def _result(out: Location, p: _Plan, files: list[Location], kept: tuple[str, ...]) -> ConsolidateResult:
