@@ -234,13 +234,11 @@ class _Work:
 
     def buf(self, i: int, nbytes: int) -> np.ndarray:
         """Byte buffer ``i`` (0: A's chunk, 1: B's, 2: A's chunks read again by ``refold``), at least
-        ``nbytes`` long, 64-byte aligned, kept for the next chunk."""
+        ``nbytes`` long, kept for the next chunk."""
         while len(self._bytes) <= i:
             self._bytes.append(np.empty(0, dtype=np.uint8))
         if len(self._bytes[i]) < nbytes:
-            raw = np.empty(nbytes + 64, dtype=np.uint8)
-            skip = -raw.ctypes.data % 64
-            self._bytes[i] = raw[skip : skip + nbytes]
+            self._bytes[i] = np.empty(nbytes, dtype=np.uint8)
         return self._bytes[i]
 
     def f64(self, x: Chunk, y: Chunk | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -194,7 +194,7 @@ def find(
     object never fetch a byte twice: a new stream ends where a stream ahead of it starts, and a stream behind
     it is clipped to where it starts (two fill threads in one record: one reads a big tensor, the other the
     next tensor, past the first stream's reach; before, the first stream fetched on into the second's
-    bytes: 1.02-1.34x the bytes a 2-thread consolidate needed, RESULTS "18:40")."""
+    bytes: 1.02-1.34x the bytes a 2-thread consolidate needed, RESULTS "18:50")."""
     key = str(u)
     with st.lock:
         w = next((w for w in st.windows.values() if w.url == key and w.start <= at < w.end), None)
