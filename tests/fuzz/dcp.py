@@ -140,6 +140,8 @@ def _bomb(name: str) -> Edit:
             st["state_dict_metadata"][key] = tag
         elif where == "chunks":
             st["state_dict_metadata"][key].state["chunks"] = tag
+        elif st.get("planner_data") is None:  # Megatron's metadata records none: plant the whole of it
+            where, st["planner_data"] = "planner_data", tag
         else:
             st["planner_data"][key] = tag
         return f"{tag} as the {where} of {key!r}", True
