@@ -127,6 +127,14 @@ def _edit_pickle(op: str, edit: Callable[[Any, random.Random], tuple[Any, str, b
     return mutate
 
 
+def _named_once(obj: Any, path: pickles.NodePath) -> bool:
+    """A ``module`` entry of a checkpoint that records no ``param_shapes`` (ZeRO-0): its name is written
+    nowhere else, so a renamed entry is a valid checkpoint of another model (DeepSpeed's own
+    ``load_checkpoint`` finds out only against the live model's keys), not an inconsistent one."""
+    first = path[0][1] if path and path[0][0] == "key" else None
+    return first == "module" and len(path) == 2 and isinstance(obj, dict) and obj.get("param_shapes") is None
+
+
 def _remove(obj: Any, rng: random.Random) -> tuple[Any, str, bool]:
     path = _pick_node(obj, rng, _is_dict_key)
     is_layout = _layout(path, pickles.get_at(obj, path))
@@ -137,7 +145,7 @@ def _rename(obj: Any, rng: random.Random) -> tuple[Any, str, bool]:
     path = _pick_node(obj, rng, lambda p, v: p[-1][0] == "key" and isinstance(p[-1][1], str))
     new_key = path[-1][1] + "_renamed"
     detail = f"rename {pickles.describe(path)} -> {new_key}"
-    is_layout = _layout(path, pickles.get_at(obj, path))
+    is_layout = _layout(path, pickles.get_at(obj, path)) and not _named_once(obj, path)
     return pickles.rename_at(obj, path, new_key), detail, is_layout
 
 
