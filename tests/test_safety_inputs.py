@@ -1118,3 +1118,26 @@ def test_latest_as_a_link_to_no_file_is_named(tmp_path: Path, kind: str) -> None
         assert not (tmp_path / "o.safetensors").exists()
         r = cli("verify", save)  # a report: the problem line names latest, exit 1
         assert r.code == 1 and f"{latest}: a symbolic link" in r.stdout and "Traceback" not in r.stderr, r
+
+
+@pytest.mark.parametrize(
+    ("case", "key"),
+    [
+        ("s2_fp16_w2", "mp_world_size"),  # fuzz seed 302/18: reshard wrote the renamed record out, exit 0
+        ("s2_fp16_w2", "dp_world_size"),
+        ("s3_fp32_w2", "frozen_param_fragments"),  # fuzz seed 303/108: verify said OK (None: none frozen)
+        ("s0_bf16_w2", "mp_world_size"),
+    ],
+)
+def test_model_states_without_a_key_deepspeed_always_writes(case: str, key: str, tmp_path: Path) -> None:
+    """A model-states key DeepSpeed 0.10+ writes in every save (None where unused) renamed in rank 0's file
+    (the only model file under ZeRO-0/1/2, so no other rank's copy disagrees). ``mp_world_size`` is what
+    tells a tensor-parallel rank from a whole model; without it ``reshard`` carried the renamed record into
+    its output as the run's own state, and ``verify`` passed the file. Refused, naming the file and key."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = sorted((ck / "global_step3").glob("*model_states.pt"))[0]
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    assert key in obj
+    obj = pickles.rename_at(obj, next(p for p, _ in pickles.walk(obj, 1) if p == (("key", key),)), key + "_x")
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, f"{key} is missing")

@@ -38,9 +38,13 @@ from zckpt.state import CheckpointMeta, Counters, OptimizerState, ParamGroup, Tr
 from zckpt.storage.location import Location, location
 
 _REQUIRED_SINCE = (0, 10)
-"""DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``
-and ``shared_params``: a file without them was altered, and reading on would drop tensors silently."""
-_MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params")
+"""DeepSpeed versions from here on always write ``buffer_names``, ``param_shapes``, ``frozen_param_shapes``,
+``frozen_param_fragments`` (both since 0.9.1), ``shared_params``, ``dp_world_size`` and ``mp_world_size``
+(``engine._save_checkpoint``, None where unused): a file without one was altered. Reading on would drop
+tensors silently, or take a tensor-parallel rank for a whole model, or (``reshard``) write out the altered
+record as the run's own; DeepSpeed itself could not load it."""
+_MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+               "shared_params", "dp_world_size", "mp_world_size")  # fmt: skip
 _ZERO12_KEYS = ("group_paddings", "param_slice_mappings")
 """What a ZeRO-1/2 (and ``BF16_Optimizer``) ``optimizer_state_dict`` always holds from DeepSpeed 0.7.4 on
 (checked, like ``_MODEL_KEYS``, from ``_REQUIRED_SINCE``): zckpt derives the padding itself and cross-checks
