@@ -1141,3 +1141,18 @@ def test_model_states_without_a_key_deepspeed_always_writes(case: str, key: str,
     obj = pickles.rename_at(obj, next(p for p, _ in pickles.walk(obj, 1) if p == (("key", key),)), key + "_x")
     pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
     run_all(ck, tmp_path, f.name, f"{key} is missing")
+
+
+@pytest.mark.parametrize(
+    ("case", "rank"), [("s3_fp16_w3_g2", 0), ("s3_fp16_w3_g2", 1), ("s3_fp32_w2", 0), ("s3_fp32_w2", 1)]
+)
+def test_optimizer_state_renamed_names_the_file_at_odds(case: str, rank: int, tmp_path: Path) -> None:
+    """Fuzz seed 321/25: ``exp_avg_sq`` renamed in rank 0's optimizer file of a world-2 save was reported as
+    rank 1's file lacking the renamed state. The file at odds is named: with world 3 the one rank that
+    renamed it; with world 2 (a tie) both files, either of which may be the altered one."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    files = sorted((ck / "global_step3").glob("*optim_states.pt"))
+    obj = pickles.load_opaque(pickles.read_pickle(files[rank]))
+    path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("key", "exp_avg_sq"))
+    pickles.rewrite_records(files[rank], {"data.pkl": pickles.dump_opaque(pickles.rename_at(obj, path, "v"))})
+    run_all(ck, tmp_path, files[rank].name, "optimizer state")

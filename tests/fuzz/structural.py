@@ -322,17 +322,18 @@ def _manifest_edit(op: str, edit: Callable[[dict[str, Any], random.Random, Base,
 
 def _field(kind: str) -> Callable[[dict[str, Any], random.Random, Base, Path], str]:
     def edit(man: dict[str, Any], rng: random.Random, base: Base, td: Path) -> str:
-        paths = _json_paths(man)
+        value = None if kind == "null" else _value(kind, rng)
+        if isinstance(value, (bytes, tuple)):
+            value = str(value)
+        # a field that already holds the value is no edit (seed 321/136: null -> null, counted as damage)
+        paths = [p for p in _json_paths(man) if kind == "missing" or _json_get(man, p) != value]
         hot = [p for p in paths if p[0] in MANIFEST_CORE]
-        path = rng.choice(hot if rng.random() < 0.7 else paths)
+        path = rng.choice(hot if hot and rng.random() < 0.7 else paths)
         parent, key = _json_get(man, path[:-1]), path[-1]
         where = ".".join(map(str, path))
         if kind == "missing":
             del parent[key]
             return f"{where} removed"
-        value = None if kind == "null" else _value(kind, rng)
-        if isinstance(value, (bytes, tuple)):
-            value = str(value)
         old, parent[key] = parent[key], value
         return f"{where}: {json.dumps(old)[:40]} -> {json.dumps(value)}"
 

@@ -241,18 +241,33 @@ def optim_entries(
             runs, slot = lay.runs[name], lay.slot_of[name]
             r0 = runs[0].rank if runs else 0
             if any(f[slot] is not None for f in flats):
-                lost = next((run.rank for run in runs if flats[run.rank][run.slot] is None), None)
-                if lost is not None:
-                    raise ShardMismatch(
-                        f"{_file_of(states, lost)}: holds no optimizer state {s!r:.40} for group {slot}, "
-                        "which the other ranks keep as a flat partition",
-                        hint="files of different runs are mixed, or the file was altered",
-                        path=_file_of(states, lost),
-                    )
+                _held_by_all(s, slot, [run.rank for run in runs], flats, states)
                 out += lay.entries(flats, Role.OPTIM, s, [name])
             elif (r0, slot) in scalars:
                 out.append(scalar_entry(name, s, scalars[(r0, slot)], r0))
     return out, names
+
+
+def _held_by_all(
+    s: str, slot: int, ranks: list[int], flats: list[list[Any]], states: list[dict[int, Node]]
+) -> None:
+    """Every rank of ``ranks`` (those holding a param of group ``slot``) keeps state ``s`` as a flat
+    partition, or the file at odds is named: the ranks without it when they are fewer, the ranks with it
+    when those are (a renamed state), and one of each on a tie (two ranks: either may be the altered one)."""
+    lost = [r for r in dict.fromkeys(ranks) if flats[r][slot] is None]
+    if not lost:
+        return
+    kept = [r for r in dict.fromkeys(ranks) if flats[r][slot] is not None]
+    hint = "files of different runs are mixed, or the file was altered"
+    if len(kept) < len(lost):
+        f = _file_of(states, kept[0])
+        msg = f"{f}: holds optimizer state {s!r:.40} for group {slot}, which the other ranks do not keep"
+    else:
+        f = _file_of(states, lost[0])
+        beside = _file_of(states, kept[0]).rsplit("/", 1)[-1]  # in the same folder
+        others = "the other ranks keep" if len(kept) > len(lost) else f"{beside} keeps"
+        msg = f"{f}: holds no optimizer state {s!r:.40} for group {slot}, which {others} as a flat partition"
+    raise ShardMismatch(msg, hint=hint, path=f)
 
 
 def _file_of(states: list[dict[int, Node]], rank: int) -> str:
