@@ -1156,3 +1156,31 @@ def test_optimizer_state_renamed_names_the_file_at_odds(case: str, rank: int, tm
     path = next(p for p, _ in pickles.walk(obj, 8) if p[-1] == ("key", "exp_avg_sq"))
     pickles.rewrite_records(files[rank], {"data.pkl": pickles.dump_opaque(pickles.rename_at(obj, path, "v"))})
     run_all(ck, tmp_path, files[rank].name, "optimizer state")
+
+
+@pytest.mark.parametrize(
+    "listed_in", ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+)
+def test_hf_bin_index_places_a_stored_tied_alias(listed_in: str, tmp_path: Path) -> None:
+    """Sharded ``.bin`` as transformers 4.x / huggingface_hub write them: a tied alias (``head.weight``,
+    sharing ``emb.weight``'s storage) is saved in its owner's shard and listed there. Listed under the other
+    shard (fuzz seed 331/86), the index and the shards disagree: refused, naming the index and the alias;
+    listed where it is stored, read with the alias tied."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(13, 7, generator=g)
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"emb.weight": emb, "head.weight": emb},
+        "pytorch_model-00002-of-00002.bin": {"fc.weight": torch.randn(7, 7, generator=g)},
+    }
+    for name, sd in shards.items():
+        torch.save(sd, d / name)
+    wm = {k: name for name, sd in shards.items() for k in sd} | {"head.weight": listed_in}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    if listed_in == "pytorch_model-00001-of-00002.bin":
+        ck = open_checkpoint(d)
+        assert ck.meta.tied == {"head.weight": "emb.weight"}
+        assert cli("verify", d).code == 0
+        return
+    run_all(d, tmp_path, "pytorch_model.bin.index.json", "'head.weight'")

@@ -464,7 +464,8 @@ def _manifest_ops() -> list[Op]:
 
 
 # ---- st-header -----------------------------------------------------------------------------------------
-HeaderEdit = Callable[[dict[str, Any], random.Random, int], str]
+HeaderEdit = Callable[[dict[str, Any], random.Random, bytes], str]
+"""Edits a header in place, given the file's data section; returns what it did."""
 
 
 def _st_edit(op: str, edit: HeaderEdit, *, self_consistent: bool = False,
@@ -482,7 +483,7 @@ def _st_edit(op: str, edit: HeaderEdit, *, self_consistent: bool = False,
         header, start = layout.safetensors_header(data)
         payload = data[start:]
         try:
-            detail = edit(header, rng, len(payload))
+            detail = edit(header, rng, payload)
         except LookupError as e:
             raise NotApplicable(root, str(e)) from None
         text = raw(header, rng) if raw is not None else json.dumps(header, separators=(",", ":")).encode()
@@ -505,7 +506,7 @@ def _tensors(header: dict[str, Any]) -> list[str]:
 
 
 def _shape_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
-    def edit(h: dict[str, Any], rng: random.Random, size: int) -> str:
+    def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         old = list(h[name]["shape"])
         new_shape: list[Any] = {
@@ -523,12 +524,12 @@ def _shape_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]
 
 
 def _offsets_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
-    def edit(h: dict[str, Any], rng: random.Random, size: int) -> str:
+    def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         names = _tensors(h)
         name = rng.choice(names)
         lo, hi = h[name]["data_offsets"]
         if how == "past-end":
-            h[name]["data_offsets"] = [size - (hi - lo) + 8, size + 8]
+            h[name]["data_offsets"] = [len(payload) - (hi - lo) + 8, len(payload) + 8]
         elif how == "negative":
             h[name]["data_offsets"] = [lo - 8, hi - 8] if lo >= 8 else [-8, hi - lo - 8]
         elif how == "reversed":
@@ -543,10 +544,13 @@ def _nbytes(info: dict[str, Any]) -> int:
     return int(hi - lo)
 
 
-def _swap_offsets(h: dict[str, Any], rng: random.Random, size: int) -> str:
+def _swap_offsets(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
     names = _tensors(h)
     pairs = [(a, b) for a in names for b in names if a < b and _nbytes(h[a]) == _nbytes(h[b])]
     same = [(a, b) for a, b in pairs if h[a]["dtype"] == h[b]["dtype"] and h[a]["shape"] == h[b]["shape"]]
+    # two tensors of equal bytes (the optimizer's per-param ``step`` scalars) swapped are the same file in
+    # meaning: no edit (seed 330/70: diff's true EQUAL was counted as missed damage)
+    same = [(a, b) for a, b in same if _bytes_of(h[a], payload) != _bytes_of(h[b], payload)]
     if not same:
         raise LookupError("no two tensors of one shape and dtype")
     a, b = rng.choice(same)
@@ -554,7 +558,12 @@ def _swap_offsets(h: dict[str, Any], rng: random.Random, size: int) -> str:
     return f"data_offsets of {a} and {b} swapped"
 
 
-def _overlap_offsets(h: dict[str, Any], rng: random.Random, size: int) -> str:
+def _bytes_of(entry: dict[str, Any], payload: bytes) -> bytes:
+    lo, hi = entry["data_offsets"]
+    return payload[lo:hi]
+
+
+def _overlap_offsets(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
     names = _tensors(h)
     pairs = [(a, b) for a in names for b in names if a != b and _nbytes(h[a]) == _nbytes(h[b])]
     if not pairs:
@@ -570,7 +579,7 @@ _SAME_SIZE = {"F32": ("I32",), "I32": ("F32",), "F16": ("BF16", "I16"), "BF16": 
 
 
 def _dtype_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
-    def edit(h: dict[str, Any], rng: random.Random, size: int) -> str:
+    def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         old = h[name]["dtype"]
         if how == "same-size":
@@ -583,7 +592,7 @@ def _dtype_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]
 
 
 def _info_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
-    def edit(h: dict[str, Any], rng: random.Random, size: int) -> str:
+    def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         if how == "extra-field":
             h[name]["offsets"] = [0, 0]
@@ -599,7 +608,7 @@ def _info_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
 def _meta(
     key: str, make: Callable[[list[str], random.Random], Any]
 ) -> Callable[[dict[str, Any], random.Random, int], str]:
-    def edit(h: dict[str, Any], rng: random.Random, size: int) -> str:
+    def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         names = _tensors(h)
         md = h.setdefault("__metadata__", {"format": "pt"})
         value = make(names, rng)
@@ -609,7 +618,7 @@ def _meta(
     return edit
 
 
-def _meta_whole(h: dict[str, Any], rng: random.Random, size: int) -> str:
+def _meta_whole(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
     h["__metadata__"] = rng.choice((["format", "pt"], {"format": 1}, {"zckpt.tied": {"a": "b"}}, "pt"))
     return f"__metadata__ := {json.dumps(h['__metadata__'])}"
 
@@ -624,7 +633,7 @@ def _duplicate_raw(h: dict[str, Any], rng: random.Random) -> bytes:
 
 
 def _note(detail: str) -> Callable[[dict[str, Any], random.Random, int], str]:
-    return lambda h, rng, size: detail
+    return lambda h, rng, payload: detail
 
 
 def _st_ops() -> list[Op]:
