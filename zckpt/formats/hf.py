@@ -142,8 +142,8 @@ def _read_index(path: Location) -> tuple[dict[str, str], dict[str, str]]:
         raise CorruptCheckpoint(
             f"{path}: index metadata is {type(md).__name__}, not an object", path=str(path)
         )
-    total = md.get("total_size")
-    if total is not None and (type(total) is not int or total < 0):  # noqa: E721 - bool is not a size
+    total = md.get("total_size")  # absent is fine; present, it is a byte count (null too is damage)
+    if "total_size" in md and (type(total) is not int or total < 0):  # noqa: E721 - bool is not a size
         raise CorruptCheckpoint(
             f"{path}: index metadata.total_size is {total!r:.40}, not a byte count", path=str(path)
         )
