@@ -505,7 +505,7 @@ def _tensors(header: dict[str, Any]) -> list[str]:
     return names
 
 
-def _shape_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _shape_edit(how: str) -> HeaderEdit:
     def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         old = list(h[name]["shape"])
@@ -523,7 +523,7 @@ def _shape_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]
     return edit
 
 
-def _offsets_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _offsets_edit(how: str) -> HeaderEdit:
     def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         names = _tensors(h)
         name = rng.choice(names)
@@ -578,7 +578,7 @@ _SAME_SIZE = {"F32": ("I32",), "I32": ("F32",), "F16": ("BF16", "I16"), "BF16": 
               "BOOL": ("U8",)}  # fmt: skip
 
 
-def _dtype_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _dtype_edit(how: str) -> HeaderEdit:
     def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         old = h[name]["dtype"]
@@ -591,7 +591,7 @@ def _dtype_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]
     return edit
 
 
-def _info_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _info_edit(how: str) -> HeaderEdit:
     def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         name = rng.choice(_tensors(h))
         if how == "extra-field":
@@ -605,9 +605,7 @@ def _info_edit(how: str) -> Callable[[dict[str, Any], random.Random, int], str]:
     return edit
 
 
-def _meta(
-    key: str, make: Callable[[list[str], random.Random], Any]
-) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _meta(key: str, make: Callable[[list[str], random.Random], Any]) -> HeaderEdit:
     def edit(h: dict[str, Any], rng: random.Random, payload: bytes) -> str:
         names = _tensors(h)
         md = h.setdefault("__metadata__", {"format": "pt"})
@@ -632,7 +630,7 @@ def _duplicate_raw(h: dict[str, Any], rng: random.Random) -> bytes:
     return (body[:-1] + "," + dup + "}").encode()
 
 
-def _note(detail: str) -> Callable[[dict[str, Any], random.Random, int], str]:
+def _note(detail: str) -> HeaderEdit:
     return lambda h, rng, payload: detail
 
 

@@ -254,11 +254,11 @@ def _held_by_all(
     """Every rank of ``ranks`` (those holding a param of group ``slot``) keeps state ``s`` as a flat
     partition, or the file at odds is named: the ranks without it when they are fewer, the ranks with it
     when those are (a renamed state), and one of each on a tie (two ranks: either may be the altered one)."""
-    lost = [r for r in dict.fromkeys(ranks) if flats[r][slot] is None]
+    ranks = list(dict.fromkeys(ranks))
+    lost = [r for r in ranks if flats[r][slot] is None]
     if not lost:
         return
-    kept = [r for r in dict.fromkeys(ranks) if flats[r][slot] is not None]
-    hint = "files of different runs are mixed, or the file was altered"
+    kept = [r for r in ranks if r not in lost]
     if len(kept) < len(lost):
         f = _file_of(states, kept[0])
         msg = f"{f}: holds optimizer state {s!r:.40} for group {slot}, which the other ranks do not keep"
@@ -267,7 +267,7 @@ def _held_by_all(
         beside = _file_of(states, kept[0]).rsplit("/", 1)[-1]  # in the same folder
         others = "the other ranks keep" if len(kept) > len(lost) else f"{beside} keeps"
         msg = f"{f}: holds no optimizer state {s!r:.40} for group {slot}, which {others} as a flat partition"
-    raise ShardMismatch(msg, hint=hint, path=f)
+    raise ShardMismatch(msg, hint="files of different runs are mixed, or the file was altered", path=f)
 
 
 def _file_of(states: list[dict[int, Node]], rank: int) -> str:
