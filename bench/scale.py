@@ -22,6 +22,8 @@ figure), then once after ``drop_caches`` with ``--cold`` (torch's libraries are 
 ``--cold-inputs N`` times with only the job's inputs evicted (``bench/run.py``'s ``evict``: a cold checkpoint,
 the tools cached; cache ``cold-inputs`` in the table). ``--cores N`` pins every command to cores
 ``0..N-1`` (``taskset``); ``--cores-scan 1,4`` repeats the consolidate and verify jobs at those counts.
+``--settle SEC``: ``sync``, then SEC seconds idle before the probe and before every timed run, so that each
+run finds the disk as the probe did (not still writing back the last run's output).
 Floor: the bytes the job must write at the probe's write speed; cold (or a job that writes nothing), the
 larger of that and the bytes it must read at the read speed (overlapped); cold, a job that reads and
 writes is also held to its read plus written bytes at the concurrent probe's speed (``rw_gbs``), where that
@@ -127,6 +129,9 @@ def run_job(ctx: Ctx, job: Job, cores: int, cache: str, n: int) -> None:
     a = ctx.args
     res = []
     for i in range(n):
+        if a.settle:  # the disk as the probe finds it: the last run's writes on the disk, then idle
+            os.sync()
+            time.sleep(a.settle)
         if job.out is not None:
             shutil.rmtree(job.out, ignore_errors=True) if job.out.is_dir() else job.out.unlink(
                 missing_ok=True
@@ -348,6 +353,9 @@ def main() -> None:
     )
     ap.add_argument("--reshard-repeat", type=int, default=0, help="runs of the reshard rows (0: --repeat)")
     ap.add_argument("--peers", action="store_true")
+    ap.add_argument(
+        "--settle", type=float, default=0.0, help="sync, then idle SEC before the probe and each run"
+    )
     ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[])
     ap.add_argument("--size", default="1.5b")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch of the run that makes the save")
@@ -358,6 +366,9 @@ def main() -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     pj = d / "probe.json"
     if "probe" in parts or not pj.exists():
+        if a.settle:
+            os.sync()
+            time.sleep(a.settle)
         subprocess.run(
             [PY, str(HERE / "disk_probe.py"), str(d / "probe"), "--depths", "1", "--json", str(pj)],
             check=True,
