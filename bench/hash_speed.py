@@ -4,11 +4,12 @@
 
     python bench/hash_speed.py [--gib 1]
 
-``HASH <name> <size>: GB/s`` for ISA-L's CRC-32 (what zckpt uses), zlib's, and xxHash3 (``xxhash``, where
-importable: it is not a zckpt dependency) over a buffer that fits the cache (64 KiB-4 MiB, hashed again and
-again) and over one that does not (256 MiB, once); then ``LOOP`` lines: diff's bit-identical fast path on two
-equal float32 arrays (``np.array_equal`` of each 4 MiB chunk pair, then the dot product ``_scan_same`` takes),
-without a checksum and with each checksum of the chunk right after, and the ratio to the unchecked loop.
+``HASH <name> <size>: GB/s`` for ISA-L's CRC-32 (what zckpt uses), zlib's, and where importable (none is a
+zckpt dependency) zlib-ng's CRC-32 (``zlib-ng``), CRC-32C (``crc32c``) and xxHash3 (``xxhash``), over a buffer
+that fits the cache (64 KiB-4 MiB, hashed again and again) and over one that does not (256 MiB, once); then
+``LOOP`` lines: diff's bit-identical fast path on two equal float32 arrays (``np.array_equal`` of each 4 MiB
+chunk pair, then the dot product ``_scan_same`` takes), without a checksum and with each checksum of the chunk
+right after, and the ratio to the unchecked loop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ try:
     import xxhash
 except ImportError:
     xxhash = None
+try:
+    from zlib_ng import zlib_ng
+except ImportError:
+    zlib_ng = None
+try:
+    import crc32c
+except ImportError:
+    crc32c = None
 
 CHUNK = 4 << 20
 
@@ -36,6 +45,10 @@ def hashes() -> dict[str, Callable[[object], int]]:
     out: dict[str, Callable[[object], int]] = {"zlib crc32": zlib.crc32}
     if isal_zlib is not None:
         out["isal crc32"] = isal_zlib.crc32
+    if zlib_ng is not None:
+        out["zlib-ng crc32"] = zlib_ng.crc32
+    if crc32c is not None:
+        out["crc32c (icrar)"] = crc32c.crc32c
     if xxhash is not None:
         out["xxh3_64"] = xxhash.xxh3_64_intdigest
     return out
