@@ -1144,6 +1144,25 @@ def test_model_states_without_a_key_deepspeed_always_writes(case: str, key: str,
 
 
 @pytest.mark.parametrize(
+    ("case", "rank"),
+    [("s3_fp16_w3_g2", 1), ("s3_fp16_w3_g2", 0), ("s3_fp32_w2", 0), ("s2_fp16_w2", 0), ("s0_bf16_w2", 0)],
+)
+def test_shared_params_not_a_mapping_is_refused(case: str, rank: int, tmp_path: Path) -> None:
+    """DeepSpeed writes ``shared_params`` as a dict in every model-states file of a ZeRO-1/2/3 save (the tied
+    names in rank 0's, ``{}`` in the others') and None under ZeRO-0. Fuzz seed 411/0: rank 1's ``{}`` of a
+    ZeRO-3 world-3 save set to None, and ``verify`` said OK (only rank 0's entries are read). Refused in
+    any rank's file, naming it: None where DeepSpeed writes a dict, a list where it writes None."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    f = sorted((ck / "global_step3").glob("*model_states.pt"))[rank]
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    zero0 = case.startswith("s0_")
+    assert obj["shared_params"] is None if zero0 else isinstance(obj["shared_params"], dict)
+    obj = pickles.set_at(obj, (("key", "shared_params"),), ["head.weight"] if zero0 else None)
+    pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, f.name, "shared_params")
+
+
+@pytest.mark.parametrize(
     ("case", "rank"), [("s3_fp16_w3_g2", 0), ("s3_fp16_w3_g2", 1), ("s3_fp32_w2", 0), ("s3_fp32_w2", 1)]
 )
 def test_optimizer_state_renamed_names_the_file_at_odds(case: str, rank: int, tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from tests.fuzz.mutation import (
     tag_dir,
     tensor_files,
 )
+from zckpt.formats.native.layout import VERSION as NATIVE_VERSION  # the newest version a reader knows
 
 # Keys whose damage (anywhere below them) changes which tensors a DeepSpeed checkpoint holds, or where
 # their bytes are; CONTAINERS matter only as a whole (their other contents are hyperparameters, counters).
@@ -450,7 +451,7 @@ def _tied_edit(how: str) -> Callable[[dict[str, Any], random.Random, Base, Path]
 def _manifest_ops() -> list[Op]:
     edits: dict[str, Callable[[dict[str, Any], random.Random, Base, Path], str]] = {
         **{f"field-{k}": _field(k) for k in ("wrong-type", "missing", "negative", "huge-int", "null")},
-        "version-unknown": _set("version", (3, 99, "1", 1.5, -1, None, True)),
+        "version-unknown": _set("version", (NATIVE_VERSION + 1, 99, "1", 1.5, -1, None, True)),
         "format-other": _set("format", ("zckpt-native2", "", None, 1)),
         "world-size-huge": _set("world_size", (10**12, 2**62, 10**12 + 0.5)),
         "world-mismatch": _world_mismatch,

@@ -9,8 +9,8 @@ The fields (docs/deepspeed-format.md §2-3):
   ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``param_shapes``, ``frozen_param_shapes``,
   ``buffer_names``, ``lr_scheduler``, ``checkpoint_parallel_dimensions``, ``random_ltd``, ``optimizer`` (None
   in ZeRO's model files) and the names and kinds of the ``module`` entries, buffers with their dtype and
-  shape (``shared_params`` is rank 0's alone; client-state keys and the curriculum ``data_sampler``, which
-  holds RNG states, may differ per rank);
+  shape, the type of ``shared_params`` (its entries are rank 0's alone: ``{}`` on the other ranks);
+  client-state keys and the curriculum ``data_sampler``, which holds RNG states, may differ per rank);
 - optimizer ``optimizer_state_dict``s: ``zero_stage``, ``loss_scaler`` (all its state),
   ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``partition_count``, ``param_alignment_paddings``
   (per group and param: DeepSpeed pads the flat group before partitioning it), ``ds_version``, the number of
@@ -128,6 +128,11 @@ def _module_kinds(n: Node) -> Any:
     return [[str(k), kind(k, v)] for k, v in m.items()]
 
 
+def _shared_kind(n: Node) -> str:
+    """What a model-states file's ``shared_params`` is: a dict on every rank (DeepSpeed fills rank 0's)."""
+    return type(n.value["shared_params"]).__name__ if n.has("shared_params") else _MISSING
+
+
 def _first_diff(a: Any, b: Any, path: str = "") -> str:
     """The dotted path of the first place ``a`` and ``b`` differ ("" when at the top)."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -189,6 +194,7 @@ def cross_check(models: list[Node], outers: list[Node], osds: list[Node]) -> Non
     for key in _MODEL_FIELDS:
         _agree(models, key, lambda n, key=key: plain(n.value.get(key, _MISSING)))  # type: ignore[misc]
     _agree(models, "module entries (names, kinds)", _module_kinds)
+    _agree(models, "shared_params (its type)", _shared_kind)  # its value is rank 0's alone: {} elsewhere
     for key in ("ds_version", "ds_config"):  # among the files that record it (DeepSpeed >= 0.4 writes both)
         having = [n for n in models + outers if n.has(key)]
         _agree(having, key, lambda n, key=key: plain(n.value[key]))  # type: ignore[misc]

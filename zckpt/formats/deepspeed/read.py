@@ -102,6 +102,20 @@ def _model0(td: Location, model_files: dict[int, Location], trust: bool) -> Node
     return m0
 
 
+def _check_shared(m0: Node, partitioned: bool) -> None:
+    """``shared_params`` is a mapping of tied names: DeepSpeed writes one in every file of a ZeRO-1/2/3 save
+    (``{}`` where nothing is tied; filled on rank 0 alone) and None without a ZeRO optimizer (ZeRO-0)."""
+    sp, version = m0.value.get("shared_params"), m0.value.get("ds_version")
+    if isinstance(sp, dict) or (sp is None and not (partitioned and _version(version) >= _REQUIRED_SINCE)):
+        return
+    raise CorruptCheckpoint(
+        f"{m0.file}: shared_params is {type(sp).__name__}, not a mapping of tied parameter names "
+        f"(DeepSpeed {version} writes one in every ZeRO-1/2/3 save)",
+        hint="the file was altered; restore it",
+        path=m0.file,
+    )
+
+
 def _require(
     node: Node, keys: tuple[str, ...], version: Any, where: str = "", since: tuple[int, ...] = _REQUIRED_SINCE
 ) -> None:
@@ -134,6 +148,7 @@ def read(path: Location, *, tag: str | None = None, trust_pickle: bool = False) 
                 hint="the file was altered or is damaged",
                 path=m0.file,
             )
+    _check_shared(m0, bool(optim_files))
     if not optim_files:
         body = _zero0(td, model_files, m0, module, buffer_names)
     else:
