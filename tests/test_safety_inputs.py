@@ -16,6 +16,7 @@ import struct
 import time
 import tracemalloc
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1144,6 +1145,29 @@ def test_model_states_without_a_key_deepspeed_always_writes(case: str, key: str,
 
 
 @pytest.mark.parametrize(
+    ("case", "key", "value"),
+    [
+        ("s0_bf16_w2", "zero_optimization", "oops"),  # fuzz seed 415/25: reshard failed with a TypeError
+        ("s3_fp32_w2", "train_micro_batch_size_per_gpu", "two"),
+        ("s2_fp16_w2", "gradient_accumulation_steps", 0),
+    ],
+)
+def test_ds_config_deepspeed_never_starts_with_is_refused(
+    case: str, key: str, value: object, tmp_path: Path
+) -> None:
+    """``ds_config`` is the config DeepSpeed started with: ``zero_optimization`` an object (or a legacy
+    boolean), batch sizes positive numbers, in every rank's file alike. One set to another value (a string,
+    0) was written by no run; ``reshard --to deepspeed`` rewrites these keys for the new world and failed
+    with "unexpected TypeError". Refused by every command, naming the file and the key."""
+    ck = copy_case(fixture("ds", case).name, tmp_path)
+    for f in sorted((ck / "global_step3").glob("*model_states.pt")):  # every rank alike: no odd one out
+        obj = pickles.load_opaque(pickles.read_pickle(f))
+        obj = pickles.set_at(obj, (("key", "ds_config"), ("key", key)), value)
+        pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    run_all(ck, tmp_path, "model_states.pt", f"ds_config.{key}")
+
+
+@pytest.mark.parametrize(
     ("case", "rank"),
     [("s3_fp16_w3_g2", 1), ("s3_fp16_w3_g2", 0), ("s3_fp32_w2", 0), ("s2_fp16_w2", 0), ("s0_bf16_w2", 0)],
 )
@@ -1203,3 +1227,59 @@ def test_hf_bin_index_places_a_stored_tied_alias(listed_in: str, tmp_path: Path)
         assert cli("verify", d).code == 0
         return
     run_all(d, tmp_path, "pytorch_model.bin.index.json", "'head.weight'")
+
+
+def _edit_pickle_in_place(f: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` (once in ``f``'s data.pkl) by ``new`` of the same length in place, with the record's
+    CRC-32 in its local and central zip headers made to match: the file's size and layout stay."""
+    raw = bytearray(f.read_bytes())
+    with zipfile.ZipFile(f) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    at = info.header_offset
+    name_len, extra_len = struct.unpack("<HH", raw[at + 26 : at + 30])
+    lo = at + 30 + name_len + extra_len
+    pkl = bytes(raw[lo : lo + info.compress_size])
+    assert pkl.count(old) == 1 and len(new) == len(old)
+    pkl = pkl.replace(old, new)
+    raw[lo : lo + len(pkl)] = pkl
+    crc = struct.pack("<I", zlib.crc32(pkl))
+    raw[at + 14 : at + 18] = crc
+    pos = raw.find(b"PK\x01\x02")
+    while pos >= 0:
+        n = struct.unpack("<H", raw[pos + 28 : pos + 30])[0]
+        if raw[pos + 46 : pos + 46 + n].decode() == info.filename:
+            raw[pos + 16 : pos + 20] = crc
+        pos = raw.find(b"PK\x01\x02", pos + 4)
+    f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("edit", ["rename", "grow"])
+def test_torch_file_rewritten_under_its_sidecar_is_refused(edit: str, tmp_path: Path) -> None:
+    """A ``.bin`` zckpt wrote has a ``.crc32.json`` sidecar over all its bytes. Its pickle rewritten with the
+    zip records' CRC-32s made to match (fuzz seed 411/72: a tensor's stride changed, the file 4,816 bytes
+    where the sidecar records 6,029) was read as another model, exit 0: each record's own CRC held. Reads now
+    check such a file against its sidecar: another size is refused at open, a same-size edit (a tensor
+    renamed to a name of the same length) once its block is read; either names the file."""
+    import zckpt
+
+    f = tmp_path / "model.bin"
+    zckpt.consolidate(fixture("ds", DS2), f, progress=False)
+    assert (tmp_path / "model.bin.crc32.json").is_file()
+    clean = tmp_path / "clean.safetensors"
+    zckpt.consolidate(fixture("ds", DS2), clean, progress=False)
+    before = f.stat().st_size
+    obj = pickles.load_opaque(pickles.read_pickle(f))
+    key = next(k for k in obj if isinstance(k, str) and k.endswith(".weight"))
+    if edit == "rename":  # the pickle edited in place: same size, every zip CRC-32 made to match
+        _edit_pickle_in_place(f, key.encode(), (key[:-8] + "X.weight").encode())
+    else:
+        pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque({**obj, "fuzz_extra": 1})})
+    assert (f.stat().st_size == before) == (edit == "rename")
+    with zipfile.ZipFile(f) as z:  # each zip record's CRC-32 matches its bytes: the archive alone looks whole
+        assert z.testzip() is None
+    needle = "records" if edit == "grow" else "CRC-32"
+    for argv in (("consolidate", f, tmp_path / "o.safetensors"), ("diff", f, clean)):
+        assert_one_line_error(cli(*argv), str(f), needle)
+    assert not (tmp_path / "o.safetensors").exists()
+    r = cli("verify", f)
+    assert r.code == 1 and str(f) in r.stdout, r

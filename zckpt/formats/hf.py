@@ -30,7 +30,7 @@ from zckpt.errors import CorruptCheckpoint, KeyMappingError, ShardMismatch
 from zckpt.formats import _flat, torch_file
 from zckpt.formats._names import HF_WEIGHT_BASES, PUBLISH_ORDER
 from zckpt.formats.base import Format, ModelWriteOptions, ModelWriter
-from zckpt.model import Checked, Piece, TensorEntry
+from zckpt.model import Piece, TensorEntry
 from zckpt.state import CheckpointMeta
 from zckpt.storage import fileio
 from zckpt.storage.location import Location, location, ordered
@@ -68,35 +68,6 @@ _NATIVE_RANK = re.compile(r"^rank_\d{5}\.safetensors$")
 _NATIVE_KEYS = ("param/", "frozen/", "optim/", "rng/")
 
 
-def _sidecar_check(path: Location) -> Checked | None:
-    """The whole-file sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of
-    an older ``<path>.sha256.json``), verified as the file's tensors are read."""
-    digest = integrity.sidecar_digest(path)
-    if isinstance(digest, Problem):
-        raise CorruptCheckpoint(
-            str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
-        )
-    if digest is not None:
-        return Checked(str(path), 0, fileio.size(path), None, "checksum sidecar", sha256=digest)
-    found = integrity.block_sidecars(path)
-    if not found:
-        return None
-    suffix, blocks = found[0]
-    if isinstance(blocks, Problem):
-        raise CorruptCheckpoint(
-            str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
-        )
-    d, size = blocks
-    if size != fileio.size(path):
-        raise CorruptCheckpoint(
-            f"{path}: {fileio.size(path)} bytes, but its sidecar {path.name + suffix} records {size}",
-            hint="restore the file from a good copy, or pass --no-verify-data to read it anyway",
-            path=str(path),
-        )
-    what = f"block-digest sidecar {path.name + suffix}"
-    return Checked(str(path), 0, size, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
-
-
 def file_entries(path: Location) -> tuple[list[TensorEntry], dict[str, str], dict[str, str]]:
     """(entries, tied aliases, raw metadata) of one safetensors file."""
     h = safetensors.read_header(path)
@@ -107,7 +78,7 @@ def file_entries(path: Location) -> tuple[list[TensorEntry], dict[str, str], dic
             path=str(path),
         )
     roles = _flat.json_map(h.metadata.get(_flat.ROLES_KEY), _flat.ROLES_KEY, path)
-    check = _sidecar_check(path)
+    check = integrity.file_check(path)
     entries = []
     for name, e in h.tensors.items():
         role = _flat.role_of(name, e.dtype, roles, path)

@@ -26,6 +26,7 @@ from zckpt.errors import (
     Unsupported,
     ZckptError,
 )
+from zckpt.model import Checked
 from zckpt.storage import fileio
 from zckpt.storage.crc_pieces import CrcPieces
 from zckpt.storage.digest import (
@@ -261,6 +262,38 @@ def block_sidecars(f: Location) -> list[tuple[str, tuple[FileDigest, int] | Prob
         if got is not None:
             out.append((suffix, got))
     return out
+
+
+def file_check(path: Location, size: int | None = None) -> Checked | None:
+    """What a reader verifies ``path``'s bytes against (``Piece.check``) when it has a sidecar: the whole-file
+    sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of an older
+    ``<path>.sha256.json``); None without one. A broken sidecar, or one that records another size than the
+    file's (``size``, else read), is refused: the file was cut, grown or replaced after zckpt wrote it."""
+    digest = sidecar_digest(path)
+    if isinstance(digest, Problem):
+        raise CorruptCheckpoint(
+            str(digest), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=digest.file
+        )
+    have = size_of(path) if size is None else size
+    if digest is not None:
+        return Checked(str(path), 0, have, None, "checksum sidecar", sha256=digest)
+    found = block_sidecars(path)
+    if not found:
+        return None
+    suffix, blocks = found[0]
+    if isinstance(blocks, Problem):
+        raise CorruptCheckpoint(
+            str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
+        )
+    d, want = blocks
+    if want != have:
+        raise CorruptCheckpoint(
+            f"{path}: {have} bytes, but its sidecar {path.name + suffix} records {want}",
+            hint="restore the file from a good copy; if it was replaced on purpose, delete the stale sidecar",
+            path=str(path),
+        )
+    what = f"sidecar {suffix}"  # the file is named beside it
+    return Checked(str(path), 0, want, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
 
 
 def check_sidecar(f: Location, ctx: VerifyContext) -> list[Problem]:

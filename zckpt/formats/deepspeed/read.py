@@ -102,6 +102,33 @@ def _model0(td: Location, model_files: dict[int, Location], trust: bool) -> Node
     return m0
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _check_config(m0: Node) -> None:
+    """``ds_config`` holds what DeepSpeed accepted at start-up: an object whose ``zero_optimization`` is an
+    object (or a legacy boolean) and whose batch sizes are positive numbers. ``reshard --to deepspeed``
+    rewrites these keys for the new world; another value was written by no DeepSpeed run."""
+    cfg = m0.value.get("ds_config")
+    bad: tuple[str, Any] | None = None
+    if cfg is not None and not isinstance(cfg, dict):
+        bad = ("ds_config", cfg)
+    elif cfg is not None:
+        z = cfg.get("zero_optimization")
+        if z is not None and not isinstance(z, (dict, bool)):
+            bad = ("ds_config.zero_optimization", z)
+        for k in _BATCH_KEYS:
+            v = cfg.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                bad = (f"ds_config.{k}", v)
+    if bad is not None:
+        raise CorruptCheckpoint(
+            f"{m0.file}: {bad[0]} is {bad[1]!r:.60}, not a value DeepSpeed starts with",
+            hint="the file was altered; restore it",
+            path=m0.file,
+        )
+
+
 def _check_shared(m0: Node, partitioned: bool) -> None:
     """``shared_params`` is a mapping of tied names: DeepSpeed writes one in every file of a ZeRO-1/2/3 save
     (``{}`` where nothing is tied; filled on rank 0 alone) and None without a ZeRO optimizer (ZeRO-0)."""
@@ -149,6 +176,7 @@ def read(path: Location, *, tag: str | None = None, trust_pickle: bool = False) 
                 path=m0.file,
             )
     _check_shared(m0, bool(optim_files))
+    _check_config(m0)
     if not optim_files:
         body = _zero0(td, model_files, m0, module, buffer_names)
     else:
