@@ -4,7 +4,9 @@ under ``torchrun -m engine.run``.
 
 For each run recorded from real DeepSpeed 0.19.8 (``RUNS``: ZeRO-3 with offload, the issue's config with bf16
 and legacy keys; ZeRO-3 with the Trainer docs' ``"auto"`` values; T5 on the ZeRO-3 config; ZeRO-2 with and
-without optimizer offload; ZeRO-3 without offload; ``tests/data/hf/ds_config_*.json``), two launches:
+without optimizer offload; ZeRO-3 without offload; ZeRO-3 with no ``optimizer`` or ``scheduler`` block, so the
+Trainer builds its own AdamW and schedule and hands them to ``deepspeed.initialize``;
+``tests/data/hf/ds_config_*.json``), two launches:
 
 - the uninterrupted run: per-step losses (``logging_steps=1``, mean over ranks) agree with DeepSpeed's,
   recorded in ``tests/data/hf_trainer_ds.json`` (regenerate: ``python tests/test_engine_hf_trainer.py
@@ -41,6 +43,7 @@ CONFIGS = {
     "zero2": ROOT / "tests/data/hf/ds_config_zero2.json",
     "zero2_offload": ROOT / "tests/data/hf/ds_config_zero2_offload.json",
     "zero3_nooffload": ROOT / "tests/data/hf/ds_config_zero3_nooffload.json",
+    "zero3_trainer_optim": ROOT / "tests/data/hf/ds_config_zero3_trainer_optim.json",
 }
 EXPECTED = ROOT / "tests" / "data" / "hf_trainer_ds.json"
 DS_VENV = ROOT / ".venv-ds" / "bin"
@@ -57,6 +60,7 @@ RUNS = {
     "zero2": ("zero2", ()),
     "zero2_offload": ("zero2_offload", ()),
     "zero3_nooffload": ("zero3_nooffload", ()),
+    "zero3_trainer_optim": ("zero3_trainer_optim", ()),
 }
 """The recorded DeepSpeed runs: name -> (config, extra script arguments)."""
 LOSS_REL = 2e-3
