@@ -9,12 +9,8 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 source "$(dirname "$0")/settled.sh"
-export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
-D=${SCALE_DIR:-/var/tmp/sd-3b}
-for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done  # the 64 GB disk holds one size
+scale_dir 3b
 S=${SETTLE:-10}
-date -u; findmnt -T /var/tmp -o SOURCE,FSTYPE,OPTIONS 2>/dev/null || df -T /var/tmp
-mkdir -p "$D"
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make --size 3b --micro 1 2>&1 \
   | grep -E "PROBE|MADE|START-UP|compileall|Error|error"
 python3 bench/write_modes.py "$D" --gb "${WM_GB:-11.86}" --modes "${WM_MODES:-append:64:1,append:16:8,buffered:16:1}" --settle "$S"
