@@ -196,10 +196,10 @@ def _load_archive(path: str, trust_pickle: bool, extra: Allowed | None) -> tuple
                 hint="re-save it with a recent torch.save, or check the copy is complete",
                 path=path,
             )
-        side = integrity.file_check(location(path), size)
+        integrity.file_check(location(path), size)  # a sidecar that records another size stops here
         prefix, records, data, _ = _pickle_of(path, f, size)
     obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size, extra=extra)
-    _place_refs(path, prefix, records, obj, side)
+    _place_refs(path, prefix, records, obj)
     return prefix.rstrip("/"), obj
 
 
@@ -221,10 +221,10 @@ def _pickle_of(path: str, f: BinaryIO, size: int) -> tuple[str, dict[str, Checke
         raise _damaged(path, e) from None
 
 
-def _place_refs(path: str, prefix: str, records: dict[str, Checked], obj: Any, side: Checked | None) -> None:
-    """Point every ``TensorRef`` of ``obj`` at its storage record, whose CRC-32 reads then verify; at the
-    file's sidecar instead where it has one (a file zckpt wrote): its digests cover the pickle and the zip
-    headers too, which a record's CRC does not (a record rewritten with a CRC to match is caught)."""
+def _place_refs(path: str, prefix: str, records: dict[str, Checked], obj: Any) -> None:
+    """Point every ``TensorRef`` of ``obj`` at its storage record, whose CRC-32 reads then verify (not at
+    the file's block sidecar, if it has one: a block would be read whole where a job needs part of it, as
+    the Adam moments beside an optimizer file's fp32 masters; ``verify`` checks the blocks)."""
     for ref in iter_refs(obj):
         name = f"{prefix}data/{ref.storage.key}"
         if name not in records:
@@ -233,7 +233,7 @@ def _place_refs(path: str, prefix: str, records: dict[str, Checked], obj: Any, s
         _check_view(path, name, ref, rec.size)
         ref.file = path
         ref.byte_offset = rec.start + ref.offset * ref.dtype.itemsize
-        ref.check = side or rec
+        ref.check = rec
 
 
 # ---- archives inside a bigger file (DCP's .distcp files: torch.save archives back to back) -------------
