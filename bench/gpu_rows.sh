@@ -10,10 +10,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 source "$(dirname "$0")/settled.sh"
-export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
-D=${SCALE_DIR:-/var/tmp/sd-1.5b}  # not another size left by an earlier call on a warm machine (12:15)
-for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done
-date -u
+scale_dir 1.5b  # not another size left by an earlier call on a warm machine (12:15)
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make,w1 --repeat "${REPEAT:-1}" \
   --cold 2>&1 | grep -E "PROBE|MADE|START-UP|^\||probe:"
 S=${SETTLE:-10} CK=$D/ds-w1 OUTF=$D/settled.safetensors

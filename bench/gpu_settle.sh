@@ -8,15 +8,11 @@
 # SCALE_DIR (default /var/tmp/sd-SIZE, outside the checkout) holds the checkpoint.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export PATH=/tmp/site/bin:$PATH AWS_EC2_METADATA_DISABLED=true
 SIZE=${SIZE:-1.5b}
-D=${SCALE_DIR:-/var/tmp/sd-$SIZE}  # one folder per size: a warm machine may still hold the other size
-for o in /var/tmp/sd /var/tmp/sd-*; do [ "$o" = "$D" ] || rm -rf "$o"; done  # the 64 GB disk holds one size
+scale_dir "$SIZE"  # one folder per size: a warm machine may still hold the other size
 R=${AB_REPEAT:-3}
 S=${SETTLE:-10}
-date -u; findmnt -T "$D" -o SOURCE,FSTYPE,OPTIONS 2>/dev/null || df -T /var/tmp
 for q in /sys/block/*/queue; do echo "$q $(cat $q/max_sectors_kb 2>/dev/null) kB max, depth $(cat $q/nr_requests 2>/dev/null), sched $(cat $q/scheduler 2>/dev/null)"; done
-mkdir -p "$D"
 python3 bench/write_modes.py "$D" --gb "${WM_GB:-6.23}" --settle "$S" ${WM_MODES:+--modes "$WM_MODES"}
 if [ "$SIZE" = 3b ]; then MK="--size 3b --micro 1"; else MK=""; fi
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,make $MK | grep -E "PROBE|MADE|made|START-UP"

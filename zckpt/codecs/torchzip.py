@@ -196,7 +196,7 @@ def _load_archive(path: str, trust_pickle: bool, extra: Allowed | None) -> tuple
                 hint="re-save it with a recent torch.save, or check the copy is complete",
                 path=path,
             )
-        integrity.file_check(location(path), size)  # a sidecar that records another size stops here
+        integrity.block_sidecar_of(location(path), size)  # a sidecar of another size stops here
         prefix, records, data, _ = _pickle_of(path, f, size)
     obj = safe_loads(data, source=path, trust_pickle=trust_pickle, max_bytes=size, extra=extra)
     _place_refs(path, prefix, records, obj)

@@ -267,8 +267,8 @@ def block_sidecars(f: Location) -> list[tuple[str, tuple[FileDigest, int] | Prob
 def file_check(path: Location, size: int | None = None) -> Checked | None:
     """What a reader verifies ``path``'s bytes against (``Piece.check``) when it has a sidecar: the whole-file
     sha256 of ``<path>.sha256``, or the block digests of ``<path>.crc32.json`` (else of an older
-    ``<path>.sha256.json``); None without one. A broken sidecar, or one that records another size than the
-    file's (``size``, else read), is refused: the file was cut, grown or replaced after zckpt wrote it."""
+    ``<path>.sha256.json``); None without one. A broken sidecar, or a block sidecar that records another size
+    than the file's (``size``, else read), is refused (``block_sidecar_of``)."""
     digest = sidecar_digest(path)
     if isinstance(digest, Problem):
         raise CorruptCheckpoint(
@@ -277,6 +277,18 @@ def file_check(path: Location, size: int | None = None) -> Checked | None:
     have = size_of(path) if size is None else size
     if digest is not None:
         return Checked(str(path), 0, have, None, "checksum sidecar", sha256=digest)
+    found = block_sidecar_of(path, have)
+    if found is None:
+        return None
+    suffix, d = found
+    what = f"sidecar {suffix}"  # the file is named beside it
+    return Checked(str(path), 0, have, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
+
+
+def block_sidecar_of(path: Location, size: int) -> tuple[str, FileDigest] | None:
+    """``path``'s block sidecar (its suffix and digests: the ``.crc32.json``, else an older ``.sha256.json``),
+    None without one. A broken one is refused, and so is one that records another size than ``size``, the
+    file's: it was cut, grown or replaced after zckpt wrote it."""
     found = block_sidecars(path)
     if not found:
         return None
@@ -286,14 +298,13 @@ def file_check(path: Location, size: int | None = None) -> Checked | None:
             str(blocks), hint="fix or delete the sidecar (`zckpt verify` checks the file)", path=blocks.file
         )
     d, want = blocks
-    if want != have:
+    if want != size:
         raise CorruptCheckpoint(
-            f"{path}: {have} bytes, but its sidecar {path.name + suffix} records {want}",
+            f"{path}: {size} bytes, but its sidecar {path.name + suffix} records {want}",
             hint="restore the file from a good copy; if it was replaced on purpose, delete the stale sidecar",
             path=str(path),
         )
-    what = f"sidecar {suffix}"  # the file is named beside it
-    return Checked(str(path), 0, want, None, what, block=d.block, blocks=d.blocks, algorithm=d.algorithm)
+    return suffix, d
 
 
 def check_sidecar(f: Location, ctx: VerifyContext) -> list[Problem]:

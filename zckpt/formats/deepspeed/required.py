@@ -6,7 +6,7 @@ saves. ``zckpt.formats.deepspeed.read`` checks them; each refusal names the file
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats._schema import Node
@@ -45,23 +45,25 @@ def check_config(m0: Node) -> None:
     object (or a legacy boolean) and whose batch sizes are positive numbers. ``reshard --to deepspeed``
     rewrites these keys for the new world; another value was written by no DeepSpeed run."""
     cfg = m0.value.get("ds_config")
-    bad: tuple[str, Any] | None = None
-    if cfg is not None and not isinstance(cfg, dict):
-        bad = ("ds_config", cfg)
-    elif cfg is not None:
-        z = cfg.get("zero_optimization")
-        if z is not None and not isinstance(z, (dict, bool)):
-            bad = ("ds_config.zero_optimization", z)
-        for k in _BATCH_KEYS:
-            v = cfg.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                bad = (f"ds_config.{k}", v)
-    if bad is not None:
-        raise CorruptCheckpoint(
-            f"{m0.file}: {bad[0]} is {bad[1]!r:.60}, not a value DeepSpeed starts with",
-            hint="the file was altered; restore it",
-            path=m0.file,
-        )
+    if cfg is None:
+        return
+    if not isinstance(cfg, dict):
+        _altered(m0, "ds_config", cfg)
+    z = cfg.get("zero_optimization")
+    if z is not None and not isinstance(z, (dict, bool)):
+        _altered(m0, "ds_config.zero_optimization", z)
+    for k in _BATCH_KEYS:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            _altered(m0, f"ds_config.{k}", v)
+
+
+def _altered(m0: Node, key: str, value: Any) -> NoReturn:
+    raise CorruptCheckpoint(
+        f"{m0.file}: {key} is {value!r:.60}, not a value DeepSpeed starts with",
+        hint="the file was altered; restore it",
+        path=m0.file,
+    )
 
 
 def check_shared(m0: Node, partitioned: bool) -> None:
