@@ -1166,6 +1166,33 @@ def test_ds_config_deepspeed_never_starts_with_is_refused(
     run_all(ck, tmp_path, "model_states.pt", f"ds_config.{key}")
 
 
+def test_ds_config_with_legacy_boolean_zero_optimization_reshards(tmp_path: Path) -> None:
+    """``"zero_optimization": true`` is a config DeepSpeed accepts (its legacy form), so ``check_config``
+    lets it through; ``reshard --to deepspeed`` set the output's stage inside it and failed with "unexpected
+    TypeError". The output's ``ds_config.zero_optimization`` is now ``{"stage": N}``, the weights
+    unchanged."""
+    import zckpt
+
+    ck = copy_case(fixture("ds", DS2).name, tmp_path)
+    for f in sorted((ck / "global_step3").glob("*.pt")):
+        obj = pickles.load_opaque(pickles.read_pickle(f))
+        if isinstance(obj, dict) and "ds_config" in obj:
+            obj = pickles.set_at(obj, (("key", "ds_config"), ("key", "zero_optimization")), True)
+            pickles.rewrite_records(f, {"data.pkl": pickles.dump_opaque(obj)})
+    out = tmp_path / "out"
+    r = cli("reshard", ck, out, "--world", "1", "--to", "deepspeed")
+    assert r.code == 0, r
+    m = torch.load(
+        next((out / "global_step3").glob("*model_states.pt")), map_location="cpu", weights_only=False
+    )
+    assert m["ds_config"]["zero_optimization"] == {"stage": 2}
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    zckpt.consolidate(fixture("ds", DS2), a, progress=False)
+    zckpt.consolidate(out, b, progress=False)
+    want, got = load_file(str(a)), load_file(str(b))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 @pytest.mark.parametrize(
     ("case", "rank"),
     [("s3_fp16_w3_g2", 1), ("s3_fp16_w3_g2", 0), ("s3_fp32_w2", 0), ("s2_fp16_w2", 0), ("s0_bf16_w2", 0)],

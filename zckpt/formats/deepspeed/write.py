@@ -185,7 +185,8 @@ class DeepSpeedWriter(CheckpointWriter):
         cfg = tmpl.top.get("ds_config")
         if isinstance(cfg, dict):
             cfg, note = adjust_batch(cfg, ckpt.meta.world_size, world)
-            cfg.setdefault("zero_optimization", {})["stage"] = out_stage
+            z = cfg.get("zero_optimization")  # an object, or a legacy boolean (``true``: ZeRO on)
+            cfg["zero_optimization"] = {**(z if isinstance(z, dict) else {}), "stage": out_stage}
             notes += [note] if note else []
         subs = [
             (gi, tuple(g[k] for k in idx))
