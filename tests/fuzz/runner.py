@@ -11,9 +11,10 @@ cached per zckpt source hash under the fuzz cache), the outcome kinds and the cl
 - ``ok-undetectable``: exit 0, output differs, but only bytes/values no checksum covers changed;
 - failures: ``silent-wrong`` (exit 0, output differs or the mutation must be refused; ``verify`` OK or
   ``diff`` EQUAL on checksummed/inconsistent damage; stale shards; two racing writers both "succeed"),
-  ``traceback``, ``hang`` (timeout), ``memory`` (peak RSS > 1 GiB, or ``MemoryError`` at the 3 GiB
-  address-space limit), ``input-modified`` (the input folder changed), ``leftover`` (staging debris, or
-  output left by a refused run), ``unclear`` (stderr not one error line, too long, or not naming the file).
+  ``traceback``, ``hang`` (timeout, twice: ``suite``), ``memory`` (peak RSS > 1 GiB, or ``MemoryError`` at
+  the 3 GiB address-space limit), ``input-modified`` (the input folder changed), ``leftover`` (staging
+  debris, or output left by a refused run), ``unclear`` (stderr not one error line, too long, or not naming
+  the file).
 
 When several apply the worst wins (``FAIL_KINDS`` order); every reason is kept in ``Outcome.why``.
 """
