@@ -61,6 +61,7 @@ RUNS = {
     "zero2_offload": ("zero2_offload", ()),
     "zero3_nooffload": ("zero3_nooffload", ()),
     "zero3_trainer_optim": ("zero3_trainer_optim", ()),
+    "zero3_eval": ("auto", ("--eval", "--grad_accum", "2")),
 }
 """The recorded DeepSpeed runs: name -> (config, extra script arguments)."""
 LOSS_REL = 2e-3
@@ -130,12 +131,36 @@ def test_trainer_trains_resumes_and_saves_like_deepspeed(name: str, tmp_path: Pa
     resumed = _resume(py, tmp_path, "resumed", tmp_path / "run" / "checkpoint-3", *extra, config=config)
     assert list(resumed["losses"]) == ["4", "5", "6"]
     assert _losses_from(resumed, 4) == _losses_from(full, 4)
+    if "--eval" in extra:
+        _assert_evaluated_like_deepspeed(full, resumed, want, tmp_path / "final")
     from zckpt.ops.diff import diff
 
     c6, again = tmp_path / "run" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6"
     same = diff(c6, again, include_optimizer=True, compare_dtype="full", progress=False)
     assert same.optimizer_compared and same.compared > 0 and same.equal, same.tensors[:3]
     _assert_saved_model(tmp_path / "final", tmp_path / "run" / "checkpoint-6", t5="t5" in extra)
+
+
+def _assert_evaluated_like_deepspeed(
+    full: dict[str, Any], resumed: dict[str, Any], want: dict[str, Any], saved: Path
+) -> None:
+    """A ``--eval`` run (gradient checkpointing, ``eval_loss`` every 3 steps, ``generate()`` at the end): the
+    evaluations agree with DeepSpeed's within ``LOSS_REL``; the resumed run's step-6 evaluation is the
+    uninterrupted one's (its step 3 comes from the checkpoint's ``trainer_state.json``); the engine's greedy
+    ``generate()`` (``synced_gpus``, the ZeRO-3 params gathered by the forward hooks) gives the tokens the
+    saved model gives alone, in one process without the engine."""
+    from transformers import LlamaForCausalLM
+
+    assert list(full["eval_losses"]) == ["3", "6"] == list(want["eval_losses"]), full["eval_losses"]
+    got, expected = list(full["eval_losses"].values()), list(want["eval_losses"].values())
+    assert got == pytest.approx(expected, rel=LOSS_REL), (got, expected)
+    assert resumed["eval_losses"] == full["eval_losses"], resumed["eval_losses"]  # 3: the restored log
+    plain = LlamaForCausalLM.from_pretrained(saved, dtype=torch.bfloat16).eval()
+    prompt = torch.tensor(full["generate"]["prompt"])
+    with torch.no_grad():
+        alone = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
+    assert full["generate"]["tokens"] == alone.tolist(), (full["generate"], alone.tolist())
+    assert len(alone[0]) > prompt.shape[1]
 
 
 def _assert_saved_model(saved: Path, checkpoint: Path, *, t5: bool) -> None:

@@ -8,7 +8,9 @@ unchanged under ``torchrun ... -m engine.run tests/data/hf_trainer.py``.
 
 Rank 0 writes ``--out``: the implementation (``deepspeed.__version__``), the loss logged at every step
 (``logging_steps=1``: the mean over ranks), each step's wall time, and, with ``--save-model DIR``,
-``trainer.save_model(DIR)``'s time (the weights are checked by the test with ``from_pretrained``).
+``trainer.save_model(DIR)``'s time (the weights are checked by the test with ``from_pretrained``); with
+``--eval``, the ``eval_loss`` logged every 3 steps (the model trained with gradient checkpointing) and a
+greedy ``generate()`` of the trained model.
 """
 
 import argparse
@@ -109,8 +111,17 @@ def main() -> None:
     ap.add_argument(
         "--init-from", default=None, help="from_pretrained(DIR) under the ZeRO-3 zero.Init context"
     )
+    ap.add_argument(
+        "--eval",
+        action="store_true",
+        help="evaluate every 3 steps, gradient checkpointing, and a greedy generate() after training",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    evaluation: dict[str, object] = {}
+    if a.eval:
+        evaluation = {"eval_strategy": "steps", "eval_steps": 3, "per_device_eval_batch_size": 4}
+        evaluation["gradient_checkpointing"] = True
     args = TrainingArguments(
         output_dir=a.output_dir,
         deepspeed=a.deepspeed,
@@ -134,6 +145,7 @@ def main() -> None:
         dataloader_num_workers=0,
         save_only_model=False,
         disable_tqdm=True,
+        **evaluation,  # type: ignore[arg-type]
     )
     rec = Record()
     net: torch.nn.Module
@@ -141,9 +153,20 @@ def main() -> None:
         net = t5()
     else:
         net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
-    trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), callbacks=[rec])
+    held_out = Tokens(16) if a.eval else None
+    trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), eval_dataset=held_out, callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
     out: dict[str, object] = {"losses": rec.losses, "step_s": rec.step_s}
+    if a.eval:
+        out["eval_losses"] = {
+            h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h
+        }
+        prompt = Tokens(2).x[:, :4]
+        with torch.no_grad():  # every rank runs the same steps: synced_gpus (the ZeRO-3 gather is collective)
+            gen = trainer.model.generate(
+                input_ids=prompt, max_new_tokens=6, do_sample=False, synced_gpus=True
+            )
+        out["generate"] = {"prompt": prompt.tolist(), "tokens": gen.tolist()}
     if a.save_model:
         t0 = time.perf_counter()
         trainer.save_model(a.save_model)
