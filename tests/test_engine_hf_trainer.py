@@ -61,7 +61,7 @@ RUNS = {
     "zero2_offload": ("zero2_offload", ()),
     "zero3_nooffload": ("zero3_nooffload", ()),
     "zero3_trainer_optim": ("zero3_trainer_optim", ()),
-    "zero3_eval": ("auto", ("--eval", "--grad_accum", "2")),
+    "zero3_eval_frozen": ("auto", ("--eval", "--freeze", "--grad_accum", "2")),
 }
 """The recorded DeepSpeed runs: name -> (config, extra script arguments)."""
 LOSS_REL = 2e-3
@@ -133,6 +133,8 @@ def test_trainer_trains_resumes_and_saves_like_deepspeed(name: str, tmp_path: Pa
     assert _losses_from(resumed, 4) == _losses_from(full, 4)
     if "--eval" in extra:
         _assert_evaluated_like_deepspeed(full, resumed, want, tmp_path / "final")
+    if "--freeze" in extra:
+        _assert_frozen_kept(tmp_path / "run" / "checkpoint-6")
     from zckpt.ops.diff import diff
 
     c6, again = tmp_path / "run" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6"
@@ -161,6 +163,31 @@ def _assert_evaluated_like_deepspeed(
         alone = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
     assert full["generate"]["tokens"] == alone.tolist(), (full["generate"], alone.tolist())
     assert len(alone[0]) > prompt.shape[1]
+
+
+def _assert_frozen_kept(checkpoint: Path) -> None:
+    """``--freeze``: the frozen part's weights in the checkpoint are the script's initial ones (bf16, the
+    training dtype: no fp32 master is kept for them) and every other weight moved."""
+    import zckpt
+
+    script = _load_script()
+    init = script.model().state_dict()
+    frozen = [k for k in init if k.startswith(script.FROZEN + ".")]
+    with zckpt.open(checkpoint) as ck:
+        assert frozen and set(frozen) <= set(ck) and set(ck) <= set(init), sorted(set(ck) ^ set(init))
+        for name in ck:
+            kept = torch.equal(ck[name].float(), init[name].to(torch.bfloat16).float())
+            assert kept == (name in frozen), name
+
+
+def _load_script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 def _assert_saved_model(saved: Path, checkpoint: Path, *, t5: bool) -> None:
@@ -212,12 +239,7 @@ def test_from_pretrained_under_zero3_init_loads_the_weights(tmp_path: Path) -> N
     the script's own seed-0 model saved with ``save_pretrained``, loaded under the engine's ``zero.Init`` on
     2 ranks, logs real DeepSpeed's recorded losses of the run that built the same weights from the config
     (weights not loaded would start from ``from_pretrained``'s own random init and log others)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hf_trainer_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _load_script()
     script.model().save_pretrained(tmp_path / "init")
     want = json.loads(EXPECTED.read_text())["zero3"]
     got = run_trainer(Path(sys.executable), tmp_path, "zero3", "run", "--init-from", str(tmp_path / "init"))

@@ -10,7 +10,7 @@ Rank 0 writes ``--out``: the implementation (``deepspeed.__version__``), the los
 (``logging_steps=1``: the mean over ranks), each step's wall time, and, with ``--save-model DIR``,
 ``trainer.save_model(DIR)``'s time (the weights are checked by the test with ``from_pretrained``); with
 ``--eval``, the ``eval_loss`` logged every 3 steps (the model trained with gradient checkpointing) and a
-greedy ``generate()`` of the trained model.
+greedy ``generate()`` of the trained model; with ``--freeze``, ``FROZEN``'s parameters are not trained.
 """
 
 import argparse
@@ -29,6 +29,9 @@ from transformers import (
 )
 
 VOCAB, SEQ, USED = 64, 16, 8
+FROZEN = "model.layers.0.self_attn"
+"""``--freeze``: a part frozen as users freeze parts of a model (not the embeddings: under the Trainer's
+reentrant gradient checkpointing, frozen embeddings leave every checkpointed layer without gradients)."""
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -116,6 +119,7 @@ def main() -> None:
         action="store_true",
         help="evaluate every 3 steps, gradient checkpointing, and a greedy generate() after training",
     )
+    ap.add_argument("--freeze", action="store_true", help=f"train with {FROZEN} frozen (requires_grad False)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     evaluation: dict[str, object] = {}
@@ -153,6 +157,8 @@ def main() -> None:
         net = t5()
     else:
         net = LlamaForCausalLM.from_pretrained(a.init_from) if a.init_from else model()
+    if a.freeze:
+        net.get_submodule(FROZEN).requires_grad_(False)
     held_out = Tokens(16) if a.eval else None
     trainer = Trainer(model=net, args=args, train_dataset=Tokens(64), eval_dataset=held_out, callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
