@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from zckpt.dtypes import DType
 from zckpt.errors import CorruptCheckpoint
 from zckpt.model import dtype_name
-from zckpt.storage import fileio
-from zckpt.storage.location import Location, location
+from zckpt.storage import copied, fileio
+from zckpt.storage.location import Location, lexists, location
 
 if TYPE_CHECKING:
     import torch
@@ -42,15 +42,16 @@ MAX_CONFIG = 16 << 20
 
 
 def beside(path: Location, save_dir: str | None) -> list[Location]:
-    """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``)."""
+    """HF files in the checkpoint's folder, or in the save folder holding it (``checkpoint-N``), each one a
+    regular file of that folder (``copied.checked``)."""
     folders = [path] if path.is_dir() else [path.parent]
     if save_dir is not None:
         folders.append(location(save_dir))
     elif path.is_dir():
         folders.append(path.parent)
     for folder in folders:
-        if (folder / "config.json").is_file():
-            return [folder / n for n in HF_FILES if (folder / n).is_file()]
+        if lexists(folder / "config.json"):  # a FIFO or a link leading out is refused, not passed over
+            return [copied.checked(folder / n, folder) for n in HF_FILES if lexists(folder / n)]
     return []
 
 

@@ -5,7 +5,8 @@ checkpoint. The Trainer needs more than the ZeRO files to resume from it (``trai
 ``scheduler.pt``, the per-rank RNG files) and keeps more (``training_args.bin``, config, tokenizer,
 generation config, ``model.safetensors``, ``zero_to_fp32.py``), so the output folder gets:
 
-- every regular file of the source save folder copied byte for byte (pickles are never unpickled),
+- every regular file of the source save folder copied byte for byte (pickles are never unpickled; a link
+  leading out of the folder is refused: ``storage.copied``),
   except ``latest`` (the writer's) and the files below; sub-folders are not copied (the tag folder is
   rewritten by the writer; other ones are named in a note);
 - the RNG files mapped to the new ranks: new rank ``r`` takes old rank ``r % W_old``'s file, byte for byte,
@@ -41,8 +42,8 @@ from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.base import OnFile
 from zckpt.formats.deepspeed.layout import adjust_batch
 from zckpt.state import CheckpointMeta
-from zckpt.storage import fileio
-from zckpt.storage.location import Location, location, ordered, size
+from zckpt.storage import copied, fileio
+from zckpt.storage.location import Location, lexists, location, ordered, size
 from zckpt.storage.objstore import RemotePath
 from zckpt.storage.sink import HashingSink
 
@@ -127,13 +128,13 @@ def helper_scripts(meta: CheckpointMeta, dst_format: str) -> TrainerFiles | None
     save_dir = location(meta.save_dir)
     if not (save_dir / LATEST).is_file():
         return None
-    copies = {n: save_dir / n for n in HELPERS if (save_dir / n).is_file()}
+    copies = {n: copied.checked(save_dir / n, save_dir) for n in HELPERS if lexists(save_dir / n)}
     return TrainerFiles(copies, None, ()) if copies else None
 
 
 def _listing(save_dir: Location, tag: str | None) -> tuple[dict[str, Location], list[str]]:
-    """The save folder's files (name -> path, symlinks to files followed) and its sub-folders other than
-    the tag folder."""
+    """The save folder's files (name -> path; a link followed when its file is in the folder:
+    ``copied.checked``) and its sub-folders other than the tag folder."""
     files: dict[str, Location] = {}
     folders: list[str] = []
     try:
@@ -147,7 +148,7 @@ def _listing(save_dir: Location, tag: str | None) -> tuple[dict[str, Location], 
             if p.name != tag:
                 folders.append(p.name)
         elif p.is_file():
-            files[p.name] = p
+            files[p.name] = copied.checked(p, save_dir)
         else:
             raise CorruptCheckpoint(
                 f"{p}: not a regular file (a broken link, FIFO or device) in the HF Trainer folder",
