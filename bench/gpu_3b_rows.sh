@@ -13,9 +13,9 @@ scale_dir 3b
 S=${SETTLE:-10}
 if [ ! -e "$D/ds-w1/latest" ]; then
   python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts make --size 3b --micro 1 2>&1 \
-    | grep -E "PROBE|MADE|START-UP|compileall|Error|error"
+    | grep --line-buffered -E "PROBE|MADE|START-UP|compileall|Error|error"
 fi
 python3 bench/scale.py --dir "$D" --out "${OUT:-/tmp}" --parts probe,w1 --size 3b --settle "$S" \
   --repeat "${REPEAT:-3}" --cold ${JOBS:+--only-jobs "$JOBS"} ${PEERS:+--peers} 2>&1 \
-  | grep -E "PROBE|SCALE|START-UP|compileall|Error|error"
+  | grep --line-buffered -E "PROBE|SCALE|START-UP|compileall|Error|error"
 date -u
