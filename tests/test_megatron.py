@@ -236,3 +236,19 @@ def test_reshard_to_dcp_keeps_masters_and_moments(tmp_path: Path) -> None:
             assert torch.equal(ck.read(k, torch.float32), v), k
             for s, t in opt[k].items():
                 assert torch.equal(ck.read(f"{k}:{s}"), t), (k, s)
+
+
+@pytest.mark.parametrize("given", ["ckpt", "ckpt/iter_0000003", "ckpt/iter_0000003/mp_rank_01",
+                                   "ckpt/iter_0000003/mp_rank_00/model_optim_rng.pt"])  # fmt: skip
+def test_legacy_torch_format_is_refused_naming_it(given: str, tmp_path: Path) -> None:
+    """A real Megatron-LM ``--ckpt-format torch`` save (TP2): whichever of its folders or files is given,
+    every command refuses it as the legacy format with the way to convert it, even with ``--trust-pickle``
+    (a rank's file alone holds half of each split tensor), and writes nothing."""
+    path = fixture("megatron", "legacy_tp2_bf16_modelonly", given)
+    for args in (["inspect", path], ["consolidate", path, tmp_path / "o"], ["verify", path],
+                 ["consolidate", path, tmp_path / "o.safetensors", "--trust-pickle"]):  # fmt: skip
+        r = CliRunner().invoke(app, [str(a) for a in args])
+        assert r.exit_code not in (0, None) and "Traceback" not in r.output, (args, r.output)
+        text = r.stderr if args[0] != "verify" else r.output
+        assert "legacy 'torch' format" in text and "--ckpt-convert-format torch_dist" in text, (args, text)
+    assert not list(tmp_path.iterdir())

@@ -15,6 +15,7 @@ from zckpt.errors import InvalidArgument, PathNotFound, PermissionDenied, Unknow
 from zckpt.formats._latest import LATEST, refuse_dangling, valid_tag
 from zckpt.formats._latest import MAX_BYTES as MAX_LATEST
 from zckpt.formats.base import Format
+from zckpt.formats.megatron.layout import LEGACY_FILES, refuse_legacy
 from zckpt.storage import fileio, session
 from zckpt.storage.location import Location, location, ordered
 from zckpt.storage.objstore import RemotePath
@@ -89,6 +90,8 @@ def detect(path: str | Location) -> Format:
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
         raise UnknownFormat(f"{p}: not a file or folder (a FIFO, device or socket)", path=str(p))
+    if p.is_file() and p.name in LEGACY_FILES:  # a Megatron legacy rank file is a torch file too
+        refuse_legacy(p.parent, [p])
     fmts = registry().values()
     for fmt in fmts:
         if fmt.detect(p):
@@ -126,6 +129,7 @@ def detect(path: str | Location) -> Format:
                 hint="restore the index file, or give one shard file to read it alone",
                 path=str(p),
             )
+        refuse_legacy(p, children)
         known = [c.name for c in children if c.name in _TELLTALES][:3]
         if known:  # a checkpoint's files are there, but none of them reads as one: say which
             raise UnknownFormat(f"{p}: holds {', '.join(known)} but no format reads it as a checkpoint "

@@ -33,7 +33,7 @@ from typing import Any
 from zckpt import formats
 from zckpt.checkpoint import Checkpoint
 from zckpt.codecs import safetensors, torchzip, torchzip_verify
-from zckpt.errors import PathNotFound, UnknownFormat, ZckptError
+from zckpt.errors import PathNotFound, UnknownFormat, Unsupported, ZckptError
 from zckpt.formats.base import Format
 from zckpt.ops.paths import input_kind
 from zckpt.ops.progress import bar as progress_bar
@@ -155,6 +155,8 @@ def _read_and_verify(
     problems: list[Problem] = []
     try:
         fmt: Format | None = formats.detect(p)
+    except Unsupported:  # a format zckpt knows and does not read (Megatron's legacy one): as ``inspect``
+        raise
     except UnknownFormat as e:
         if _nothing_to_check(p):  # not a checkpoint at all: the error ``inspect`` gives (exit 2)
             raise

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from zckpt.errors import CorruptCheckpoint, InvalidArgument, PathNotFound
+from zckpt.errors import CorruptCheckpoint, InvalidArgument, PathNotFound, Unsupported
 from zckpt.storage import fileio
 from zckpt.storage.location import Location
 
@@ -105,7 +105,29 @@ def resolve(path: Location, tag: str | None) -> Source:
         raise CorruptCheckpoint(
             f"{folder}: not a torch_dist iteration folder (needs .metadata, common.pt and metadata.json "
             "with sharded_backend torch_dist)",
-            hint="a legacy 'torch' format save (mp_rank_XX/model_optim_rng.pt) is not read",
+            hint=f"a legacy 'torch' format save (mp_rank_XX/model_optim_rng.pt) is not read: {LEGACY_HINT}",
             path=str(folder),
         )
     return Source(folder, name, path)
+
+
+LEGACY_RANK = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
+"""A Megatron-LM legacy ``--ckpt-format torch`` rank folder (``mp_rank_TT`` or ``mp_rank_TT_PPP``)."""
+LEGACY_FILES = ("model_optim_rng.pt", "distrib_optim.pt")
+"""A legacy rank folder's files: model, optimizer and RNG states; the distributed optimizer's states."""
+LEGACY_HINT = "Megatron-LM converts one with --ckpt-convert-format torch_dist --ckpt-convert-save DIR"
+
+
+def refuse_legacy(p: Location, children: list[Location]) -> None:
+    """An unrecognised folder ``p`` (with its ``children``) that is a legacy iteration folder (``mp_rank_*``
+    folders) or one of its rank folders: refused as what it is (``Unsupported``), with the way to convert
+    it."""
+    if any(LEGACY_RANK.match(c.name) and c.is_dir() for c in children) or (
+        LEGACY_RANK.match(p.name) and any(c.name in LEGACY_FILES for c in children)
+    ):
+        raise Unsupported(
+            f"{p}: a Megatron-LM legacy 'torch' format save (mp_rank_XX/model_optim_rng.pt), which zckpt "
+            "does not read (it reads torch_dist)",
+            hint=LEGACY_HINT,
+            path=str(p),
+        )
