@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -31,3 +32,14 @@ def ds_cases(*, stages: tuple[int, ...] = (0, 1, 2, 3), bf16_optimizer: bool | N
     if not out:
         raise FileNotFoundError(f"{DS}: no DeepSpeed fixture case matches (restore fixtures/ds)")
     return out
+
+
+def load_script(path: Path, name: str) -> Any:
+    """A test script (``tests/data/*.py``) imported as module ``name`` without running its ``__main__``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,7 +3,6 @@ engine under torchrun and matches a single-process plain-PyTorch run of the same
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "ds_script.py"
 
 
 def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("ds_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "ds_script")
 
 
 def _reference(ds: Any) -> list[float]:

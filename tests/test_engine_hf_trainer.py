@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fixtures import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf_trainer.py"
@@ -181,13 +182,7 @@ def _assert_frozen_kept(checkpoint: Path) -> None:
 
 
 def _load_script() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hf_trainer_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script(SCRIPT, "hf_trainer_script")
 
 
 def _assert_saved_model(saved: Path, checkpoint: Path, *, t5: bool) -> None:
