@@ -14,8 +14,8 @@ This module owns the file-level families and the registry ``FAMILIES`` of every 
   duplicated, an extra rank, or one rank file given alone;
 
 and takes the parseable structural families from ``tests.fuzz.structural`` (``ds-pickle``, ``pickle-bomb``,
-``manifest``, ``st-header``, ``hf-index``) and the invocation families from ``tests.fuzz.scenarios``
-(``paths``, ``signals``).
+``manifest``, ``st-header``, ``hf-index``), the invocation families from ``tests.fuzz.scenarios``
+(``paths``, ``signals``) and, run only when named, the DCP, Megatron and ``side-files`` families.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import re
 import shutil
 from pathlib import Path
 
-from tests.fuzz import dcp, layout, megatron, scenarios, structural
+from tests.fuzz import dcp, layout, megatron, scenarios, side_files, structural
 from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import (
     ALL_KINDS,
@@ -377,9 +377,11 @@ FAMILIES: dict[str, list[Op]] = {
     **scenarios.FAMILIES,
     **dcp.FAMILIES,
     **megatron.FAMILIES,
+    **side_files.FAMILIES,
 }
 DCP_FAMILIES = tuple(dcp.FAMILIES)
 MEGATRON_FAMILIES = tuple(megatron.FAMILIES)
+SIDE_FAMILIES = side_files.SIDE_FAMILIES
 """Run only when named (``--families`` / ``--megatron``), as the DCP families."""
 """Run only when named (``--families`` / ``--dcp``): the default selection, and so every earlier seed's
 cases, stay as they were."""

@@ -38,7 +38,7 @@ from typing import Any
 from tests.fuzz import corpus, mutation, runner
 from tests.fuzz.corpus import Base
 from tests.fuzz.mutation import NotApplicable, Op
-from tests.fuzz.mutators import DCP_FAMILIES, FAMILIES, MEGATRON_FAMILIES
+from tests.fuzz.mutators import DCP_FAMILIES, FAMILIES, MEGATRON_FAMILIES, SIDE_FAMILIES
 
 FAST_SEED, FAST_CASES = 0, 60
 TRIES = 8
@@ -217,7 +217,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.ops and set(a.ops) - names:
         ap.error(f"unknown mutators {sorted(set(a.ops) - names)}; --list shows them")
     holding = sorted(f for f, ops in FAMILIES.items() if a.ops and {o.name for o in ops} & set(a.ops))
-    named = (*DCP_FAMILIES, *MEGATRON_FAMILIES)
+    named = (*DCP_FAMILIES, *MEGATRON_FAMILIES, *SIDE_FAMILIES)
     default = (sorted(DCP_FAMILIES) if a.dcp else sorted(MEGATRON_FAMILIES) if a.megatron
                else sorted(f for f in FAMILIES if f not in named))  # fmt: skip
     a.families = a.families or holding or default
