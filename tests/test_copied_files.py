@@ -97,3 +97,16 @@ def test_a_hub_cache_snapshot_is_consolidated_with_its_side_files(tmp_path: Path
     assert r.code == 0, r.stderr
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_consolidate_refuses_a_huge_side_file_before_copying_it(tmp_path: Path) -> None:
+    """A 64 GiB sparse ``tokenizer.json``: refused at once (before: copied byte for byte, minutes of zeros
+    filling the disk; the hostile-input run's limit killed it at 60 s)."""
+    import time
+
+    ck = _trainer_copy(tmp_path)
+    os.truncate(ck / "tokenizer.json", 64 << 30)
+    t0 = time.monotonic()
+    r = cli("consolidate", ck, tmp_path / "out")
+    assert_one_line_error(r, "tokenizer.json", "68,719,476,736 bytes")
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()

@@ -1,11 +1,12 @@
 """The ``side-files`` family (run when named: ``--families side-files``): the files ``consolidate`` copies
 byte for byte into an HF output folder beside the weights (``config.json``, ``tokenizer.json``) made a link
 to a file elsewhere on the machine (a stand-in credentials file outside the checkpoint's folder), a FIFO, a
-folder or a broken link. Each must be refused naming the file, with nothing written: before
-``zckpt.storage.copied``, the link's target was copied into the output as a plain file and the others made
-every side file be left out, exit 0. Applies to every base ``consolidate-hf`` reads; the named file is made
-where the base has none, and a ``tokenizer.json`` gets a plain ``config.json`` beside it where there was none
-(side files are copied only from a folder holding one)."""
+folder, a broken link or a 64 GiB sparse file. Each must be refused naming the file, with nothing written.
+Before ``zckpt.storage.copied``, the link's target was copied into the output as a plain file, the sparse
+file copied for minutes, and the others made every side file be left out, exit 0. Applies to every base
+``consolidate-hf`` reads; the named file is made where the base has none, and a ``tokenizer.json`` gets a
+plain ``config.json`` beside it where there was none (side files are copied only from a folder holding
+one)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from pathlib import Path
 from tests.fuzz.mutation import Mutation, Mutator, Op, Touch, fresh_copy, new, rel
 
 SECRET = b"aws_secret_access_key = fuzz-side-files\n"
-OPS = ("config-link-out", "tokenizer-link-out", "config-fifo", "config-folder", "tokenizer-dangling")
+OPS = (
+    "config-link-out",
+    "tokenizer-link-out",
+    "config-fifo",
+    "config-folder",
+    "tokenizer-dangling",
+    "tokenizer-sparse-64GiB",
+)
 KINDS = ("deepspeed", "native", "hf", "hf-bin", "dcp")
 
 
@@ -30,7 +38,10 @@ def _mutator(op: str) -> Mutator:
             path.unlink()
         if path.name != "config.json" and not (folder / "config.json").exists():  # copied only beside one
             (folder / "config.json").write_text('{"model_type": "gpt2"}\n')
-        if op.endswith("link-out"):
+        if op.endswith("64GiB"):
+            path.write_bytes(b"{}")
+            os.truncate(path, 64 << 30)
+        elif op.endswith("link-out"):
             secret = root / "elsewhere" / "credentials"
             secret.parent.mkdir()
             secret.write_bytes(SECRET)

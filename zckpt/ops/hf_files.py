@@ -39,6 +39,9 @@ HF_FILES = (
 )
 _DTYPE_KEYS = ("dtype", "torch_dtype")
 MAX_CONFIG = 16 << 20
+MAX_SIDE_FILE = 1 << 30
+"""Largest side file copied: configs and tokenizers are kilobytes to tens of megabytes (a 256k-token
+``tokenizer.json`` ~35 MB); more is damage (a sparse file), refused before minutes of copying."""
 
 
 def beside(path: Location, save_dir: str | None) -> list[Location]:
@@ -51,7 +54,8 @@ def beside(path: Location, save_dir: str | None) -> list[Location]:
         folders.append(path.parent)
     for folder in folders:
         if lexists(folder / "config.json"):  # a FIFO or a link leading out is refused, not passed over
-            return [copied.checked(folder / n, folder) for n in HF_FILES if lexists(folder / n)]
+            named = [folder / n for n in HF_FILES if lexists(folder / n)]
+            return [copied.checked(f, folder, MAX_SIDE_FILE) for f in named]
     return []
 
 

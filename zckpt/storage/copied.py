@@ -18,17 +18,19 @@ import stat
 from pathlib import Path
 
 from zckpt.errors import CorruptCheckpoint
-from zckpt.storage.location import Location
+from zckpt.storage.location import Location, size
 from zckpt.storage.objstore.paths import RemotePath
 
 HUB_SNAPSHOTS, HUB_BLOBS = "snapshots", "blobs"
 """A hub cache repository's folders: ``snapshots/<rev>/<name>`` links into ``blobs/``."""
 
 
-def checked(p: Location, folder: Location) -> Location:
-    """``p`` (a file of ``folder``) if zckpt may copy it into an output; else ``CorruptCheckpoint``."""
+def checked(p: Location, folder: Location, max_bytes: int | None = None) -> Location:
+    """``p`` (a file of ``folder``) if zckpt may copy it into an output; else ``CorruptCheckpoint``.
+    ``max_bytes``: larger is refused too (a 64 GiB sparse ``tokenizer.json`` would take minutes and the
+    disk to copy)."""
     if isinstance(p, RemotePath) or isinstance(folder, RemotePath):
-        return p
+        return _bounded(p, size(p), max_bytes)
     try:
         st = os.stat(p)
     except OSError as e:
@@ -49,6 +51,17 @@ def checked(p: Location, folder: Location) -> Location:
             f"{p}: a link leading out of the checkpoint's folder (to {os.path.realpath(p)}); zckpt copies "
             "this file into the output and copies no file from elsewhere",
             hint="put a copy of the file in place of the link if it belongs to the checkpoint",
+            path=str(p),
+        )
+    return _bounded(p, st.st_size, max_bytes)
+
+
+def _bounded(p: Location, n: int, max_bytes: int | None) -> Location:
+    if max_bytes is not None and n > max_bytes:
+        raise CorruptCheckpoint(
+            f"{p}: {n:,} bytes, more than any file of its kind holds (limit {max_bytes:,}); zckpt copies it "
+            "into the output",
+            hint="move it out of the checkpoint folder, or restore the file it stands for",
             path=str(p),
         )
     return p
