@@ -110,3 +110,13 @@ def test_consolidate_refuses_a_huge_side_file_before_copying_it(tmp_path: Path) 
     r = cli("consolidate", ck, tmp_path / "out")
     assert_one_line_error(r, "tokenizer.json", "68,719,476,736 bytes")
     assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
+
+
+def test_reshard_refuses_a_huge_small_file_of_a_trainer_folder(tmp_path: Path) -> None:
+    """``scheduler.pt`` (kilobytes in a real Trainer folder) as a 64 GiB sparse file: refused before it is
+    copied; weights the Trainer saved beside the ZeRO state are copied whatever their size."""
+    ck = _trainer_copy(tmp_path)
+    os.truncate(ck / "scheduler.pt", 64 << 30)
+    r = cli("reshard", ck, tmp_path / "out", "--world", "1")
+    assert_one_line_error(r, "scheduler.pt", "68,719,476,736 bytes")
+    assert not (tmp_path / "out").exists()

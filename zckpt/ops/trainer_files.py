@@ -41,6 +41,7 @@ from typing import Any
 from zckpt.errors import CorruptCheckpoint
 from zckpt.formats.base import OnFile
 from zckpt.formats.deepspeed.layout import adjust_batch
+from zckpt.ops import hf_files
 from zckpt.state import CheckpointMeta
 from zckpt.storage import copied, fileio
 from zckpt.storage.location import Location, lexists, location, ordered, size
@@ -54,6 +55,10 @@ HELPERS = ("zero_to_fp32.py", "zero_to_torch.py")
 MAX_STATE_BYTES = 256 << 20
 """Largest ``trainer_state.json`` read (its ``log_history`` grows with the run; a bound for hostile input)."""
 _RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+SMALL = frozenset((*hf_files.HF_FILES, *HELPERS, TRAINER_STATE, "scheduler.pt", "training_args.bin"))
+"""Files of a Trainer folder that are kilobytes to megabytes (with the RNG files): one over
+``hf_files.MAX_SIDE_FILE`` is refused before it is copied. The rest (weights the Trainer saved beside the
+ZeRO state, files of other tools) are copied whatever their size."""
 _CHUNK = 8 << 20
 _SHOWN = 4
 """Mappings spelled out in the RNG note before it abbreviates."""
@@ -148,7 +153,8 @@ def _listing(save_dir: Location, tag: str | None) -> tuple[dict[str, Location], 
             if p.name != tag:
                 folders.append(p.name)
         elif p.is_file():
-            files[p.name] = copied.checked(p, save_dir)
+            small = p.name in SMALL or _RNG.match(p.name) is not None
+            files[p.name] = copied.checked(p, save_dir, hf_files.MAX_SIDE_FILE if small else None)
         else:
             raise CorruptCheckpoint(
                 f"{p}: not a regular file (a broken link, FIFO or device) in the HF Trainer folder",
