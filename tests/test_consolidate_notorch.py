@@ -50,7 +50,8 @@ def _family(name: str, native: Path) -> list[Path]:
                 and p.name != "zstd_w2"],  # compressed items: refused by zckpt whatever the path
         "hf": sorted((FIX / "dcp").glob("*/ref_model.safetensors")),
         "trainer": sorted((FIX / "trainer").glob("*/checkpoint-3")),
-        "megatron": sorted((FIX / "megatron").glob("*/ckpt")),
+        "megatron": [p for p in sorted((FIX / "megatron").glob("*/ckpt"))
+                     if not p.parent.name.startswith("legacy")],  # the legacy format: refused
         "native": [native],
     }[name]  # fmt: skip
     assert found and all(p.exists() for p in found), f"fixtures missing for {name}"
