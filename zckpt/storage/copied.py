@@ -30,7 +30,7 @@ def checked(p: Location, folder: Location, max_bytes: int | None = None) -> Loca
     ``max_bytes``: larger is refused too (a 64 GiB sparse ``tokenizer.json`` would take minutes and the
     disk to copy)."""
     if isinstance(p, RemotePath) or isinstance(folder, RemotePath):
-        return _bounded(p, size(p), max_bytes)
+        return p if max_bytes is None else _bounded(p, size(p), max_bytes)
     try:
         st = os.stat(p)
     except OSError as e:
