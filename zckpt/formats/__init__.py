@@ -90,7 +90,7 @@ def detect(path: str | Location) -> Format:
         raise PathNotFound(f"{p}: no such file or folder", path=str(p))
     if not (p.is_file() or p.is_dir()):
         raise UnknownFormat(f"{p}: not a file or folder (a FIFO, device or socket)", path=str(p))
-    if p.is_file() and p.name in LEGACY_FILES:  # a Megatron legacy rank file is a torch file too
+    if p.name in LEGACY_FILES and p.is_file():  # a Megatron legacy rank file is a torch file too
         refuse_legacy(p.parent, [p])
     fmts = registry().values()
     for fmt in fmts:
