@@ -99,6 +99,32 @@ class DeepSpeedAccessors:
                     sd.pop(prefix + n, None)
         return dict(sd)
 
+    def compile(
+        self,
+        backend: str = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped model in place (DeepSpeed's ``engine.compile``, which accelerate
+        calls when the Trainer's ``torch_compile`` is on): ``nn.Module.compile(backend=, **compile_kwargs)``.
+        The stage-3 hooks stay eager (``engine.zero.hooks``). DeepCompile schedules and compiled autograd are
+        DeepSpeed's own compiler passes: refused."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise ValueError(
+                "compile: DeepCompile schedules and compiled autograd are not supported by the engine"
+            )
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        kwargs.pop("backend", None)  # DeepSpeed: the backend argument overrides one in compile_kwargs
+        self.module.compile(backend=backend, **kwargs)
+        self.__dict__["_compiled"] = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(self.__dict__.get("_compiled", False))
+
     def was_step_applied(self) -> bool:
         return self._step_applied
 

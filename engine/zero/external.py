@@ -36,6 +36,13 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     del ext[id(parameter)]
 
 
+@torch.compiler.disable
+def _add_external(fetcher: Any, s: Any) -> None:
+    """Register and gather ``s`` (eagerly: under ``torch.compile`` dynamo must not trace the gather's
+    collectives; the read's checks above stay traced, with guards)."""
+    fetcher.add_external([s])
+
+
 class _WatchedParams(dict[str, Any]):
     """A module's ``_parameters``: reading a param that no running forward holds registers it (see above)."""
 
@@ -48,7 +55,7 @@ class _WatchedParams(dict[str, Any]):
         if f.stack and p is not None:
             s = getattr(p, "_zstate", None)
             if s is not None and s.live is not None and not f.claims.get(id(s)) and id(s) in f.known:
-                f.add_external([s])
+                _add_external(f, s)
         return p
 
     def __reduce__(self) -> Any:  # copies and pickles of the module get a plain dict back

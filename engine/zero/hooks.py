@@ -65,6 +65,9 @@ def install_hooks(model: nn.Module, fetcher: ParamFetcher) -> list[Any]:
     def post_backward(module: nn.Module, _grads: Any) -> None:
         fetcher.post_backward(module)
 
+    # under torch.compile (``engine.compile``) the hooks run eagerly, as DeepSpeed's stage-3 hooks do: they
+    # gather and release params with collectives, which dynamo must not trace
+    root_pre, pre, post = (torch.compiler.disable(f) for f in (root_pre, pre, post))
     watch(model, fetcher)
     handles.append(model.register_forward_pre_hook(root_pre))
     for module in model.modules():
