@@ -199,7 +199,9 @@ class Engine(DeepSpeedAccessors):
         if client is None:
             return build_scheduler(self.config, self.optimizer) if self.config.scheduler is not None else None
         if callable(client) and not hasattr(client, "step"):
-            return client(self.optimizer)
+            # DeepSpeed calls it with its basic (torch) optimizer: torch's own schedules (the Trainer's
+            # LambdaLR when the config has an optimizer block and no scheduler block) require one
+            return client(self.optimizer.optimizer)
         if getattr(client, "optimizer", None) is not None and client.optimizer is not self.optimizer:
             client.optimizer = self.optimizer.optimizer
         return client

@@ -162,7 +162,6 @@ def test_auto_placeholder_is_refused_with_its_path() -> None:
             "zero_optimization.stage3_prefetch_bucket_sise: unknown key; "
             "did you mean stage3_prefetch_bucket_size?",
         ),
-        ({"gradient_clip": 1.0}, "gradient_clip: unknown key; did you mean gradient_clipping?"),
         ({"fp16": {"enabled": True, "loss_scale_windw": 10}}, "did you mean loss_scale_window?"),
         (
             {"optimizer": {"type": "AdamW", "params": {"beta": [0.9, 0.99]}}},
@@ -639,3 +638,75 @@ def test_checkpoint_writer_matches_real_deepspeed() -> None:
         dp = ds["data_parallel"]
         assert {k: getattr(w, k) for k in ds} == {
             **ds, "type": ds["type"].lower(), "data_parallel": dp.lower() if dp else None}, block  # fmt: skip
+
+
+# ------------------------------------------------------------------------- public configs (corpus)
+
+PUBLIC = DATA / "ds_configs_public.json"  # generator, sources and how DeepSpeed was run: ds_configs_public.py
+ENGINE_LACKS = {"llamafactory_ds_z2_autotp_config": "tensor_parallel"}
+"""Corpus entries DeepSpeedConfig parses that the engine refuses by design (real DeepSpeed refused these at
+``initialize`` too: AutoTP needs a model policy)."""
+
+
+def _ds_adam_params(kind: str, p: dict) -> tuple:
+    """DeepSpeed's Adam defaults (FusedAdam / DeepSpeedCPUAdam; torch AdamW's weight decay for torch_adam)."""
+    wd = p.get("weight_decay", 0.01 if p.get("torch_adam") else 0.0)
+    return (kind, p.get("lr", 1e-3), tuple(p.get("betas", (0.9, 0.999))), p.get("eps", 1e-8), wd)
+
+
+@pytest.mark.parametrize("entry", json.loads(PUBLIC.read_text()), ids=lambda e: e["name"])
+def test_public_configs_as_deepspeed_reads_them(entry: dict) -> None:
+    """Public HF Trainer configs (LLaMA-Factory, FastChat, axolotl, LLaVA, Qwen, InternVL, LMFlow,
+    transformers, accelerate, DeepSpeedExamples, ...), filled as the Trainer fills them: the engine accepts
+    what DeepSpeed 0.19.8's ``DeepSpeedConfig`` accepted (recorded in the corpus) and resolves the same batch
+    sizes, ZeRO stage, offload devices, optimizer, scheduler, precision and clipping; what DeepSpeed refused
+    it refuses."""
+    ds = entry["deepspeed_config"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg = parse_config(entry["filled"], world_size=2)
+        except ConfigError as e:
+            assert "refused" in ds or e.key == ENGINE_LACKS.get(entry["name"]), (entry["name"], str(e))
+            return
+    assert "refused" not in ds, entry["name"]
+    z = cfg.zero_optimization
+    got = {
+        "batch": [cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps],
+        "stage": cfg.zero_stage,
+        "offload_optimizer": None if z.offload_optimizer is None else z.offload_optimizer.device,
+        "offload_param": None if z.offload_param is None else z.offload_param.device,
+        "fp16": cfg.fp16.enabled,
+        "bf16": cfg.bf16.enabled,
+        "gradient_clipping": cfg.gradient_clipping,
+    }
+    assert got == {k: ds[k] for k in got}, entry["name"]
+    (ds_opt, ds_params), (ds_sched, ds_sched_params) = ds["optimizer"], ds["scheduler"]
+    o = cfg.optimizer
+    if ds_opt is None:
+        assert o is None
+    else:
+        assert o is not None and o.type.lower() == ds_opt
+        assert (o.type.lower(), o.lr, o.betas, o.eps, o.weight_decay) == _ds_adam_params(ds_opt, ds_params)
+    s = cfg.scheduler
+    assert (s.type, s.params) == (ds_sched, ds_sched_params) if s else ds_sched is None
+
+
+def test_unknown_top_level_keys_are_ignored_as_deepspeed_does() -> None:
+    """DeepSpeed 0.19.8 ignores top-level keys it does not know (LLaMA-Factory's ds_z3_fp8_config.json
+    carries ``comms_config`` and ``monitor_config``; the corpus records DeepSpeedConfig accepting it): the
+    engine ignores them too, with a warning naming the nearest valid key. Unknown keys inside a block stay
+    errors, as DeepSpeed's pydantic blocks refuse them (``extra_forbidden``)."""
+    with pytest.warns(UserWarning) as caught:
+        cfg = _parse(
+            {"comms_config": {"verbose": False}, "monitor_config": {"enabled": True}, "gradient_clip": 0}
+        )
+    messages = [str(w.message) for w in caught]
+    assert (
+        messages[0]
+        == "comms_config: unknown top-level key, ignored (as DeepSpeed does); did you mean comms_logger?"
+    )
+    assert messages[1] == "monitor_config: unknown top-level key, ignored (as DeepSpeed does)"
+    assert "did you mean gradient_clipping?" in messages[2]
+    assert cfg.gradient_clipping == 1.0 and "comms_config" in cfg.to_dict()
+    _err({"train_batch_size": 1, "zero_optimization": {"stage": 2, "bogus": 1}}, "zero_optimization.bogus")

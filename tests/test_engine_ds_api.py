@@ -187,6 +187,33 @@ def test_config_arguments_and_initialize_from_args(monkeypatch: pytest.MonkeyPat
     assert "exclude_frozen_parameters" in inspect.signature(eng.save_checkpoint).parameters
 
 
+def test_scheduler_callable_gets_a_torch_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config with an ``optimizer`` block and no ``scheduler`` block under the HF Trainer (InternVL's and
+    LMFlow's public configs): accelerate passes ``lr_scheduler=callable`` and the Trainer's callable builds a
+    torch ``LambdaLR``, which takes only a ``torch.optim.Optimizer``. DeepSpeed 0.19.8 calls it with its basic
+    optimizer (tests/data/ds_configs_public.json, lmflow_ds_config_zero2: lr 5e-05 after step 1 of warmup 2);
+    the engine passed its ``PartitionedOptimizer`` and ``LambdaLR`` raised ``TypeError``."""
+    import engine as deepspeed
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    model = torch.nn.Linear(3, 2)
+    seen = []
+
+    def linear_warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        seen.append(opt)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    eng, opt, _, sched = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), lr_scheduler=linear_warmup, config=config
+    )
+    assert isinstance(seen[0], torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.0
+    eng.backward(eng(torch.ones(2, 3)).sum())
+    eng.step()
+    assert sched is eng.lr_scheduler and opt.param_groups[0]["lr"] == pytest.approx(5e-5)
+
+
 def test_comm_accelerator_and_utils_without_a_process_group(capsys: pytest.CaptureFixture[str]) -> None:
     from engine import comm, utils
     from engine.accelerator import Accelerator

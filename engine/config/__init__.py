@@ -2,8 +2,9 @@
 
 Owns the config contract of the engine: which DeepSpeed keys exist, their defaults (DeepSpeed 0.19.8),
 deprecated spellings (mapped with a warning), batch-size resolution, and clear ``ConfigError``s for HF
-``"auto"`` placeholders, DeepSpeed features the engine does not implement, and unknown keys (with the
-nearest valid key). ``parse_config`` is here; the dataclasses in ``schema``, the per-block rules in
+``"auto"`` placeholders, DeepSpeed features the engine does not implement, and unknown keys inside a block
+(with the nearest valid key). Unknown top-level keys are ignored with a warning naming the nearest valid key,
+as DeepSpeed ignores them. ``parse_config`` is here; the dataclasses in ``schema``, the per-block rules in
 ``blocks``, the generic parsing/coercion in ``parse``.
 """
 
@@ -17,7 +18,16 @@ from typing import Any
 
 from engine.config import blocks as B
 from engine.config import sched as S
-from engine.config.parse import ConfigError, build, deprecated, reject_auto, take_foreign, to_int
+from engine.config.parse import (
+    ConfigError,
+    build,
+    deprecated,
+    field_keys,
+    ignore_unknown_top,
+    reject_auto,
+    take_foreign,
+    to_int,
+)
 from engine.config.schema import (
     BF16Config,
     CheckpointConfig,
@@ -46,6 +56,7 @@ __all__ = [
 ]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_PREBUILT = ("world_size", "user_config", *_BATCH_KEYS, *B.BLOCKS)
 
 
 def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> EngineConfig:
@@ -81,6 +92,9 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     tb, mb, gas = (None if d.get(k) is None else to_int(d[k], k) for k in _BATCH_KEYS)
     for k in _BATCH_KEYS:
         d.pop(k, None)
+    ignore_unknown_top(
+        d, [*(k for k, n in field_keys(EngineConfig).items() if n not in _PREBUILT), *B.TOP_FOREIGN]
+    )
     tb, mb, gas = _resolve_batch(tb, mb, gas, world_size)
     prebuilt = dict(
         world_size=world_size,

@@ -69,6 +69,23 @@ def unknown_key(path: str, key: str, candidates: Iterable[str]) -> ConfigError:
     return ConfigError(f"{where}: unknown key; valid keys here: {listed}", key=where)
 
 
+def ignore_unknown_top(raw: dict[str, Any], candidates: Iterable[str]) -> None:
+    """Drop the top-level keys not in ``candidates`` with a warning naming the nearest valid key.
+
+    DeepSpeed 0.19.8 reads its top level as a plain dict and ignores keys it does not know (public configs
+    carry some: LLaMA-Factory's ``comms_config``/``monitor_config``); only its nested blocks (pydantic models)
+    refuse unknown keys, and so does the engine there.
+    """
+    cands = sorted(set(candidates))
+    for key in [k for k in raw if k not in cands]:
+        raw.pop(key)
+        near = difflib.get_close_matches(key, cands, n=1, cutoff=0.6)
+        tail = f"; did you mean {near[0]}?" if near else ""
+        message = f"{key}: unknown top-level key, ignored (as DeepSpeed does){tail}"
+        warnings.warn(message, UserWarning, stacklevel=3)
+        log.warning(message)
+
+
 def unknown_value(path: str, value: str, candidates: Iterable[str]) -> ConfigError:
     """The error for an unknown enumerated value (optimizer/scheduler type), naming the nearest one."""
     cands = sorted(set(candidates))
