@@ -1,6 +1,7 @@
 """engine.zero.collectives on 3 gloo ranks: the pairwise (all_to_all) all-gather and reduce-scatter used on
 gloo against gloo's own collectives and against hand-made tensors, on awkward sizes, with scratch reuse and a
-reduction in flight while params are gathered."""
+reduction in flight while params are gathered, and bf16 gradients reduced in fp32
+(``communication_data_type``)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,18 @@ def _check(rank: int, world: int) -> dict[str, Any]:
             whole = comm.reduce_grads(grads_of[rank], [t.numel() for t in grads_of[rank]], 1)  # stage 0
             summed = [torch.stack([gr[i] for gr in grads_of]).sum(0) for i in range(len(sizes))]
             assert torch.allclose(whole, torch.cat(summed) / world, atol=1e-6), mode
+        # communication_data_type: bf16 gradients reduced in fp32 keep what a bf16 sum rounds away
+        # (1 + 2^-9 is 1 in bf16); the result comes back in fp32
+        small = [torch.full((n,), 1.0 if rank == 0 else 2.0**-9, dtype=torch.bfloat16) for n in (5, 8)]
+        for pw in (world, 1):
+            chunks = [-(-t.numel() // pw) for t in small]
+            want_sum = torch.tensor(1.0 + (world - 1) * 2.0**-9, dtype=torch.float32) / world
+            wide = comm.start_reduce_grads(small, chunks, pw, torch.float32).wait()
+            real = wide[wide != 0]  # stage 0: every element; stages 1-3: my chunks, padding zeros dropped
+            assert wide.dtype == torch.float32 and real.numel() > 0, (mode, pw)
+            assert torch.all(real == want_sum), (mode, pw)
+            narrow = comm.start_reduce_grads(small, chunks, pw).wait()
+            assert narrow.dtype == torch.bfloat16 and not torch.any(narrow.float() == want_sum), (mode, pw)
         out[mode] = True
     return out
 

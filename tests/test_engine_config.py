@@ -710,3 +710,26 @@ def test_unknown_top_level_keys_are_ignored_as_deepspeed_does() -> None:
     assert "did you mean gradient_clipping?" in messages[2]
     assert cfg.gradient_clipping == 1.0 and "comms_config" in cfg.to_dict()
     _err({"train_batch_size": 1, "zero_optimization": {"stage": 2, "bogus": 1}}, "zero_optimization.bogus")
+
+
+def test_communication_data_type_is_read_as_deepspeed_reads_it() -> None:
+    """DeepSpeed 0.19.8's ``get_communication_data_type``: fp32/fp16/bf16 in any case, None by default, any
+    other value refused; the engine's reducer then reduces gradients in that dtype."""
+    import torch
+
+    import engine
+
+    base = {"train_batch_size": 1}
+    assert parse_config(base, world_size=1).communication_data_type is None
+    for given, want in (("fp32", "fp32"), ("FP32", "fp32"), ("Bf16", "bf16"), ("fp16", "fp16")):
+        got = parse_config({**base, "communication_data_type": given}, world_size=1)
+        assert got.communication_data_type == want
+    e = _err({**base, "communication_data_type": "int8"}, "expected one of")
+    assert e.key == "communication_data_type"
+    model = torch.nn.Linear(3, 2)
+    eng, *_ = engine.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={**base, "bf16": {"enabled": True}, "communication_data_type": "fp32"},
+    )
+    assert eng.reducer.comm_dtype == torch.float32

@@ -73,6 +73,8 @@ def parse_config(config: dict[str, Any] | str | Path, *, world_size: int) -> Eng
     if d.get("steps_per_print") == math.inf:  # accelerate's "never print" (DeepSpeed keeps the float)
         d["steps_per_print"] = None
     take_foreign(d, "", B.TOP_FOREIGN)
+    if isinstance(d.get("communication_data_type"), str):  # DeepSpeed lower-cases it
+        d["communication_data_type"] = d["communication_data_type"].lower()
     checkpoint = B.parse_checkpoint(d.pop("checkpoint", None))
     fp16 = B.parse_fp16(d.pop("fp16", None))
     bf16 = B.parse_bf16(d)

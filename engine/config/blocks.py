@@ -67,7 +67,6 @@ TOP_FOREIGN: dict[str, Foreign] = {
     "weight_quantization": Foreign("weight quantization"),
     "datastates": Foreign("the DataStates checkpoint engine"),
     "data_types": Foreign("custom gradient-accumulation / parameter dtypes"),
-    "communication_data_type": Foreign("a custom communication dtype"),
     "gradient_allreduce_op": Foreign("gradient_allreduce_op 'sum'", default="mean"),
     "disable_allgather": Foreign("disable_allgather", default=False),
     "use_data_before_expert_parallelism": Foreign("expert parallelism", default=False),

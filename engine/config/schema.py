@@ -230,6 +230,9 @@ class EngineConfig:
     """Divide gradients by the world size before (not after) the reduction. DeepSpeed default: false."""
     gradient_predivide_factor: float = 1.0
     """Divide gradients by this before the reduction and by world/factor after. DeepSpeed default: 1.0."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """The dtype gradients are reduced in (the reduced values then go into the gradient buffer's dtype);
+    None = the compute dtype. DeepSpeed default: None. Case-insensitive, as DeepSpeed reads it."""
     zero_allow_untested_optimizer: bool = False
     """Allow a client optimizer other than Adam/AdamW/SGD-like with ZeRO. DeepSpeed default: false."""
     zero_force_ds_cpu_optimizer: bool = True

@@ -192,17 +192,22 @@ class Comm:
         return self.start_reduce_grads(grads, chunks, partition_world).wait()
 
     def start_reduce_grads(
-        self, grads: Sequence[torch.Tensor], chunks: Sequence[int], partition_world: int
+        self,
+        grads: Sequence[torch.Tensor],
+        chunks: Sequence[int],
+        partition_world: int,
+        dtype: torch.dtype | None = None,
     ) -> Reduction:
         """``reduce_grads`` launched asynchronously: the gradients are laid out (so they may be freed when
         this returns) and the collective runs in the background -- on gloo's worker thread, or NCCL's
         stream -- while the caller goes on with the backward. ``wait()`` on the result gives what
         ``reduce_grads`` returns. Its buffers are the ``"r*"`` scratch slots, distinct from the
-        all-gather's, so params can be gathered meanwhile; at most one reduction may be in flight."""
+        all-gather's, so params can be gathered meanwhile; at most one reduction may be in flight. ``dtype``:
+        the dtype the gradients are reduced in (``communication_data_type``; default: theirs)."""
         pw = partition_world
         total = sum(chunks)
-        dtype, device = grads[0].dtype, grads[0].device
-        nbytes = pw * total * grads[0].element_size()
+        dtype, device = dtype or grads[0].dtype, grads[0].device
+        nbytes = pw * total * torch.empty((), dtype=dtype).element_size()
         peers = self.shm(nbytes) if device.type == "cpu" else None
         segs = (
             None

@@ -38,6 +38,7 @@ class GradReducer:
         device: torch.device,
         flat_grad: torch.Tensor,
         dtype: torch.dtype,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         self.comm = comm
         self.bucket_numel = max(1, bucket_numel)
@@ -45,6 +46,8 @@ class GradReducer:
         self.device = device
         self.flat_grad = flat_grad
         self.dtype = dtype
+        self.comm_dtype = comm_dtype
+        """The dtype gradients are reduced in (``communication_data_type``); None: their own."""
         self.direct = comm.world == 1
         self.to_host = flat_grad.device != device
         self._staging: torch.Tensor | None = None
@@ -90,7 +93,7 @@ class GradReducer:
         self._finish()  # the previous bucket's result is read before its buffers are reused
         states = [s for s, _ in bucket]
         work = self.comm.start_reduce_grads(
-            [g for _, g in bucket], [s.chunk for s in states], self.partition_world
+            [g for _, g in bucket], [s.chunk for s in states], self.partition_world, self.comm_dtype
         )
         bucket.clear()  # laid out: the full gradients can go now
         self._inflight = (work, states)
