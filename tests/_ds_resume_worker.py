@@ -40,13 +40,7 @@ def main() -> None:
         from tests import _engine_ref as er
 
         model = er.make_model(seed=11)
-        opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=er.MAX_LR,
-            betas=er.BETAS,
-            eps=er.EPS,
-            weight_decay=er.WD,
-        )
+        opt = er.optimizer(model)
         cfg = er.config(spec["stage"])
     else:
         case = mf.case(

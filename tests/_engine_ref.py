@@ -96,11 +96,17 @@ def config(stage: int, precision: str = "fp32", gas: int = 1, **zero: Any) -> di
     return cfg
 
 
+def optimizer(model: nn.Module) -> torch.optim.AdamW:
+    """The tests' AdamW over ``model``'s trainable params (the reference's hyper-parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=MAX_LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+
 def reference(steps: int, make: Callable[[], nn.Module] = make_model) -> dict[str, Any]:
     """Single-process plain PyTorch over the global batch: AdamW, clip_grad_norm_, WarmupLR."""
     model = make()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=MAX_LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = optimizer(model)
     losses = []
     for k in range(steps):
         for g in opt.param_groups:
@@ -135,14 +141,7 @@ def train(
 
     if engine_ is None:
         model = model if model is not None else make_model()
-        opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=MAX_LR,
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WD,
-        )
-        engine_, _, _, _ = engine.initialize(model=model, optimizer=opt, config=cfg)
+        engine_, _, _, _ = engine.initialize(model=model, optimizer=optimizer(model), config=cfg)
     gas = cfg["gradient_accumulation_steps"]
     mb = BATCH // (world * gas)
     losses = []

@@ -33,14 +33,7 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[str, A
     import engine
 
     model = _make(name)
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=R.MAX_LR,
-        betas=R.BETAS,
-        eps=R.EPS,
-        weight_decay=R.WD,
-    )
-    eng, _, _, _ = engine.initialize(model=model, optimizer=opt, config=cfg)
+    eng, _, _, _ = engine.initialize(model=model, optimizer=R.optimizer(model), config=cfg)
     assert not eng.is_compiled
     torch._dynamo.reset()
     eng.compile(backend="eager", compile_kwargs={"backend": "inductor", "dynamic": False})
