@@ -163,3 +163,28 @@ def test_zckpt_written_dcp_archives(tmp_path: Path) -> None:
             assert _agrees(data, k)
         seen += 1
     assert hits > seen // 2, (hits, seen)
+
+
+def test_local_extra_field_sizes_are_checked_and_its_padding_is_not() -> None:
+    """Torch pads each record's data to 64 bytes with a local extra field (id ``FB``, size, ``Z`` bytes).
+    Readers that walk the extra field's parts (libzip) refuse an archive whose part sizes do not fill it, so
+    verify (``entry_problem``) reports every flip of the size; the id and the padding are read by no reader
+    of torch archives (zipfile and torch's miniz skip the field by the header's length), so flips there are
+    no finding (found by the hostile-input suite, seed 440: verify said OK on a flipped size)."""
+    data = _torch_archive(torch.arange(40, dtype=torch.float32))
+    d = zipdir.read(_reader(data), len(data))
+    e = next(e for e in d.entries.values() if "/data/" in e.filename)
+    h = zipdir.LOCAL_HEADER.unpack_from(data, e.header_offset)
+    nlen, xlen = h[9], h[10]
+    at = e.header_offset + zipdir.LOCAL_HEADER.size + nlen
+    assert xlen >= 4 and data[at : at + 2] == b"FB", data[at : at + 4]
+    assert _full(data) is not None
+    for i in range(xlen):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[at + i] ^= 1 << bit
+            problem = zipdir.entry_problem(_reader(bytes(bad)), len(bad), e)
+            if 2 <= i < 4:  # the size
+                assert problem is not None and "extra field malformed" in problem, (i, bit)
+            else:
+                assert problem is None, (i, bit, problem)

@@ -413,13 +413,14 @@ def regions(path: Path, folder: Path) -> list[layout.Region]:
 
 def _unread(r: layout.Region, data: bytearray, at: int) -> bool:
     """Bytes no zip reader uses, which no check can cover: "version made by", timestamps and attributes of
-    directory entries and local headers, the padding of torch's local extra field, the zip64 end record's
-    versions. A flip there changes nothing a reader sees (judged value-level)."""
+    directory entries and local headers, the header id and padding of torch's local extra field (its size is
+    read: readers that walk the extra field's parts refuse one whose sizes do not add up), the zip64 end
+    record's versions. A flip there changes nothing a reader sees (judged value-level)."""
     i = at - r.start
     return (
         (r.kind == "zip-dir-entry" and (4 <= i < 6 or 12 <= i < 16 or 36 <= i < 42))
         or (r.kind == "zip-local-header" and 10 <= i < 14)
-        or (r.kind == "zip-local-extra" and i >= 4)
+        or (r.kind == "zip-local-extra" and not 2 <= i < 4)
         or (r.kind == "zip-end" and data[r.start : r.start + 4] == b"PK\x06\x06" and 12 <= i < 16)
     )
 

@@ -202,7 +202,8 @@ def entry_problem(pread: Pread, length: int, info: Entry) -> str | None:
         return "local header outside the archive"
     h = LOCAL_HEADER.unpack(pread(LOCAL_HEADER.size, info.header_offset))
     _, needed, flags, method, _, _, crc, csize, usize, nlen, xlen = h
-    name = pread(nlen, info.header_offset + LOCAL_HEADER.size)
+    tail = pread(nlen + xlen, info.header_offset + LOCAL_HEADER.size)
+    name, extra = tail[:nlen], tail[nlen:]
     if info.compress_type != 0 or info.compress_size != info.file_size:
         return "not a stored record (compression method or sizes damaged)"
     if info.comment or info.volume or info.flag_bits & ~0x808:
@@ -224,11 +225,23 @@ def entry_problem(pread: Pread, length: int, info: Entry) -> str | None:
             int.from_bytes(raw[4 : 4 + w], "little"),
             int.from_bytes(raw[4 + w : 4 + 2 * w], "little"),
         )
-    elif csize == usize == 0xFFFFFFFF:  # zip64: the sizes live in the local extra field
+    if not _extra_well_formed(extra):
+        return "local header's extra field malformed (its fields' sizes do not add up)"
+    if not flags & 0x8 and csize == usize == 0xFFFFFFFF:  # zip64: the sizes live in the local extra field
         csize, usize = info.compress_size, info.file_size
     if (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
         return "directory entry and local header disagree (CRC-32 or sizes)"
     return None
+
+
+def _extra_well_formed(extra: bytes) -> bool:
+    """Whether an extra field's parts (header id, size, data: torch writes its alignment padding as one, id
+    ``FB``) fill it exactly, as readers that walk the parts (libzip) require; up to 3 zero bytes at the end
+    are allowed, as libzip allows zipalign's padding."""
+    at = 0
+    while at + 4 <= len(extra):
+        at += 4 + int.from_bytes(extra[at + 2 : at + 4], "little")
+    return at == len(extra) or (at < len(extra) and not any(extra[at:]))
 
 
 def end_problem(pread: Pread, length: int, entries: int, start_dir: int) -> str | None:
