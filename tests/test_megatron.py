@@ -155,6 +155,31 @@ def test_verify_finds_flipped_byte(tmp_path: Path) -> None:
     assert f.name in r.output
 
 
+def test_master_chunk_pointed_at_another_items_bytes_is_refused(tmp_path: Path) -> None:
+    """Fuzz seed 442, case 9: an fp32 master chunk's ``storage_data`` entry re-pointed at another master's
+    bytes (same file, valid CRCs). ``consolidate`` wrote the other tensor's values under this name, exit 0;
+    ``verify`` saw the gap left behind. The Megatron open now checks that no two items share bytes, as the
+    DCP open does, read or not."""
+    from tests.fuzz import pickles
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fixture("megatron", "tp2pp2_bf16_llama", "ckpt"), dst)
+    meta = dst / "iter_0000003" / ".metadata"
+    md = pickles.load_opaque(meta.read_bytes())
+    sd = md.state["storage_data"]
+    masters = [k for k in sd if k.state["fqn"].startswith("optimizer.state.fp32_param.")]
+    a = masters[0]
+    b = next(k for k in masters if k.state["fqn"] != a.state["fqn"]
+             and sd[k].state["relative_path"] == sd[a].state["relative_path"])  # fmt: skip
+    sd[a].state["offset"], sd[a].state["length"] = sd[b].state["offset"], sd[b].state["length"]
+    meta.write_bytes(pickles.dump_opaque(md))
+    r = CliRunner().invoke(app, ["consolidate", str(dst), str(tmp_path / "o.safetensors"), "--no-progress"])
+    assert r.exit_code == 2 and "overlap at bytes" in r.output and ".distcp" in r.output, r.output
+    assert not (tmp_path / "o.safetensors").exists()
+    with pytest.raises(CorruptCheckpoint, match="overlap"):
+        zckpt.open(dst)
+
+
 def test_common_pt_code_refused(tmp_path: Path) -> None:
     """A common.pt that asks for a global outside the allowlist is refused before anything runs."""
     dst = tmp_path / "ckpt"

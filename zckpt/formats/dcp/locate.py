@@ -4,7 +4,7 @@
 directory and pickle, or the safetensors blob's header), after checking that its boxes tile it and that the
 metadata stores each one. ``blob_files`` says which files keep their tensor items in a safetensors blob: those
 whose first tensor item starts a safetensors header. A chunk found otherwise is refused (a file's tensor items
-are all ``torch.save`` archives or all in its blob), so that ``read._check_disjoint`` may rely on it.
+are all ``torch.save`` archives or all in its blob), so that ``read.check_disjoint`` may rely on it.
 
 ``Locator`` defers the locating of a model-only open (consolidate, diff) to the moment each tensor's bytes
 are first needed: its entry (``model.DeferredEntry``) asks for its chunks then, on whichever thread fills

@@ -113,7 +113,7 @@ def load_folder(
                 )
             out.values[key] = decode(files, key, info, trust_pickle=trust_pickle)
         used = sorted({str(files.path(i)) for i in md.storage.values()})
-        _check_disjoint(md, blobs)
+        check_disjoint(md, blobs)
     except BaseException:
         files.close()
         raise
@@ -169,7 +169,7 @@ def _model_and_step(md: DcpMetadata) -> set[str]:
     return keep if step is None else keep | {step}
 
 
-def _check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
+def check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
     """No two items share bytes of a file (a damaged offset pointing at another item's archive would read
     that item's values under this key), whether or not they were opened; an empty chunk's archive too (it
     is never read, but a bytes item pointed at it would be). Tensor chunks in the safetensors blob of a file
@@ -193,12 +193,12 @@ def _check_disjoint(md: DcpMetadata, blobs: frozenset[str]) -> None:
         by_file.setdefault(info.file, []).append((info.offset, info.offset + info.length, k))
     for f, items in by_file.items():
         items.sort(key=lambda it: (it[0], it[1]))
-        for (a0, a1, ka), (b0, b1, kb) in zip(items, items[1:], strict=False):
+        for (_, a1, ka), (b0, b1, kb) in zip(items, items[1:], strict=False):
             if b0 < a1:
                 where = str(md.folder / f)
                 raise CorruptCheckpoint(
-                    f"{where}: the items of {_name(ka)} (bytes [{a0}, {a1})) and {_name(kb)} (bytes [{b0}, "
-                    f"{b1})) overlap",
+                    f"{where}: the items of {_name(ka)} and {_name(kb)} overlap at bytes "
+                    f"[{b0}, {min(a1, b1)})",
                     hint="the .metadata file is damaged; restore it from the original save",
                     path=where,
                 )

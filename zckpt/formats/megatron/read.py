@@ -40,6 +40,7 @@ from zckpt.formats.dcp.chunks import ChunkData, Files
 from zckpt.formats.dcp.layout import rank_of
 from zckpt.formats.dcp.locate import blob_files, tensor_chunks
 from zckpt.formats.dcp.metadata import METADATA, Chunk, DcpMetadata, TensorMeta, load_metadata
+from zckpt.formats.dcp.read import check_disjoint
 from zckpt.formats.megatron import carve, flat
 from zckpt.formats.megatron.common import Common, load_common
 from zckpt.formats.megatron.config import ModelConfig, Parallel, check_shapes, model_config, parallel
@@ -81,6 +82,7 @@ def _located(
     files = Files(folder)
     try:
         blobs = blob_files(files, md)
+        check_disjoint(md, blobs)  # every item's bytes its own, read or not (as a DCP open checks)
         return {k: dict(tensor_chunks(files, md, k, blobs)) for k in keys}
     finally:
         files.close()
