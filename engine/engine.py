@@ -95,11 +95,10 @@ class Engine(DeepSpeedAccessors):
         self._hook_handles: list[Any] = []
         if self.sharded:
             self._install_fetcher(model)
-        reduce_in = _DTYPES.get(self.config.communication_data_type or "")  # None: the gradients' own
         self.reducer = GradReducer(
             self.comm, zc.reduce_bucket_size, self.partition_world, self.device, self.flat_grad, self.dtype
         )
-        self.reducer.comm_dtype = reduce_in
+        self.reducer.comm_dtype = _DTYPES.get(self.config.communication_data_type or "")
         self.reducer.n_trainable = sum(1 for s in self.states if s.trainable)
         release = self.fetcher.release_after_grad if self.fetcher is not None else None
         for s in self.states:

@@ -207,7 +207,7 @@ class Comm:
         pw = partition_world
         total = sum(chunks)
         dtype, device = dtype or grads[0].dtype, grads[0].device
-        nbytes = pw * total * torch.empty((), dtype=dtype).element_size()
+        nbytes = pw * total * dtype.itemsize
         peers = self.shm(nbytes) if device.type == "cpu" else None
         segs = (
             None

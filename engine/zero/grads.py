@@ -38,7 +38,6 @@ class GradReducer:
         device: torch.device,
         flat_grad: torch.Tensor,
         dtype: torch.dtype,
-        comm_dtype: torch.dtype | None = None,
     ) -> None:
         self.comm = comm
         self.bucket_numel = max(1, bucket_numel)
@@ -46,8 +45,8 @@ class GradReducer:
         self.device = device
         self.flat_grad = flat_grad
         self.dtype = dtype
-        self.comm_dtype = comm_dtype
-        """The dtype gradients are reduced in (``communication_data_type``); None: their own."""
+        self.comm_dtype: torch.dtype | None = None
+        """The dtype gradients are reduced in (``communication_data_type``, set by the engine); None: own."""
         self.direct = comm.world == 1
         self.to_host = flat_grad.device != device
         self._staging: torch.Tensor | None = None
